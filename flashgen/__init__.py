@@ -1,0 +1,38 @@
+"""flashgen: a Python DSL and CUDA code generator for FlashAttention-style kernels.
+
+``flashgen.dsl`` (layouts, swizzles, tensors, copy/MMA atoms, configs, plans),
+``flashgen.emit`` (plan -> CUDA C++ with inline PTX) and ``flashgen.sim`` (Numba
+simulation) import without torch or a GPU; ``flashgen.compile`` builds a torch op.
+"""
+from __future__ import annotations
+
+from .dsl.config import ConfigError, KernelConfig, load_config
+from .dsl.dtypes import DType
+
+__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_plan"]
+__version__ = "0.1.0"
+
+
+def compile(cfg, verbose: bool = False):  # noqa: A001
+    """Build (or load from the on-disk cache) the kernel for ``cfg`` and return a callable.
+
+    ``cfg``: a KernelConfig, a dict of knobs, a YAML path or a short form such as
+    ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``.
+    """
+    from .runtime import compile as _compile
+
+    return _compile(cfg, verbose=verbose)
+
+
+def emit(cfg):
+    """The CUDA source (:class:`flashgen.emit.kernel.KernelSource`) of a config."""
+    from .emit.kernel import emit as _emit
+
+    return _emit(load_config(cfg))
+
+
+def make_plan(cfg):
+    """The :class:`flashgen.dsl.plan.KernelPlan` of a config."""
+    from .dsl.plan import make_plan as _make_plan
+
+    return _make_plan(load_config(cfg))

@@ -1,0 +1,422 @@
+"""KernelConfig: every knob of the FlashAttention-2 forward kernel family.
+
+A config is a frozen, validated value. Validity rules (what can be built) are
+enforced at construction; the seed's *tuning heuristics* (what is worth timing)
+live apart in :func:`is_tuning_candidate` and never make a config invalid.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import attrs
+
+from .dtypes import DType
+
+#: Knob names in canonical order; YAML/dict keys are exactly these.
+KNOBS: tuple[str, ...] = (
+    "dtype",
+    "d_head",
+    "B_r",
+    "B_c",
+    "n_warps",
+    "async_copy",
+    "eager_load_blocks",
+    "swizzled",
+    "Q_mma_load_K_tiles",
+    "K_mma_load_K_tiles",
+    "V_mma_load_K_tiles",
+    "mma_double_buffer_loads",
+    "optimized_softmax",
+)
+
+MMA_M, MMA_N, MMA_K = 16, 8, 16  # m16n8k16
+FRAG_K = 8  # one "k tile" = 8 columns of the reduction dimension (one 8x8 ldmatrix matrix)
+SWIZZLE_TILE_COLS = 64  # shared-memory tiles are 64 elements (128 bytes) wide
+SMEM_LIMIT_BYTES = 227 * 1024  # opt-in dynamic shared memory per block, sm_80 (163 KiB) is lower
+SMEM_LIMIT_SM80_BYTES = 163 * 1024
+REGS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
+
+
+class ConfigError(ValueError):
+    """A knob value or a combination of knob values that cannot be built."""
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+@attrs.frozen(order=False)
+class KernelConfig:
+    """One FlashAttention-2 forward kernel of the seed's family.
+
+    Attributes are the knobs (see DESIGN.md): block sizes ``B_r`` x ``B_c`` over
+    ``n_warps`` warps, copy and pipelining switches, and how many 8-wide k tiles
+    each operand loads shared->registers per step (0 = the whole block at once).
+    """
+
+    dtype: DType = attrs.field(converter=DType.parse)
+    d_head: int = 128
+    B_r: int = 128
+    B_c: int = 64
+    n_warps: int = 4
+    async_copy: bool = True
+    eager_load_blocks: bool = True
+    swizzled: bool = True
+    Q_mma_load_K_tiles: int = 2
+    K_mma_load_K_tiles: int = 2
+    V_mma_load_K_tiles: int = 0
+    mma_double_buffer_loads: bool = True
+    optimized_softmax: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        for name in KNOBS[1:5] + KNOBS[8:11]:
+            _int(name, getattr(self, name))
+        for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax"):
+            _bool(name, getattr(self, name))
+        for rule in _RULES:
+            rule(self)
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def rows_per_warp(self) -> int:
+        """Query rows (of Q, S, P and O) owned by one warp."""
+        return self.B_r // self.n_warps
+
+    @property
+    def m_tiles_per_warp(self) -> int:
+        """16-row MMA tiles per warp."""
+        return self.rows_per_warp // MMA_M
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: one Q, one K and one V block (O reuses Q's space)."""
+        return (self.B_r + 2 * self.B_c) * self.d_head * self.dtype.size
+
+    def k_tiles(self, operand: str) -> int:
+        """Total 8-wide k tiles of an operand's reduction dimension (Q/K: d_head, V: B_c)."""
+        return (self.B_c if operand == "V" else self.d_head) // FRAG_K
+
+    def load_k_tiles(self, operand: str) -> int:
+        """k tiles loaded shared->registers per step for operand Q, K or V (0 resolved to all)."""
+        n = getattr(self, f"{operand}_mma_load_K_tiles")
+        return n if n else self.k_tiles(operand)
+
+    def rf_buffers(self, operand: str) -> int:
+        """Register tile buffers for an operand: 2 when double-buffered, else 1."""
+        whole = getattr(self, f"{operand}_mma_load_K_tiles") == 0
+        return 1 if whole or not self.mma_double_buffer_loads else 2
+
+    def rf_tile_regs(self, operand: str) -> int:
+        """32-bit registers per thread holding one operand's register tile(s)."""
+        rows = {"Q": self.rows_per_warp, "K": self.B_c, "V": self.d_head}[operand]
+        elems = rows * self.load_k_tiles(operand) * FRAG_K * self.rf_buffers(operand)
+        return elems * self.dtype.size // 4 // 32
+
+    @property
+    def register_estimate(self) -> int:
+        """Rough registers per thread: accumulators + operand tiles + ~40 for addresses and softmax."""
+        o_acc = self.rows_per_warp * self.d_head // 32
+        s_acc = self.rows_per_warp * self.B_c // 32
+        tiles = sum(self.rf_tile_regs(op) for op in "QKV")
+        return o_acc + s_acc + tiles + 40
+
+    @property
+    def ctas_per_sm_estimate(self) -> int:
+        """CTAs per SM allowed by shared memory and the register estimate (H100/H200)."""
+        by_smem = SMEM_PER_SM // (self.smem_bytes + 1024)
+        regs = min(255, -(-self.register_estimate // 8) * 8)
+        by_regs = REGS_PER_SM // (regs * self.threads)
+        return max(0, min(by_smem, by_regs, 64 // self.n_warps))
+
+    # ---- names ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict whose keys are exactly :data:`KNOBS` (dtype as its name)."""
+        d = {k: getattr(self, k) for k in KNOBS}
+        d["dtype"] = self.dtype.value
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KernelConfig":
+        """Build from a mapping with knob-name keys; unknown keys are an error."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a kernel config must be a mapping of knob names, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(KNOBS))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(KNOBS)}")
+        if "dtype" not in data:
+            raise ConfigError("config is missing 'dtype' (fp16 or bf16)")
+        return cls(**dict(data))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "KernelConfig":
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(text))
+
+    def replace(self, **changes: Any) -> "KernelConfig":
+        return attrs.evolve(self, **changes)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The short form's flags, in canonical order."""
+        out = []
+        if self.async_copy:
+            out.append("async")
+        if self.eager_load_blocks:
+            out.append("eager")
+        if self.swizzled:
+            out.append("swizzled")
+        out.append(f"load_{self.Q_mma_load_K_tiles}_{self.K_mma_load_K_tiles}_{self.V_mma_load_K_tiles}_tiles")
+        if self.mma_double_buffer_loads:
+            out.append("buffer")
+        if self.optimized_softmax:
+            out.append("opt_softmax")
+        return tuple(out)
+
+    def short_form(self) -> str:
+        """The seed's notation, e.g. ``(FP16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles``."""
+        head = f"({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
+        return f"{head}: {'+'.join(self.flags)}"
+
+    def __str__(self) -> str:
+        return self.short_form()
+
+    def mangle(self) -> str:
+        """A deterministic C identifier naming this config (also the .cu file stem)."""
+        parts = [
+            "flash_fwd",
+            self.dtype.value,
+            f"d{self.d_head}",
+            f"br{self.B_r}",
+            f"bc{self.B_c}",
+            f"w{self.n_warps}",
+            "async" if self.async_copy else "sync",
+        ]
+        if self.eager_load_blocks:
+            parts.append("eager")
+        parts.append("swz" if self.swizzled else "noswz")
+        parts.append(f"q{self.Q_mma_load_K_tiles}k{self.K_mma_load_K_tiles}v{self.V_mma_load_K_tiles}")
+        if self.mma_double_buffer_loads:
+            parts.append("buf")
+        if self.optimized_softmax:
+            parts.append("opt")
+        return "_".join(parts)
+
+    def content_hash(self) -> str:
+        """sha256 (16 hex digits) of the canonical JSON of the knobs."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---- validity rules (each names itself and the values) ---------------------------------
+
+
+def _rule_sizes(c: KernelConfig) -> None:
+    if c.d_head <= 0 or c.d_head % SWIZZLE_TILE_COLS:
+        raise ConfigError(
+            f"d_head={c.d_head}: must be a positive multiple of {SWIZZLE_TILE_COLS} "
+            f"(shared-memory tiles are {SWIZZLE_TILE_COLS} elements wide); supported: 64, 128, 192, 256"
+        )
+    if c.d_head > 256:
+        raise ConfigError(f"d_head={c.d_head}: at most 256 is supported (register file limit)")
+    if not _is_pow2(c.n_warps) or c.n_warps > 16:
+        raise ConfigError(f"n_warps={c.n_warps}: must be a power of two between 1 and 16")
+    if c.B_r <= 0 or c.B_r % (MMA_M * c.n_warps):
+        raise ConfigError(
+            f"B_r={c.B_r} with n_warps={c.n_warps}: each warp owns B_r/n_warps rows, "
+            f"which must be a positive multiple of the MMA's {MMA_M} rows"
+        )
+    if c.B_c <= 0 or c.B_c % 16:
+        raise ConfigError(f"B_c={c.B_c}: must be a positive multiple of 16 (an ldmatrix.x4 covers 16 key rows)")
+    chunks = c.B_c * c.d_head // 8
+    if chunks % c.threads:
+        raise ConfigError(
+            f"B_c={c.B_c}, d_head={c.d_head}, n_warps={c.n_warps}: the K/V block's {chunks} 16-byte chunks "
+            f"must split evenly over the CTA's {c.threads} threads"
+        )
+
+
+def _rule_eager(c: KernelConfig) -> None:
+    if c.eager_load_blocks and not c.async_copy:
+        raise ConfigError("eager_load_blocks=true needs async_copy=true (eager loads overlap cp.async copies with math)")
+
+
+def _rule_tile_counts(c: KernelConfig) -> None:
+    for op in "QKV":
+        n = getattr(c, f"{op}_mma_load_K_tiles")
+        total = c.k_tiles(op)
+        red = "d_head" if op != "V" else "B_c"
+        name = f"{op}_mma_load_K_tiles"
+        if n < 0:
+            raise ConfigError(f"{name}={n}: must be 0 (whole block) or a power of two >= 2")
+        if n == 0:
+            continue
+        if n < 2 or not _is_pow2(n):
+            raise ConfigError(
+                f"{name}={n}: must be 0 (whole block) or a power of two >= 2 "
+                f"(an m16n8k16 MMA consumes 2 k tiles of 8 columns)"
+            )
+        limit = total // 2 if c.mma_double_buffer_loads else total
+        if n > limit:
+            why = " (halved under mma_double_buffer_loads: two buffers must fit the block)" if c.mma_double_buffer_loads else ""
+            raise ConfigError(f"{name}={n}: at most {limit} = {red}/8{'/2' if c.mma_double_buffer_loads else ''}{why}")
+    if c.Q_mma_load_K_tiles and c.Q_mma_load_K_tiles != c.K_mma_load_K_tiles:
+        raise ConfigError(
+            f"Q_mma_load_K_tiles={c.Q_mma_load_K_tiles}, K_mma_load_K_tiles={c.K_mma_load_K_tiles}: "
+            "a non-zero Q tile count must equal the K tile count (Q and K are loaded in lock-step)"
+        )
+
+
+def _rule_smem(c: KernelConfig) -> None:
+    if c.smem_bytes > SMEM_LIMIT_BYTES:
+        raise ConfigError(
+            f"shared memory (B_r + 2*B_c) * d_head * 2 = {c.smem_bytes} bytes exceeds the "
+            f"{SMEM_LIMIT_BYTES}-byte per-block limit"
+        )
+
+
+_RULES = (_rule_sizes, _rule_eager, _rule_tile_counts, _rule_smem)
+
+
+# ---- the seed's config sets ------------------------------------------------------------
+
+
+def is_tuning_candidate(c: KernelConfig) -> bool:
+    """The seed's pruning of its tuning space (register pressure / speed heuristics).
+
+    Not a validity rule: a config rejected here still builds and is correct.
+    """
+    if c.B_r == 64:
+        if c.n_warps == 8:
+            return False
+        if c.B_c == 32 and c.Q_mma_load_K_tiles == 0:
+            return False
+        if c.B_c == 64 and c.Q_mma_load_K_tiles != 0:
+            return False
+    elif c.B_r == 128 and c.Q_mma_load_K_tiles == 0:
+        return False
+    return True
+
+
+def _valid_product(space: Mapping[str, Iterable[Any]]) -> list[KernelConfig]:
+    keys = list(space)
+    out = []
+    for values in itertools.product(*(space[k] for k in keys)):
+        try:
+            out.append(KernelConfig(**dict(zip(keys, values))))
+        except ConfigError:
+            continue
+    return out
+
+
+def tuning_space(dtypes: Iterable[DType | str] = ("bf16", "fp16")) -> list[KernelConfig]:
+    """The seed's autotuning space: valid configs of its product that pass the pruning."""
+    space = {
+        "dtype": [DType.parse(d) for d in dtypes],
+        "d_head": [128],
+        "B_r": [64, 128],
+        "B_c": [32, 64],
+        "n_warps": [4],
+        "async_copy": [True],
+        "eager_load_blocks": [True],
+        "swizzled": [True],
+        "Q_mma_load_K_tiles": [0, 2],
+        "K_mma_load_K_tiles": [0, 2],
+        "V_mma_load_K_tiles": [0, 2],
+        "mma_double_buffer_loads": [False, True],
+        "optimized_softmax": [False, True],
+    }
+    return [c for c in _valid_product(space) if is_tuning_candidate(c)]
+
+
+PROGRESSION: tuple[str, ...] = (
+    "(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles",
+    "(FP16, 128, 64, 64, 4): async+swizzled+load_0_0_0_tiles",
+    "(FP16, 128, 64, 64, 4): async+eager+swizzled+load_0_0_0_tiles",
+    "(FP16, 128, 64, 64, 4): async+eager+swizzled+load_2_2_2_tiles",
+    "(FP16, 128, 64, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer",
+    "(FP16, 128, 64, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
+    "(FP16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+opt_softmax",
+)
+"""The seed's kernel progression (kernels 1-7), each step adding one optimisation."""
+
+#: The seed's best configs on an H200 (BENCHMARK.md); the defaults users get.
+DEFAULTS: tuple[str, ...] = (
+    "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
+    "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
+    "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
+    "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
+)
+
+
+def kernel_progression(all_block_sizes: bool = False) -> list[KernelConfig]:
+    """The seed's progression; with ``all_block_sizes`` each step over its block-size grid."""
+    from .notation import parse_config
+
+    base = [parse_config(s) for s in PROGRESSION]
+    if not all_block_sizes:
+        return base
+    out = []
+    for cfg in base:
+        for B_r, B_c, n_warps in itertools.product((128, 64), (128, 64, 32), (4, 8)):
+            if (B_r < 128 and n_warps == 8) or B_r < B_c:
+                continue
+            try:
+                out.append(cfg.replace(B_r=B_r, B_c=B_c, n_warps=n_warps))
+            except ConfigError:
+                continue
+    return out
+
+
+def default_configs() -> list[KernelConfig]:
+    from .notation import parse_config
+
+    return [parse_config(s) for s in DEFAULTS]
+
+
+def load_config(source: "KernelConfig | Mapping[str, Any] | str | Path") -> KernelConfig:
+    """A config from a KernelConfig, a dict, a YAML path, or a short-form name."""
+    if isinstance(source, KernelConfig):
+        return source
+    if isinstance(source, Mapping):
+        return KernelConfig.from_dict(source)
+    text = str(source)
+    if text.lstrip().startswith("("):
+        from .notation import parse_config
+
+        return parse_config(text)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        return KernelConfig.from_yaml(path.read_text())
+    raise ConfigError(
+        f"cannot read a config from {text!r}: expected a KernelConfig, a dict, a YAML path, "
+        "or a short form like '(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax'"
+    )

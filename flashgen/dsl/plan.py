@@ -1,0 +1,284 @@
+"""KernelPlan: a KernelConfig turned into DSL objects — the single source of truth.
+
+``make_plan(cfg)`` is a pure function. The emitter renders every address, fragment
+and pipeline step from the returned objects; the simulator evaluates the same
+objects. Nothing downstream re-derives index math.
+
+Coordinates: shared-memory tiles are ``(row, col)`` with ``col`` along d_head
+(for Q, K, V and O). Global tiles are row-major with a runtime row stride ``ld``.
+"""
+from __future__ import annotations
+
+import attrs
+
+from .atoms.copy import (
+    GM2SM,
+    GM2SM_async,
+    RF2SM,
+    SM2GM,
+    SM2RF,
+    CopyAtom,
+    ldmatrix_x4_cols_then_rows,
+    ldmatrix_x4_rows_then_cols,
+)
+from .atoms.mma import MMA_16x8x16
+from .config import FRAG_K, SWIZZLE_TILE_COLS, KernelConfig
+from .layout import Layout
+from .swizzle import ComposedLayout, Swizzle
+from .tensor import Tensor
+from .tiling import Loop, Partition, TVMap, vector_copy_tv
+
+#: The seed's shared-memory swizzle: XOR the 16-byte chunk index (bits 3..5 of the
+#: element offset) with the row within an 8-row group (bits 6..8) of a 64-element row.
+SEED_SWIZZLE = Swizzle(3, 3, 3)
+
+
+def smem_tile_layout(rows: int, cols: int, swizzled: bool) -> ComposedLayout:
+    """``rows x cols`` tile stored as ``cols/64`` column blocks of ``rows x 64`` row-major elements.
+
+    Coordinate ``(row, col)``; ``col`` is split into (col % 64, col / 64). Each 64-wide
+    block row is 128 bytes, so Sw<3,3,3> puts 8 rows x one 16-byte chunk in 8 bank groups.
+    """
+    blocks = cols // SWIZZLE_TILE_COLS
+    layout = Layout((rows, (SWIZZLE_TILE_COLS, blocks)), (SWIZZLE_TILE_COLS, (1, rows * SWIZZLE_TILE_COLS)))
+    return ComposedLayout(SEED_SWIZZLE if swizzled else Swizzle(0, 0, 0), layout)
+
+
+@attrs.frozen
+class TiledCopy:
+    """A copy atom applied by a group of threads over a partition of one tile.
+
+    ``src``/``dst`` are tensors; for GM the tensor's layout is a packed stand-in and
+    the real address is ``row * ld + col`` with the runtime row stride ``ld``.
+    """
+
+    name: str
+    atom: CopyAtom
+    src: Tensor
+    dst: Tensor
+    partition: Partition
+    scope: str  # "cta" (thread = threadIdx.x) or "warp" (thread = lane)
+
+    @property
+    def smem(self) -> Tensor:
+        return self.dst if self.dst.space == "SM" else self.src
+
+
+@attrs.frozen
+class OperandLoad:
+    """How one MMA operand goes shared -> registers (ldmatrix.x4 per 16x16 block).
+
+    ``k_step_tiles`` 8-wide k tiles are loaded per step (the knob, 0 resolved to all);
+    ``buffers`` = 2 under register double buffering; ``resident`` = loaded once per CTA.
+    """
+
+    operand: str
+    copy: TiledCopy
+    k_step_tiles: int
+    buffers: int
+    resident: bool
+
+    @property
+    def k_step(self) -> int:
+        return self.k_step_tiles * FRAG_K
+
+
+@attrs.frozen
+class WarpGemm:
+    """One warp's share of a CTA GEMM: ``(m_tiles*16) x (n_tiles*8)`` += A (.. x k) * B (k x ..)."""
+
+    name: str
+    mma: MMA_16x8x16
+    m_tiles: int
+    n_tiles: int
+    k: int
+    a: "OperandLoad | None"  # None: A comes from the S accumulator (P, converted to 16 bit)
+    b: OperandLoad
+
+    @property
+    def k_steps(self) -> int:
+        return self.k // self.b.k_step if self.a is None else self.k // min(self.a.k_step, self.b.k_step)
+
+
+@attrs.frozen
+class Step:
+    """One pipeline step. ``op`` in: copy, commit, wait, barrier, load_rf, gemm, softmax.
+
+    ``arg``: tensor for copy/load_rf, GEMM name, or the wait_group count; ``block``:
+    which KV block a copy fetches (``"j"`` or ``"j+1"``, ``"0"``); ``guard``: a C++
+    condition on the loop index; ``why``: a short comment carried into the source.
+    """
+
+    op: str
+    arg: str = ""
+    block: str = ""
+    guard: str = ""
+    why: str = ""
+
+
+@attrs.frozen
+class Schedule:
+    prologue: tuple[Step, ...]
+    body: tuple[Step, ...]
+
+
+@attrs.frozen
+class KernelPlan:
+    cfg: KernelConfig
+    tensors: dict
+    g2s: dict  # "Q"/"K"/"V" -> TiledCopy
+    s2r: dict  # "Q"/"K"/"V" -> OperandLoad
+    r2s_O: TiledCopy
+    s2g_O: TiledCopy
+    gemm_S: WarpGemm
+    gemm_O: WarpGemm
+    schedule: Schedule
+    row_reduce_lanes: tuple[int, ...]  # xor masks joining the lanes that share a C-fragment row
+
+    @property
+    def mma(self) -> MMA_16x8x16:
+        return self.gemm_S.mma
+
+
+def _row_reduce_lanes(c_map: TVMap) -> tuple[int, ...]:
+    """Lane xor masks whose partners hold the same accumulator rows (derived from the C map)."""
+    masks = []
+    for bit in range(5):
+        if all(c_map.row((lane, v)) == c_map.row((lane ^ (1 << bit), v)) for lane in range(32) for v in range(c_map.n_values)):
+            masks.append(1 << bit)
+    return tuple(masks)
+
+
+def _schedule(cfg: KernelConfig) -> Schedule:
+    """Which copy is issued when and which wait/barrier guards each use.
+
+    cp.async groups complete in order, so ``wait_group N`` = "all but the N most
+    recent groups have landed"; a barrier then makes them visible CTA-wide.
+    """
+    S = Step
+    if not cfg.async_copy:
+        pro = (S("copy", "Q", "", why="Q block: synchronous 16-byte copies"),)
+        body = (
+            S("copy", "K", "j", why="K_j -> shared"),
+            S("barrier", why="K_j visible to all warps"),
+            S("load_rf", "Q", guard="j == 0", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
+            S("gemm", "S", why="S = Q K_j^T"),
+            S("copy", "V", "j", why="V_j -> shared"),
+            S("barrier", why="V_j visible"),
+            S("softmax", why="online softmax on S, rescale O"),
+            S("gemm", "O", why="O += P V_j"),
+            S("barrier", why="all warps done with K_j, V_j before they are overwritten"),
+        )
+        return Schedule(pro, tuple(s for s in body if s))
+    if not cfg.eager_load_blocks:
+        pro = (S("copy", "Q", why="Q block"), S("commit"))
+        body = (
+            S("copy", "K", "j", why="K_j"),
+            S("commit"),
+            S("wait", "0", why="Q and K_j have landed"),
+            S("barrier", why="... and are visible to all warps"),
+            S("load_rf", "Q", guard="j == 0", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
+            S("copy", "V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
+            S("commit"),
+            S("gemm", "S", why="S = Q K_j^T"),
+            S("softmax", why="online softmax on S, rescale O"),
+            S("wait", "0", why="V_j has landed"),
+            S("barrier", why="V_j visible; all warps done reading K_j"),
+            S("gemm", "O", why="O += P V_j"),
+            S("barrier", why="all warps done with V_j before it is overwritten"),
+        )
+        return Schedule(pro, tuple(s for s in body if s))
+    pro = (
+        S("copy", "Q", why="Q block"),
+        S("copy", "K", "0", why="first K block together with Q"),
+        S("commit"),
+    )
+    body = (
+        S("copy", "V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
+        S("commit"),
+        S("wait", "1", why="all but the newest group (V_j) have landed: Q, K_j"),
+        S("barrier", why="K_j visible to all warps"),
+        S("load_rf", "Q", guard="j == 0", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
+        S("gemm", "S", why="S = Q K_j^T"),
+        S("barrier", why="all warps done reading K_j"),
+        S("copy", "K", "j+1", guard="j + 1 < n_blocks", why="prefetch K_{j+1} during softmax and P V_j"),
+        S("commit", guard="j + 1 < n_blocks"),
+        S("softmax", why="online softmax on S, rescale O"),
+        S("wait", "1", guard="j + 1 < n_blocks", why="V_j has landed (K_{j+1} may be in flight)"),
+        S("wait", "0", guard="j + 1 >= n_blocks", why="V_j has landed"),
+        S("barrier", why="V_j visible to all warps"),
+        S("gemm", "O", why="O += P V_j"),
+        S("barrier", why="all warps done with V_j before V_{j+1} overwrites it"),
+    )
+    return Schedule(pro, tuple(s for s in body if s))
+
+
+def make_plan(cfg: KernelConfig) -> KernelPlan:
+    """The DSL objects of one kernel config (pure; equal configs give equal plans)."""
+    dt, D, BR, BC, T = cfg.dtype, cfg.d_head, cfg.B_r, cfg.B_c, cfg.threads
+    rpw = cfg.rows_per_warp
+    mma = MMA_16x8x16(dt)
+
+    tensors = {
+        "gQ": Tensor("gQ", "GM", dt, Layout((BR, D), (D, 1))),
+        "gK": Tensor("gK", "GM", dt, Layout((BC, D), (D, 1))),
+        "gV": Tensor("gV", "GM", dt, Layout((BC, D), (D, 1))),
+        "gO": Tensor("gO", "GM", dt, Layout((BR, D), (D, 1))),
+        "sQ": Tensor("sQ", "SM", dt, smem_tile_layout(BR, D, cfg.swizzled)),
+        "sK": Tensor("sK", "SM", dt, smem_tile_layout(BC, D, cfg.swizzled)),
+        "sV": Tensor("sV", "SM", dt, smem_tile_layout(BC, D, cfg.swizzled)),
+    }
+    # O is staged through Q's shared memory: each warp rewrites only its own Q rows.
+    tensors["sO"] = Tensor("sO", "SM", dt, tensors["sQ"].layout)
+
+    g2s_atom = GM2SM_async() if cfg.async_copy else GM2SM()
+    g2s = {}
+    for op, rows in (("Q", BR), ("K", BC), ("V", BC)):
+        part = Partition(vector_copy_tv(f"g2s_{op}", rows, D, T))
+        g2s[op] = TiledCopy(f"g2s_{op}", g2s_atom, tensors[f"g{op}"], tensors[f"s{op}"], part, "cta")
+
+    s2r = {
+        "Q": OperandLoad(
+            "Q",
+            TiledCopy(
+                "s2r_Q", SM2RF(4), tensors["sQ"], Tensor("rQ", "RF", dt, Layout((cfg.m_tiles_per_warp, D // 16, 4), (4, 4 * cfg.m_tiles_per_warp, 1))),
+                Partition(ldmatrix_x4_rows_then_cols("ldsm_A"), (Loop("mi", cfg.m_tiles_per_warp, 16, 0), Loop("kk", D // 16, 0, 16)), rpw),
+                "warp",
+            ),
+            cfg.load_k_tiles("Q"), cfg.rf_buffers("Q"), cfg.Q_mma_load_K_tiles == 0,
+        ),
+        "K": OperandLoad(
+            "K",
+            TiledCopy(
+                "s2r_K", SM2RF(4), tensors["sK"], Tensor("rK", "RF", dt, Layout((BC // 16, D // 16, 4), (4, 4 * BC // 16, 1))),
+                Partition(ldmatrix_x4_cols_then_rows("ldsm_B"), (Loop("nn", BC // 16, 16, 0), Loop("kk", D // 16, 0, 16))),
+                "warp",
+            ),
+            cfg.load_k_tiles("K"), cfg.rf_buffers("K"), False,
+        ),
+        "V": OperandLoad(
+            "V",
+            TiledCopy(
+                "s2r_V", SM2RF(4, trans=True), tensors["sV"], Tensor("rV", "RF", dt, Layout((BC // 16, D // 16, 4), (4, 4 * BC // 16, 1))),
+                Partition(ldmatrix_x4_rows_then_cols("ldsm_Bt"), (Loop("kk", BC // 16, 16, 0), Loop("nn", D // 16, 0, 16))),
+                "warp",
+            ),
+            cfg.load_k_tiles("V"), cfg.rf_buffers("V"), False,
+        ),
+    }
+    c_map = mma.c_map
+    r2s = TiledCopy(
+        "r2s_O", RF2SM(), Tensor("rO", "RF", dt, Layout((cfg.m_tiles_per_warp, D // 8, 4), (4, 4 * cfg.m_tiles_per_warp, 1))), tensors["sO"],
+        Partition(c_map, (Loop("mi", cfg.m_tiles_per_warp, 16, 0), Loop("nt", D // 8, 0, 8)), rpw),
+        "warp",
+    )
+    s2g = TiledCopy(
+        "s2g_O", SM2GM(), tensors["sO"], tensors["gO"],
+        Partition(vector_copy_tv("s2g_O", rpw, D, 32), (), rpw),
+        "warp",
+    )
+    gemm_S = WarpGemm("S", mma, cfg.m_tiles_per_warp, BC // 8, D, s2r["Q"], s2r["K"])
+    gemm_O = WarpGemm("O", mma, cfg.m_tiles_per_warp, D // 8, BC, None, s2r["V"])
+    return KernelPlan(
+        cfg, tensors, g2s, s2r, r2s, s2g, gemm_S, gemm_O, _schedule(cfg), _row_reduce_lanes(c_map)
+    )

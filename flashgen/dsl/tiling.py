@@ -1,0 +1,115 @@
+"""Thread-value maps and partitions: which thread touches which element of a tile.
+
+A :class:`TVMap` is a pair of Layouts (row, col) over the coordinate
+``(thread, value)``. A :class:`Partition` places a TVMap inside a larger tile:
+the thread's base coordinate comes from the TVMap, each named loop index adds a
+constant (row, col) step. Both the emitter (rendering C++ index functions) and
+the simulator (evaluating every coordinate) consume exactly these objects.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+from .layout import Layout
+
+
+@attrs.frozen
+class TVMap:
+    """``(thread, value) -> (row, col)`` as two Layouts over the same 2-mode coordinate."""
+
+    name: str
+    n_threads: int
+    n_values: int
+    row: Layout
+    col: Layout
+
+    def __attrs_post_init__(self) -> None:
+        for which, lay in (("row", self.row), ("col", self.col)):
+            if lay.rank != 2 or lay[0].size != self.n_threads or lay[1].size != self.n_values:
+                raise ValueError(
+                    f"TVMap {self.name}: {which} layout {lay} must have modes (threads={self.n_threads}, values={self.n_values})"
+                )
+
+    def __call__(self, thread: int, value: int) -> tuple[int, int]:
+        return self.row((thread, value)), self.col((thread, value))
+
+    def to_cpp(self, thread: str, value: str) -> tuple[str, str]:
+        return self.row.to_cpp([thread, value]), self.col.to_cpp([thread, value])
+
+    def __str__(self) -> str:
+        return f"{self.name}: row {self.row}, col {self.col}"
+
+
+@attrs.frozen
+class Loop:
+    """A loop index ``name`` in ``range(extent)`` that moves the coordinate by (row_step, col_step)."""
+
+    name: str
+    extent: int
+    row_step: int
+    col_step: int
+
+
+@attrs.frozen
+class Partition:
+    """Coordinates one thread touches in a tile: ``tv(thread, value) + sum(i * step)`` over loops.
+
+    ``thread`` is the thread index the TVMap is written for (lane for warp-level
+    copies, threadIdx for CTA-wide copies); ``warp_row_step`` offsets warp-owned tiles.
+    """
+
+    tv: TVMap
+    loops: tuple[Loop, ...] = ()
+    warp_row_step: int = 0
+
+    def coord(self, thread: int, value: int, warp: int = 0, **idx: int) -> tuple[int, int]:
+        r, c = self.tv(thread, value)
+        r += warp * self.warp_row_step
+        for loop in self.loops:
+            i = idx.get(loop.name, 0)
+            r += i * loop.row_step
+            c += i * loop.col_step
+        return r, c
+
+    def coord_cpp(self, thread: str, value: str, warp: str = "warp", extra: Sequence[str] = ()) -> tuple[str, str]:
+        """C++ expressions for (row, col); loop indices are the loops' own names."""
+        r, c = self.tv.to_cpp(thread, value)
+        rows, cols = [r], [c]
+        if self.warp_row_step:
+            rows.append(f"{warp} * {self.warp_row_step}u")
+        for loop in self.loops:
+            if loop.row_step:
+                rows.append(f"{loop.name} * {loop.row_step}u")
+            if loop.col_step:
+                cols.append(f"{loop.name} * {loop.col_step}u")
+        rows.extend(extra)
+        return " + ".join(_wrap(x) for x in rows), " + ".join(_wrap(x) for x in cols)
+
+
+def _wrap(expr: str) -> str:
+    return expr if expr.replace("_", "").isalnum() or expr.startswith("(") and expr.endswith(")") else f"({expr})"
+
+
+def vector_copy_tv(name: str, rows: int, cols: int, threads: int, vec: int = 8) -> TVMap:
+    """A CTA-wide copy of a row-major ``rows x cols`` tile in ``vec``-element (16-byte) chunks.
+
+    Consecutive threads take consecutive chunks of a row (coalesced global access,
+    one 128-byte line per 8 threads); value index v walks the next ``threads`` chunks.
+    """
+    cpr = cols // vec  # chunks per row
+    total = rows * cpr
+    if cols % vec or total % threads:
+        raise ValueError(f"{name}: a {rows}x{cols} tile does not split into {threads} threads x 16-byte chunks")
+    values = total // threads
+    if threads >= cpr:
+        # thread = (chunk in row, row) ; value = next block of threads/cpr rows
+        row = Layout(((cpr, threads // cpr), values), ((0, 1), threads // cpr))
+        col = Layout(((cpr, threads // cpr), values), ((vec, 0), 0))
+    else:
+        # a row takes several values per thread: value = (chunk group, row)
+        per_row = cpr // threads
+        row = Layout((threads, (per_row, rows)), (0, (0, 1)))
+        col = Layout((threads, (per_row, rows)), (vec, (threads * vec, 0)))
+    return TVMap(name, threads, values, row, col)

@@ -1,0 +1,647 @@
+"""KernelPlan -> standalone CUDA C++ translation unit (pure, deterministic, no I/O, no torch).
+
+Layout of the emitted file:
+  1. header comment: the short form, the knobs, the plan's objects in text form;
+  2. index functions (``__host__ __device__``), every one rendered from a plan object;
+     compiling with ``-DFLASHGEN_INDEX_ONLY`` on a host compiler keeps only these;
+  3. PTX helpers (one builder per instruction family);
+  4. the ``__global__`` kernel, its body walking the plan's pipeline schedule;
+  5. an ``extern "C"`` launcher.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from ..dsl.addressing import OffsetSplit, split_offsets
+from ..dsl.config import KernelConfig
+from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
+from ..dsl.tiling import Partition
+from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, vec
+from .template import CodeTemplate
+
+LOG2E = 1.4426950408889634
+
+
+@attrs.frozen
+class KernelSource:
+    """The emitted kernel: ``text`` (.cu), ``binding`` (torch C++ glue) and ``meta`` (JSON-able)."""
+
+    name: str
+    text: str
+    binding: str
+    meta: dict
+
+    @property
+    def launcher(self) -> str:
+        return f"{self.name}_launch"
+
+
+# ---- index functions -------------------------------------------------------------------
+
+
+def _offset_fn(name: str, tensor_name: str, layout: Any) -> str:
+    expr = layout.to_cpp(["row", "col"])
+    return (
+        f"// {tensor_name}: {layout}  ((row, col) -> element offset)\n"
+        f"__host__ __device__ __forceinline__ uint32_t {name}(uint32_t row, uint32_t col) {{\n"
+        f"    return {expr};\n"
+        f"}}"
+    )
+
+
+def _partition_fns(copy: TiledCopy, thread: str, params: list[str]) -> str:
+    """``<copy>_row/_col(thread, value, [warp], loops...)`` and, for the smem side, ``<copy>_smem``."""
+    part: Partition = copy.partition
+    r, c = part.coord_cpp(thread, "v")
+    sig = ", ".join(f"uint32_t {p}" for p in params)
+    args = ", ".join(params)
+    loops = ", ".join(f"{l.name} < {l.extent}" for l in part.loops) or "none"
+    smem = copy.smem
+    return (
+        f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; loops: {loops}"
+        + (f"; warp w adds {part.warp_row_step} rows" if part.warp_row_step else "")
+        + "\n"
+        f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
+        f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}\n"
+        f"__host__ __device__ __forceinline__ uint32_t {copy.name}_smem({sig}) {{\n"
+        f"    return {smem.name}_offset({copy.name}_row({args}), {copy.name}_col({args}));\n"
+        f"}}"
+    )
+
+
+def index_functions(plan: KernelPlan) -> list[tuple[str, list[str]]]:
+    """(function name, parameter names) of every emitted index function, for host tests."""
+    out = [(f"{t}_offset", ["row", "col"]) for t in ("sQ", "sK", "sV", "sO")]
+    for copy, params in _copies_with_params(plan):
+        for suffix in ("row", "col", "smem"):
+            out.append((f"{copy.name}_{suffix}", params))
+    return out
+
+
+def _copies_with_params(plan: KernelPlan) -> list[tuple[TiledCopy, list[str]]]:
+    res = []
+    for op in "QKV":
+        res.append((plan.g2s[op], ["tid", "v"]))
+    for op in "QKV":
+        copy = plan.s2r[op].copy
+        params = ["lane", "v"] + (["warp"] if copy.partition.warp_row_step else []) + [l.name for l in copy.partition.loops]
+        res.append((copy, params))
+    res.append((plan.r2s_O, ["lane", "v", "warp"] + [l.name for l in plan.r2s_O.partition.loops]))
+    res.append((plan.s2g_O, ["lane", "v", "warp"]))
+    return res
+
+
+def _index_section(plan: KernelPlan) -> str:
+    parts = [_offset_fn(f"{t}_offset", t, plan.tensors[t].layout) for t in ("sQ", "sK", "sV", "sO")]
+    for copy, params in _copies_with_params(plan):
+        thread = params[0]
+        parts.append(_partition_fns(copy, thread, params))
+    return "\n\n".join(parts)
+
+
+# ---- addresses: per-thread base ^ constant + constant (see dsl/addressing.py) -----------
+
+
+def _c_array(values: tuple[int, ...], extents: tuple[int, ...]) -> str:
+    if len(extents) == 1:
+        return "{" + ", ".join(f"{v}u" for v in values) + "}"
+    step = len(values) // extents[0]
+    return "{" + ", ".join(_c_array(values[i * step:(i + 1) * step], extents[1:]) for i in range(extents[0])) + "}"
+
+
+def _split_tables(split: OffsetSplit) -> str:
+    dims = "".join(f"[{e}]" for e in split.extents)
+    n = split.copy_name
+    return (
+        f"// {n}: smem offset = ({n}_smem(thread, 0...) ^ {n}_xor[i]) + {n}_add[i], row/col += {n}_drow/_dcol[i];\n"
+        f"// i = ({', '.join(split.index_names)}); verified for every thread by flashgen.dsl.addressing\n"
+        f"__device__ constexpr uint32_t {n}_xor{dims} = {_c_array(split.xor, split.extents)};\n"
+        f"__device__ constexpr uint32_t {n}_add{dims} = {_c_array(split.add, split.extents)};\n"
+        f"__device__ constexpr uint32_t {n}_drow{dims} = {_c_array(split.d_row, split.extents)};\n"
+        f"__device__ constexpr uint32_t {n}_dcol{dims} = {_c_array(split.d_col, split.extents)};"
+    )
+
+
+def _smem_addr(plan: KernelPlan, copy: TiledCopy, idx: list[str], thread_args: list[str]) -> str:
+    """Byte address in shared memory of ``copy`` at compile-time index ``idx`` = (v, loops...)."""
+    base_addr = f"{copy.smem.name}_addr"
+    split = plan_splits(plan).get(copy.name)
+    if split is None:  # no verified split: the full layout expression
+        names = ["v"] + [l.name for l in copy.partition.loops]
+        args = dict(zip(names, idx))
+        call = ", ".join(thread_args[:1] + [args["v"]] + thread_args[1:] + [args[l.name] for l in copy.partition.loops])
+        return f"{base_addr} + 2u * {copy.name}_smem({call})"
+    sub = "".join(f"[{i}]" for i in idx)
+    return f"{base_addr} + 2u * ({copy.name}_base ^ {copy.name}_xor{sub}) + 2u * {copy.name}_add{sub}"
+
+
+def _base_decl(plan: KernelPlan, copy: TiledCopy, thread_args: list[str]) -> str:
+    if plan_splits(plan).get(copy.name) is None:
+        return f"// {copy.name}: addresses from the full layout expression (no verified split)"
+    zeros = ["0"] * (1 + len(copy.partition.loops))
+    call = ", ".join(thread_args[:1] + zeros[:1] + thread_args[1:] + zeros[1:])
+    return f"const uint32_t {copy.name}_base = {copy.name}_smem({call});"
+
+
+def plan_splits(plan: KernelPlan) -> dict:
+    """Verified offset splits of every shared-memory copy of the plan (cached per plan)."""
+    cached = _SPLITS.get(plan.cfg)
+    if cached is None:
+        copies = [plan.g2s[o] for o in "QKV"] + [plan.s2r[o].copy for o in "QKV"] + [plan.r2s_O, plan.s2g_O]
+        cached = {c.name: split_offsets(c, plan.cfg.n_warps) for c in copies}
+        _SPLITS[plan.cfg] = cached
+    return cached
+
+
+_SPLITS: dict = {}
+
+
+# ---- kernel body pieces ----------------------------------------------------------------
+
+
+def _g2s_lambda(plan: KernelPlan, op: str) -> str:
+    copy = plan.g2s[op]
+    n = copy.partition.tv.n_values
+    split = plan_splits(plan)[copy.name]
+    dst = _smem_addr(plan, copy, ["v"], ["tid"])
+    if split is not None:
+        src = f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]"
+        first = f"    const elem_t* g = src + int64_t(g2s_{op}_row(tid, 0)) * ld + g2s_{op}_col(tid, 0);\n"
+    else:
+        src = f"src + int64_t(g2s_{op}_row(tid, v)) * ld + g2s_{op}_col(tid, v)"
+        first = ""
+    if copy.atom.is_async:
+        move = f"cp_async_16({dst}, {src});"
+    else:
+        move = f"st_shared_v4({dst}, ld_global_v4({src}));"
+    return (
+        f"// {copy.atom.name}: {copy.src.name} block -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread\n"
+        f"auto copy_{op} = [&](const elem_t* src, int64_t ld) {{\n"
+        f"{first}"
+        f"    #pragma unroll\n"
+        f"    for (uint32_t v = 0; v < {n}; ++v)\n"
+        f"        {move}\n"
+        f"}};"
+    )
+
+
+def _operand_loader(plan: KernelPlan, load: OperandLoad) -> str:
+    """``load_<op>(buf_array, step)``: one k step of an operand via ldmatrix.x4."""
+    op = load.operand
+    copy = load.copy
+    fn = ldmatrix.helper_name(copy.atom)
+    kk_per_step = load.k_step // 16
+    if op == "Q":
+        return (
+            f"// {copy.name}: {copy.atom.name} from {copy.src.name}, {kk_per_step} k16 block(s) of this warp's rows per step\n"
+            f"auto load_Q = [&](uint32_t (&dst)[MT][{kk_per_step}][4], uint32_t step) {{\n"
+            f"    #pragma unroll\n    for (uint32_t mi = 0; mi < MT; ++mi)\n"
+            f"        #pragma unroll\n        for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
+            f"            {fn}(dst[mi][k], {_smem_addr(plan, copy, ['0', 'mi', f'step * {kk_per_step} + k'], ['lane', 'warp'])});\n"
+            f"}};"
+        )
+    if op == "K":
+        return (
+            f"// {copy.name}: {copy.atom.name} from {copy.src.name}, all B_c rows x {kk_per_step} k16 block(s) per step\n"
+            f"auto load_K = [&](uint32_t (&dst)[B_c / 16][{kk_per_step}][4], uint32_t step) {{\n"
+            f"    #pragma unroll\n    for (uint32_t nn = 0; nn < B_c / 16; ++nn)\n"
+            f"        #pragma unroll\n        for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
+            f"            {fn}(dst[nn][k], {_smem_addr(plan, copy, ['0', 'nn', f'step * {kk_per_step} + k'], ['lane'])});\n"
+            f"}};"
+        )
+    return (
+        f"// {copy.name}: {copy.atom.name} from {copy.src.name}, {kk_per_step} k16 block(s) of B_c x all of d_head per step\n"
+        f"auto load_V = [&](uint32_t (&dst)[{kk_per_step}][D / 16][4], uint32_t step) {{\n"
+        f"    #pragma unroll\n    for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
+        f"        #pragma unroll\n        for (uint32_t nn = 0; nn < D / 16; ++nn)\n"
+        f"            {fn}(dst[k][nn], {_smem_addr(plan, copy, ['0', f'step * {kk_per_step} + k', 'nn'], ['lane'])});\n"
+        f"}};"
+    )
+
+
+def _k_loop(steps: int, buffers: int, loads: list[str], mmas: list[str], buf_decls: list[str]) -> list[str]:
+    """A k loop over ``steps``, loading step s+1 before the MMAs of step s when double-buffered."""
+    lines = list(buf_decls)
+    if buffers == 2:
+        lines += [l.replace("@S", "0").replace("@B", "0") for l in loads]
+        lines.append("#pragma unroll")
+        lines.append(f"for (uint32_t s = 0; s < {steps}; ++s) {{")
+        lines.append(f"    if (s + 1 < {steps}) {{  // double buffering: next step's fragments first")
+        lines += ["        " + l.replace("@S", "s + 1").replace("@B", "(s + 1) % 2") for l in loads]
+        lines.append("    }")
+        lines += ["    " + m.replace("@B", "s % 2") for m in mmas]
+        lines.append("}")
+    else:
+        lines.append("#pragma unroll")
+        lines.append(f"for (uint32_t s = 0; s < {steps}; ++s) {{")
+        lines += ["    " + l.replace("@S", "s").replace("@B", "0") for l in loads]
+        lines += ["    " + m.replace("@B", "0") for m in mmas]
+        lines.append("}")
+    return lines
+
+
+def _gemm_S(plan: KernelPlan) -> list[str]:
+    cfg = plan.cfg
+    q, k = plan.s2r["Q"], plan.s2r["K"]
+    step_cols = k.k_step
+    steps = cfg.d_head // step_cols
+    kk = step_cols // 16
+    buffers = k.buffers
+    decls = [f"uint32_t k_frag[{buffers}][B_c / 16][{kk}][4];"]
+    loads = ["load_K(k_frag[@B], @S);"]
+    if q.resident:
+        a = "q_res[mi][s * %d + k]" % kk
+    else:
+        decls.append(f"uint32_t q_frag[{buffers}][MT][{kk}][4];")
+        loads.insert(0, "load_Q(q_frag[@B], @S);")
+        a = "q_frag[@B][mi][k]"
+    mmas = [
+        "#pragma unroll",
+        "for (uint32_t mi = 0; mi < MT; ++mi)",
+        "    #pragma unroll",
+        "    for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
+        "        #pragma unroll",
+        f"        for (uint32_t k = 0; k < {kk}; ++k)",
+        f"            mma_16816(s_acc[mi][nt], {a}, k_frag[@B][nt / 2][k][2 * (nt % 2)], k_frag[@B][nt / 2][k][2 * (nt % 2) + 1]);",
+    ]
+    head = [
+        f"// S = Q K_j^T: warp tile {cfg.rows_per_warp} x {cfg.B_c}, reduction d_head={cfg.d_head} in {steps} step(s) of {step_cols}"
+        + (" (register double buffered)" if buffers == 2 else ""),
+        "float s_acc[MT][B_c / 8][4];",
+        "#pragma unroll",
+        "for (uint32_t mi = 0; mi < MT; ++mi)",
+        "    #pragma unroll",
+        "    for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
+        "        s_acc[mi][nt][0] = s_acc[mi][nt][1] = s_acc[mi][nt][2] = s_acc[mi][nt][3] = 0.f;",
+    ]
+    return head + ["{"] + ["    " + l for l in _k_loop(steps, buffers, loads, mmas, decls)] + ["}"]
+
+
+def _gemm_O(plan: KernelPlan) -> list[str]:
+    cfg = plan.cfg
+    v = plan.s2r["V"]
+    step_rows = v.k_step
+    steps = cfg.B_c // step_rows
+    kk = step_rows // 16
+    decls = [f"uint32_t v_frag[{v.buffers}][{kk}][D / 16][4];"]
+    loads = ["load_V(v_frag[@B], @S);"]
+    mmas = [
+        "#pragma unroll",
+        "for (uint32_t mi = 0; mi < MT; ++mi)",
+        "    #pragma unroll",
+        "    for (uint32_t nt = 0; nt < D / 8; ++nt)",
+        "        #pragma unroll",
+        f"        for (uint32_t k = 0; k < {kk}; ++k)",
+        f"            mma_16816(o_acc[mi][nt], p_frag[mi][s * {kk} + k], v_frag[@B][k][nt / 2][2 * (nt % 2)], v_frag[@B][k][nt / 2][2 * (nt % 2) + 1]);",
+    ]
+    head = [
+        f"// O += P V_j: warp tile {cfg.rows_per_warp} x {cfg.d_head}, reduction B_c={cfg.B_c} in {steps} step(s) of {step_rows}"
+        + (" (register double buffered)" if v.buffers == 2 else ""),
+        "// P is the S accumulator rounded to 16 bit: n tiles (2k, 2k+1) form A operand k.",
+    ]
+    return head + ["{"] + ["    " + l for l in _k_loop(steps, v.buffers, loads, mmas, decls)] + ["}"]
+
+
+def _softmax(plan: KernelPlan) -> list[str]:
+    """Online softmax over this warp's rows; each thread holds 2 rows per m tile (C regs {0,1}, {2,3})."""
+    cfg = plan.cfg
+    shfl = lambda var, op: [f"{var} = {op}({var}, __shfl_xor_sync(0xffffffffu, {var}, {m}));" for m in plan.row_reduce_lanes]
+    lines = [
+        f"// Online softmax. Lanes xor {list(plan.row_reduce_lanes)} share a row (from the C fragment map).",
+        "#pragma unroll",
+        "for (uint32_t mi = 0; mi < MT; ++mi) {",
+        "    #pragma unroll",
+        "    for (uint32_t h = 0; h < 2; ++h) {",
+        "        float mx = -INFINITY;",
+        "        #pragma unroll",
+        "        for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
+        "            mx = fmaxf(mx, fmaxf(s_acc[mi][nt][2 * h], s_acc[mi][nt][2 * h + 1]));",
+    ]
+    lines += ["        " + l for l in shfl("mx", "fmaxf")]
+    if cfg.optimized_softmax:
+        lines += [
+            "        // max kept in raw S units; exp(scale*(s - m)) = 2^(s*scale*log2e - m*scale*log2e): one FMA + ex2",
+            "        const float m_new = fmaxf(row_max[mi][h], mx);",
+            "        const float neg_m = -m_new * scale_log2;",
+            "        if (j > 0) {  // the first block has nothing to rescale",
+            "            const float corr = ex2_approx(fmaf(row_max[mi][h], scale_log2, neg_m));",
+            "            row_sum[mi][h] *= corr;",
+            "            #pragma unroll",
+            "            for (uint32_t nt = 0; nt < D / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
+            "        }",
+            "        row_max[mi][h] = m_new;",
+            "        #pragma unroll",
+            "        for (uint32_t nt = 0; nt < B_c / 8; ++nt) {",
+            "            s_acc[mi][nt][2 * h] = ex2_approx(fmaf(s_acc[mi][nt][2 * h], scale_log2, neg_m));",
+            "            s_acc[mi][nt][2 * h + 1] = ex2_approx(fmaf(s_acc[mi][nt][2 * h + 1], scale_log2, neg_m));",
+            "            row_sum[mi][h] += s_acc[mi][nt][2 * h] + s_acc[mi][nt][2 * h + 1];",
+            "        }",
+        ]
+    else:
+        lines += [
+            "        // max kept in scaled units; p = exp(scale*s - m)",
+            "        const float m_new = fmaxf(row_max[mi][h], mx * scale);",
+            "        const float corr = expf(row_max[mi][h] - m_new);",
+            "        row_sum[mi][h] *= corr;",
+            "        #pragma unroll",
+            "        for (uint32_t nt = 0; nt < D / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
+            "        row_max[mi][h] = m_new;",
+            "        #pragma unroll",
+            "        for (uint32_t nt = 0; nt < B_c / 8; ++nt) {",
+            "            s_acc[mi][nt][2 * h] = expf(s_acc[mi][nt][2 * h] * scale - m_new);",
+            "            s_acc[mi][nt][2 * h + 1] = expf(s_acc[mi][nt][2 * h + 1] * scale - m_new);",
+            "            row_sum[mi][h] += s_acc[mi][nt][2 * h] + s_acc[mi][nt][2 * h + 1];",
+            "        }",
+        ]
+    lines += [
+        "    }",
+        "}",
+        "// P: accumulator values of n tiles (2k, 2k+1) packed as the A operand of k step k",
+        "uint32_t p_frag[MT][B_c / 16][4];",
+        "#pragma unroll",
+        "for (uint32_t mi = 0; mi < MT; ++mi)",
+        "    #pragma unroll",
+        "    for (uint32_t k = 0; k < B_c / 16; ++k)",
+        "        #pragma unroll",
+        "        for (uint32_t r = 0; r < 4; ++r)",
+        "            p_frag[mi][k][r] = pack2(s_acc[mi][2 * k + r / 2][2 * (r % 2)], s_acc[mi][2 * k + r / 2][2 * (r % 2) + 1]);",
+    ]
+    return lines
+
+
+def _step_code(plan: KernelPlan, step: Step) -> list[str]:
+    cfg = plan.cfg
+    if step.op == "copy":
+        if step.arg == "Q":
+            code = ["copy_Q(gQ, p.q_ld);"]
+        else:
+            blk = {"": "j", "j": "j", "j+1": "(j + 1)", "0": "0"}[step.block]
+            g = f"g{step.arg}"
+            code = [f"copy_{step.arg}({g} + int64_t({blk}) * B_c * p.{step.arg.lower()}_ld, p.{step.arg.lower()}_ld);"]
+    elif step.op == "commit":
+        code = ["cp_async_commit();"]
+    elif step.op == "wait":
+        code = [f"cp_async_wait<{step.arg}>();"]
+    elif step.op == "barrier":
+        code = ["__syncthreads();"]
+    elif step.op == "load_rf":
+        code = [f"load_Q(q_res, 0);"]
+    elif step.op == "gemm":
+        code = _gemm_S(plan) if step.arg == "S" else _gemm_O(plan)
+    elif step.op == "softmax":
+        code = _softmax(plan)
+    else:
+        raise ValueError(f"unknown schedule step {step}")
+    comment = [f"// [{step.op}{' ' + step.arg if step.arg else ''}{' block ' + step.block if step.block else ''}] {step.why}".rstrip()] if step.why else []
+    if step.guard:
+        return comment + [f"if ({step.guard}) {{"] + ["    " + c for c in code] + ["}"]
+    return comment + code
+
+
+_KERNEL = CodeTemplate(
+    r"""// Generated by flashgen. Do not edit: change the config and re-emit.
+//
+// $short_form
+// knobs: $knobs_json
+// grid: (seq_q / $B_r, heads, batch), block: $threads threads, dynamic shared memory: $smem_bytes bytes
+//
+// plan:
+$plan_lines
+#include <stdint.h>
+#ifdef FLASHGEN_INDEX_ONLY
+#ifndef __CUDACC__
+#define __host__
+#define __device__
+#define __forceinline__ inline
+#endif
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math.h>
+#endif
+
+namespace $name {
+
+constexpr uint32_t B_r = $B_r, B_c = $B_c, D = $d_head, N_WARPS = $n_warps, THREADS = $threads;
+constexpr uint32_t MT = $m_tiles;  // 16-row MMA tiles per warp
+
+// ---- index functions: every shared-memory address of the kernel comes from these ----
+$index_fns
+
+// ---- address splits: cheap per-thread addressing derived from the functions above ----
+$split_tables
+
+}  // namespace $name
+
+#ifndef FLASHGEN_INDEX_ONLY
+namespace $name {
+
+using elem_t = $elem_t;
+
+// ---- PTX helpers ----
+$ptx_helpers
+
+struct Params {
+    const elem_t* q; const elem_t* k; const elem_t* v; elem_t* o;
+    int64_t q_batch, q_head, q_ld;  // element strides: batch, head, sequence row (d_head is contiguous)
+    int64_t k_batch, k_head, k_ld;
+    int64_t v_batch, v_head, v_ld;
+    int64_t o_batch, o_head, o_ld;
+    int n_blocks;  // seq_k / B_c
+    float scale;  // softmax scale
+};
+
+__global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const uint32_t sQ_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+    const uint32_t sK_addr = sQ_addr + $sQ_bytes;
+    const uint32_t sV_addr = sK_addr + $sK_bytes;
+    const uint32_t sO_addr = sQ_addr;  // O is staged in Q's shared memory (each warp its own rows)
+    const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int64_t q_row0 = int64_t(blockIdx.x) * B_r;
+    const elem_t* gQ = p.q + blockIdx.z * p.q_batch + blockIdx.y * p.q_head + q_row0 * p.q_ld;
+    const elem_t* gK = p.k + blockIdx.z * p.k_batch + blockIdx.y * p.k_head;
+    const elem_t* gV = p.v + blockIdx.z * p.v_batch + blockIdx.y * p.v_head;
+    elem_t* gO = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + q_row0 * p.o_ld;
+    const float scale = p.scale;
+    const float scale_log2 = p.scale * $log2e;
+    const int n_blocks = p.n_blocks;
+    (void)scale; (void)scale_log2;
+
+    $bases
+    $g2s_Q
+    $g2s_K
+    $g2s_V
+    $load_Q
+    $load_K
+    $load_V
+
+    float o_acc[MT][D / 8][4];
+    float row_max[MT][2], row_sum[MT][2];
+    #pragma unroll
+    for (uint32_t mi = 0; mi < MT; ++mi) {
+        row_max[mi][0] = row_max[mi][1] = -INFINITY;
+        row_sum[mi][0] = row_sum[mi][1] = 0.f;
+        #pragma unroll
+        for (uint32_t nt = 0; nt < D / 8; ++nt) o_acc[mi][nt][0] = o_acc[mi][nt][1] = o_acc[mi][nt][2] = o_acc[mi][nt][3] = 0.f;
+    }
+    $q_res_decl
+
+    // ---- prologue ----
+    $prologue
+
+    // ---- main loop over key/value blocks ----
+    for (int j = 0; j < n_blocks; ++j) {
+        $body
+    }
+
+    // ---- epilogue: O /= l, registers -> shared (own rows) -> global, 16-byte stores ----
+    #pragma unroll
+    for (uint32_t mi = 0; mi < MT; ++mi) {
+        #pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            float l = row_sum[mi][h];
+            $sum_reduce
+            const float inv = 1.f / l;
+            #pragma unroll
+            for (uint32_t nt = 0; nt < D / 8; ++nt) { o_acc[mi][nt][2 * h] *= inv; o_acc[mi][nt][2 * h + 1] *= inv; }
+        }
+    }
+    // $r2s_comment
+    #pragma unroll
+    for (uint32_t mi = 0; mi < MT; ++mi)
+        #pragma unroll
+        for (uint32_t nt = 0; nt < D / 8; ++nt)
+            #pragma unroll
+            for (uint32_t h = 0; h < 2; ++h)
+                st_shared_b32($r2s_addr, pack2(o_acc[mi][nt][2 * h], o_acc[mi][nt][2 * h + 1]));
+    __syncwarp();
+    // $s2g_comment
+    #pragma unroll
+    for (uint32_t v = 0; v < $s2g_values; ++v) {
+        const int64_t row = s2g_O_row(lane, v, warp), col = s2g_O_col(lane, v, warp);
+        st_global_v4(gO + row * p.o_ld + col, ld_shared_v4($s2g_addr));
+    }
+}
+
+}  // namespace $name
+
+// Launch on `stream`. Tensors are (batch, seq, heads, d_head) or any strides with a
+// contiguous d_head and 16-byte aligned rows; strides are in elements:
+// strides[0..2] = Q (batch, head, seq), [3..5] = K, [6..8] = V, [9..11] = O.
+// Returns a cudaError_t (cudaErrorInvalidValue when seq_q % $B_r or seq_k % $B_c != 0).
+extern "C" int ${name}_launch(const void* q, const void* k, const void* v, void* o, const int64_t* strides,
+                               int batch, int heads, int seq_q, int seq_k, float softmax_scale, void* stream) {
+    using namespace $name;
+    if (seq_q % B_r != 0 || seq_k % B_c != 0 || seq_q <= 0 || seq_k <= 0) return (int)cudaErrorInvalidValue;
+    Params p{(const elem_t*)q, (const elem_t*)k, (const elem_t*)v, (elem_t*)o,
+             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
+             strides[6], strides[7], strides[8], strides[9], strides[10], strides[11],
+             seq_k / (int)B_c, softmax_scale};
+    constexpr int smem = $smem_bytes;
+    if (smem > 48 * 1024) {
+        static bool attr_set = false;  // the attribute is per function; set it once
+        if (!attr_set) {
+            cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (e != cudaSuccess) return (int)e;
+            attr_set = true;
+        }
+    }
+    dim3 grid(seq_q / B_r, heads, batch);
+    kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(p);
+    return (int)cudaGetLastError();
+}
+#endif  // FLASHGEN_INDEX_ONLY
+"""
+)
+
+
+def _plan_lines(plan: KernelPlan) -> list[str]:
+    out = []
+    for t in ("sQ", "sK", "sV", "sO"):
+        out.append(f"//   {plan.tensors[t]}")
+    for op in "QKV":
+        c = plan.g2s[op]
+        out.append(f"//   {c.name}: {c.atom.name}, {c.partition.tv.n_values} x 16 B per thread")
+    for op in "QKV":
+        l = plan.s2r[op]
+        out.append(
+            f"//   {l.copy.name}: {l.copy.atom.name}, k step {l.k_step} cols, {l.buffers} buffer(s)" + (", resident" if l.resident else "")
+        )
+    out.append(f"//   mma: {plan.mma.name} ({plan.mma.ptx})")
+    out.append(f"//   schedule: {' | '.join(s.op + (' ' + s.arg if s.arg else '') for s in plan.schedule.body)}")
+    return out
+
+
+def emit(cfg: KernelConfig) -> KernelSource:
+    """The CUDA source of one config. Pure and deterministic."""
+    from .binding import binding_source
+
+    plan = make_plan(cfg)
+    name = cfg.mangle()
+    q = plan.s2r["Q"]
+    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ldmatrix.helper(q.copy.atom), ldmatrix.helper(plan.s2r["V"].copy.atom), ptx_mma.helper(plan.mma)]
+    if cfg.async_copy:
+        helpers.insert(0, cp_async.helpers(plan.g2s["Q"].atom))
+    q_res = f"uint32_t q_res[MT][D / 16][4];  // Q fragments, resident for the whole CTA" if q.resident else "// Q fragments are re-read from shared memory every block"
+    body: list[str] = []
+    for step in plan.schedule.body:
+        body += _step_code(plan, step)
+    prologue: list[str] = []
+    for step in plan.schedule.prologue:
+        prologue += _step_code(plan, step)
+    sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
+    text = _KERNEL.substitute(
+        name=name,
+        short_form=cfg.short_form(),
+        knobs_json=json.dumps(cfg.to_dict()),
+        plan_lines=_plan_lines(plan),
+        B_r=cfg.B_r,
+        B_c=cfg.B_c,
+        d_head=cfg.d_head,
+        n_warps=cfg.n_warps,
+        threads=cfg.threads,
+        m_tiles=cfg.m_tiles_per_warp,
+        smem_bytes=cfg.smem_bytes,
+        index_fns=_index_section(plan),
+        elem_t=cfg.dtype.cpp,
+        ptx_helpers="\n\n".join(helpers),
+        sQ_bytes=f"{plan.tensors['sQ'].bytes}u",
+        sK_bytes=f"{plan.tensors['sK'].bytes}u",
+        log2e=f"{LOG2E!r}f",
+        g2s_Q=_g2s_lambda(plan, "Q"),
+        g2s_K=_g2s_lambda(plan, "K"),
+        g2s_V=_g2s_lambda(plan, "V"),
+        load_Q=_operand_loader(plan, q),
+        load_K=_operand_loader(plan, plan.s2r["K"]),
+        load_V=_operand_loader(plan, plan.s2r["V"]),
+        q_res_decl=q_res,
+        prologue=prologue,
+        body=body,
+        sum_reduce=sum_reduce,
+        split_tables=[_split_tables(sp) for sp in plan_splits(plan).values() if sp is not None],
+        bases=[_base_decl(plan, plan.g2s[o], ["tid"]) for o in "QKV"]
+        + [_base_decl(plan, plan.s2r["Q"].copy, ["lane", "warp"]), _base_decl(plan, plan.s2r["K"].copy, ["lane"]), _base_decl(plan, plan.s2r["V"].copy, ["lane"])]
+        + [_base_decl(plan, plan.r2s_O, ["lane", "warp"]), _base_decl(plan, plan.s2g_O, ["lane", "warp"])],
+        r2s_addr=_smem_addr(plan, plan.r2s_O, ["2 * h", "mi", "nt"], ["lane", "warp"]),
+        s2g_addr=_smem_addr(plan, plan.s2g_O, ["v"], ["lane", "warp"]),
+        r2s_comment=f"{plan.r2s_O.name}: {plan.r2s_O.atom.name} of packed pairs into {plan.r2s_O.dst.name}",
+        s2g_comment=f"{plan.s2g_O.name}: {plan.s2g_O.atom.name}, this warp's rows",
+        s2g_values=plan.s2g_O.partition.tv.n_values,
+    )
+    meta = {
+        "name": name,
+        "short_form": cfg.short_form(),
+        "config": cfg.to_dict(),
+        "hash": cfg.content_hash(),
+        "threads": cfg.threads,
+        "smem_bytes": cfg.smem_bytes,
+        "grid": f"(seq_q / {cfg.B_r}, heads, batch)",
+        "launcher": f"{name}_launch",
+        "requires": {"seq_q_multiple_of": cfg.B_r, "seq_k_multiple_of": cfg.B_c, "d_head": cfg.d_head, "dtype": cfg.dtype.value},
+    }
+    return KernelSource(name, text, binding_source(cfg, name), meta)
