@@ -2,7 +2,7 @@
 
 Stages (each inspectable on the returned :class:`Built`): ``emit`` (the .cu and the
 binding .cpp, written under the cache entry), ``compile`` (nvcc + host compiler via
-``torch.utils.cpp_extension.load``), ``load`` (the Python module). The cache key
+``torch.utils.cpp_extension.load``), ``load`` (the torch operator library). The cache key
 hashes the source, the binding, the flags, torch and CUDA versions and the target
 arch, so a second process finds the finished build and only imports it. torch's
 build lock makes two processes building the same key at once safe.
@@ -52,7 +52,7 @@ class Built:
     source: KernelSource
     key: str
     directory: Path
-    module: Any
+    library: Any  # the path of the loaded operator library
     compile_seconds: float
     cache_hit: bool
 
@@ -107,6 +107,7 @@ def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose:
             extra_cflags=["-O2"],
             build_directory=str(directory),
             verbose=False,
+            is_python_module=False,  # a library of torch operators (torch.ops.flashgen.<name>)
         )
     except (RuntimeError, OSError, ImportError) as exc:
         raise BuildError(

@@ -19,28 +19,20 @@ class InputError(ValueError):
     """An input the kernel cannot take; the message says what is supported."""
 
 
-_OPS: dict[str, Any] = {}
+_FAKES: set[str] = set()
 
 
-def _register_op(built: Built):
-    """A torch custom op per kernel, so calls trace under torch.compile and CUDA graphs."""
-    name = f"flashgen::attn_{built.key}"
-    if name in _OPS:
-        return _OPS[name]
-    module = built.module
+def _ops(built: Built):
+    """The kernel's torch operators; a fake (meta) implementation makes them traceable by torch.compile."""
+    name = built.source.name
+    if name not in _FAKES:
+        @torch.library.register_fake(f"flashgen::{name}")
+        def _(q, k, v, softmax_scale):
+            return torch.empty_like(q)
 
-    @torch.library.custom_op(name, mutates_args=())
-    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-        o = torch.empty_like(q)
-        module.run(q, k, v, o, softmax_scale)
-        return o
-
-    @attn.register_fake
-    def _(q, k, v, softmax_scale):
-        return torch.empty_like(q)
-
-    _OPS[name] = attn
-    return attn
+        _FAKES.add(name)
+    ns = torch.ops.flashgen
+    return getattr(ns, name), getattr(ns, f"{name}_out")
 
 
 class Attention:
@@ -49,7 +41,7 @@ class Attention:
     def __init__(self, built: Built) -> None:
         self.built = built
         self.cfg: KernelConfig = built.cfg
-        self._op = _register_op(built)
+        self._op, self._op_out = _ops(built)
 
     @property
     def compile_seconds(self) -> float:
@@ -97,16 +89,52 @@ class Attention:
             raise InputError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
 
     def __call__(self, q, k, v, out: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
-        self.check(q, k, v, out)
+        if not torch.compiler.is_compiling():  # traced calls are checked when the graph's inputs are built eagerly
+            self.check(q, k, v, out)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.cfg.d_head)
         if out is None:
             return self._op(q, k, v, scale)
-        with torch.cuda.device(q.device):
-            self.built.module.run(q, k, v, out, scale)
+        self._op_out(q, k, v, out, scale)
         return out
 
 
-def compile(cfg: Any, verbose: bool = False) -> Attention:  # noqa: A001 - the public name users expect
-    """Build (or load from the cache) the kernel for ``cfg``: a KernelConfig, dict, YAML path or short form."""
+class AutoAttention:
+    """``compile("auto")``: picks the tuned config per (GPU, dtype, d_head, sequence bucket) at call time.
+
+    Buckets without a ``flashgen tune`` result use the shipped defaults. Each picked
+    config is built once and kept.
+    """
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self._built: dict[KernelConfig, Attention] = {}
+
+    def select(self, q: torch.Tensor) -> KernelConfig:
+        from .dsl.dtypes import DType
+        from .tune import lookup
+
+        try:
+            dtype = DType.parse(str(q.dtype))
+        except ValueError:
+            raise InputError(f"q has dtype {q.dtype}; flashgen kernels take float16 or bfloat16") from None
+        if q.dim() != 4:
+            raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
+        return lookup(torch.cuda.get_device_name(q.device), dtype, int(q.shape[3]), int(q.shape[1]))
+
+    def __call__(self, q, k, v, out=None, softmax_scale=None):
+        cfg = self.select(q)
+        attn = self._built.get(cfg)
+        if attn is None:
+            attn = self._built[cfg] = Attention(build(cfg, verbose=self.verbose))
+        return attn(q, k, v, out=out, softmax_scale=softmax_scale)
+
+
+def compile(cfg: Any, verbose: bool = False) -> "Attention | AutoAttention":  # noqa: A001 - the public name users expect
+    """Build (or load from the cache) the kernel for ``cfg``: a KernelConfig, dict, YAML path or short form.
+
+    ``"auto"`` returns an :class:`AutoAttention` that uses ``flashgen tune``'s results.
+    """
+    if isinstance(cfg, str) and cfg.strip() == "auto":
+        return AutoAttention(verbose)
     config = load_config(cfg)
     return Attention(build(config, verbose=verbose))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import numbers
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -57,9 +58,20 @@ def _bool(name: str, value: Any) -> bool:
 
 
 def _int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
-    return value
+    return int(value)
+
+
+def _dtype(value: Any) -> DType:
+    try:
+        return DType.parse(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _int_field(name: str):
+    return attrs.field(converter=lambda v: _int(name, v))
 
 
 @attrs.frozen(order=False)
@@ -71,23 +83,21 @@ class KernelConfig:
     each operand loads shared->registers per step (0 = the whole block at once).
     """
 
-    dtype: DType = attrs.field(converter=DType.parse)
-    d_head: int = 128
-    B_r: int = 128
-    B_c: int = 64
-    n_warps: int = 4
+    dtype: DType = attrs.field(converter=_dtype)
+    d_head: int = attrs.field(default=128, converter=lambda v: _int("d_head", v))
+    B_r: int = attrs.field(default=128, converter=lambda v: _int("B_r", v))
+    B_c: int = attrs.field(default=64, converter=lambda v: _int("B_c", v))
+    n_warps: int = attrs.field(default=4, converter=lambda v: _int("n_warps", v))
     async_copy: bool = True
     eager_load_blocks: bool = True
     swizzled: bool = True
-    Q_mma_load_K_tiles: int = 2
-    K_mma_load_K_tiles: int = 2
-    V_mma_load_K_tiles: int = 0
+    Q_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("Q_mma_load_K_tiles", v))
+    K_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("K_mma_load_K_tiles", v))
+    V_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("V_mma_load_K_tiles", v))
     mma_double_buffer_loads: bool = True
     optimized_softmax: bool = True
 
     def __attrs_post_init__(self) -> None:
-        for name in KNOBS[1:5] + KNOBS[8:11]:
-            _int(name, getattr(self, name))
         for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax"):
             _bool(name, getattr(self, name))
         for rule in _RULES:
@@ -296,7 +306,7 @@ def _rule_tile_counts(c: KernelConfig) -> None:
 def _rule_smem(c: KernelConfig) -> None:
     if c.smem_bytes > SMEM_LIMIT_BYTES:
         raise ConfigError(
-            f"shared memory (B_r + 2*B_c) * d_head * 2 = {c.smem_bytes} bytes exceeds the "
+            f"shared memory (B_r + 2*B_c) * d_head * {c.dtype.size} = {c.smem_bytes} bytes exceeds the "
             f"{SMEM_LIMIT_BYTES}-byte per-block limit"
         )
 
@@ -367,11 +377,12 @@ PROGRESSION: tuple[str, ...] = (
 """The seed's kernel progression (kernels 1-7), each step adding one optimisation."""
 
 #: The seed's best configs on an H200 (BENCHMARK.md); the defaults users get.
+#: ``KernelConfig(dtype=...)`` with no other knobs equals the ``load_2_2_2`` one.
 DEFAULTS: tuple[str, ...] = (
-    "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
     "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
-    "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
+    "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
     "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
+    "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
 )
 
 

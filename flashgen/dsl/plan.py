@@ -82,6 +82,19 @@ class OperandLoad:
     def k_step(self) -> int:
         return self.k_step_tiles * FRAG_K
 
+    # Register roles of one ldmatrix.x4 (destination register i <- matrix i). For the
+    # A operand (Q) register i is A register i. For a B operand (K, V) the x4 covers
+    # two n8 tiles: n tile ``2*nn + i / 2`` takes register i as its B register ``i % 2``.
+    N_TILES_PER_X4 = 2
+    B_REGS_PER_N_TILE = 2
+
+    @staticmethod
+    def b_operand_regs(nt: int) -> tuple[int, tuple[int, int]]:
+        """(x4 index nn, (register for b0, register for b1)) feeding n8 tile ``nt``."""
+        per = OperandLoad.N_TILES_PER_X4
+        r = OperandLoad.B_REGS_PER_N_TILE
+        return nt // per, (r * (nt % per), r * (nt % per) + 1)
+
 
 @attrs.frozen
 class WarpGemm:

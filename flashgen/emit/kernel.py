@@ -258,6 +258,7 @@ def _gemm_S(plan: KernelPlan) -> list[str]:
         decls.append(f"uint32_t q_frag[{buffers}][MT][{kk}][4];")
         loads.insert(0, "load_Q(q_frag[@B], @S);")
         a = "q_frag[@B][mi][k]"
+    per, regs = OperandLoad.N_TILES_PER_X4, OperandLoad.B_REGS_PER_N_TILE  # see OperandLoad.b_operand_regs
     mmas = [
         "#pragma unroll",
         "for (uint32_t mi = 0; mi < MT; ++mi)",
@@ -265,7 +266,7 @@ def _gemm_S(plan: KernelPlan) -> list[str]:
         "    for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
         "        #pragma unroll",
         f"        for (uint32_t k = 0; k < {kk}; ++k)",
-        f"            mma_16816(s_acc[mi][nt], {a}, k_frag[@B][nt / 2][k][2 * (nt % 2)], k_frag[@B][nt / 2][k][2 * (nt % 2) + 1]);",
+        f"            mma_16816(s_acc[mi][nt], {a}, k_frag[@B][nt / {per}][k][{regs} * (nt % {per})], k_frag[@B][nt / {per}][k][{regs} * (nt % {per}) + 1]);",
     ]
     head = [
         f"// S = Q K_j^T: warp tile {cfg.rows_per_warp} x {cfg.B_c}, reduction d_head={cfg.d_head} in {steps} step(s) of {step_cols}"
@@ -288,6 +289,7 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
     kk = step_rows // 16
     decls = [f"uint32_t v_frag[{v.buffers}][{kk}][D / 16][4];"]
     loads = ["load_V(v_frag[@B], @S);"]
+    per, regs = OperandLoad.N_TILES_PER_X4, OperandLoad.B_REGS_PER_N_TILE  # see OperandLoad.b_operand_regs
     mmas = [
         "#pragma unroll",
         "for (uint32_t mi = 0; mi < MT; ++mi)",
@@ -295,7 +297,7 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
         "    for (uint32_t nt = 0; nt < D / 8; ++nt)",
         "        #pragma unroll",
         f"        for (uint32_t k = 0; k < {kk}; ++k)",
-        f"            mma_16816(o_acc[mi][nt], p_frag[mi][s * {kk} + k], v_frag[@B][k][nt / 2][2 * (nt % 2)], v_frag[@B][k][nt / 2][2 * (nt % 2) + 1]);",
+        f"            mma_16816(o_acc[mi][nt], p_frag[mi][s * {kk} + k], v_frag[@B][k][nt / {per}][{regs} * (nt % {per})], v_frag[@B][k][nt / {per}][{regs} * (nt % {per}) + 1]);",
     ]
     head = [
         f"// O += P V_j: warp tile {cfg.rows_per_warp} x {cfg.d_head}, reduction B_c={cfg.B_c} in {steps} step(s) of {step_rows}"

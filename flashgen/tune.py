@@ -1,0 +1,129 @@
+"""``flashgen tune``: time a config space on this GPU and remember the best per shape bucket.
+
+The cache (``$FLASHGEN_CACHE/tune.json``) maps ``gpu name -> dtype -> d_head -> seq
+bucket`` to the winning short form and its TFLOP/s. ``flashgen.compile("auto")`` looks
+configs up here (falling back to the shipped defaults when a bucket is missing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .build import cache_root
+from .dsl.config import DType, KernelConfig, default_configs, tuning_space
+
+BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def log(msg: str) -> None:
+    print(f"[flashgen tune] {msg}", file=sys.stderr, flush=True)
+
+
+def tune_cache_path() -> Path:
+    return Path(os.environ.get("FLASHGEN_TUNE_CACHE", cache_root() / "tune.json"))
+
+
+def seq_bucket(seq: int) -> int:
+    """The tuned bucket a sequence length falls into (nearest power of two, clamped)."""
+    if seq <= BUCKETS[0]:
+        return BUCKETS[0]
+    b = 2 ** round(math.log2(seq))
+    return min(max(b, BUCKETS[0]), BUCKETS[-1])
+
+
+def load_cache(path: Path | None = None) -> dict:
+    path = path or tune_cache_path()
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        log(f"ignoring unreadable tune cache {path}: {exc}")
+        return {}
+
+
+def save_cache(data: dict, path: Path | None = None) -> None:
+    path = path or tune_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = None) -> KernelConfig:
+    """The tuned config for a shape, else the shipped default for the dtype (and d_head)."""
+    from .dsl.notation import parse_config
+
+    cache = load_cache() if cache is None else cache
+    entry = cache.get(gpu, {}).get(dtype.value, {}).get(str(d_head), {}).get(str(seq_bucket(seq)))
+    if entry:
+        return parse_config(entry["config"])
+    base = next(c for c in default_configs() if c.dtype == dtype)
+    return base if base.d_head == d_head else base.replace(d_head=d_head)
+
+
+def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16) -> dict[str, Any]:
+    import torch
+
+    from .bench import attention_flops, time_ms
+    from .build import build_many
+    from .runtime import compile as fg_compile
+
+    gpu = torch.cuda.get_device_name()
+    log(f"building {len(cfgs)} configs")
+    failures = build_many(cfgs, torch.cuda.get_device_capability())
+    ok = [c for c in cfgs if c.short_form() not in failures]
+    cache = load_cache()
+    batch_for = {512: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 8, 16384: 4}
+    found: dict[str, Any] = {}
+    for dtype in sorted({c.dtype for c in ok}, key=lambda d: d.value):
+        for d_head in sorted({c.d_head for c in ok if c.dtype == dtype}):
+            group = [c for c in ok if c.dtype == dtype and c.d_head == d_head]
+            for seq in seqs:
+                batch = batch_for.get(seq_bucket(seq), max(1, 65536 // seq))
+                q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dtype.torch) for _ in range(3))
+                out = torch.empty_like(q)
+                flops = attention_flops(batch, heads, seq, seq, d_head)
+                timings = []
+                for i, cfg in enumerate(group, 1):
+                    if seq % cfg.B_r or seq % cfg.B_c:
+                        continue
+                    attn = fg_compile(cfg)
+                    ms = time_ms(lambda: attn(q, k, v, out=out))
+                    timings.append((flops / ms / 1e9, cfg))
+                best_tf, best = max(timings, key=lambda t: t[0])
+                log(f"{dtype.value} d{d_head} seq {seq}: best {best_tf:.0f} TFLOP/s of {len(timings)}: {best.short_form()}")
+                entry = {"config": best.short_form(), "tflops": round(best_tf, 1), "candidates": len(timings), "time": time.strftime("%Y-%m-%d")}
+                cache.setdefault(gpu, {}).setdefault(dtype.value, {}).setdefault(str(d_head), {})[str(seq_bucket(seq))] = entry
+                found[f"{dtype.value}/d{d_head}/{seq}"] = entry
+    save_cache(cache)
+    return found
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("configs", nargs="*", help="config space: YAML files, short forms or named sets (default: tuning-space)")
+    p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
+    p.add_argument("--seqs", nargs="+", type=int, default=list(BUCKETS), help="sequence lengths to tune (one bucket each)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from .dsl.sets import resolve_configs
+
+    if not torch.cuda.is_available():
+        print("flashgen: error: tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    space = resolve_configs(args.configs) if args.configs else tuning_space(args.dtypes)
+    space = [c for c in space if c.dtype.value in args.dtypes]
+    found = tune(space, args.seqs)
+    print(f"tuned {len(found)} bucket(s); cache: {tune_cache_path()}")
+    for key, entry in found.items():
+        print(f"  {key:18} {entry['tflops']:7.1f} TFLOP/s  {entry['config']}")
+    return 0

@@ -1,0 +1,167 @@
+"""GPU correctness of emitted kernels against a float64 reference (marked ``gpu``).
+
+Rule (FlashAttention's tests): max|o - ref64| <= 2 * max|o_torch - ref64| + 1e-5, where
+o_torch is PyTorch's SDPA in the same 16-bit dtype; the output is poisoned with NaN
+before every call and must hold no NaN/Inf afterwards. Inputs are fresh random normals.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen.dsl.config import default_configs, kernel_progression, tuning_space  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _all_configs():
+    prog = kernel_progression()
+    prog = prog + [c.replace(dtype="bf16") for c in prog]
+    seen = {}
+    for c in tuning_space() + prog + default_configs():
+        seen.setdefault(c, None)
+    return list(seen)
+
+
+CONFIGS = _all_configs()
+SHAPES = [(2, 256, 3), (1, 512, 2), (3, 384, 1)]  # (batch, seq, heads); multiples of every B_r/B_c used
+
+
+@pytest.fixture(scope="session")
+def built():
+    """Warm the build cache for every config in parallel, then hand out compiled ops."""
+    import flashgen
+    from flashgen.build import build_many
+
+    failures = build_many(CONFIGS, torch.cuda.get_device_capability())
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    return {c: flashgen.compile(c) for c in CONFIGS}
+
+
+def reference(q, k, v, scale):
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    return (torch.softmax(qd @ kd.transpose(-1, -2) * scale, -1) @ vd).transpose(1, 2)
+
+
+def check_close(o, q, k, v, scale):
+    ref = reference(q, k, v, scale)
+    o_t = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=scale).transpose(1, 2)
+    assert torch.isfinite(o).all(), "output holds NaN/Inf (poison not overwritten?)"
+    err = (o.double() - ref).abs().max().item()
+    err_t = (o_t.double() - ref).abs().max().item()
+    assert err <= 2 * err_t + 1e-5, f"max error {err:.3e} > 2 * torch's {err_t:.3e} + 1e-5"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.mangle())
+def test_matches_float64_reference(built, cfg):
+    attn = built[cfg]
+    for b, s, h in SHAPES:
+        if s % cfg.B_r or s % cfg.B_c:
+            continue
+        q, k, v = (torch.randn(b, s, h, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(3))
+        out = torch.full_like(q, float("nan"))
+        attn(q, k, v, out=out)
+        check_close(out, q, k, v, 1 / math.sqrt(cfg.d_head))
+        o2 = attn(q, k, v)  # functional form allocates its own output
+        assert torch.equal(o2, out)
+
+
+@pytest.mark.parametrize("cfg", default_configs(), ids=lambda c: c.mangle())
+def test_strided_inputs_and_scale(built, cfg):
+    """(batch, heads, seq, d) tensors passed as transposed views, a custom scale, seq_q != seq_k."""
+    attn = built[cfg]
+    b, h, sq, sk = 2, 3, 256, 384
+    q = torch.randn(b, h, sq, cfg.d_head, device="cuda", dtype=cfg.dtype.torch).transpose(1, 2)
+    k = torch.randn(b, h, sk, cfg.d_head, device="cuda", dtype=cfg.dtype.torch).transpose(1, 2)
+    v = torch.randn(b, h, sk, cfg.d_head, device="cuda", dtype=cfg.dtype.torch).transpose(1, 2)
+    out = torch.full((b, sq, h, cfg.d_head), float("nan"), device="cuda", dtype=cfg.dtype.torch)
+    attn(q, k, v, out=out, softmax_scale=0.05)
+    check_close(out, q, k, v, 0.05)
+    # a batch slice of a larger tensor: non-zero offset, same strides
+    big = torch.randn(4, sq, h, cfg.d_head, device="cuda", dtype=cfg.dtype.torch)
+    qs = big[1:3]
+    o = attn(qs, qs, qs)
+    check_close(o, qs, qs, qs, 1 / math.sqrt(cfg.d_head))
+
+
+def test_rejects_unsupported_inputs(built):
+    from flashgen.runtime import InputError
+
+    cfg = default_configs()[0]
+    attn = built[cfg]
+    good = lambda *shape, **kw: torch.randn(*shape, device=kw.get("device", "cuda"), dtype=kw.get("dtype", cfg.dtype.torch))
+    q = good(1, 256, 2, 128)
+    cases = [
+        ((good(1, 256, 2, 128, dtype=torch.bfloat16), q, q), "dtype"),
+        ((good(1, 256, 2, 128, device="cpu"), q, q), "CUDA"),
+        ((good(1, 256, 2, 64), q, q), "d_head"),
+        ((good(1, 200, 2, 128), q, q), "multiple of B_r"),
+        ((q, good(1, 200, 2, 128), good(1, 200, 2, 128)), "seq_k"),
+        ((good(1, 256, 2, 256)[..., ::2], q, q), "contiguous"),
+        ((q, good(1, 256, 4, 128), good(1, 256, 4, 128)), "heads"),
+        ((good(256, 2, 128), q, q), "4-D"),
+    ]
+    for (a, b_, c), words in cases:
+        with pytest.raises(InputError, match=words):
+            attn(a, b_, c)
+    with pytest.raises(InputError, match="out has shape"):
+        attn(q, q, q, out=good(1, 128, 2, 128))
+
+
+def test_torch_compile_and_cuda_graph(built):
+    cfg = default_configs()[0]
+    attn = built[cfg]
+    q, k, v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=cfg.dtype.torch) for _ in range(3))
+    expected = attn(q, k, v)
+
+    compiled = torch.compile(lambda q, k, v: attn(q, k, v) * 2, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), expected * 2)
+
+    static_out = torch.empty_like(q)
+    g = torch.cuda.CUDAGraph()
+    attn(q, k, v, out=static_out)  # warm-up outside capture
+    with torch.cuda.graph(g):
+        attn(q, k, v, out=static_out)
+    static_out.fill_(float("nan"))
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    torch.cuda.synchronize()
+    check_close(static_out, q, k, v, 1 / math.sqrt(128))
+
+
+def test_second_process_hits_cache(built):
+    cfg = default_configs()[0]
+    code = (
+        "import flashgen; a = flashgen.compile(%r); "
+        "print('HIT' if a.built.cache_hit else 'MISS', round(a.compile_seconds, 2))" % cfg.short_form()
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=os.environ.copy())
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("HIT"), res.stdout
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("cfg", kernel_progression(), ids=lambda c: c.mangle())
+def test_compute_sanitizer_clean(built, cfg, tool):
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    res = subprocess.run(
+        [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"), cfg.short_form(), "128", "1", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in res.stdout + res.stderr
