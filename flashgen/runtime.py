@@ -27,7 +27,7 @@ def _ops(built: Built):
     name = built.source.name
     if name not in _FAKES:
         @torch.library.register_fake(f"flashgen::{name}")
-        def _(q, k, v, softmax_scale):
+        def _(q, k, v, lse, softmax_scale, mask_offset, window_left, window_right):
             return torch.empty_like(q)
 
         _FAKES.add(name)
@@ -42,6 +42,7 @@ class Attention:
         self.built = built
         self.cfg: KernelConfig = built.cfg
         self._op, self._op_out = _ops(built)
+        self._variants: dict[str, Attention] = {}
 
     @property
     def compile_seconds(self) -> float:
@@ -77,25 +78,67 @@ class Attention:
         b, sq, h, _ = q.shape
         if k.shape != v.shape:
             raise InputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-        if k.shape[0] != b or k.shape[2] != h:
-            raise InputError(f"k/v batch and heads {tuple(k.shape[::2])} must match q's ({b}, {h}) (GQA is not supported yet)")
-        sk = k.shape[1]
-        if sq % cfg.B_r or sk % cfg.B_c or sq == 0 or sk == 0:
-            raise InputError(
-                f"seq_q={sq} must be a positive multiple of B_r={cfg.B_r} and seq_k={sk} of B_c={cfg.B_c} "
-                "(tail blocks are not supported yet)"
-            )
+        if k.shape[0] != b:
+            raise InputError(f"k/v batch {k.shape[0]} must match q's {b}")
+        hk = k.shape[2]
+        if hk == 0 or h % hk:
+            raise InputError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA: each k/v head serves h/hk query heads)")
+        if sq == 0 or k.shape[1] == 0:
+            raise InputError(f"sequence lengths must be >= 1, got seq_q={sq}, seq_k={k.shape[1]}")
         if out is not None and out.shape != q.shape:
             raise InputError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
 
-    def __call__(self, q, k, v, out: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+    def _variant(self, mask: str) -> "Attention":
+        """The same kernel with another score mask, built on first use."""
+        if mask == self.cfg.mask:
+            return self
+        if mask not in self._variants:
+            self._variants[mask] = Attention(build(self.cfg.replace(mask=mask)))
+        return self._variants[mask]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window: "tuple[int, int] | None" = None,
+        align: str = "top_left",
+        return_lse: bool = False,
+    ):
+        """Attention of (batch, seq, heads, d_head) tensors; k/v may have fewer heads (GQA/MQA).
+
+        ``causal``: query i sees keys j <= i + offset; ``window=(left, right)``: keys in
+        [i + offset - left, i + offset + right] (-1 = unbounded); ``align`` chooses offset 0
+        ("top_left", PyTorch's ``is_causal``) or seq_k - seq_q ("bottom_right", FlashAttention's).
+        A kernel compiled without that mask builds its masked variant on first use.
+        ``return_lse``: also return the fp32 log-sum-exp of the scaled scores, (batch, heads, seq_q);
+        rows without any kept key give o = 0 and lse = -inf.
+        """
         if not torch.compiler.is_compiling():  # traced calls are checked when the graph's inputs are built eagerly
             self.check(q, k, v, out)
+        if align not in ("top_left", "bottom_right"):
+            raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
+        if window is not None:
+            if causal:
+                raise InputError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
+            left, right = (int(x) for x in window)
+            mask = "window"
+        else:
+            left, right = -1, (0 if causal else -1)
+            mask = "causal" if causal else "none"
+        attn = self._variant(mask)
+        offset = 0 if align == "top_left" else int(k.shape[1]) - int(q.shape[1])
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.cfg.d_head)
+        b, sq, h, _ = q.shape
+        lse = torch.empty((b, h, sq) if return_lse else (0,), device=q.device, dtype=torch.float32)
         if out is None:
-            return self._op(q, k, v, scale)
-        self._op_out(q, k, v, out, scale)
-        return out
+            out = attn._op(q, k, v, lse, scale, offset, left, right)
+        else:
+            attn._op_out(q, k, v, out, lse, scale, offset, left, right)
+        return (out, lse) if return_lse else out
 
 
 class AutoAttention:
@@ -121,12 +164,12 @@ class AutoAttention:
             raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
         return lookup(torch.cuda.get_device_name(q.device), dtype, int(q.shape[3]), int(q.shape[1]))
 
-    def __call__(self, q, k, v, out=None, softmax_scale=None):
+    def __call__(self, q, k, v, **kwargs):
         cfg = self.select(q)
         attn = self._built.get(cfg)
         if attn is None:
             attn = self._built[cfg] = Attention(build(cfg, verbose=self.verbose))
-        return attn(q, k, v, out=out, softmax_scale=softmax_scale)
+        return attn(q, k, v, **kwargs)
 
 
 def compile(cfg: Any, verbose: bool = False) -> "Attention | AutoAttention":  # noqa: A001 - the public name users expect

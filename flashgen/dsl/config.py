@@ -32,7 +32,9 @@ KNOBS: tuple[str, ...] = (
     "V_mma_load_K_tiles",
     "mma_double_buffer_loads",
     "optimized_softmax",
+    "mask",
 )
+MASKS = ("none", "causal", "window")
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # m16n8k16
 FRAG_K = 8  # one "k tile" = 8 columns of the reduction dimension (one 8x8 ldmatrix matrix)
@@ -96,6 +98,9 @@ class KernelConfig:
     V_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("V_mma_load_K_tiles", v))
     mma_double_buffer_loads: bool = True
     optimized_softmax: bool = True
+    #: score mask compiled into the kernel: none, causal (alignment chosen per call) or a
+    #: sliding window (left/right sizes chosen per call). Tails (any length) are always handled.
+    mask: str = "none"
 
     def __attrs_post_init__(self) -> None:
         for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax"):
@@ -119,13 +124,25 @@ class KernelConfig:
         return self.rows_per_warp // MMA_M
 
     @property
+    def d_smem(self) -> int:
+        """Columns of a shared-memory tile: d_head rounded up to 64, 128 or 256 (whole 64-wide
+        swizzle blocks, a power-of-two count so 16-byte chunks split evenly over the threads)."""
+        blocks = -(-self.d_head // SWIZZLE_TILE_COLS)
+        return SWIZZLE_TILE_COLS * (1 << (blocks - 1).bit_length())
+
+    @property
+    def d_mma(self) -> int:
+        """d_head rounded up to the MMA's k16; columns in [d_head, d_mma) are zero-filled."""
+        return -(-self.d_head // MMA_K) * MMA_K
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: one Q, one K and one V block (O reuses Q's space)."""
-        return (self.B_r + 2 * self.B_c) * self.d_head * self.dtype.size
+        return (self.B_r + 2 * self.B_c) * self.d_smem * self.dtype.size
 
     def k_tiles(self, operand: str) -> int:
-        """Total 8-wide k tiles of an operand's reduction dimension (Q/K: d_head, V: B_c)."""
-        return (self.B_c if operand == "V" else self.d_head) // FRAG_K
+        """Total 8-wide k tiles of an operand's reduction dimension (Q/K: d_mma, V: B_c)."""
+        return (self.B_c if operand == "V" else self.d_mma) // FRAG_K
 
     def load_k_tiles(self, operand: str) -> int:
         """k tiles loaded shared->registers per step for operand Q, K or V (0 resolved to all)."""
@@ -139,14 +156,14 @@ class KernelConfig:
 
     def rf_tile_regs(self, operand: str) -> int:
         """32-bit registers per thread holding one operand's register tile(s)."""
-        rows = {"Q": self.rows_per_warp, "K": self.B_c, "V": self.d_head}[operand]
+        rows = {"Q": self.rows_per_warp, "K": self.B_c, "V": self.d_mma}[operand]
         elems = rows * self.load_k_tiles(operand) * FRAG_K * self.rf_buffers(operand)
         return elems * self.dtype.size // 4 // 32
 
     @property
     def register_estimate(self) -> int:
         """Rough registers per thread: accumulators + operand tiles + ~40 for addresses and softmax."""
-        o_acc = self.rows_per_warp * self.d_head // 32
+        o_acc = self.rows_per_warp * self.d_mma // 32
         s_acc = self.rows_per_warp * self.B_c // 32
         tiles = sum(self.rf_tile_regs(op) for op in "QKV")
         return o_acc + s_acc + tiles + 40
@@ -207,6 +224,8 @@ class KernelConfig:
             out.append("buffer")
         if self.optimized_softmax:
             out.append("opt_softmax")
+        if self.mask != "none":
+            out.append(self.mask)
         return tuple(out)
 
     def short_form(self) -> str:
@@ -236,6 +255,8 @@ class KernelConfig:
             parts.append("buf")
         if self.optimized_softmax:
             parts.append("opt")
+        if self.mask != "none":
+            parts.append(self.mask)
         return "_".join(parts)
 
     def content_hash(self) -> str:
@@ -248,13 +269,13 @@ class KernelConfig:
 
 
 def _rule_sizes(c: KernelConfig) -> None:
-    if c.d_head <= 0 or c.d_head % SWIZZLE_TILE_COLS:
+    if c.mask not in MASKS:
+        raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
+    if c.d_head <= 0 or c.d_head % 8 or c.d_head > 256:
         raise ConfigError(
-            f"d_head={c.d_head}: must be a positive multiple of {SWIZZLE_TILE_COLS} "
-            f"(shared-memory tiles are {SWIZZLE_TILE_COLS} elements wide); supported: 64, 128, 192, 256"
+            f"d_head={c.d_head}: must be a multiple of 8 between 8 and 256 "
+            "(rows move in 16-byte vectors; larger heads exceed the register file)"
         )
-    if c.d_head > 256:
-        raise ConfigError(f"d_head={c.d_head}: at most 256 is supported (register file limit)")
     if not _is_pow2(c.n_warps) or c.n_warps > 16:
         raise ConfigError(f"n_warps={c.n_warps}: must be a power of two between 1 and 16")
     if c.B_r <= 0 or c.B_r % (MMA_M * c.n_warps):
@@ -264,11 +285,17 @@ def _rule_sizes(c: KernelConfig) -> None:
         )
     if c.B_c <= 0 or c.B_c % 16:
         raise ConfigError(f"B_c={c.B_c}: must be a positive multiple of 16 (an ldmatrix.x4 covers 16 key rows)")
-    chunks = c.B_c * c.d_head // 8
+    chunks = c.B_c * c.d_smem // 8
     if chunks % c.threads:
         raise ConfigError(
             f"B_c={c.B_c}, d_head={c.d_head}, n_warps={c.n_warps}: the K/V block's {chunks} 16-byte chunks "
             f"must split evenly over the CTA's {c.threads} threads"
+        )
+    acc = (c.rows_per_warp * (c.d_mma + c.B_c) // 32)
+    if acc > 224:
+        raise ConfigError(
+            f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}: the O and S accumulators alone need "
+            f"{acc} registers per thread (> 224 of 255); use fewer rows per warp (smaller B_r or more warps) or a smaller B_c"
         )
 
 
@@ -281,7 +308,7 @@ def _rule_tile_counts(c: KernelConfig) -> None:
     for op in "QKV":
         n = getattr(c, f"{op}_mma_load_K_tiles")
         total = c.k_tiles(op)
-        red = "d_head" if op != "V" else "B_c"
+        red = "d_head (rounded up to 16)" if op != "V" else "B_c"
         name = f"{op}_mma_load_K_tiles"
         if n < 0:
             raise ConfigError(f"{name}={n}: must be 0 (whole block) or a power of two >= 2")
@@ -291,6 +318,10 @@ def _rule_tile_counts(c: KernelConfig) -> None:
             raise ConfigError(
                 f"{name}={n}: must be 0 (whole block) or a power of two >= 2 "
                 f"(an m16n8k16 MMA consumes 2 k tiles of 8 columns)"
+            )
+        if total % n:
+            raise ConfigError(
+                f"{name}={n}: {n} k tiles of 8 must divide the {total * 8} columns of {red}"
             )
         limit = total // 2 if c.mma_double_buffer_loads else total
         if n > limit:
@@ -306,7 +337,7 @@ def _rule_tile_counts(c: KernelConfig) -> None:
 def _rule_smem(c: KernelConfig) -> None:
     if c.smem_bytes > SMEM_LIMIT_BYTES:
         raise ConfigError(
-            f"shared memory (B_r + 2*B_c) * d_head * {c.dtype.size} = {c.smem_bytes} bytes exceeds the "
+            f"shared memory (B_r + 2*B_c) * {c.d_smem} columns * {c.dtype.size} = {c.smem_bytes} bytes exceeds the "
             f"{SMEM_LIMIT_BYTES}-byte per-block limit"
         )
 

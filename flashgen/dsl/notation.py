@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: The short form's flags in canonical order (``KernelConfig.flags`` prints them so).
-VALID_FLAGS: tuple[str, ...] = ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax")
+VALID_FLAGS: tuple[str, ...] = ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window")
 
 #: d_head of a short form that gives three sizes, ``(dtype, B_r, B_c, n_warps)``.
 SHORT_FORM_D_HEAD = 128
@@ -197,6 +197,13 @@ class _ToObjects(Transformer):
     def opt_softmax_flag(self, tok: Token) -> _Flag:
         return _flag("opt_softmax", tok, optimized_softmax=True)
 
+    # causal and window both choose the score mask: at most one of them (same canonical name)
+    def causal_flag(self, tok: Token) -> _Flag:
+        return _flag("mask", tok, mask="causal")
+
+    def window_flag(self, tok: Token) -> _Flag:
+        return _flag("mask", tok, mask="window")
+
     def flags(self, *flags: _Flag) -> tuple[_Flag, ...]:
         return flags
 
@@ -215,7 +222,7 @@ _TO_OBJECTS = _ToObjects()
 
 # ---- lark's errors -> NotationError ----------------------------------------------------
 
-_FLAG_TERMINALS = frozenset({"ASYNC", "EAGER", "SWIZZLED", "LOAD_TILES", "BUFFER", "OPT_SOFTMAX"})
+_FLAG_TERMINALS = frozenset({"ASYNC", "EAGER", "SWIZZLED", "LOAD_TILES", "BUFFER", "OPT_SOFTMAX", "CAUSAL", "WINDOW"})
 _TERMINAL_WORDS = {
     "NAT": "a non-negative integer",
     "INT": "an integer",

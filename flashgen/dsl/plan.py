@@ -118,8 +118,9 @@ class Step:
     """One pipeline step. ``op`` in: copy, commit, wait, barrier, load_rf, gemm, softmax.
 
     ``arg``: tensor for copy/load_rf, GEMM name, or the wait_group count; ``block``:
-    which KV block a copy fetches (``"j"`` or ``"j+1"``, ``"0"``); ``guard``: a C++
+    which KV block a copy fetches (``"j"``, ``"j+1"`` or ``"j_begin"``); ``guard``: a C++
     condition on the loop index; ``why``: a short comment carried into the source.
+    The loop runs ``j`` over ``[j_begin, n_blocks)``: all key blocks, or those a mask keeps.
     """
 
     op: str
@@ -147,10 +148,115 @@ class KernelPlan:
     gemm_O: WarpGemm
     schedule: Schedule
     row_reduce_lanes: tuple[int, ...]  # xor masks joining the lanes that share a C-fragment row
+    score_mask: "ScoreMask"
+    #: columns that hold data; shared-memory columns in [valid_cols, d_smem) are zero-filled
+    #: by the g2s copies and never stored by s2g. Rows are bounded at run time (tails).
+    valid_cols: int
 
     @property
     def mma(self) -> MMA_16x8x16:
         return self.gemm_S.mma
+
+
+@attrs.frozen
+class ScoreMask:
+    """Which scores S[i, j] (global query row i, key column j) survive; the others become -inf.
+
+    Always: ``j < seq_k`` (tail blocks). ``causal``: ``j <= i + offset`` (offset 0 aligns
+    the diagonal top-left, ``seq_k - seq_q`` bottom-right). ``window``: additionally
+    ``i + offset - left <= j`` and ``j <= i + offset + right``, a negative size meaning
+    unbounded on that side. Offsets and sizes are run-time arguments of the kernel.
+    ``keep``/``block_range``/``block_needs_mask`` evaluate the rule in Python; ``to_cpp``
+    renders the same rule as ``__host__ __device__`` functions (tests compare the two).
+    """
+
+    kind: str
+    B_r: int
+    B_c: int
+
+    def row_range(self, i: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
+        """Key columns ``[lo, hi)`` kept for query row ``i`` (possibly empty)."""
+        lo, hi = 0, seq_k
+        if self.kind == "causal":
+            hi = min(hi, i + offset + 1)
+        elif self.kind == "window":
+            if right >= 0:
+                hi = min(hi, i + offset + right + 1)
+            if left >= 0:
+                lo = max(lo, i + offset - left)
+        return lo, hi
+
+    def keep(self, i: int, j: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
+        lo, hi = self.row_range(i, seq_k, offset, left, right)
+        return lo <= j < hi
+
+    def block_range(self, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
+        """``[j_begin, j_end)``: the key blocks holding any kept score for rows ``[q_row0, q_row0 + B_r)``."""
+        n = -(-seq_k // self.B_c)
+        last = min(q_row0 + self.B_r, seq_q) - 1
+        begin, end = 0, n
+        if self.kind == "causal" or (self.kind == "window" and right >= 0):
+            hi = last + offset + (right if self.kind == "window" else 0)
+            end = min(n, max(0, hi // self.B_c + 1)) if hi >= 0 else 0
+        if self.kind == "window" and left >= 0:
+            lo = q_row0 + offset - left
+            begin = max(0, lo // self.B_c)
+        return begin, max(begin, end)
+
+    def block_needs_mask(self, jb: int, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
+        """False when every score of key block ``jb`` for these rows is kept (the mask can be skipped)."""
+        c0, c1 = jb * self.B_c, (jb + 1) * self.B_c - 1
+        last = min(q_row0 + self.B_r, seq_q) - 1
+        if c1 >= seq_k:
+            return True
+        if self.kind == "causal":
+            return c1 > q_row0 + offset
+        if self.kind == "window":
+            return (right >= 0 and c1 > q_row0 + offset + right) or (left >= 0 and c0 < last + offset - left)
+        return False
+
+    def to_cpp(self) -> str:
+        """The three functions above as C++ (floor division where operands may be negative)."""
+        kind = self.kind
+        row = ["int l = 0, h = seq_k;"]
+        if kind == "causal":
+            row.append("if (i + offset + 1 < h) h = i + offset + 1;")
+        elif kind == "window":
+            row.append("if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;")
+            row.append("if (left >= 0 && i + offset - left > l) l = i + offset - left;")
+        row.append("*lo = l; *hi = h;")
+        rng = [
+            "const int n = (seq_k + B_c - 1) / B_c;",
+            "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;",
+            "int begin = 0, end = n;",
+        ]
+        if kind in ("causal", "window"):
+            hi = "last + offset" + (" + right" if kind == "window" else "")
+            cond = "" if kind == "causal" else "if (right >= 0) "
+            rng.append(f"{cond}{{ const int hi = {hi}; end = hi >= 0 ? (hi / (int)B_c + 1 < n ? hi / (int)B_c + 1 : n) : 0; }}")
+        if kind == "window":
+            rng.append("if (left >= 0) { const int lo = q_row0 + offset - left; begin = lo > 0 ? lo / (int)B_c : 0; }")
+        rng.append("*j_begin = begin; *j_end = end > begin ? end : begin;")
+        need = ["const int c0 = jb * (int)B_c, c1 = (jb + 1) * (int)B_c - 1;", "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;", "(void)c0; (void)last;", "if (c1 >= seq_k) return true;"]
+        if kind == "causal":
+            need.append("return c1 > q_row0 + offset;")
+        elif kind == "window":
+            need.append("return (right >= 0 && c1 > q_row0 + offset + right) || (left >= 0 && c0 < last + offset - left);")
+        else:
+            need.append("return false;")
+        sig = "int seq_q, int seq_k, int offset, int left, int right"
+        ind = lambda lines: "\n".join("    " + l for l in lines)
+        return (
+            f"// score mask '{kind}' (ScoreMask in the plan): key columns [lo, hi) kept for query row i\n"
+            f"__host__ __device__ __forceinline__ void score_row_range(int i, int seq_k, int offset, int left, int right, int* lo, int* hi) {{\n"
+            f"    (void)i; (void)offset; (void)left; (void)right;\n{ind(row)}\n}}\n"
+            f"// key blocks [j_begin, j_end) holding any kept score of the CTA's rows [q_row0, q_row0 + B_r)\n"
+            f"__host__ __device__ __forceinline__ void kv_block_range(int q_row0, {sig}, int* j_begin, int* j_end) {{\n"
+            f"    (void)offset; (void)left; (void)right;\n{ind(rng)}\n}}\n"
+            f"// false when every score of key block jb is kept for these rows\n"
+            f"__host__ __device__ __forceinline__ bool block_needs_mask(int jb, int q_row0, {sig}) {{\n"
+            f"    (void)offset; (void)left; (void)right; (void)seq_q;\n{ind(need)}\n}}"
+        )
 
 
 def _row_reduce_lanes(c_map: TVMap) -> tuple[int, ...]:
@@ -174,7 +280,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
         body = (
             S("copy", "K", "j", why="K_j -> shared"),
             S("barrier", why="K_j visible to all warps"),
-            S("load_rf", "Q", guard="j == 0", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
+            S("load_rf", "Q", guard="j == j_begin", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
             S("gemm", "S", why="S = Q K_j^T"),
             S("copy", "V", "j", why="V_j -> shared"),
             S("barrier", why="V_j visible"),
@@ -190,7 +296,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
             S("commit"),
             S("wait", "0", why="Q and K_j have landed"),
             S("barrier", why="... and are visible to all warps"),
-            S("load_rf", "Q", guard="j == 0", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
+            S("load_rf", "Q", guard="j == j_begin", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
             S("copy", "V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
             S("commit"),
             S("gemm", "S", why="S = Q K_j^T"),
@@ -203,7 +309,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
         return Schedule(pro, tuple(s for s in body if s))
     pro = (
         S("copy", "Q", why="Q block"),
-        S("copy", "K", "0", why="first K block together with Q"),
+        S("copy", "K", "j_begin", guard="j_begin < n_blocks", why="first K block together with Q"),
         S("commit"),
     )
     body = (
@@ -211,7 +317,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
         S("commit"),
         S("wait", "1", why="all but the newest group (V_j) have landed: Q, K_j"),
         S("barrier", why="K_j visible to all warps"),
-        S("load_rf", "Q", guard="j == 0", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
+        S("load_rf", "Q", guard="j == j_begin", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
         S("gemm", "S", why="S = Q K_j^T"),
         S("barrier", why="all warps done reading K_j"),
         S("copy", "K", "j+1", guard="j + 1 < n_blocks", why="prefetch K_{j+1} during softmax and P V_j"),
@@ -228,7 +334,9 @@ def _schedule(cfg: KernelConfig) -> Schedule:
 
 def make_plan(cfg: KernelConfig) -> KernelPlan:
     """The DSL objects of one kernel config (pure; equal configs give equal plans)."""
-    dt, D, BR, BC, T = cfg.dtype, cfg.d_head, cfg.B_r, cfg.B_c, cfg.threads
+    dt, BR, BC, T = cfg.dtype, cfg.B_r, cfg.B_c, cfg.threads
+    D = cfg.d_smem  # shared-memory tile width (whole 64-column swizzle blocks)
+    DM = cfg.d_mma  # columns the MMAs cover (d_head rounded up to 16)
     rpw = cfg.rows_per_warp
     mma = MMA_16x8x16(dt)
 
@@ -254,8 +362,8 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
         "Q": OperandLoad(
             "Q",
             TiledCopy(
-                "s2r_Q", SM2RF(4), tensors["sQ"], Tensor("rQ", "RF", dt, Layout((cfg.m_tiles_per_warp, D // 16, 4), (4, 4 * cfg.m_tiles_per_warp, 1))),
-                Partition(ldmatrix_x4_rows_then_cols("ldsm_A"), (Loop("mi", cfg.m_tiles_per_warp, 16, 0), Loop("kk", D // 16, 0, 16)), rpw),
+                "s2r_Q", SM2RF(4), tensors["sQ"], Tensor("rQ", "RF", dt, Layout((cfg.m_tiles_per_warp, DM // 16, 4), (4, 4 * cfg.m_tiles_per_warp, 1))),
+                Partition(ldmatrix_x4_rows_then_cols("ldsm_A"), (Loop("mi", cfg.m_tiles_per_warp, 16, 0), Loop("kk", DM // 16, 0, 16)), rpw),
                 "warp",
             ),
             cfg.load_k_tiles("Q"), cfg.rf_buffers("Q"), cfg.Q_mma_load_K_tiles == 0,
@@ -263,8 +371,8 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
         "K": OperandLoad(
             "K",
             TiledCopy(
-                "s2r_K", SM2RF(4), tensors["sK"], Tensor("rK", "RF", dt, Layout((BC // 16, D // 16, 4), (4, 4 * BC // 16, 1))),
-                Partition(ldmatrix_x4_cols_then_rows("ldsm_B"), (Loop("nn", BC // 16, 16, 0), Loop("kk", D // 16, 0, 16))),
+                "s2r_K", SM2RF(4), tensors["sK"], Tensor("rK", "RF", dt, Layout((BC // 16, DM // 16, 4), (4, 4 * BC // 16, 1))),
+                Partition(ldmatrix_x4_cols_then_rows("ldsm_B"), (Loop("nn", BC // 16, 16, 0), Loop("kk", DM // 16, 0, 16))),
                 "warp",
             ),
             cfg.load_k_tiles("K"), cfg.rf_buffers("K"), False,
@@ -272,8 +380,8 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
         "V": OperandLoad(
             "V",
             TiledCopy(
-                "s2r_V", SM2RF(4, trans=True), tensors["sV"], Tensor("rV", "RF", dt, Layout((BC // 16, D // 16, 4), (4, 4 * BC // 16, 1))),
-                Partition(ldmatrix_x4_rows_then_cols("ldsm_Bt"), (Loop("kk", BC // 16, 16, 0), Loop("nn", D // 16, 0, 16))),
+                "s2r_V", SM2RF(4, trans=True), tensors["sV"], Tensor("rV", "RF", dt, Layout((BC // 16, DM // 16, 4), (4, 4 * BC // 16, 1))),
+                Partition(ldmatrix_x4_rows_then_cols("ldsm_Bt"), (Loop("kk", BC // 16, 16, 0), Loop("nn", DM // 16, 0, 16))),
                 "warp",
             ),
             cfg.load_k_tiles("V"), cfg.rf_buffers("V"), False,
@@ -281,8 +389,8 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
     }
     c_map = mma.c_map
     r2s = TiledCopy(
-        "r2s_O", RF2SM(), Tensor("rO", "RF", dt, Layout((cfg.m_tiles_per_warp, D // 8, 4), (4, 4 * cfg.m_tiles_per_warp, 1))), tensors["sO"],
-        Partition(c_map, (Loop("mi", cfg.m_tiles_per_warp, 16, 0), Loop("nt", D // 8, 0, 8)), rpw),
+        "r2s_O", RF2SM(), Tensor("rO", "RF", dt, Layout((cfg.m_tiles_per_warp, DM // 8, 4), (4, 4 * cfg.m_tiles_per_warp, 1))), tensors["sO"],
+        Partition(c_map, (Loop("mi", cfg.m_tiles_per_warp, 16, 0), Loop("nt", DM // 8, 0, 8)), rpw),
         "warp",
     )
     s2g = TiledCopy(
@@ -290,8 +398,9 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
         Partition(vector_copy_tv("s2g_O", rpw, D, 32), (), rpw),
         "warp",
     )
-    gemm_S = WarpGemm("S", mma, cfg.m_tiles_per_warp, BC // 8, D, s2r["Q"], s2r["K"])
-    gemm_O = WarpGemm("O", mma, cfg.m_tiles_per_warp, D // 8, BC, None, s2r["V"])
+    gemm_S = WarpGemm("S", mma, cfg.m_tiles_per_warp, BC // 8, DM, s2r["Q"], s2r["K"])
+    gemm_O = WarpGemm("O", mma, cfg.m_tiles_per_warp, DM // 8, BC, None, s2r["V"])
     return KernelPlan(
-        cfg, tensors, g2s, s2r, r2s, s2g, gemm_S, gemm_O, _schedule(cfg), _row_reduce_lanes(c_map)
+        cfg, tensors, g2s, s2r, r2s, s2g, gemm_S, gemm_O, _schedule(cfg), _row_reduce_lanes(c_map),
+        ScoreMask(cfg.mask, BR, BC), cfg.d_head,
     )

@@ -22,33 +22,45 @@ _BINDING = CodeTemplate(
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-extern "C" int ${name}_launch(const void* q, const void* k, const void* v, void* o, const int64_t* strides,
-                               int batch, int heads, int seq_q, int seq_k, float softmax_scale, void* stream);
+$args_struct
+extern "C" int ${name}_launch(const ${name}_args* args, void* stream);
 
 namespace {
 
-// q, k, v, out: (batch, seq, heads, d_head) views with a contiguous d_head; checked by the caller.
-void run_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, double softmax_scale) {
+// q: (batch, seq_q, heads, d), k/v: (batch, seq_k, kv_heads, d), out like q, lse (batch, heads, seq_q)
+// fp32 or an empty tensor; d_head contiguous. Checked by the caller (flashgen.runtime).
+void run_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+             double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right) {
     const c10::cuda::CUDAGuard guard(q.device());
-    const int64_t strides[12] = {q.stride(0), q.stride(2), q.stride(1), k.stride(0), k.stride(2), k.stride(1),
-                                 v.stride(0), v.stride(2), v.stride(1), out.stride(0), out.stride(2), out.stride(1)};
-    const int err = ${name}_launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), strides,
-                                   (int)q.size(0), (int)q.size(2), (int)q.size(1), (int)k.size(1),
-                                   (float)softmax_scale, c10::cuda::getCurrentCUDAStream().stream());
+    ${name}_args a{};
+    a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.o = out.data_ptr();
+    a.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
+    const at::Tensor* ts[4] = {&q, &k, &v, &out};
+    int64_t* strides[4] = {a.q_stride, a.k_stride, a.v_stride, a.o_stride};
+    for (int i = 0; i < 4; ++i) {
+        strides[i][0] = ts[i]->stride(0); strides[i][1] = ts[i]->stride(2); strides[i][2] = ts[i]->stride(1);
+    }
+    if (lse.numel()) { a.lse_stride[0] = lse.stride(0); a.lse_stride[1] = lse.stride(1); }
+    a.batch = (int)q.size(0); a.heads = (int)q.size(2); a.kv_heads = (int)k.size(2);
+    a.seq_q = (int)q.size(1); a.seq_k = (int)k.size(1);
+    a.softmax_scale = (float)softmax_scale;
+    a.mask_offset = (int)mask_offset; a.window_left = (int)window_left; a.window_right = (int)window_right;
+    const int err = ${name}_launch(&a, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == 0, "$name: launch failed: ", cudaGetErrorString((cudaError_t)err));
 }
 
-at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softmax_scale) {
+at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse, double softmax_scale,
+               int64_t mask_offset, int64_t window_left, int64_t window_right) {
     at::Tensor out = at::empty_like(q);
-    run_out(q, k, v, out, softmax_scale);
+    run_out(q, k, v, out, lse, softmax_scale, mask_offset, window_left, window_right);
     return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashgen, m) {
-    m.def("$name(Tensor q, Tensor k, Tensor v, float softmax_scale) -> Tensor");
-    m.def("${name}_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float softmax_scale) -> ()");
+    m.def("$name(Tensor q, Tensor k, Tensor v, Tensor(a!) lse, float softmax_scale, int mask_offset, int window_left, int window_right) -> Tensor");
+    m.def("${name}_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, float softmax_scale, int mask_offset, int window_left, int window_right) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashgen, CUDA, m) {
@@ -60,4 +72,6 @@ TORCH_LIBRARY_IMPL(flashgen, CUDA, m) {
 
 
 def binding_source(cfg: KernelConfig, name: str) -> str:
-    return _BINDING.substitute(name=name, short_form=cfg.short_form())
+    from .kernel import args_struct
+
+    return _BINDING.substitute(name=name, short_form=cfg.short_form(), args_struct=args_struct(name))

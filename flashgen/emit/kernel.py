@@ -163,23 +163,43 @@ _SPLITS: dict = {}
 
 
 def _g2s_lambda(plan: KernelPlan, op: str) -> str:
+    """``copy_<op>(src, ld, rows_valid)``: a block global -> shared; rows >= rows_valid and
+    columns >= valid_cols are zero-filled (no global read), the full-block path has no predicates."""
     copy = plan.g2s[op]
     n = copy.partition.tv.n_values
     split = plan_splits(plan)[copy.name]
     dst = _smem_addr(plan, copy, ["v"], ["tid"])
     if split is not None:
+        row = f"(row0 + {copy.name}_drow[v])"
+        col = f"(col0 + {copy.name}_dcol[v])"
+        first = (
+            f"    {_base_decl(plan, copy, ['tid'])}\n"
+            f"    const uint32_t row0 = g2s_{op}_row(tid, 0), col0 = g2s_{op}_col(tid, 0);\n"
+            f"    const elem_t* g = src + int64_t(row0) * ld + col0;\n"
+        )
         src = f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]"
-        first = f"    const elem_t* g = src + int64_t(g2s_{op}_row(tid, 0)) * ld + g2s_{op}_col(tid, 0);\n"
+        step = split.d_row[1] if len(split.d_row) > 1 else 0
+        if all(c == 0 for c in split.d_col) and all(r == v * step for v, r in enumerate(split.d_row)):
+            # value v is `step` rows below value v-1: walk one pointer instead of n 64-bit offsets
+            first += f"    const int64_t step_ld = {step} * ld;\n"
+            src = "g + int64_t(v) * step_ld"
     else:
-        src = f"src + int64_t(g2s_{op}_row(tid, v)) * ld + g2s_{op}_col(tid, v)"
-        first = ""
+        row, col = f"g2s_{op}_row(tid, v)", f"g2s_{op}_col(tid, v)"
+        first = "    const elem_t* g = src;\n"
+        src = f"src + int64_t({row}) * ld + {col}"
+    partial_cols = plan.valid_cols < plan.cfg.d_smem
+    col_ok = f" && {col} < {plan.valid_cols}u" if partial_cols else ""
+    ok = f"{row} < (uint32_t)rows_valid{col_ok}"
     if copy.atom.is_async:
-        move = f"cp_async_16({dst}, {src});"
+        # one path for full and tail blocks: an invalid chunk reads nothing (src-size 0) and lands as zeros;
+        # its source address is kept inside the tensor (the thread's first row)
+        move = f"{{ const bool ok = {ok}; cp_async_16_zfill({dst}, ok ? {src} : g, ok); }}"
     else:
-        move = f"st_shared_v4({dst}, ld_global_v4({src}));"
+        move = f"{{ const bool ok = {ok}; st_shared_v4({dst}, ok ? ld_global_v4({src}) : make_uint4(0, 0, 0, 0)); }}"
     return (
-        f"// {copy.atom.name}: {copy.src.name} block -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread\n"
-        f"auto copy_{op} = [&](const elem_t* src, int64_t ld) {{\n"
+        f"// {copy.atom.name}: {copy.src.name} block -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread;\n"
+        f"// rows >= rows_valid (sequence tails){' and columns >= ' + str(plan.valid_cols) if partial_cols else ''} are zero-filled\n"
+        f"auto copy_{op} = [&](const elem_t* src, int64_t ld, int rows_valid) {{\n"
         f"{first}"
         f"    #pragma unroll\n"
         f"    for (uint32_t v = 0; v < {n}; ++v)\n"
@@ -214,9 +234,9 @@ def _operand_loader(plan: KernelPlan, load: OperandLoad) -> str:
         )
     return (
         f"// {copy.name}: {copy.atom.name} from {copy.src.name}, {kk_per_step} k16 block(s) of B_c x all of d_head per step\n"
-        f"auto load_V = [&](uint32_t (&dst)[{kk_per_step}][D / 16][4], uint32_t step) {{\n"
+        f"auto load_V = [&](uint32_t (&dst)[{kk_per_step}][D_MMA / 16][4], uint32_t step) {{\n"
         f"    #pragma unroll\n    for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
-        f"        #pragma unroll\n        for (uint32_t nn = 0; nn < D / 16; ++nn)\n"
+        f"        #pragma unroll\n        for (uint32_t nn = 0; nn < D_MMA / 16; ++nn)\n"
         f"            {fn}(dst[k][nn], {_smem_addr(plan, copy, ['0', f'step * {kk_per_step} + k', 'nn'], ['lane'])});\n"
         f"}};"
     )
@@ -247,7 +267,7 @@ def _gemm_S(plan: KernelPlan) -> list[str]:
     cfg = plan.cfg
     q, k = plan.s2r["Q"], plan.s2r["K"]
     step_cols = k.k_step
-    steps = cfg.d_head // step_cols
+    steps = plan.gemm_S.k // step_cols
     kk = step_cols // 16
     buffers = k.buffers
     decls = [f"uint32_t k_frag[{buffers}][B_c / 16][{kk}][4];"]
@@ -269,7 +289,7 @@ def _gemm_S(plan: KernelPlan) -> list[str]:
         f"            mma_16816(s_acc[mi][nt], {a}, k_frag[@B][nt / {per}][k][{regs} * (nt % {per})], k_frag[@B][nt / {per}][k][{regs} * (nt % {per}) + 1]);",
     ]
     head = [
-        f"// S = Q K_j^T: warp tile {cfg.rows_per_warp} x {cfg.B_c}, reduction d_head={cfg.d_head} in {steps} step(s) of {step_cols}"
+        f"// S = Q K_j^T: warp tile {cfg.rows_per_warp} x {cfg.B_c}, reduction {plan.gemm_S.k} (d_head {cfg.d_head} rounded up to 16) in {steps} step(s) of {step_cols}"
         + (" (register double buffered)" if buffers == 2 else ""),
         "float s_acc[MT][B_c / 8][4];",
         "#pragma unroll",
@@ -285,16 +305,16 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
     cfg = plan.cfg
     v = plan.s2r["V"]
     step_rows = v.k_step
-    steps = cfg.B_c // step_rows
+    steps = plan.gemm_O.k // step_rows
     kk = step_rows // 16
-    decls = [f"uint32_t v_frag[{v.buffers}][{kk}][D / 16][4];"]
+    decls = [f"uint32_t v_frag[{v.buffers}][{kk}][D_MMA / 16][4];"]
     loads = ["load_V(v_frag[@B], @S);"]
     per, regs = OperandLoad.N_TILES_PER_X4, OperandLoad.B_REGS_PER_N_TILE  # see OperandLoad.b_operand_regs
     mmas = [
         "#pragma unroll",
         "for (uint32_t mi = 0; mi < MT; ++mi)",
         "    #pragma unroll",
-        "    for (uint32_t nt = 0; nt < D / 8; ++nt)",
+        "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
         "        #pragma unroll",
         f"        for (uint32_t k = 0; k < {kk}; ++k)",
         f"            mma_16816(o_acc[mi][nt], p_frag[mi][s * {kk} + k], v_frag[@B][k][nt / {per}][{regs} * (nt % {per})], v_frag[@B][k][nt / {per}][{regs} * (nt % {per}) + 1]);",
@@ -311,8 +331,35 @@ def _softmax(plan: KernelPlan) -> list[str]:
     """Online softmax over this warp's rows; each thread holds 2 rows per m tile (C regs {0,1}, {2,3})."""
     cfg = plan.cfg
     shfl = lambda var, op: [f"{var} = {op}({var}, __shfl_xor_sync(0xffffffffu, {var}, {m}));" for m in plan.row_reduce_lanes]
+    c_map = plan.mma.c_map
+    # values 2h and 2h+1 of a lane sit in one row, in neighbouring columns (checked here on the
+    # plan's C map), so one kept-column range per row and lane covers both
+    for lane in range(32):
+        for h in range(2):
+            r, c = c_map(lane, 2 * h)
+            if c_map(lane, 2 * h + 1) != (r, c + 1) or c != c_map(lane, 0)[1]:
+                raise ValueError(f"C fragment map {c_map}: values {2 * h}, {2 * h + 1} of lane {lane} are not a row pair")
+    row, col = c_map.row.to_cpp(["lane", "2 * h"]), c_map.col.to_cpp(["lane", "0"])
     lines = [
-        f"// Online softmax. Lanes xor {list(plan.row_reduce_lanes)} share a row (from the C fragment map).",
+        f"// {plan.score_mask.kind} score mask + key tail, only in blocks that need it. Row/col of accumulator",
+        f"// values (2h, 2h+1) from the MMA's C fragment map: row {c_map.row}, col {c_map.col}",
+        "if constexpr (decltype(masked)::value) {",
+        "    #pragma unroll",
+        "    for (uint32_t mi = 0; mi < MT; ++mi)",
+        "        #pragma unroll",
+        "        for (uint32_t h = 0; h < 2; ++h) {",
+        f"            const int i = q_row0 + int(warp * {cfg.rows_per_warp} + mi * 16 + {row});",
+        "            int lo, hi;",
+        "            score_row_range(i, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
+        f"            const int c0 = j * int(B_c) + int({col});  // key column of value 2h in n tile 0",
+        "            lo -= c0; hi -= c0;",
+        "            #pragma unroll",
+        "            for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
+        "                #pragma unroll",
+        "                for (uint32_t e = 0; e < 2; ++e)",
+        "                    if (int(nt * 8 + e) < lo || int(nt * 8 + e) >= hi) s_acc[mi][nt][2 * h + e] = -INFINITY;",
+        "        }",
+        "}",
         "#pragma unroll",
         "for (uint32_t mi = 0; mi < MT; ++mi) {",
         "    #pragma unroll",
@@ -327,12 +374,12 @@ def _softmax(plan: KernelPlan) -> list[str]:
         lines += [
             "        // max kept in raw S units; exp(scale*(s - m)) = 2^(s*scale*log2e - m*scale*log2e): one FMA + ex2",
             "        const float m_new = fmaxf(row_max[mi][h], mx);",
-            "        const float neg_m = -m_new * scale_log2;",
-            "        if (j > 0) {  // the first block has nothing to rescale",
+            "        const float neg_m = m_new == -INFINITY ? 0.f : -m_new * scale_log2;  // all masked so far: p = 0",
+            "        if (j > j_begin) {  // the first block has nothing to rescale",
             "            const float corr = ex2_approx(fmaf(row_max[mi][h], scale_log2, neg_m));",
             "            row_sum[mi][h] *= corr;",
             "            #pragma unroll",
-            "            for (uint32_t nt = 0; nt < D / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
+            "            for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
             "        }",
             "        row_max[mi][h] = m_new;",
             "        #pragma unroll",
@@ -346,15 +393,16 @@ def _softmax(plan: KernelPlan) -> list[str]:
         lines += [
             "        // max kept in scaled units; p = exp(scale*s - m)",
             "        const float m_new = fmaxf(row_max[mi][h], mx * scale);",
-            "        const float corr = expf(row_max[mi][h] - m_new);",
+            "        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: p = 0",
+            "        const float corr = expf(row_max[mi][h] - m_use);",
             "        row_sum[mi][h] *= corr;",
             "        #pragma unroll",
-            "        for (uint32_t nt = 0; nt < D / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
+            "        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
             "        row_max[mi][h] = m_new;",
             "        #pragma unroll",
             "        for (uint32_t nt = 0; nt < B_c / 8; ++nt) {",
-            "            s_acc[mi][nt][2 * h] = expf(s_acc[mi][nt][2 * h] * scale - m_new);",
-            "            s_acc[mi][nt][2 * h + 1] = expf(s_acc[mi][nt][2 * h + 1] * scale - m_new);",
+            "            s_acc[mi][nt][2 * h] = expf(s_acc[mi][nt][2 * h] * scale - m_use);",
+            "            s_acc[mi][nt][2 * h + 1] = expf(s_acc[mi][nt][2 * h + 1] * scale - m_use);",
             "            row_sum[mi][h] += s_acc[mi][nt][2 * h] + s_acc[mi][nt][2 * h + 1];",
             "        }",
         ]
@@ -378,11 +426,11 @@ def _step_code(plan: KernelPlan, step: Step) -> list[str]:
     cfg = plan.cfg
     if step.op == "copy":
         if step.arg == "Q":
-            code = ["copy_Q(gQ, p.q_ld);"]
+            code = ["copy_Q(gQ, p.q_ld, q_rows_valid);"]
         else:
-            blk = {"": "j", "j": "j", "j+1": "(j + 1)", "0": "0"}[step.block]
-            g = f"g{step.arg}"
-            code = [f"copy_{step.arg}({g} + int64_t({blk}) * B_c * p.{step.arg.lower()}_ld, p.{step.arg.lower()}_ld);"]
+            blk = {"": "j", "j": "j", "j+1": "(j + 1)", "j_begin": "j_begin"}[step.block]
+            g, ld = f"g{step.arg}", f"p.{step.arg.lower()}_ld"
+            code = [f"copy_{step.arg}({g} + int64_t({blk}) * B_c * {ld}, {ld}, p.seq_k - {blk} * (int)B_c);"]
     elif step.op == "commit":
         code = ["cp_async_commit();"]
     elif step.op == "wait":
@@ -424,15 +472,19 @@ $plan_lines
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <math.h>
+#include <type_traits>
 #endif
 
 namespace $name {
 
-constexpr uint32_t B_r = $B_r, B_c = $B_c, D = $d_head, N_WARPS = $n_warps, THREADS = $threads;
+constexpr uint32_t B_r = $B_r, B_c = $B_c, N_WARPS = $n_warps, THREADS = $threads;
+constexpr uint32_t D_HEAD = $d_head, D_MMA = $d_mma, D_SMEM = $d_smem;  // data, MMA-covered, shared-memory columns
 constexpr uint32_t MT = $m_tiles;  // 16-row MMA tiles per warp
 
 // ---- index functions: every shared-memory address of the kernel comes from these ----
 $index_fns
+
+$mask_fns
 
 // ---- address splits: cheap per-thread addressing derived from the functions above ----
 $split_tables
@@ -453,8 +505,11 @@ struct Params {
     int64_t k_batch, k_head, k_ld;
     int64_t v_batch, v_head, v_ld;
     int64_t o_batch, o_head, o_ld;
-    int n_blocks;  // seq_k / B_c
-    float scale;  // softmax scale
+    float* lse; int64_t lse_batch, lse_head;  // optional fp32 log-sum-exp per row (seq contiguous)
+    int seq_q, seq_k;
+    int kv_group;  // query heads per key/value head (GQA/MQA)
+    int mask_offset, window_left, window_right;  // see ScoreMask
+    float scale, scale_log2;  // softmax scale, and scale * log2(e) for exp2
 };
 
 __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params p) {
@@ -464,14 +519,17 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
     const uint32_t sV_addr = sK_addr + $sK_bytes;
     const uint32_t sO_addr = sQ_addr;  // O is staged in Q's shared memory (each warp its own rows)
     const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int64_t q_row0 = int64_t(blockIdx.x) * B_r;
-    const elem_t* gQ = p.q + blockIdx.z * p.q_batch + blockIdx.y * p.q_head + q_row0 * p.q_ld;
-    const elem_t* gK = p.k + blockIdx.z * p.k_batch + blockIdx.y * p.k_head;
-    const elem_t* gV = p.v + blockIdx.z * p.v_batch + blockIdx.y * p.v_head;
-    elem_t* gO = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + q_row0 * p.o_ld;
+    const int q_row0 = int(blockIdx.x) * int(B_r);
+    const int q_rows_valid = p.seq_q - q_row0;  // < B_r in the last query block
+    const elem_t* gQ = p.q + blockIdx.z * p.q_batch + blockIdx.y * p.q_head + int64_t(q_row0) * p.q_ld;
+    // K/V block pointers are recomputed from the (constant-bank) parameters at each use: cheaper than 4 live registers
+    #define gK (p.k + blockIdx.z * p.k_batch + (blockIdx.y / uint32_t(p.kv_group)) * p.k_head)
+    #define gV (p.v + blockIdx.z * p.v_batch + (blockIdx.y / uint32_t(p.kv_group)) * p.v_head)
+    elem_t* gO = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + int64_t(q_row0) * p.o_ld;
     const float scale = p.scale;
-    const float scale_log2 = p.scale * $log2e;
-    const int n_blocks = p.n_blocks;
+    const float scale_log2 = p.scale_log2;
+    int j_begin, n_blocks;  // key blocks [j_begin, n_blocks) hold scores the mask keeps
+    kv_block_range(q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &j_begin, &n_blocks);
     (void)scale; (void)scale_log2;
 
     $bases
@@ -482,14 +540,14 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
     $load_K
     $load_V
 
-    float o_acc[MT][D / 8][4];
+    float o_acc[MT][D_MMA / 8][4];
     float row_max[MT][2], row_sum[MT][2];
     #pragma unroll
     for (uint32_t mi = 0; mi < MT; ++mi) {
         row_max[mi][0] = row_max[mi][1] = -INFINITY;
         row_sum[mi][0] = row_sum[mi][1] = 0.f;
         #pragma unroll
-        for (uint32_t nt = 0; nt < D / 8; ++nt) o_acc[mi][nt][0] = o_acc[mi][nt][1] = o_acc[mi][nt][2] = o_acc[mi][nt][3] = 0.f;
+        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) o_acc[mi][nt][0] = o_acc[mi][nt][1] = o_acc[mi][nt][2] = o_acc[mi][nt][3] = 0.f;
     }
     $q_res_decl
 
@@ -497,27 +555,42 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
     $prologue
 
     // ---- main loop over key/value blocks ----
-    for (int j = 0; j < n_blocks; ++j) {
+    // One key block; `masked` is a compile-time flag: blocks every score of which the mask keeps
+    // (all but the diagonal/window edges and the key tail) run a copy of the body without mask code.
+    auto kv_block = [&](const int j, auto masked) {
         $body
+    };
+    for (int j = j_begin; j < n_blocks; ++j) {
+        if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right))
+            kv_block(j, std::true_type{});
+        else
+            kv_block(j, std::false_type{});
     }
 
     // ---- epilogue: O /= l, registers -> shared (own rows) -> global, 16-byte stores ----
+    $final_wait
     #pragma unroll
     for (uint32_t mi = 0; mi < MT; ++mi) {
         #pragma unroll
         for (uint32_t h = 0; h < 2; ++h) {
             float l = row_sum[mi][h];
             $sum_reduce
-            const float inv = 1.f / l;
+            const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
             #pragma unroll
-            for (uint32_t nt = 0; nt < D / 8; ++nt) { o_acc[mi][nt][2 * h] *= inv; o_acc[mi][nt][2 * h + 1] *= inv; }
+            for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) { o_acc[mi][nt][2 * h] *= inv; o_acc[mi][nt][2 * h + 1] *= inv; }
+            if (p.lse != nullptr) {  // log-sum-exp of the scaled scores, natural log; -inf for an empty row
+                const int row = q_row0 + int(warp * $rows_per_warp + mi * 16 + $c_row_h);
+                if ($lse_writer_lane && row < p.seq_q)
+                    p.lse[blockIdx.z * p.lse_batch + blockIdx.y * p.lse_head + row] = l > 0.f ? $lse_max + logf(l) : -INFINITY;
+            }
         }
     }
+    $epilogue_bases
     // $r2s_comment
     #pragma unroll
     for (uint32_t mi = 0; mi < MT; ++mi)
         #pragma unroll
-        for (uint32_t nt = 0; nt < D / 8; ++nt)
+        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)
             #pragma unroll
             for (uint32_t h = 0; h < 2; ++h)
                 st_shared_b32($r2s_addr, pack2(o_acc[mi][nt][2 * h], o_acc[mi][nt][2 * h + 1]));
@@ -525,25 +598,30 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
     // $s2g_comment
     #pragma unroll
     for (uint32_t v = 0; v < $s2g_values; ++v) {
-        const int64_t row = s2g_O_row(lane, v, warp), col = s2g_O_col(lane, v, warp);
-        st_global_v4(gO + row * p.o_ld + col, ld_shared_v4($s2g_addr));
+        const uint32_t row = s2g_O_row(lane, v, warp), col = s2g_O_col(lane, v, warp);
+        if ((int)row < q_rows_valid && col < D_HEAD)  // query tail rows and padding columns stay unwritten
+            st_global_v4(gO + int64_t(row) * p.o_ld + col, ld_shared_v4($s2g_addr));
     }
+    #undef gK
+    #undef gV
 }
 
 }  // namespace $name
 
-// Launch on `stream`. Tensors are (batch, seq, heads, d_head) or any strides with a
-// contiguous d_head and 16-byte aligned rows; strides are in elements:
-// strides[0..2] = Q (batch, head, seq), [3..5] = K, [6..8] = V, [9..11] = O.
-// Returns a cudaError_t (cudaErrorInvalidValue when seq_q % $B_r or seq_k % $B_c != 0).
-extern "C" int ${name}_launch(const void* q, const void* k, const void* v, void* o, const int64_t* strides,
-                               int batch, int heads, int seq_q, int seq_k, float softmax_scale, void* stream) {
+$args_struct
+
+// Launch on `stream` (a cudaStream_t). Returns a cudaError_t: cudaErrorInvalidValue for
+// sizes the kernel cannot take (non-positive sizes, heads not a multiple of kv_heads).
+extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     using namespace $name;
-    if (seq_q % B_r != 0 || seq_k % B_c != 0 || seq_q <= 0 || seq_k <= 0) return (int)cudaErrorInvalidValue;
-    Params p{(const elem_t*)q, (const elem_t*)k, (const elem_t*)v, (elem_t*)o,
-             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
-             strides[6], strides[7], strides[8], strides[9], strides[10], strides[11],
-             seq_k / (int)B_c, softmax_scale};
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k < 0)
+        return (int)cudaErrorInvalidValue;
+    Params p{(const elem_t*)a->q, (const elem_t*)a->k, (const elem_t*)a->v, (elem_t*)a->o,
+             a->q_stride[0], a->q_stride[1], a->q_stride[2], a->k_stride[0], a->k_stride[1], a->k_stride[2],
+             a->v_stride[0], a->v_stride[1], a->v_stride[2], a->o_stride[0], a->o_stride[1], a->o_stride[2],
+             a->lse, a->lse_stride[0], a->lse_stride[1],
+             a->seq_q, a->seq_k, a->heads / a->kv_heads, a->mask_offset, a->window_left, a->window_right,
+             a->softmax_scale, a->softmax_scale * $log2e};
     constexpr int smem = $smem_bytes;
     if (smem > 48 * 1024) {
         static bool attr_set = false;  // the attribute is per function; set it once
@@ -553,13 +631,31 @@ extern "C" int ${name}_launch(const void* q, const void* k, const void* v, void*
             attr_set = true;
         }
     }
-    dim3 grid(seq_q / B_r, heads, batch);
+    dim3 grid((a->seq_q + B_r - 1) / B_r, a->heads, a->batch);
     kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(p);
     return (int)cudaGetLastError();
 }
 #endif  // FLASHGEN_INDEX_ONLY
 """
 )
+
+
+def args_struct(name: str) -> str:
+    """The C launcher's argument struct; the kernel TU and the torch binding both embed this text."""
+    return f"""// Arguments of {name}_launch. Strides are in elements; d_head is contiguous and rows
+// 16-byte aligned. Tensors are (batch, seq, heads, d_head) or any strided view of one.
+struct {name}_args {{
+    const void* q; const void* k; const void* v; void* o;
+    float* lse;                    // optional fp32 log-sum-exp, (batch, heads, seq_q), or nullptr
+    int64_t q_stride[3];           // (batch, head, seq)
+    int64_t k_stride[3], v_stride[3], o_stride[3];
+    int64_t lse_stride[2];         // (batch, head); seq is contiguous
+    int batch, heads, kv_heads;    // heads % kv_heads == 0 (GQA/MQA)
+    int seq_q, seq_k;              // any lengths >= 1 (seq_k may be 0)
+    float softmax_scale;
+    int mask_offset;               // causal/window diagonal: 0 top-left, seq_k - seq_q bottom-right
+    int window_left, window_right; // sliding-window sizes, -1 = unbounded
+}};"""
 
 
 def _plan_lines(plan: KernelPlan) -> list[str]:
@@ -589,7 +685,7 @@ def emit(cfg: KernelConfig) -> KernelSource:
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ldmatrix.helper(q.copy.atom), ldmatrix.helper(plan.s2r["V"].copy.atom), ptx_mma.helper(plan.mma)]
     if cfg.async_copy:
         helpers.insert(0, cp_async.helpers(plan.g2s["Q"].atom))
-    q_res = f"uint32_t q_res[MT][D / 16][4];  // Q fragments, resident for the whole CTA" if q.resident else "// Q fragments are re-read from shared memory every block"
+    q_res = f"uint32_t q_res[MT][D_MMA / 16][4];  // Q fragments, resident for the whole CTA" if q.resident else "// Q fragments are re-read from shared memory every block"
     body: list[str] = []
     for step in plan.schedule.body:
         body += _step_code(plan, step)
@@ -625,10 +721,22 @@ def emit(cfg: KernelConfig) -> KernelSource:
         prologue=prologue,
         body=body,
         sum_reduce=sum_reduce,
+        d_mma=cfg.d_mma,
+        d_smem=cfg.d_smem,
+        mask_fns=plan.score_mask.to_cpp(),
+        final_wait=(
+            "if (j_begin >= n_blocks) {  // no key block ran: make sure the Q copy has landed before O reuses its space\n"
+            + ("    cp_async_wait<0>();\n" if cfg.async_copy else "")
+            + "    __syncthreads();\n}"
+        ),
+        rows_per_warp=cfg.rows_per_warp,
+        c_row_h=plan.mma.c_map.row.to_cpp(["lane", "2 * h"]),
+        lse_writer_lane=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
+        lse_max="row_max[mi][h] * scale" if cfg.optimized_softmax else "row_max[mi][h]",
+        args_struct=args_struct(name),
         split_tables=[_split_tables(sp) for sp in plan_splits(plan).values() if sp is not None],
-        bases=[_base_decl(plan, plan.g2s[o], ["tid"]) for o in "QKV"]
-        + [_base_decl(plan, plan.s2r["Q"].copy, ["lane", "warp"]), _base_decl(plan, plan.s2r["K"].copy, ["lane"]), _base_decl(plan, plan.s2r["V"].copy, ["lane"])]
-        + [_base_decl(plan, plan.r2s_O, ["lane", "warp"]), _base_decl(plan, plan.s2g_O, ["lane", "warp"])],
+        bases=[_base_decl(plan, plan.s2r["Q"].copy, ["lane", "warp"]), _base_decl(plan, plan.s2r["K"].copy, ["lane"]), _base_decl(plan, plan.s2r["V"].copy, ["lane"])],
+        epilogue_bases=[_base_decl(plan, plan.r2s_O, ["lane", "warp"]), _base_decl(plan, plan.s2g_O, ["lane", "warp"])],
         r2s_addr=_smem_addr(plan, plan.r2s_O, ["2 * h", "mi", "nt"], ["lane", "warp"]),
         s2g_addr=_smem_addr(plan, plan.s2g_O, ["v"], ["lane", "warp"]),
         r2s_comment=f"{plan.r2s_O.name}: {plan.r2s_O.atom.name} of packed pairs into {plan.r2s_O.dst.name}",

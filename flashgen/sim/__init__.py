@@ -1,0 +1,15 @@
+"""CPU simulation of a kernel plan (Numba): the project's oracle, no torch or GPU needed.
+
+Layers, each using only the ones above it:
+
+* ``layout_eval``  -- Layout / Swizzle objects evaluated over every coordinate;
+* ``hardware``     -- instruction semantics written from the PTX ISA alone (ldmatrix,
+  mma.m16n8k16 fragments and numerics, shared-memory banks, fp32 helpers);
+* ``copies``       -- a plan's copies evaluated for every thread/warp/value/loop index:
+  coordinates, smem offsets, byte addresses, bank wavefronts, coverage checks;
+* ``fragments``    -- g2s -> ldmatrix -> mma of the plan, bit-exact against numpy;
+* ``cta``          -- one CTA's forward pass through ``plan.schedule``, with the async
+  copy / barrier hazard tracker;
+* ``report``       -- ``simulate_config(cfg) -> dict`` and ``format_report(results)``,
+  what ``flashgen simulate`` prints.
+"""

@@ -30,7 +30,7 @@ from flashgen.dsl.notation import (
 from flashgen.dsl.swizzle import ComposedLayout, Swizzle
 
 SEED_NAME = "(FP16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax"
-VALID_FLAGS_TEXT = "valid flags: async, eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax"
+VALID_FLAGS_TEXT = "valid flags: async, eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, causal, window"
 
 
 def _configs() -> list[KernelConfig]:
@@ -78,6 +78,7 @@ def test_seed_name_knobs():
         "V_mma_load_K_tiles": 2,
         "mma_double_buffer_loads": True,
         "optimized_softmax": True,
+        "mask": "none",
     }
 
 
@@ -91,8 +92,8 @@ def test_absent_flags_are_false():
 def test_three_sizes_mean_d_head_128():
     cfg = parse_config("(BF16, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax")
     assert (cfg.d_head, cfg.B_r, cfg.B_c, cfg.n_warps) == (128, 128, 64, 4)
-    assert cfg == parse_config(DEFAULTS[2])
-    assert str(cfg) == DEFAULTS[2]
+    assert cfg == parse_config(DEFAULTS[3])
+    assert str(cfg) == DEFAULTS[3]
 
 
 def test_d_head_64_four_sizes():
@@ -181,7 +182,7 @@ def test_unknown_flags_list_the_valid_ones(flag, column):
     err = _notation_error(parse_config, text)
     assert (err.line, err.column) == (1, column)
     assert f"unknown flag '{flag}' at column {column}; {VALID_FLAGS_TEXT}" in str(err)
-    assert VALID_FLAGS == ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax")
+    assert VALID_FLAGS == ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window")
 
 
 def test_unknown_flag_on_a_later_line():

@@ -12,6 +12,11 @@ def helpers(atom: CopyAtom) -> str:
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_addr), "l"(gmem) : "memory");
 }
+// Zero-filling form: copies 16 bytes when `valid`, else reads nothing and writes 16 zero bytes
+// (src-size operand 0). Used for sequence tails and padding columns.
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
 // Close the group of cp.async issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");

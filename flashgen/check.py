@@ -1,0 +1,456 @@
+"""``flashgen check``: compile emitted kernels with nvcc and report ptxas's resource usage.
+
+For each (config, arch) the kernel translation unit is compiled alone::
+
+    nvcc -O3 -std=c++17 --expt-relaxed-constexpr -Xptxas -v -c \
+         -gencode=arch=compute_90a,code=sm_90a <name>.cu -o <name>.sm_90a.o
+
+and ptxas's ``-v`` report is parsed (:func:`parse_ptxas`) into registers, spill
+stores/loads, stack frame and static shared memory; the table adds the config's
+dynamic shared memory. Compiles run in a thread pool (each thread waits on one
+nvcc process). A failing compile reports the ``.cu`` path and the exact command.
+
+Work folders live under ``$FLASHGEN_CACHE/check`` (default ``~/.cache/flashgen/check``),
+one per kernel text and compiler: ``<name>-<key>/`` with the ``.cu``, the objects and
+the ptxas logs. The key hashes the source text, the flags and ``nvcc --version``, so a
+successful result found there is reused (``use_cache=False`` recompiles).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import attrs
+
+from .dsl.config import KernelConfig
+from .emit.kernel import KernelSource, emit
+
+#: Target name -> nvcc ``-gencode`` flag.
+ARCHS: dict[str, str] = {
+    "sm_80": "-gencode=arch=compute_80,code=sm_80",
+    "sm_90a": "-gencode=arch=compute_90a,code=sm_90a",
+}
+DEFAULT_ARCHS = ("sm_80", "sm_90a")
+NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
+PTXAS_VERBOSE = ("-Xptxas", "-v")
+COMPILE_TIMEOUT_S = 900
+
+
+class CheckError(RuntimeError):
+    """nvcc is missing or cannot be run (not a failing kernel: those are CheckResults)."""
+
+
+# ---- nvcc ------------------------------------------------------------------------------
+
+
+def find_nvcc() -> str | None:
+    """``$FLASHGEN_NVCC``, else ``nvcc`` on PATH, else ``$CUDA_HOME/bin/nvcc``; None if none."""
+    env = os.environ.get("FLASHGEN_NVCC")
+    if env:
+        return env if Path(env).exists() else None
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def _nvcc() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CheckError("nvcc not found on PATH (set FLASHGEN_NVCC or CUDA_HOME to point at a CUDA toolkit)")
+    return nvcc
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    try:
+        res = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        raise CheckError(f"cannot run {nvcc}: {exc.strerror or exc}") from None
+    return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "unknown"
+
+
+def compile_command(nvcc: str, cu: Path, arch: str, out: Path) -> list[str]:
+    """The argv that compiles one kernel for ``arch`` with ptxas's resource report."""
+    if arch not in ARCHS:
+        raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    return [nvcc, *NVCC_FLAGS, *PTXAS_VERBOSE, "-c", ARCHS[arch], str(cu), "-o", str(out)]
+
+
+def ptx_command(nvcc: str, cu: Path, arch: str, out: Path) -> list[str]:
+    """The argv that writes the PTX of ``cu`` for ``arch`` (compute_80 / compute_90a)."""
+    if arch not in ARCHS:
+        raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    return [nvcc, *NVCC_FLAGS, "-ptx", f"-arch=compute_{arch.removeprefix('sm_')}", str(cu), "-o", str(out)]
+
+
+# ---- ptxas -v ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PtxasStats:
+    """ptxas's report for one entry function."""
+
+    function: str
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    stack_frame: int  # bytes
+    static_smem: int  # bytes
+    barriers: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """No spills and no stack frame (no local memory)."""
+        return self.spill_stores == 0 and self.spill_loads == 0 and self.stack_frame == 0
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_BARRIERS = re.compile(r"used (\d+) barriers")
+
+
+def parse_ptxas(log: str) -> list[PtxasStats]:
+    """Entry functions of a ``ptxas -v`` log (order of appearance).
+
+    ptxas prints, per entry: ``Compiling entry function 'F'``, ``Function properties
+    for F`` followed by ``N bytes stack frame, N bytes spill stores, N bytes spill
+    loads``, and ``Used N registers, [used N barriers,] [N bytes smem,] ...``.
+    Properties of non-entry (device) functions are ignored.
+    """
+    entries: dict[str, dict] = {}
+    current_entry: str | None = None
+    props_for: str | None = None
+    for line in log.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current_entry = m.group(1)
+            entries[current_entry] = {"frame": (0, 0, 0), "regs": None, "smem": 0, "barriers": 0}
+            props_for = None
+            continue
+        m = _PROPS.search(line)
+        if m:
+            props_for = m.group(1)
+            continue
+        m = _FRAME.search(line)
+        if m and props_for is not None and props_for in entries:
+            entries[props_for]["frame"] = tuple(int(x) for x in m.groups())
+            continue
+        m = _USED.search(line)
+        if m and current_entry is not None:
+            e = entries[current_entry]
+            e["regs"] = int(m.group(1))
+            s = _SMEM.search(line)
+            e["smem"] = int(s.group(1)) if s else 0
+            b = _BARRIERS.search(line)
+            e["barriers"] = int(b.group(1)) if b else 0
+    out = []
+    for name, e in entries.items():
+        if e["regs"] is None:
+            continue
+        stack, st, ld = e["frame"]
+        out.append(PtxasStats(name, e["regs"], st, ld, stack, e["smem"], e["barriers"]))
+    return out
+
+
+# ---- results ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CheckResult:
+    """One (config, arch) compile: ``ok`` and ptxas's numbers, or the failure and its repro."""
+
+    cfg: KernelConfig
+    arch: str
+    ok: bool
+    stats: PtxasStats | None
+    cu_path: Path
+    command: str  # the exact nvcc command line (shell-quoted)
+    log: str  # nvcc's stdout + stderr
+    seconds: float
+    cached: bool = False
+
+    @property
+    def dynamic_smem(self) -> int:
+        return self.cfg.smem_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        """Static (ptxas) + dynamic (the config's Q, K, V blocks) shared memory per CTA."""
+        return self.dynamic_smem + (self.stats.static_smem if self.stats else 0)
+
+    def to_dict(self) -> dict:
+        d = {
+            "name": self.cfg.mangle(),
+            "short_form": self.cfg.short_form(),
+            "arch": self.arch,
+            "ok": self.ok,
+            "cu_path": str(self.cu_path),
+            "command": self.command,
+            "seconds": round(self.seconds, 2),
+            "cached": self.cached,
+            "dynamic_smem_bytes": self.dynamic_smem,
+        }
+        if self.stats:
+            d.update(
+                registers=self.stats.registers,
+                spill_stores=self.stats.spill_stores,
+                spill_loads=self.stats.spill_loads,
+                stack_frame=self.stats.stack_frame,
+                static_smem_bytes=self.stats.static_smem,
+                smem_bytes=self.smem_bytes,
+                barriers=self.stats.barriers,
+            )
+        else:
+            d["error"] = _error_lines(self.log)
+        return d
+
+
+def _error_lines(log: str, limit: int = 20) -> str:
+    lines = [l for l in log.splitlines() if "error" in l.lower() or "fatal" in l.lower()]
+    return "\n".join((lines or log.splitlines())[:limit])
+
+
+# ---- compiling ---------------------------------------------------------------------------
+
+
+def default_workdir() -> Path:
+    from .build import cache_root
+
+    return cache_root() / "check"
+
+
+@functools.lru_cache(maxsize=512)
+def source_of(cfg: KernelConfig) -> KernelSource:
+    """``emit(cfg)``, memoized: emit is pure, so a process may keep what it emitted."""
+    return emit(cfg)
+
+
+class _Sources:
+    """Emit each config once, even when several threads ask for it at the same time."""
+
+    def __init__(self) -> None:
+        self._locks: dict[KernelConfig, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, cfg: KernelConfig) -> KernelSource:
+        with self._guard:
+            lock = self._locks.setdefault(cfg, threading.Lock())
+        with lock:
+            return source_of(cfg)
+
+
+def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
+    h = hashlib.sha256()
+    for part in (src.text, " ".join(NVCC_FLAGS), what, nvcc_version(nvcc)):
+        h.update(part.encode())
+        h.update(b"\0")
+    d = workdir / f"{src.name}-{h.hexdigest()[:12]}"
+    d.mkdir(parents=True, exist_ok=True)
+    cu = d / f"{src.name}.cu"
+    if not cu.exists() or cu.read_text() != src.text:
+        tmp = cu.with_name(f"{cu.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(src.text)
+        os.replace(tmp, cu)  # atomic: a concurrent checker never sees half a file
+    return d
+
+
+def _compile_one(cfg: KernelConfig, arch: str, nvcc: str, workdir: Path, sources: _Sources, use_cache: bool) -> CheckResult:
+    src = sources.get(cfg)
+    d = _kernel_dir(workdir, src, nvcc, "check")
+    cu = d / f"{src.name}.cu"
+    obj = d / f"{src.name}.{arch}.o"
+    log_path = d / f"{src.name}.{arch}.ptxas.txt"
+    argv = compile_command(nvcc, cu, arch, obj)
+    command = shlex.join(argv)
+    if use_cache and log_path.exists() and obj.exists():
+        log = log_path.read_text()
+        stats = parse_ptxas(log)
+        if stats:
+            return CheckResult(cfg, arch, True, stats[0], cu, command, log, 0.0, cached=True)
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        log, ok = res.stdout + res.stderr, res.returncode == 0
+    except subprocess.TimeoutExpired:
+        log, ok = f"nvcc did not finish within {COMPILE_TIMEOUT_S} s", False
+    except OSError as exc:
+        log, ok = f"cannot run nvcc: {exc.strerror or exc}", False
+    seconds = time.perf_counter() - t0
+    stats = parse_ptxas(log) if ok else []
+    if ok and not stats:
+        ok = False
+        log += "\nflashgen: ptxas printed no resource report for the kernel (is -Xptxas -v honoured?)"
+    if ok:
+        tmp = log_path.with_name(f"{log_path.name}.{threading.get_ident()}.tmp")
+        tmp.write_text(log)
+        os.replace(tmp, log_path)
+    else:
+        log_path.unlink(missing_ok=True)
+    return CheckResult(cfg, arch, ok, stats[0] if stats else None, cu, command, log, seconds)
+
+
+def check_configs(
+    cfgs: Iterable[KernelConfig],
+    archs: Sequence[str] = DEFAULT_ARCHS,
+    jobs: int | None = None,
+    workdir: "str | Path | None" = None,
+    use_cache: bool = True,
+    progress: Callable[[CheckResult, int, int], None] | None = None,
+) -> list[CheckResult]:
+    """Compile every (config, arch) with nvcc in ``jobs`` parallel threads (default: cpu count).
+
+    Returns the results in (config, arch) order. Raises CheckError when nvcc is missing
+    or an arch is unknown; a failing compile is a result with ``ok=False``.
+    """
+    cfgs = list(dict.fromkeys(cfgs))
+    archs = list(dict.fromkeys(archs))
+    for arch in archs:
+        if arch not in ARCHS:
+            raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    nvcc = _nvcc()
+    nvcc_version(nvcc)
+    workdir = Path(workdir) if workdir is not None else default_workdir()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckError(f"cannot create the work folder {workdir}: {exc.strerror or exc}") from None
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    sources = _Sources()
+    tasks = [(cfg, arch) for cfg in cfgs for arch in archs]
+    results: list[CheckResult | None] = [None] * len(tasks)
+    with cf.ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(_compile_one, cfg, arch, nvcc, workdir, sources, use_cache): i for i, (cfg, arch) in enumerate(tasks)}
+        for done, fut in enumerate(cf.as_completed(futures), 1):
+            res = fut.result()
+            results[futures[fut]] = res
+            if progress:
+                progress(res, done, len(tasks))
+    return results  # type: ignore[return-value]
+
+
+def ptx_text(cfg: KernelConfig, arch: str = "sm_90a", workdir: "str | Path | None" = None) -> str:
+    """The PTX nvcc generates for ``cfg`` on ``arch`` (``nvcc -ptx``), cached like the checks."""
+    nvcc = _nvcc()
+    src = source_of(cfg)
+    workdir = Path(workdir) if workdir is not None else default_workdir()
+    d = _kernel_dir(workdir, src, nvcc, "ptx")
+    cu = d / f"{src.name}.cu"
+    out = d / f"{src.name}.{arch}.ptx"
+    if out.exists():
+        return out.read_text()
+    argv = ptx_command(nvcc, cu, arch, out.with_name(out.name + f".{threading.get_ident()}.tmp"))
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    if res.returncode != 0:
+        raise CheckError(
+            f"nvcc -ptx failed for {cfg.short_form()} ({arch})\n  source: {cu}\n  reproduce: {shlex.join(argv)}\n"
+            f"{_error_lines(res.stdout + res.stderr)}"
+        )
+    os.replace(argv[-1], out)
+    return out.read_text()
+
+
+# ---- report -----------------------------------------------------------------------------
+
+
+def format_table(results: Sequence[CheckResult]) -> str:
+    """One row per (config, arch): registers, spills, stack, shared memory, status."""
+    head = ("config", "arch", "regs", "spill st", "spill ld", "stack", "smem", "status")
+    rows = []
+    for r in results:
+        if r.stats:
+            s = r.stats
+            status = "ok" if s.clean else "LOCAL MEMORY"
+            rows.append((r.cfg.short_form(), r.arch, str(s.registers), str(s.spill_stores), str(s.spill_loads),
+                         str(s.stack_frame), _smem(r), status))
+        else:
+            rows.append((r.cfg.short_form(), r.arch, "-", "-", "-", "-", f"{r.dynamic_smem}", "FAILED"))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    right = {2, 3, 4, 5, 6}
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def _smem(r: CheckResult) -> str:
+    static = r.stats.static_smem if r.stats else 0
+    return f"{r.smem_bytes}" if not static else f"{r.smem_bytes} ({static} static)"
+
+
+def failure_report(r: CheckResult) -> str:
+    return (
+        f"{r.cfg.short_form()} failed to compile for {r.arch}\n"
+        f"  source:    {r.cu_path}\n"
+        f"  reproduce: {r.command}\n"
+        + "\n".join("  | " + l for l in _error_lines(r.log).splitlines())
+    )
+
+
+# ---- command line -----------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=list(ARCHS), metavar="ARCH",
+                   help=f"targets to compile for (default: {' '.join(DEFAULT_ARCHS)}; choices: {', '.join(ARCHS)})")
+    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                   help="parallel nvcc processes (default: the number of CPUs)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                   help="where the .cu files, objects and ptxas logs go (default: $FLASHGEN_CACHE/check)")
+    p.add_argument("--no-cache", action="store_true", help="recompile even when an identical kernel was checked before")
+    p.add_argument("--fail-on-spill", action="store_true",
+                   help="also exit non-zero when a kernel spills or has a stack frame")
+
+
+def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
+    """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr)."""
+    total = len(cfgs) * len(set(args.arch))
+
+    def progress(r: CheckResult, done: int, n: int) -> None:
+        if r.ok and r.stats:
+            what = f"{r.stats.registers} regs, {r.stats.spill_stores + r.stats.spill_loads} B spills"
+            what += " (cached)" if r.cached else f" ({r.seconds:.1f} s)"
+        else:
+            what = "FAILED"
+        print(f"flashgen: [{done}/{n}] {r.arch} {r.cfg.mangle()}: {what}", file=sys.stderr, flush=True)
+
+    print(f"flashgen: compiling {len(cfgs)} config(s) x {len(set(args.arch))} arch(s) = {total} kernel(s) "
+          f"with {args.jobs or os.cpu_count()} job(s)", file=sys.stderr, flush=True)
+    results = check_configs(cfgs, args.arch, args.jobs, args.workdir, not args.no_cache, progress)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True))
+    else:
+        print(format_table(results))
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(failure_report(r), file=sys.stderr)
+    spilled = [r for r in results if r.stats and not r.stats.clean]
+    if failed:
+        print(f"flashgen: error: {len(failed)} of {len(results)} compile(s) failed", file=sys.stderr)
+        return 1
+    if spilled and args.fail_on_spill:
+        print(f"flashgen: error: {len(spilled)} kernel(s) use local memory (spills or a stack frame)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,324 @@
+"""The ``flashgen`` command: emit, check, simulate, bench, tune.
+
+Every subcommand that takes configs accepts, for each ``CFG``:
+
+* a YAML file: one config, a list, or a sweep (see :mod:`flashgen.emit.sweep`);
+* a short form, quoted: ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``;
+* a named set: ``defaults``, ``progression``, ``progression-all``, ``tuning-space``.
+
+Errors in the input (bad YAML, unknown keys, malformed short forms, unbuildable
+configs, unwritable folders, a missing nvcc) print ``flashgen: error: ...`` to stderr
+and exit with status 1, without a traceback (set ``FLASHGEN_DEBUG=1`` to get one).
+Results go to stdout; progress to stderr. ``bench`` and ``tune`` are delegated to
+:mod:`flashgen.bench` and :mod:`flashgen.tune`, imported only when used.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from .dsl.config import ConfigError
+
+EXIT_ERROR = 1
+
+_CFG_HELP = (
+    "YAML file (one config, a list or a sweep), a quoted short form like "
+    "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
+    "or a named set: defaults, progression, progression-all, tuning-space"
+)
+
+_DESCRIPTION = """\
+flashgen: a Python DSL and CUDA code generator for FlashAttention-2 forward kernels.
+
+  flashgen emit examples/best.yaml -o kernels_out/   write .cu files + manifest.json (CPU only)
+  flashgen check defaults                            nvcc + ptxas: registers, spills, smem
+  flashgen simulate progression                      coverage / bank-conflict report (CPU only)
+  flashgen bench / flashgen tune                     on a GPU
+"""
+
+_EPILOG = """\
+CFG may be a YAML file (see examples/), a quoted short form
+"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+..." with flags async, eager,
+swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or one of the named sets
+defaults, progression, progression-all, tuning-space.
+Run 'flashgen COMMAND --help' for a command's options.
+"""
+
+# Subcommands whose options and implementation live in another module.
+_DELEGATED = {
+    "bench": ("flashgen.bench", "time emitted kernels against PyTorch's SDPA backends (needs a CUDA GPU)"),
+    "tune": ("flashgen.tune", "pick the fastest config per sequence length (needs a CUDA GPU)"),
+}
+
+
+class CommandError(Exception):
+    """An error of the command line itself (printed as ``flashgen: error: ...``)."""
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that are the user's input, not a flashgen bug."""
+    from .check import CheckError
+    from .dsl.notation import NotationError
+    from .emit.writer import WriteError
+
+    return (ConfigError, NotationError, yaml.YAMLError, OSError, CheckError, WriteError, CommandError)
+
+
+# ---- config arguments ---------------------------------------------------------------------
+
+
+def _resolve(specs: Sequence[str], allow_empty: bool = False):
+    """The configs of the CFG arguments; skipped combinations printed to stderr."""
+    from .emit.sweep import merge, resolve
+
+    result = merge(resolve(s) for s in specs)
+    if not result.configs:
+        lines = [s.describe() for s in result.skipped[:20]]
+        more = len(result.skipped) - len(lines)
+        detail = ("\n  " + "\n  ".join(lines) + (f"\n  ... and {more} more" if more > 0 else "")) if lines else ""
+        raise CommandError(
+            f"no valid config in {' '.join(specs)}: "
+            f"{len(result.skipped)} combination(s), all skipped{detail}"
+        )
+    return result
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=min(100, max(60, _columns())))
+
+
+def _columns() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((80, 24)).columns - 2
+
+
+def _print_skipped(result, stream) -> None:
+    for s in result.skipped:
+        print(f"skipped {s.describe()}", file=stream)
+
+
+def _progress(msg: str) -> None:
+    print(f"flashgen: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- emit ---------------------------------------------------------------------------------
+
+
+def _add_emit(sub) -> None:
+    p = sub.add_parser(
+        "emit",
+        help="write one .cu (+ torch binding) per config and a manifest.json (CPU only)",
+        description=_wrap(
+            "Emit the CUDA source of each config: <name>.cu (the kernel and a C launcher), "
+            "<name>.binding.cpp (the torch operator glue) and manifest.json describing every kernel "
+            "(config, short form, hash, threads, shared memory, grid rule, launcher symbol, files). "
+            "<name> is the config's mangled name. Invalid combinations of a sweep are skipped and "
+            "listed with their reason; if nothing is valid the command fails. The folder is replaced "
+            "as a whole and atomically: kernels of the previous emit that are not in this one are removed."
+        ),
+        epilog="examples:\n  flashgen emit examples/tuning_space.yaml -o kernels_out/\n"
+        "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    p.add_argument("-o", "--out", type=Path, default=Path("kernels_out"), metavar="DIR",
+                   help="output folder (default: kernels_out/)")
+    p.add_argument("--force", action="store_true",
+                   help="write even into a folder holding files that flashgen did not write (they are left alone)")
+    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                   help="emit in N processes (default: the number of CPUs)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line (and errors)")
+    p.set_defaults(run=_cmd_emit)
+
+
+def _cmd_emit(args: argparse.Namespace) -> int:
+    from .emit.writer import check_output_folder, emit_all, render, write_files
+
+    result = _resolve(args.cfg)
+    check_output_folder(args.out, force=args.force)  # refuse a bad folder before the (slow) emission
+    cfgs = list(result.configs)
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
+    _progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
+    files = render(emit_all(cfgs, jobs, None if args.quiet else _progress))
+    report = write_files(files, args.out, force=args.force)
+    out = report.out_dir
+    if not args.quiet:
+        for name in report.written:
+            print(f"wrote {out / name}")
+        for name in report.unchanged:
+            print(f"unchanged {out / name}")
+        for name in report.removed:
+            print(f"removed {out / name} (not in this emit)")
+        _print_skipped(result, sys.stdout)
+    parts = [f"{len(cfgs)} kernel(s) in {out}/ ({len(report.written)} file(s) written, {len(report.unchanged)} unchanged)"]
+    if result.invalid:
+        parts.append(f"{len(result.invalid)} invalid combination(s) skipped")
+    if result.pruned:
+        parts.append(f"{len(result.pruned)} pruned")
+    if result.duplicates:
+        parts.append(f"{result.duplicates} duplicate(s) dropped")
+    print("emitted " + "; ".join(parts))
+    return 0
+
+
+# ---- check --------------------------------------------------------------------------------
+
+
+def _add_check(sub) -> None:
+    from . import check
+
+    p = sub.add_parser(
+        "check",
+        help="compile with nvcc for sm_80 and sm_90a; report registers, spills, stack, smem",
+        description=_wrap(
+            "Compile each config's kernel alone with nvcc (-O3 -std=c++17 --expt-relaxed-constexpr "
+            "-Xptxas -v -c) for every --arch, in parallel, and print ptxas's registers, spill "
+            "stores/loads, stack frame and shared memory (static + the config's dynamic) as a table. "
+            "A failing compile prints the .cu path and the exact nvcc command; the exit status is "
+            "then non-zero. Needs nvcc, not a GPU."
+        ),
+        epilog="examples:\n  flashgen check defaults\n  flashgen check examples/progression.yaml --arch sm_90a -j 4 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    check.add_arguments(p)
+    p.set_defaults(run=_cmd_check)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from . import check
+
+    if args.jobs is not None and args.jobs < 1:
+        raise CommandError("--jobs must be at least 1")
+    result = _resolve(args.cfg)
+    _print_skipped(result, sys.stderr)
+    return check.run(list(result.configs), args)
+
+
+# ---- simulate -----------------------------------------------------------------------------
+
+
+def _add_simulate(sub) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="CPU simulation of the plan: coverage, bank conflicts, fragments (no GPU)",
+        description=_wrap(
+            "Evaluate each config's plan with the Numba simulator (flashgen.sim) and report "
+            "copy coverage, shared-memory bank conflicts per instruction and MMA fragment checks."
+        ),
+        epilog="example:\n  flashgen simulate defaults --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.set_defaults(run=_cmd_simulate)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    report = _import_feature("flashgen.sim.report", "simulate")
+    result = _resolve(args.cfg)
+    _print_skipped(result, sys.stderr)
+    cfgs = list(result.configs)
+    reports = []
+    for i, cfg in enumerate(cfgs, 1):
+        _progress(f"[{i}/{len(cfgs)}] simulating {cfg.mangle()}")
+        reports.append(report.simulate_config(cfg))
+    if args.json:
+        print(json.dumps(reports, indent=2, sort_keys=True, default=str))
+    else:
+        print(report.format_report(reports))
+    return 0
+
+
+# ---- bench / tune (delegated) ----------------------------------------------------------------
+
+
+def _import_feature(module: str, command: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == module or module.startswith(exc.name + ".")):
+            raise CommandError(f"'flashgen {command}' is not available: {module} is not part of this installation") from None
+        raise CommandError(f"'flashgen {command}' needs the Python package '{exc.name}', which is not installed") from None
+
+
+def _add_delegated(sub, name: str, module) -> None:
+    modname, summary = _DELEGATED[name]
+    p = sub.add_parser(name, help=summary, description=(module.__doc__ or summary).strip().splitlines()[0] if module else summary)
+    if module is not None:
+        module.add_arguments(p)
+        p.set_defaults(run=module.main)
+    else:
+        p.set_defaults(run=lambda args, _n=name, _m=modname: _import_feature(_m, _n).main(args))
+
+
+# ---- parser and main --------------------------------------------------------------------------
+
+
+def build_parser(delegated: dict | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``delegated`` maps bench/tune to their imported modules (or None)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="flashgen",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"flashgen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    sub.required = True
+    _add_emit(sub)
+    _add_check(sub)
+    _add_simulate(sub)
+    for name in _DELEGATED:
+        _add_delegated(sub, name, (delegated or {}).get(name))
+    return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    for tok in argv:
+        if not tok.startswith("-"):
+            return tok
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``flashgen`` command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    errors = _input_errors()
+    try:
+        delegated = {}
+        cmd = _command_of(argv)
+        if cmd in _DELEGATED:
+            delegated[cmd] = _import_feature(_DELEGATED[cmd][0], cmd)
+        parser = build_parser(delegated)
+        args = parser.parse_args(argv)
+        return int(args.run(args) or 0)
+    except errors as exc:
+        if os.environ.get("FLASHGEN_DEBUG"):
+            raise
+        print(f"flashgen: error: {_message(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("flashgen: interrupted", file=sys.stderr)
+        return 130
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""flashgen.check without a GPU: ptxas report parsing, failures with a repro command, tables.
+
+A stand-in ``nvcc`` (a shell script named by ``$FLASHGEN_NVCC``) replays fixed ptxas
+output or fails, so these run where no CUDA toolkit is installed.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import stat
+from pathlib import Path
+
+import pytest
+
+from flashgen import check
+from flashgen.check import CheckError, check_configs, format_table, parse_ptxas
+from flashgen.dsl.notation import parse_config
+
+CFG = parse_config("(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles")
+
+LOG_SM80 = """\
+ptxas info    : 4096 bytes gmem
+ptxas info    : Compiling entry function '_ZN3foo6kernelENS_6ParamsE' for 'sm_80'
+ptxas info    : Function properties for _ZN3foo6kernelENS_6ParamsE
+    16 bytes stack frame, 16 bytes spill stores, 24 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16 bytes cumulative stack size, 488 bytes cmem[0]
+ptxas info    : Compile time = 575.211 ms
+"""
+
+LOG_SM90 = """\
+ptxas info    : Function properties for _Z6helperv
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : Function properties for k
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 6 registers, used 1 barriers, 400 bytes smem, 352 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_entry_with_spills():
+    (s,) = parse_ptxas(LOG_SM80)
+    assert s.function == "_ZN3foo6kernelENS_6ParamsE"
+    assert (s.registers, s.spill_stores, s.spill_loads, s.stack_frame, s.static_smem, s.barriers) == (255, 16, 24, 16, 0, 1)
+    assert not s.clean
+
+
+def test_parse_ptxas_ignores_device_functions_and_reads_static_smem():
+    (s,) = parse_ptxas(LOG_SM90)
+    assert (s.function, s.registers, s.spill_stores, s.stack_frame, s.static_smem) == ("k", 6, 0, 0, 400)
+    assert s.clean
+
+
+def test_parse_ptxas_nothing():
+    assert parse_ptxas("") == [] and parse_ptxas("error: something\n") == []
+
+
+def _fake_nvcc(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "nvcc"
+    script.write_text("#!/bin/sh\n" 'if [ "$1" = "--version" ]; then echo "Cuda compilation tools, fake"; exit 0; fi\n' + body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+@pytest.fixture
+def fake_ok(tmp_path, monkeypatch):
+    log = tmp_path / "ptxas.txt"
+    log.write_text(LOG_SM90)
+    # the object file is the last argument: create it, print the report on stderr
+    nvcc = _fake_nvcc(tmp_path, f'for a; do out="$a"; done\n: > "$out"\ncat {shlex.quote(str(log))} >&2\n')
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    return nvcc
+
+
+@pytest.fixture
+def fake_failing(tmp_path, monkeypatch):
+    nvcc = _fake_nvcc(tmp_path, 'echo "kernel.cu(12): error: identifier \\"oops\\" is undefined" >&2\nexit 2\n')
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    return nvcc
+
+
+def test_check_with_a_stand_in_compiler(fake_ok, tmp_path):
+    res = check_configs([CFG], ("sm_80", "sm_90a"), jobs=2, workdir=tmp_path / "w")
+    assert [(r.arch, r.ok) for r in res] == [("sm_80", True), ("sm_90a", True)]
+    r = res[1]
+    assert r.stats.registers == 6
+    assert r.smem_bytes == CFG.smem_bytes + 400  # static (ptxas) + dynamic (config)
+    argv = shlex.split(r.command)
+    assert argv[0] == str(fake_ok)
+    assert argv[1:7] == ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v", "-c"]
+    assert "-gencode=arch=compute_90a,code=sm_90a" in argv and str(r.cu_path) in argv
+    assert r.cu_path.read_text() == check.source_of(CFG).text
+    again = check_configs([CFG], ("sm_90a",), workdir=tmp_path / "w")
+    assert again[0].cached and again[0].stats == r.stats
+    fresh = check_configs([CFG], ("sm_90a",), workdir=tmp_path / "w", use_cache=False)
+    assert not fresh[0].cached
+    table = format_table(res)
+    assert CFG.short_form() in table and "sm_80" in table and "sm_90a" in table
+    assert "regs" in table.splitlines()[0] and "spill st" in table.splitlines()[0]
+
+
+def test_a_failing_compile_is_a_result_with_its_repro(fake_failing, tmp_path):
+    (r,) = check_configs([CFG], ("sm_80",), workdir=tmp_path / "w")
+    assert not r.ok and r.stats is None
+    report = check.failure_report(r)
+    assert str(r.cu_path) in report and r.command in report and "oops" in report
+    assert "-gencode=arch=compute_80,code=sm_80" in r.command
+    assert "FAILED" in format_table([r])
+    assert json.loads(json.dumps(r.to_dict()))["ok"] is False
+
+
+def test_missing_nvcc_and_unknown_arch(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHGEN_NVCC", str(tmp_path / "no-nvcc"))
+    with pytest.raises(CheckError, match="nvcc not found"):
+        check_configs([CFG], ("sm_80",), workdir=tmp_path)
+    monkeypatch.delenv("FLASHGEN_NVCC")
+    with pytest.raises(CheckError, match="unknown arch 'sm_75'"):
+        check_configs([CFG], ("sm_75",), workdir=tmp_path)

@@ -1,0 +1,72 @@
+"""Emitted kernels compile with nvcc for sm_80 and sm_90a (CPU only; marked ``nvcc``).
+
+Compiled here: every config of the seed's progression and its defaults, and a
+deterministic sample of its tuning space: ``tuning_space()`` sorted by mangled name,
+every 10th config starting with the first (both dtypes are then in it; a dtype that
+were not would be added). ``FLASHGEN_FULL_COMPILE=1`` compiles the whole tuning
+space instead (80 configs x 2 archs: about 6 minutes on 2 cores).
+
+The defaults must also compile without local memory on sm_90a: zero spill stores,
+zero spill loads, zero stack frame. Compiles run in parallel (``check_configs``, one
+nvcc per CPU) into a fresh work folder, so nothing comes from an earlier run's cache.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashgen.check import DEFAULT_ARCHS, check_configs, failure_report
+from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression, tuning_space
+
+pytestmark = pytest.mark.nvcc
+
+SAMPLE_EVERY = 10
+
+
+def tuning_sample() -> list[KernelConfig]:
+    space = sorted(tuning_space(), key=KernelConfig.mangle)
+    if os.environ.get("FLASHGEN_FULL_COMPILE") == "1":
+        return space
+    sample = space[::SAMPLE_EVERY]
+    for dtype in {c.dtype for c in space} - {c.dtype for c in sample}:
+        sample.append(next(c for c in space if c.dtype == dtype))
+    return sample
+
+
+CONFIGS = list(dict.fromkeys(default_configs() + kernel_progression() + tuning_sample()))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, nvcc):
+    res = check_configs(CONFIGS, DEFAULT_ARCHS, jobs=os.cpu_count(), workdir=tmp_path_factory.mktemp("check"), use_cache=False)
+    return {(r.cfg, r.arch): r for r in res}
+
+
+@pytest.mark.parametrize("arch", DEFAULT_ARCHS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=KernelConfig.mangle)
+def test_compiles(cfg, arch, results):
+    r = results[(cfg, arch)]
+    assert r.ok, failure_report(r)
+    assert r.stats.registers > 0
+    assert r.smem_bytes >= cfg.smem_bytes
+
+
+@pytest.mark.parametrize("cfg", default_configs(), ids=KernelConfig.mangle)
+def test_defaults_use_no_local_memory_on_sm90a(cfg, results):
+    r = results[(cfg, "sm_90a")]
+    assert r.ok, failure_report(r)
+    s = r.stats
+    assert (s.spill_stores, s.spill_loads, s.stack_frame) == (0, 0, 0), (
+        f"{cfg.short_form()} on sm_90a: {s.spill_stores} B spill stores, {s.spill_loads} B spill loads, "
+        f"{s.stack_frame} B stack frame ({s.registers} registers)\n  reproduce: {r.command}"
+    )
+
+
+def test_sample_is_deterministic_and_covers_both_dtypes():
+    if os.environ.get("FLASHGEN_FULL_COMPILE") == "1":
+        pytest.skip("the full tuning space is compiled")
+    a, b = tuning_sample(), tuning_sample()
+    assert a == b
+    assert len(a) == -(-len(tuning_space()) // SAMPLE_EVERY)
+    assert {c.dtype.value for c in a} == {"fp16", "bf16"}

@@ -1,0 +1,296 @@
+"""The ``flashgen`` command line: help, emit (files, manifest, determinism, errors), check, delegation."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from flashgen.cli import main
+from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.notation import parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = "(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles"
+
+SWEEP = """\
+# 4 combinations: Q=2 with K=0 is invalid, 3 kernels remain
+dtype: fp16
+B_r: 64
+B_c: 64
+Q_mma_load_K_tiles: [0, 2]
+K_mma_load_K_tiles: [0, 2]
+mma_double_buffer_loads: false
+"""
+
+
+def sweep_configs() -> list[KernelConfig]:
+    base = dict(dtype="fp16", B_r=64, B_c=64, mma_double_buffer_loads=False)
+    return [KernelConfig(**base, Q_mma_load_K_tiles=q, K_mma_load_K_tiles=k) for q, k in ((0, 0), (0, 2), (2, 2))]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def assert_clean_error(rc: int, err: str, *words: str) -> None:
+    assert rc != 0
+    assert err.startswith("flashgen: error: ") or "\nflashgen: error: " in err, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, err
+
+
+# ---- help ------------------------------------------------------------------------------------
+
+
+def test_top_level_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("emit", "check", "simulate", "bench", "tune"):
+        assert cmd in out
+    assert "defaults, progression, progression-all, tuning-space" in out
+
+
+@pytest.mark.parametrize("cmd", ["emit", "check", "simulate", "bench", "tune"])
+def test_subcommand_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: flashgen {cmd}")
+    if cmd in ("emit", "check", "simulate"):
+        assert "named set" in out
+    if cmd == "emit":
+        assert "--force" in out and "kernels_out" in out
+    if cmd == "check":
+        assert "--arch" in out and "sm_90a" in out and "--json" in out and "-j N" in out
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    assert "usage: flashgen" in capsys.readouterr().err
+
+
+# ---- emit ------------------------------------------------------------------------------------
+
+
+def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
+    cfg_file = tmp_path / "sweep.yaml"
+    cfg_file.write_text(SWEEP)
+    out = tmp_path / "kernels"
+    rc, stdout, err = run_cli(capsys, "emit", cfg_file, "-o", out, "-j", "1")
+    assert rc == 0, err
+    cfgs = sweep_configs()
+    names = [c.mangle() for c in cfgs]
+    assert set(tree(out)) == {f"{n}.cu" for n in names} | {f"{n}.binding.cpp" for n in names} | {"manifest.json"}
+    doc = json.loads((out / "manifest.json").read_text())
+    assert [k["name"] for k in doc["kernels"]] == names
+    for cfg, k in zip(cfgs, doc["kernels"]):
+        assert KernelConfig.from_dict(k["config"]) == cfg
+        assert k["short_form"] == cfg.short_form() and k["hash"] == cfg.content_hash()
+        assert k["threads"] == cfg.threads and k["smem_bytes"] == cfg.smem_bytes
+        assert k["grid"] == "(seq_q / 64, heads, batch)"
+        assert k["files"] == {"kernel": f"{cfg.mangle()}.cu", "binding": f"{cfg.mangle()}.binding.cpp"}
+        text = (out / k["files"]["kernel"]).read_text()
+        assert f'extern "C" int {k["launcher"]}(' in text and cfg.short_form() in text
+    # what was written and what was skipped, with the reason
+    for n in names:
+        assert f"wrote {out / n}.cu" in stdout
+    skipped = [l for l in stdout.splitlines() if l.startswith("skipped")]
+    assert len(skipped) == 1
+    assert f"{cfg_file}:2" in skipped[0] and "Q_mma_load_K_tiles=2" in skipped[0]
+    assert "must equal the K tile count" in skipped[0]
+    assert "3 kernel(s)" in stdout and "1 invalid combination(s) skipped" in stdout
+    assert "emitting 3 kernel(s)" in err  # progress on stderr
+
+    # again, in a fresh process with another hash seed: byte-identical output
+    out2 = tmp_path / "again"
+    env = dict(os.environ, PYTHONHASHSEED="4242")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from flashgen.cli import main; sys.exit(main())",
+         "emit", str(cfg_file), "-o", str(out2), "-j", "1", "-q"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert tree(out2) == tree(out)
+
+    # and into the same folder: nothing changes
+    rc, stdout, _ = run_cli(capsys, "emit", cfg_file, "-o", out, "-j", "1")
+    assert rc == 0 and "wrote" not in stdout
+    assert len([l for l in stdout.splitlines() if l.startswith("unchanged ")]) == 7
+
+
+def test_emit_a_short_form_replaces_the_previous_emit(tmp_path, capsys):
+    out = tmp_path / "k"
+    assert run_cli(capsys, "emit", SMALL, "-o", out, "-j", "1")[0] == 0
+    other = parse_config(SMALL).replace(swizzled=True)
+    rc, stdout, _ = run_cli(capsys, "emit", other.short_form(), "-o", out, "-j", "1")
+    assert rc == 0
+    assert set(tree(out)) == {f"{other.mangle()}.cu", f"{other.mangle()}.binding.cpp", "manifest.json"}
+    assert f"removed {out / parse_config(SMALL).mangle()}.cu" in stdout
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("dtype: fp16\nB_r: [64, 128\n", ["invalid YAML", ":3:"]),
+        ("dtype: fp16\nB_rr: 64\n", ["unknown config key 'B_rr'", ":2:", "valid keys"]),
+        ("", ["empty"]),
+        ("- 3\n", ["list item 1"]),
+    ],
+    ids=["bad-yaml", "unknown-key", "empty", "not-a-config"],
+)
+def test_emit_bad_files(text, words, tmp_path, capsys):
+    f = tmp_path / "cfg.yaml"
+    f.write_text(text)
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(capsys, "emit", f, "-o", out)
+    assert_clean_error(rc, err, str(f), *words)
+    assert not out.exists()
+
+
+def test_emit_all_invalid_is_an_error(tmp_path, capsys):
+    f = tmp_path / "cfg.yaml"
+    f.write_text("dtype: fp16\nasync_copy: false\neager_load_blocks: true\nB_r: [64, 128]\n")
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "emit", f, "-o", out)
+    assert_clean_error(rc, err, "no valid config", "2 combination(s), all skipped", "needs async_copy")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "arg, words",
+    [
+        ("(FP16, 128, 64, 4): eager+load_0_0_0_tiles", ["needs async_copy"]),
+        ("(FP16, 128, 64, 4): turbo+load_0_0_0_tiles", ["unknown flag 'turbo'", "^"]),
+        ("no-such-set", ["named set", "defaults"]),
+        ("missing.yaml", ["no such config file"]),
+    ],
+)
+def test_emit_bad_arguments(arg, words, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "emit", arg, "-o", tmp_path / "out")
+    assert_clean_error(rc, err, *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_emit_unwritable_output(tmp_path, capsys):
+    if os.geteuid() == 0:  # root writes through chmod: make the folder impossible instead
+        blocker = tmp_path / "somefile"
+        blocker.write_text("not a folder")
+        out = blocker / "sub"
+    else:
+        out = tmp_path / "ro"
+        out.mkdir()
+        out.chmod(0o500)
+    try:
+        rc, stdout, err = run_cli(capsys, "emit", SMALL, "-o", out)
+        assert_clean_error(rc, err, "cannot", "nothing was written")
+        assert "wrote" not in stdout
+    finally:
+        if os.geteuid() != 0:
+            out.chmod(0o700)
+    if os.geteuid() == 0:
+        assert blocker.read_text() == "not a folder"
+    else:
+        assert list(out.iterdir()) == []
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".flashgen-")]
+    assert leftovers == []
+
+
+def test_emit_refuses_a_foreign_folder_without_force(tmp_path, capsys):
+    out = tmp_path / "src"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, _, err = run_cli(capsys, "emit", SMALL, "-o", out)
+    assert_clean_error(rc, err, "notes.txt", "--force")
+    assert tree(out) == {"notes.txt": b"mine"}
+
+
+# ---- check -----------------------------------------------------------------------------------
+
+
+@pytest.mark.nvcc
+def test_check_one_config(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "check", SMALL, "--arch", "sm_90a", "--workdir", tmp_path, "--json")
+    assert rc == 0, err
+    (res,) = json.loads(out)
+    assert res["ok"] and res["arch"] == "sm_90a" and res["short_form"] == SMALL
+    assert res["registers"] > 0 and res["spill_stores"] == 0 and res["stack_frame"] == 0
+    assert res["smem_bytes"] == parse_config(SMALL).smem_bytes
+    assert "[1/1] sm_90a" in err
+    rc, out, _ = run_cli(capsys, "check", SMALL, "--arch", "sm_90a", "--workdir", tmp_path)  # cached: instant
+    assert rc == 0
+    header, rule, row = out.splitlines()
+    assert header.split()[:3] == ["config", "arch", "regs"]
+    assert row.startswith(SMALL) and f" {res['registers']} " in row and row.endswith("ok")
+
+
+def test_check_failure_prints_source_and_command(tmp_path, capsys, monkeypatch):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake; exit 0; fi\n'
+                    'echo "x.cu(3): error: expected a \\";\\"" >&2\nexit 1\n')
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    rc, out, err = run_cli(capsys, "check", SMALL, "--arch", "sm_80", "--workdir", tmp_path / "w")
+    assert rc == 1
+    assert "FAILED" in out
+    assert "source:" in err and str(tmp_path / "w") in err and ".cu" in err
+    assert f"reproduce: {nvcc} -O3 -std=c++17 --expt-relaxed-constexpr -Xptxas -v -c -gencode=arch=compute_80,code=sm_80" in err
+    assert "error: expected" in err and "1 of 1 compile(s) failed" in err
+
+
+def test_check_without_nvcc(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_NVCC", str(tmp_path / "absent"))
+    rc, _, err = run_cli(capsys, "check", SMALL)
+    assert_clean_error(rc, err, "nvcc not found")
+
+
+# ---- simulate, bench, tune: delegation ---------------------------------------------------------
+
+
+def test_simulate_delegates_to_the_simulator(monkeypatch, capsys):
+    seen = []
+    fake = types.ModuleType("flashgen.sim.report")
+    fake.simulate_config = lambda cfg: seen.append(cfg) or {"name": cfg.mangle(), "conflicts": 0}
+    fake.format_report = lambda reports: "REPORT " + " ".join(r["name"] for r in reports)
+    monkeypatch.setitem(sys.modules, "flashgen.sim.report", fake)
+    rc, out, err = run_cli(capsys, "simulate", SMALL)
+    assert rc == 0 and seen == [parse_config(SMALL)]
+    assert out.strip() == f"REPORT {parse_config(SMALL).mangle()}"
+    rc, out, _ = run_cli(capsys, "simulate", SMALL, "--json")
+    assert json.loads(out) == [{"conflicts": 0, "name": parse_config(SMALL).mangle()}]
+
+
+@pytest.mark.parametrize("cmd, module", [("simulate", "flashgen.sim.report"), ("bench", "flashgen.bench"), ("tune", "flashgen.tune")])
+def test_a_missing_module_is_a_clear_error(cmd, module, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError
+    rc, _, err = run_cli(capsys, cmd, SMALL)
+    assert_clean_error(rc, err, f"'flashgen {cmd}' is not available", module)
+
+
+def test_bench_and_tune_delegate(monkeypatch, capsys):
+    calls = []
+    for name in ("bench", "tune"):
+        fake = types.ModuleType(f"flashgen.{name}")
+        fake.add_arguments = lambda p: p.add_argument("--seqs", nargs="+", type=int)
+        fake.main = lambda args, _n=name: calls.append((_n, args.seqs)) or 3
+        monkeypatch.setitem(sys.modules, f"flashgen.{name}", fake)
+    assert main(["bench", "--seqs", "512", "1024"]) == 3
+    assert main(["tune", "--seqs", "4096"]) == 3
+    assert calls == [("bench", [512, 1024]), ("tune", [4096])]
