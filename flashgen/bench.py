@@ -52,14 +52,18 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, d: int, caus
     return f / 2 if causal else f
 
 
-def reference_error(o, q, k, v, scale: float, rows: int = 512) -> tuple[float, float]:
+def reference_error(o, q, k, v, scale: float, causal: bool = False, rows: int = 512) -> tuple[float, float]:
     """(max |o - ref64|, max |o_torch - ref64|) on batch 0, the first ``rows`` query rows."""
     import torch
 
     qs, ks, vs, os_ = q[:1, :rows], k[:1], v[:1], o[:1, :rows]
     qd, kd, vd = (t.double().transpose(1, 2) for t in (qs, ks, vs))
-    ref = (torch.softmax(qd @ kd.transpose(-1, -2) * scale, -1) @ vd).transpose(1, 2)
-    o_t = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs)), scale=scale)
+    s = qd @ kd.transpose(-1, -2) * scale
+    keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
+    if causal:  # top-left diagonal, as SDPA's is_causal
+        keep = torch.arange(s.shape[-2], device=s.device)[:, None] >= torch.arange(s.shape[-1], device=s.device)[None, :]
+    ref = (torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ vd).transpose(1, 2)
+    o_t = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs)), attn_mask=keep, scale=scale)
     err = (os_.double() - ref).abs().max().item()
     err_t = (o_t.transpose(1, 2).double() - ref).abs().max().item()
     return err, err_t
@@ -76,7 +80,8 @@ def matmul_ceiling(dtype) -> float:
     return 2 * n**3 / ms / 1e9
 
 
-def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_head: int = 128, peers=PEERS) -> dict:
+def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS) -> dict:
+    """Time every (dtype, d_head, causal) x shape: the given configs (d_head adapted) and the SDPA peers."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,25 +90,33 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_head: int = 128, p
     from .runtime import compile as fg_compile
 
     cap = torch.cuda.get_device_capability()
-    todo = [c for c in cfgs if c.dtype.value in dtypes and c.d_head == d_head]
+    todo: dict = {}
+    for c in cfgs:
+        if c.dtype.value not in dtypes:
+            continue
+        for d in d_heads:
+            try:
+                cd = c if c.d_head == d else c.replace(d_head=d)
+            except ValueError as exc:
+                log(f"skipping {c.short_form()} at d_head {d}: {exc}")
+                continue
+            for causal in causal_modes:
+                todo[cd.replace(mask="causal" if causal else "none")] = None
     if not todo:
-        raise SystemExit(f"flashgen: error: no config matches dtypes {dtypes} and d_head {d_head}")
-    log(f"building {len(todo)} config(s) in parallel")
+        raise SystemExit(f"flashgen: error: no config matches dtypes {dtypes}")
+    log(f"building {len(todo)} kernel(s) in parallel")
     t0 = time.perf_counter()
-    failures = build_many(todo, cap)
+    failures = build_many(list(todo), cap)
     for name, err in failures.items():
         log(f"build failed: {name}\n{err}")
-    attns = {}
-    for c in todo:
-        if c.short_form() not in failures:
-            attns[c] = fg_compile(c)
+    attns = {c: fg_compile(c) for c in todo if c.short_form() not in failures}
     log(f"builds ready in {time.perf_counter() - t0:.0f} s")
     results: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "heads": heads,
-        "d_head": d_head,
+        "d_heads": list(d_heads),
         "rows": [],
         "matmul_tflops": {},
     }
@@ -111,45 +124,51 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_head: int = 128, p
         dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt_name]
         results["matmul_tflops"][dt_name] = matmul_ceiling(dt)
         log(f"dense {dt_name} 8192^3 matmul: {results['matmul_tflops'][dt_name]:.0f} TFLOP/s")
-        for seq, batch in shapes:
-            torch.manual_seed(seq)
-            q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dt) for _ in range(3))
-            scale = 1 / math.sqrt(d_head)
-            flops = attention_flops(batch, heads, seq, seq, d_head)
-            row: dict[str, Any] = {"dtype": dt_name, "seq": seq, "batch": batch, "flashgen": {}, "peers": {}}
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            for peer in peers:
-                try:
-                    with sdpa_kernel(getattr(SDPBackend, peer)):
-                        ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt))
-                    row["peers"][peer] = flops / ms / 1e9
-                except RuntimeError as exc:  # backend not available for this input
-                    row["peers"][peer] = None
-                    log(f"{peer} unavailable at seq {seq}: {str(exc).splitlines()[0]}")
-            for cfg, attn in attns.items():
-                if cfg.dtype.value != dt_name or seq % cfg.B_r or seq % cfg.B_c:
-                    continue
-                out = torch.empty_like(q)
-                ms = time_ms(lambda: attn(q, k, v, out=out))
-                out.fill_(float("nan"))
-                attn(q, k, v, out=out)
-                err, err_t = reference_error(out, q, k, v, scale)
-                ok = bool(err <= 2 * err_t + 1e-5) and not bool(torch.isnan(out).any())
-                row["flashgen"][cfg.short_form()] = {"tflops": flops / ms / 1e9, "max_err": err, "torch_err": err_t, "correct": ok}
-            best = max(row["flashgen"].items(), key=lambda kv: kv[1]["tflops"], default=None)
-            row["best"] = best[0] if best else None
-            results["rows"].append(row)
-            fa = row["peers"].get("FLASH_ATTENTION")
-            if best:
-                log(f"{dt_name} seq {seq}: best {best[1]['tflops']:.0f} TFLOP/s ({best[0]}), sdpa flash {fa or float('nan'):.0f}")
+        for d_head in d_heads:
+            for causal in causal_modes:
+                for seq, batch in shapes:
+                    torch.manual_seed(seq)
+                    q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dt) for _ in range(3))
+                    scale = 1 / math.sqrt(d_head)
+                    flops = attention_flops(batch, heads, seq, seq, d_head, causal)
+                    row: dict[str, Any] = {"dtype": dt_name, "d_head": d_head, "causal": causal, "seq": seq, "batch": batch, "flashgen": {}, "peers": {}}
+                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                    for peer in peers:
+                        try:
+                            with sdpa_kernel(getattr(SDPBackend, peer)):
+                                ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                            row["peers"][peer] = flops / ms / 1e9
+                        except RuntimeError as exc:  # backend not available for this input
+                            row["peers"][peer] = None
+                            log(f"{peer} unavailable at seq {seq}: {str(exc).splitlines()[0]}")
+                    for cfg, attn in attns.items():
+                        if cfg.dtype.value != dt_name or cfg.d_head != d_head or (cfg.mask == "causal") != causal:
+                            continue
+                        out = torch.empty_like(q)
+                        ms = time_ms(lambda: attn(q, k, v, out=out, causal=causal))
+                        out.fill_(float("nan"))
+                        attn(q, k, v, out=out, causal=causal)
+                        err, err_t = reference_error(out, q, k, v, scale, causal)
+                        ok = bool(err <= 2 * err_t + 1e-5) and not bool(torch.isnan(out).any())
+                        key = cfg.replace(mask="none").short_form()
+                        row["flashgen"][key] = {"tflops": flops / ms / 1e9, "max_err": err, "torch_err": err_t, "correct": ok}
+                    best = max(row["flashgen"].items(), key=lambda kv: kv[1]["tflops"], default=None)
+                    row["best"] = best[0] if best else None
+                    results["rows"].append(row)
+                    fa = row["peers"].get("FLASH_ATTENTION")
+                    if best:
+                        log(
+                            f"{dt_name} d{d_head}{' causal' if causal else ''} seq {seq}: best {best[1]['tflops']:.0f} TFLOP/s "
+                            f"({best[0]}), sdpa flash {fa or float('nan'):.0f}"
+                        )
     return results
 
 
 def format_table(results: dict) -> str:
     lines = [
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
-        f"d_head {results['d_head']}, {results['heads']} heads, TFLOP/s (ratio = flashgen / peer)",
-        f"{'dtype':5} {'seq':>6} {'flashgen':>9} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
+        f"{results['heads']} heads, TFLOP/s (causal counts half the FLOPs; ratio = flashgen / peer)",
+        f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
     ]
     for row in results["rows"]:
         if not row["best"]:
@@ -164,7 +183,7 @@ def format_table(results: dict) -> str:
             return f"{fg['tflops'] / x:{w}.3f}" if x else " " * (w - 1) + "-"
 
         lines.append(
-            f"{row['dtype']:5} {row['seq']:>6} {fg['tflops']:9.0f} {num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} "
+            f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6} {fg['tflops']:9.0f} {num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} "
             f"{num(p.get('EFFICIENT_ATTENTION'))} {ratio(p.get('FLASH_ATTENTION'), 8)} {ratio(p.get('CUDNN_ATTENTION'), 8)} "
             f"{ratio(p.get('EFFICIENT_ATTENTION'), 9)}  {'yes' if fg['correct'] else 'NO '} {row['best']}"
         )
@@ -182,10 +201,14 @@ def plot(results: dict, path: Path) -> bool:
     except ImportError:
         log("matplotlib is not installed: no PNG written (pip install matplotlib)")
         return False
-    dtypes = sorted({r["dtype"] for r in results["rows"]})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
-    for ax, dt in zip(axes[0], dtypes):
-        rows = [r for r in results["rows"] if r["dtype"] == dt]
+    panels = sorted({(r["dtype"], r["d_head"], r["causal"]) for r in results["rows"]})
+    ncol = min(4, len(panels))
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 4 * nrow), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (dt, d_head, causal) in zip(axes.flat, panels):
+        rows = [r for r in results["rows"] if (r["dtype"], r["d_head"], r["causal"]) == (dt, d_head, causal)]
         seqs = [r["seq"] for r in rows]
         series = {"flashgen (best)": [r["flashgen"][r["best"]]["tflops"] if r["best"] else None for r in rows]}
         for peer in PEERS:
@@ -197,7 +220,7 @@ def plot(results: dict, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{dt}, d_head {results['d_head']}, {results['gpu']}")
+        ax.set_title(f"{dt}, d_head {d_head}{', causal' if causal else ''}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -209,6 +232,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("configs", nargs="*", help="configs: YAML files, short forms or a named set (default: defaults)")
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     p.add_argument("--seqs", nargs="+", type=int, help="sequence lengths (default: all of BENCHMARK.md's)")
+    p.add_argument("--d-heads", nargs="+", type=int, default=[128], help="head dimensions (default: 128)")
+    p.add_argument("--causal", choices=["no", "yes", "both"], default="no", help="non-causal, causal or both")
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
@@ -223,7 +248,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     cfgs = resolve_configs(args.configs) if args.configs else default_configs()
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
-    results = run_bench(cfgs, args.dtypes, shapes)
+    modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
+    results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True))

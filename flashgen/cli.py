@@ -75,8 +75,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 # ---- config arguments ---------------------------------------------------------------------
 
 
-def _resolve(specs: Sequence[str], allow_empty: bool = False):
-    """The configs of the CFG arguments; skipped combinations printed to stderr."""
+def _resolve(specs: Sequence[str]):
+    """The SweepResult of the CFG arguments; CommandError (with the reasons) when no config is valid."""
     from .emit.sweep import merge, resolve
 
     result = merge(resolve(s) for s in specs)
@@ -92,13 +92,7 @@ def _resolve(specs: Sequence[str], allow_empty: bool = False):
 
 
 def _wrap(text: str) -> str:
-    return textwrap.fill(text, width=min(100, max(60, _columns())))
-
-
-def _columns() -> int:
-    import shutil
-
-    return shutil.get_terminal_size((80, 24)).columns - 2
+    return textwrap.fill(text, width=79)
 
 
 def _print_skipped(result, stream) -> None:
@@ -122,8 +116,9 @@ def _add_emit(sub) -> None:
             "<name>.binding.cpp (the torch operator glue) and manifest.json describing every kernel "
             "(config, short form, hash, threads, shared memory, grid rule, launcher symbol, files). "
             "<name> is the config's mangled name. Invalid combinations of a sweep are skipped and "
-            "listed with their reason; if nothing is valid the command fails. The folder is replaced "
-            "as a whole and atomically: kernels of the previous emit that are not in this one are removed."
+            "listed with their reason; if nothing is valid the command fails. Files are written "
+            "atomically (a failure leaves the folder as it was); afterwards the folder holds exactly "
+            "this emit's kernels: those of a previous emit that are not in this one are removed."
         ),
         epilog="examples:\n  flashgen emit examples/tuning_space.yaml -o kernels_out/\n"
         "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"",

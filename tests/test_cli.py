@@ -1,6 +1,7 @@
 """The ``flashgen`` command line: help, emit (files, manifest, determinism, errors), check, delegation."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -275,6 +276,14 @@ def test_simulate_delegates_to_the_simulator(monkeypatch, capsys):
     assert out.strip() == f"REPORT {parse_config(SMALL).mangle()}"
     rc, out, _ = run_cli(capsys, "simulate", SMALL, "--json")
     assert json.loads(out) == [{"conflicts": 0, "name": parse_config(SMALL).mangle()}]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashgen.sim.report") is None, reason="flashgen.sim.report is not there yet")
+def test_simulate_with_the_real_simulator(capsys):
+    rc, out, err = run_cli(capsys, "simulate", SMALL, "--json")
+    assert rc == 0, err
+    (report,) = json.loads(out)
+    assert isinstance(report, dict)
 
 
 @pytest.mark.parametrize("cmd, module", [("simulate", "flashgen.sim.report"), ("bench", "flashgen.bench"), ("tune", "flashgen.tune")])

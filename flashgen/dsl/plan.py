@@ -108,9 +108,6 @@ class WarpGemm:
     a: "OperandLoad | None"  # None: A comes from the S accumulator (P, converted to 16 bit)
     b: OperandLoad
 
-    @property
-    def k_steps(self) -> int:
-        return self.k // self.b.k_step if self.a is None else self.k // min(self.a.k_step, self.b.k_step)
 
 
 @attrs.frozen
@@ -286,7 +283,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
             S("barrier", why="V_j visible"),
             S("softmax", why="online softmax on S, rescale O"),
             S("gemm", "O", why="O += P V_j"),
-            S("barrier", why="all warps done with K_j, V_j before they are overwritten"),
+            # no barrier here: the next block's first barrier (after its K copy, before its V copy) covers V_j
         )
         return Schedule(pro, tuple(s for s in body if s))
     if not cfg.eager_load_blocks:
@@ -304,7 +301,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
             S("wait", "0", why="V_j has landed"),
             S("barrier", why="V_j visible; all warps done reading K_j"),
             S("gemm", "O", why="O += P V_j"),
-            S("barrier", why="all warps done with V_j before it is overwritten"),
+            # no barrier here: V_{j+1} is copied only after the next block's first barrier
         )
         return Schedule(pro, tuple(s for s in body if s))
     pro = (

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ..dsl.addressing import OffsetSplit, split_offsets
+from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.config import KernelConfig
 from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
 from ..dsl.tiling import Partition
@@ -190,20 +191,35 @@ def _g2s_lambda(plan: KernelPlan, op: str) -> str:
     partial_cols = plan.valid_cols < plan.cfg.d_smem
     col_ok = f" && {col} < {plan.valid_cols}u" if partial_cols else ""
     ok = f"{row} < (uint32_t)rows_valid{col_ok}"
+    nrows = {"Q": plan.cfg.B_r, "K": plan.cfg.B_c, "V": plan.cfg.B_c}[op]
     if copy.atom.is_async:
-        # one path for full and tail blocks: an invalid chunk reads nothing (src-size 0) and lands as zeros;
-        # its source address is kept inside the tensor (the thread's first row)
-        move = f"{{ const bool ok = {ok}; cp_async_16_zfill({dst}, ok ? {src} : g, ok); }}"
+        # an invalid chunk reads nothing (src-size 0) and lands as zeros; its source address is kept
+        # inside the tensor (the thread's first row)
+        pred = f"{{ const bool ok = {ok}; cp_async_16_zfill({dst}, ok ? {src} : g, ok); }}"
+        full = f"cp_async_16({dst}, {src});"
     else:
-        move = f"{{ const bool ok = {ok}; st_shared_v4({dst}, ok ? ld_global_v4({src}) : make_uint4(0, 0, 0, 0)); }}"
+        pred = f"{{ const bool ok = {ok}; st_shared_v4({dst}, ok ? ld_global_v4({src}) : make_uint4(0, 0, 0, 0)); }}"
+        full = f"st_shared_v4({dst}, ld_global_v4({src}));"
+    if partial_cols:  # padding columns: every block needs the predicate
+        body = [f"    #pragma unroll", f"    for (uint32_t v = 0; v < {n}; ++v)", f"        {pred}"]
+    else:  # full blocks (all but the tails) copy without predicates
+        body = [
+            f"    if (rows_valid >= {nrows}) {{",
+            f"        #pragma unroll",
+            f"        for (uint32_t v = 0; v < {n}; ++v)",
+            f"            {full}",
+            f"    }} else {{",
+            f"        #pragma unroll",
+            f"        for (uint32_t v = 0; v < {n}; ++v)",
+            f"            {pred}",
+            f"    }}",
+        ]
     return (
         f"// {copy.atom.name}: {copy.src.name} block -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread;\n"
         f"// rows >= rows_valid (sequence tails){' and columns >= ' + str(plan.valid_cols) if partial_cols else ''} are zero-filled\n"
         f"auto copy_{op} = [&](const elem_t* src, int64_t ld, int rows_valid) {{\n"
         f"{first}"
-        f"    #pragma unroll\n"
-        f"    for (uint32_t v = 0; v < {n}; ++v)\n"
-        f"        {move}\n"
+        + "\n".join(body) + "\n"
         f"}};"
     )
 
@@ -415,9 +431,12 @@ def _softmax(plan: KernelPlan) -> list[str]:
         "for (uint32_t mi = 0; mi < MT; ++mi)",
         "    #pragma unroll",
         "    for (uint32_t k = 0; k < B_c / 16; ++k)",
-        "        #pragma unroll",
-        "        for (uint32_t r = 0; r < 4; ++r)",
-        "            p_frag[mi][k][r] = pack2(s_acc[mi][2 * k + r / 2][2 * (r % 2)], s_acc[mi][2 * k + r / 2][2 * (r % 2) + 1]);",
+        "        {",
+    ] + [
+        f"            p_frag[mi][k][{r}] = pack2(s_acc[mi][2 * k + {off}][{c0}], s_acc[mi][2 * k + {off}][{c0 + 1}]);"
+        for r, (off, c0) in ((r, accumulator_as_a_operand(0, r)) for r in range(4))
+    ] + [
+        "        }",
     ]
     return lines
 

@@ -115,3 +115,20 @@ def test_missing_nvcc_and_unknown_arch(monkeypatch, tmp_path):
     monkeypatch.delenv("FLASHGEN_NVCC")
     with pytest.raises(CheckError, match="unknown arch 'sm_75'"):
         check_configs([CFG], ("sm_75",), workdir=tmp_path)
+
+
+def test_cli_fail_on_spill(tmp_path, monkeypatch, capsys):
+    from flashgen.cli import main
+
+    log = tmp_path / "ptxas.txt"
+    log.write_text(LOG_SM80)
+    nvcc = _fake_nvcc(tmp_path, f'for a; do out="$a"; done\n: > "$out"\ncat {shlex.quote(str(log))} >&2\n')
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    args = ["check", CFG.short_form(), "--arch", "sm_80", "--workdir", str(tmp_path / "w")]
+    assert main(args) == 0
+    out, _ = capsys.readouterr()
+    row = out.splitlines()[2].split()
+    assert row[-6:] == ["16", "24", "16", str(CFG.smem_bytes), "LOCAL", "MEMORY"]  # spill st/ld, stack, smem, status
+    assert "LOCAL MEMORY" in out
+    assert main(args + ["--fail-on-spill"]) == 1
+    assert "use local memory" in capsys.readouterr().err

@@ -200,10 +200,10 @@ def test_tile_counts(cfg_text, q_resident, k, v, source):
         assert f"uint32_t q_frag[{cfg.rf_buffers('Q')}][MT][{k // 2}][4];" in body
     k_cols = 8 * (k or cfg.d_head // 8)
     assert f"uint32_t k_frag[{cfg.rf_buffers('K')}][B_c / 16][{k_cols // 16}][4];" in body
-    assert f"reduction d_head={cfg.d_head} in {cfg.d_head // k_cols} step(s) of {k_cols}" in body
+    assert re.search(rf"// S = Q K_j\^T: [^\n]* in {cfg.d_head // k_cols} step\(s\) of {k_cols}\b", body)
     v_rows = 8 * (v or cfg.B_c // 8)
     assert re.search(rf"uint32_t v_frag\[{cfg.rf_buffers('V')}\]\[{v_rows // 16}\]\[D\w* / 16\]\[4\];", body)
-    assert f"reduction B_c={cfg.B_c} in {cfg.B_c // v_rows} step(s) of {v_rows}" in body
+    assert re.search(rf"// O \+= P V_j: [^\n]* in {cfg.B_c // v_rows} step\(s\) of {v_rows}\b", body)
 
 
 def test_mma_double_buffer_loads(source):

@@ -1,6 +1,8 @@
 """Run one config once on a small input (for compute-sanitizer and ncu); exit 1 on a wrong result.
 
-usage: python tests/gpu/run_one.py "<short form>" [seq] [batch] [heads]
+usage: python tests/gpu/run_one.py "<short form>" [seq] [batch] [heads] [seq_k] [kv_heads]
+
+The config's mask (causal/window) is applied top-left; with window the sizes are (17, 5).
 """
 import math
 import sys
@@ -15,14 +17,27 @@ def main() -> int:
     seq = int(sys.argv[2]) if len(sys.argv) > 2 else 256
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     heads = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    seq_k = int(sys.argv[5]) if len(sys.argv) > 5 else seq
+    kv_heads = int(sys.argv[6]) if len(sys.argv) > 6 else heads
     attn = flashgen.compile(cfg)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, seq, heads, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(3))
+    q = torch.randn(batch, seq, heads, cfg.d_head, device="cuda", dtype=cfg.dtype.torch)
+    k, v = (torch.randn(batch, seq_k, kv_heads, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(2))
     out = torch.full_like(q, float("nan"))
-    attn(q, k, v, out=out)
+    window = (17, 5) if cfg.mask == "window" else None
+    attn(q, k, v, out=out, causal=cfg.mask == "causal", window=window)
     torch.cuda.synchronize()
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
-    ref = (torch.softmax(qd @ kd.transpose(-1, -2) / math.sqrt(cfg.d_head), -1) @ vd).transpose(1, 2)
+    g = heads // kv_heads
+    qd = q.double().transpose(1, 2)
+    kd, vd = (t.double().repeat_interleave(g, 2).transpose(1, 2) for t in (k, v))
+    s = qd @ kd.transpose(-1, -2) / math.sqrt(cfg.d_head)
+    i, j = torch.arange(seq, device="cuda")[:, None], torch.arange(seq_k, device="cuda")[None, :]
+    keep = torch.ones(seq, seq_k, dtype=torch.bool, device="cuda")
+    if cfg.mask == "causal":
+        keep = j <= i
+    elif cfg.mask == "window":
+        keep = (j <= i + 5) & (j >= i - 17)
+    ref = (torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0) @ vd).transpose(1, 2)
     err = (out.double() - ref).abs().max().item()
     print(f"{cfg.short_form()}: max error {err:.3e}")
     return 0 if err < 1e-2 else 1
