@@ -51,7 +51,7 @@ def predict(cfg) -> dict:
 
 def measure(cfg) -> dict:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    cmd = [ncu, "--metrics", ",".join(METRICS), "--csv", "--kernel-name", "regex:flash_fwd", "--launch-count", "1",
+    cmd = [ncu, "--metrics", ",".join(METRICS), "--csv", "--kernel-name", "kernel", "--launch-count", "1",
            sys.executable, "tests/gpu/run_one.py", cfg.short_form(), str(SEQ), str(BATCH), str(HEADS)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     text = res.stdout[res.stdout.find('"ID"'):]

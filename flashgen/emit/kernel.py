@@ -541,9 +541,9 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
     const int q_row0 = int(blockIdx.x) * int(B_r);
     const int q_rows_valid = p.seq_q - q_row0;  // < B_r in the last query block
     const elem_t* gQ = p.q + blockIdx.z * p.q_batch + blockIdx.y * p.q_head + int64_t(q_row0) * p.q_ld;
-    // K/V block pointers are recomputed from the (constant-bank) parameters at each use: cheaper than 4 live registers
-    #define gK (p.k + blockIdx.z * p.k_batch + (blockIdx.y / uint32_t(p.kv_group)) * p.k_head)
-    #define gV (p.v + blockIdx.z * p.v_batch + (blockIdx.y / uint32_t(p.kv_group)) * p.v_head)
+    const uint32_t kv_head = blockIdx.y / uint32_t(p.kv_group);  // GQA/MQA: query heads share a k/v head
+    const elem_t* gK = p.k + blockIdx.z * p.k_batch + kv_head * p.k_head;
+    const elem_t* gV = p.v + blockIdx.z * p.v_batch + kv_head * p.v_head;
     elem_t* gO = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + int64_t(q_row0) * p.o_ld;
     const float scale = p.scale;
     const float scale_log2 = p.scale_log2;
@@ -621,8 +621,6 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
         if ((int)row < q_rows_valid && col < D_HEAD)  // query tail rows and padding columns stay unwritten
             st_global_v4(gO + int64_t(row) * p.o_ld + col, ld_shared_v4($s2g_addr));
     }
-    #undef gK
-    #undef gV
 }
 
 }  // namespace $name
