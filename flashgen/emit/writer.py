@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
@@ -256,7 +255,3 @@ def emit_to_folder(
 ) -> WriteReport:
     """Emit ``cfgs`` and write them (with the manifest) into ``out_dir``."""
     return write_files(render(emit_all(cfgs, jobs, progress)), out_dir, force)
-
-
-def stderr_progress(msg: str) -> None:
-    print(f"flashgen: {msg}", file=sys.stderr, flush=True)

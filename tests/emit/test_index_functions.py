@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest

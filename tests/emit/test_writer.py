@@ -108,6 +108,21 @@ def test_read_only_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
 
 
+def test_unwritable_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The permission check itself, whoever runs the tests (root passes os.access for real)."""
+    out = tmp_path / "ro"
+    write_files(render([fake("k0")]), out)
+    before = tree(out)
+    real_access = os.access
+    monkeypatch.setattr(writer.os, "access", lambda p, mode: False if Path(p) == out else real_access(p, mode))
+    with pytest.raises(WriteError, match="not writable; nothing was written"):
+        write_files(render([fake("k0", "new")]), out)
+    with pytest.raises(WriteError, match=f"cannot create {out / 'sub'}: {out} is not writable"):
+        write_files(render([fake("k0")]), out / "sub")
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
 def test_a_failed_move_restores_the_folder(tmp_path, monkeypatch):
     """os.replace fails on the third file: the two already moved are put back; nothing else changes."""
     out = tmp_path / "o"
