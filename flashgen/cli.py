@@ -231,7 +231,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(reports, indent=2, sort_keys=True, default=str))
     else:
         print(report.format_report(reports))
-    return 0
+    failed = [r["config"] for r in reports if not r.get("ok", True)]
+    for name in failed:
+        print(f"flashgen: simulation FAILED for {name}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 # ---- bench / tune (delegated) ----------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
         assert KernelConfig.from_dict(k["config"]) == cfg
         assert k["short_form"] == cfg.short_form() and k["hash"] == cfg.content_hash()
         assert k["threads"] == cfg.threads and k["smem_bytes"] == cfg.smem_bytes
-        assert k["grid"] == "(seq_q / 64, heads, batch)"
+        assert k["grid"] == "(ceil(seq_q / 64), heads, batch)"
         assert k["files"] == {"kernel": f"{cfg.mangle()}.cu", "binding": f"{cfg.mangle()}.binding.cpp"}
         text = (out / k["files"]["kernel"]).read_text()
         assert f'extern "C" int {k["launcher"]}(' in text and cfg.short_form() in text

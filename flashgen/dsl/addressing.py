@@ -42,10 +42,20 @@ class OffsetSplit:
         return len(set(self.xor))
 
 
-def _smem_offsets(layout, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """Vectorised ``layout((row, col))`` for the plan's smem layouts (exact, via the objects)."""
-    flat = np.array([layout((int(r), int(c))) for r, c in zip(rows.ravel(), cols.ravel())], dtype=np.int64)
-    return flat.reshape(rows.shape)
+def _offset_table(layout) -> np.ndarray:
+    """``table[col, row] = layout((row, col))`` for every coordinate of a rank-2 tile (Numba evaluation)."""
+    from ..sim.layout_eval import offsets
+
+    rows = layout.shape[0] if isinstance(layout.shape[0], int) else int(np.prod(layout.shape[0]))
+    flat = offsets(layout)  # 1-D colexicographic: index = row + rows * col
+    return flat.reshape(-1, rows)
+
+
+def _tv_table(lay) -> np.ndarray:
+    """``table[value, thread]`` of a TVMap component Layout over (thread, value)."""
+    from ..sim.layout_eval import offsets
+
+    return offsets(lay).reshape(lay[1].size, lay[0].size)
 
 
 def thread_domain(copy: TiledCopy, n_warps: int) -> list[tuple[int, int]]:
@@ -63,7 +73,11 @@ def index_space(copy: TiledCopy) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def split_offsets(copy: TiledCopy, n_warps: int) -> OffsetSplit | None:
-    """The verified base/xor/add split of ``copy``'s shared-memory offsets, or None."""
+    """The verified base/xor/add split of ``copy``'s shared-memory offsets, or None.
+
+    Evaluates the plan's objects over every (thread, warp) and every compile-time index at
+    once: the TVMap's Layouts and the tile's (swizzled) layout through the Numba evaluator.
+    """
     part = copy.partition
     layout = copy.smem.layout
     names, extents = index_space(copy)
@@ -72,23 +86,26 @@ def split_offsets(copy: TiledCopy, n_warps: int) -> OffsetSplit | None:
     if swz is not None and not swz.is_identity:
         high = max(swz.yyy_mask, swz.zzz_mask).bit_length()
     low_mask = (1 << high) - 1
-    threads = thread_domain(copy, n_warps)
+    threads = np.array(thread_domain(copy, n_warps))  # (n, 2): thread, warp
+    t, w = threads[:, 0], threads[:, 1]
+    rows_tv, cols_tv = _tv_table(part.tv.row), _tv_table(part.tv.col)
+    table = _offset_table(layout)
     points = list(itertools.product(*(range(e) for e in extents)))
-
-    def coords(idx):
-        kw = dict(zip(names[1:], idx[1:]))
-        rc = [part.coord(t, idx[0], w, **kw) for t, w in threads]
-        return np.array([r for r, _ in rc]), np.array([c for _, c in rc])
-
-    r0, c0 = coords(points[0])
-    base = _smem_offsets(layout, r0, c0)
     xs, adds, drs, dcs = [], [], [], []
+    base = r0 = c0 = None
     for p in points:
-        r, c = coords(p)
+        r = rows_tv[p[0], t] + w * part.warp_row_step
+        c = cols_tv[p[0], t].copy()
+        for loop, i in zip(part.loops, p[1:]):
+            r = r + i * loop.row_step
+            c = c + i * loop.col_step
+        if base is None:
+            r0, c0 = r, c
+            base = table[c0, r0]
         dr, dc = r - r0, c - c0
         if np.any(dr != dr[0]) or np.any(dc != dc[0]):
             return None
-        off = _smem_offsets(layout, r, c)
+        off = table[c, r]
         x = int((off[0] ^ base[0]) & low_mask)
         a = int((off[0] & ~low_mask) - (base[0] & ~low_mask))
         if not np.array_equal((base ^ x) + a, off):

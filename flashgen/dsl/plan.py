@@ -226,6 +226,7 @@ class ScoreMask:
             "const int n = (seq_k + B_c - 1) / B_c;",
             "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;",
             "int begin = 0, end = n;",
+            "(void)last;",
         ]
         if kind in ("causal", "window"):
             hi = "last + offset" + (" + right" if kind == "window" else "")

@@ -120,10 +120,21 @@ def _split_tables(split: OffsetSplit) -> str:
         f"// {n}: smem offset = ({n}_smem(thread, 0...) ^ {n}_xor[i]) + {n}_add[i], row/col += {n}_drow/_dcol[i];\n"
         f"// i = ({', '.join(split.index_names)}); verified for every thread by flashgen.dsl.addressing\n"
         f"__device__ constexpr uint32_t {n}_xor{dims} = {_c_array(split.xor, split.extents)};\n"
-        f"__device__ constexpr uint32_t {n}_add{dims} = {_c_array(split.add, split.extents)};\n"
-        f"__device__ constexpr uint32_t {n}_drow{dims} = {_c_array(split.d_row, split.extents)};\n"
-        f"__device__ constexpr uint32_t {n}_dcol{dims} = {_c_array(split.d_col, split.extents)};"
+        f"__device__ constexpr uint32_t {n}_add{dims} = {_c_array(split.add, split.extents)};"
+        + (  # coordinate deltas: only the global side of g2s copies walks rows with them
+            f"\n__device__ constexpr uint32_t {n}_drow{dims} = {_c_array(split.d_row, split.extents)};\n"
+            f"__device__ constexpr uint32_t {n}_dcol{dims} = {_c_array(split.d_col, split.extents)};"
+            if n.startswith("g2s_") and _row_walk_step(split) is None else ""
+        )
     )
+
+
+def _row_walk_step(split: OffsetSplit) -> int | None:
+    """Rows between consecutive values when a copy walks whole rows at a constant step (else None)."""
+    step = split.d_row[1] if len(split.d_row) > 1 else 0
+    if all(c == 0 for c in split.d_col) and all(r == v * step for v, r in enumerate(split.d_row)):
+        return step
+    return None
 
 
 def _smem_addr(plan: KernelPlan, copy: TiledCopy, idx: list[str], thread_args: list[str]) -> str:
@@ -179,11 +190,12 @@ def _g2s_lambda(plan: KernelPlan, op: str) -> str:
             f"    const elem_t* g = src + int64_t(row0) * ld + col0;\n"
         )
         src = f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]"
-        step = split.d_row[1] if len(split.d_row) > 1 else 0
-        if all(c == 0 for c in split.d_col) and all(r == v * step for v, r in enumerate(split.d_row)):
+        step = _row_walk_step(split)
+        if step is not None:
             # value v is `step` rows below value v-1: walk one pointer instead of n 64-bit offsets
             first += f"    const int64_t step_ld = {step} * ld;\n"
             src = "g + int64_t(v) * step_ld"
+            row, col = f"(row0 + v * {step}u)", "col0"
     else:
         row, col = f"g2s_{op}_row(tid, v)", f"g2s_{op}_col(tid, v)"
         first = "    const elem_t* g = src;\n"
@@ -475,7 +487,7 @@ _KERNEL = CodeTemplate(
 //
 // $short_form
 // knobs: $knobs_json
-// grid: (seq_q / $B_r, heads, batch), block: $threads threads, dynamic shared memory: $smem_bytes bytes
+// grid: (ceil(seq_q / $B_r), heads, batch), block: $threads threads, dynamic shared memory: $smem_bytes bytes
 //
 // plan:
 $plan_lines
@@ -497,7 +509,9 @@ $plan_lines
 namespace $name {
 
 constexpr uint32_t B_r = $B_r, B_c = $B_c, N_WARPS = $n_warps, THREADS = $threads;
+static_assert(THREADS == 32 * N_WARPS, "one warp = 32 threads");
 constexpr uint32_t D_HEAD = $d_head, D_MMA = $d_mma, D_SMEM = $d_smem;  // data, MMA-covered, shared-memory columns
+static_assert(D_HEAD <= D_MMA && D_MMA <= D_SMEM && D_SMEM % 64 == 0, "tile widths");
 constexpr uint32_t MT = $m_tiles;  // 16-row MMA tiles per warp
 
 // ---- index functions: every shared-memory address of the kernel comes from these ----
@@ -767,8 +781,8 @@ def emit(cfg: KernelConfig) -> KernelSource:
         "hash": cfg.content_hash(),
         "threads": cfg.threads,
         "smem_bytes": cfg.smem_bytes,
-        "grid": f"(seq_q / {cfg.B_r}, heads, batch)",
+        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
         "launcher": f"{name}_launch",
-        "requires": {"seq_q_multiple_of": cfg.B_r, "seq_k_multiple_of": cfg.B_c, "d_head": cfg.d_head, "dtype": cfg.dtype.value},
+        "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask, "seq": "any length >= 1; heads % kv_heads == 0"},
     }
     return KernelSource(name, text, binding_source(cfg, name), meta)

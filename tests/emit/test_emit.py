@@ -254,7 +254,7 @@ def test_block_sizes_and_warps(cfg_text, source):
     assert int(consts["N_WARPS"]) == cfg.n_warps and int(consts["THREADS"]) == cfg.threads
     assert int(consts["MT"]) == cfg.m_tiles_per_warp
     assert f"constexpr int smem = {cfg.smem_bytes};" in text
-    assert f"grid: (seq_q / {cfg.B_r}, heads, batch), block: {cfg.threads} threads" in text
+    assert f"grid: (ceil(seq_q / {cfg.B_r}), heads, batch), block: {cfg.threads} threads" in text
     assert "__launch_bounds__(THREADS)" in text
 
 

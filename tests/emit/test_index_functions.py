@@ -63,7 +63,7 @@ def _tile_rows_cols(layout) -> tuple[int, int]:
     return base[0].size, base[1].size
 
 
-def _main_cpp(plan: KernelPlan, name: str, split_names: set[str]) -> str:
+def _main_cpp(plan: KernelPlan, name: str, split_names: set[str], text: str) -> str:
     """A main() printing every index function over its whole domain (see the module docstring)."""
     copies = _copies(plan)
     fns = {}
@@ -82,8 +82,12 @@ def _main_cpp(plan: KernelPlan, name: str, split_names: set[str]) -> str:
         if cname in split_names:
             zero = ", ".join("0" if p == "v" or p not in (params[0], "warp") else p for p in params)
             sub = "".join(f"[{p}]" for p in params if p not in (params[0], "warp"))
+            # coordinate deltas are emitted only where the kernel uses them (g2s copies not walking
+            # rows at a constant step); elsewhere the row/col columns repeat the direct functions
+            has_deltas = f"uint32_t {cname}_drow[" in text
             split = (f"({cname}_smem({zero}) ^ {cname}_xor{sub}) + {cname}_add{sub}",
-                     f"{cname}_row({zero}) + {cname}_drow{sub}", f"{cname}_col({zero}) + {cname}_dcol{sub}")
+                     f"{cname}_row({zero}) + {cname}_drow{sub}" if has_deltas else f"{cname}_row({args})",
+                     f"{cname}_col({zero}) + {cname}_dcol{sub}" if has_deltas else f"{cname}_col({args})")
         else:
             split = (f"{cname}_smem({args})", f"{cname}_row({args})", f"{cname}_col({args})")
         body.append(
@@ -142,7 +146,7 @@ def test_index_functions_equal_the_simulator(cfg_text, source, tmp_path):
     for n in splits:
         assert f"{n}_xor" in src.text
     (tmp_path / f"{src.name}.cu").write_text(src.text)
-    (tmp_path / "main.cpp").write_text(_main_cpp(plan, src.name, splits))
+    (tmp_path / "main.cpp").write_text(_main_cpp(plan, src.name, splits, src.text))
     exe = tmp_path / "index_fns"
     cmd = [GXX, "-std=c++17", "-O1", "-x", "c++", "-DFLASHGEN_INDEX_ONLY", "main.cpp", "-o", str(exe)]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
