@@ -319,14 +319,12 @@ def _rule_tile_counts(c: KernelConfig) -> None:
                 f"{name}={n}: must be 0 (whole block) or a power of two >= 2 "
                 f"(an m16n8k16 MMA consumes 2 k tiles of 8 columns)"
             )
-        if total % n:
-            raise ConfigError(
-                f"{name}={n}: {n} k tiles of 8 must divide the {total * 8} columns of {red}"
-            )
         limit = total // 2 if c.mma_double_buffer_loads else total
         if n > limit:
             why = " (halved under mma_double_buffer_loads: two buffers must fit the block)" if c.mma_double_buffer_loads else ""
             raise ConfigError(f"{name}={n}: at most {limit} = {red}/8{'/2' if c.mma_double_buffer_loads else ''}{why}")
+        if total % n:
+            raise ConfigError(f"{name}={n}: {n} k tiles of 8 must divide the {total * 8} columns of {red}")
     if c.Q_mma_load_K_tiles and c.Q_mma_load_K_tiles != c.K_mma_load_K_tiles:
         raise ConfigError(
             f"Q_mma_load_K_tiles={c.Q_mma_load_K_tiles}, K_mma_load_K_tiles={c.K_mma_load_K_tiles}: "
