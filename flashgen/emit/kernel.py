@@ -291,6 +291,25 @@ def _k_loop(steps: int, buffers: int, loads: list[str], mmas: list[str], buf_dec
     return lines
 
 
+def _mma_nest(acc: str, n_tiles: str, kk: int, a: str, b_frag) -> list[str]:
+    """``acc[mi][nt] += A * B`` over m tiles, n8 tiles and the step's k16 blocks.
+
+    ``b_frag(x4_index, register)`` names a B register of the ldmatrix.x4 results; which x4
+    and which of its registers feed n tile ``nt`` is OperandLoad.b_operand_regs's rule.
+    """
+    per, regs = OperandLoad.N_TILES_PER_X4, OperandLoad.B_REGS_PER_N_TILE
+    nn, r0 = f"nt / {per}", f"{regs} * (nt % {per})"
+    return [
+        "#pragma unroll",
+        "for (uint32_t mi = 0; mi < MT; ++mi)",
+        "    #pragma unroll",
+        f"    for (uint32_t nt = 0; nt < {n_tiles}; ++nt)",
+        "        #pragma unroll",
+        f"        for (uint32_t k = 0; k < {kk}; ++k)",
+        f"            mma_16816({acc}[mi][nt], {a}, {b_frag(nn, r0)}, {b_frag(nn, r0 + ' + 1')});",
+    ]
+
+
 def _gemm_S(plan: KernelPlan) -> list[str]:
     cfg = plan.cfg
     q, k = plan.s2r["Q"], plan.s2r["K"]
@@ -306,16 +325,7 @@ def _gemm_S(plan: KernelPlan) -> list[str]:
         decls.append(f"uint32_t q_frag[{buffers}][MT][{kk}][4];")
         loads.insert(0, "load_Q(q_frag[@B], @S);")
         a = "q_frag[@B][mi][k]"
-    per, regs = OperandLoad.N_TILES_PER_X4, OperandLoad.B_REGS_PER_N_TILE  # see OperandLoad.b_operand_regs
-    mmas = [
-        "#pragma unroll",
-        "for (uint32_t mi = 0; mi < MT; ++mi)",
-        "    #pragma unroll",
-        "    for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
-        "        #pragma unroll",
-        f"        for (uint32_t k = 0; k < {kk}; ++k)",
-        f"            mma_16816(s_acc[mi][nt], {a}, k_frag[@B][nt / {per}][k][{regs} * (nt % {per})], k_frag[@B][nt / {per}][k][{regs} * (nt % {per}) + 1]);",
-    ]
+    mmas = _mma_nest("s_acc", "B_c / 8", kk, a, lambda nn, r: f"k_frag[@B][{nn}][k][{r}]")
     head = [
         f"// S = Q K_j^T: warp tile {cfg.rows_per_warp} x {cfg.B_c}, reduction {plan.gemm_S.k} (d_head {cfg.d_head} rounded up to 16) in {steps} step(s) of {step_cols}"
         + (" (register double buffered)" if buffers == 2 else ""),
@@ -337,16 +347,7 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
     kk = step_rows // 16
     decls = [f"uint32_t v_frag[{v.buffers}][{kk}][D_MMA / 16][4];"]
     loads = ["load_V(v_frag[@B], @S);"]
-    per, regs = OperandLoad.N_TILES_PER_X4, OperandLoad.B_REGS_PER_N_TILE  # see OperandLoad.b_operand_regs
-    mmas = [
-        "#pragma unroll",
-        "for (uint32_t mi = 0; mi < MT; ++mi)",
-        "    #pragma unroll",
-        "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
-        "        #pragma unroll",
-        f"        for (uint32_t k = 0; k < {kk}; ++k)",
-        f"            mma_16816(o_acc[mi][nt], p_frag[mi][s * {kk} + k], v_frag[@B][k][nt / {per}][{regs} * (nt % {per})], v_frag[@B][k][nt / {per}][{regs} * (nt % {per}) + 1]);",
-    ]
+    mmas = _mma_nest("o_acc", "D_MMA / 8", kk, f"p_frag[mi][s * {kk} + k]", lambda nn, r: f"v_frag[@B][k][{nn}][{r}]")
     head = [
         f"// O += P V_j: warp tile {cfg.rows_per_warp} x {cfg.d_head}, reduction B_c={cfg.B_c} in {steps} step(s) of {step_rows}"
         + (" (register double buffered)" if v.buffers == 2 else ""),
