@@ -1,0 +1,154 @@
+"""Hopper (sm_90 / sm_90a) PTX: mbarrier, TMA (``cp.async.bulk.tensor``), proxy fence, wgmma, setmaxnreg.
+
+Each builder returns one or more ``__device__ __forceinline__`` helpers. Shared-memory
+operands are 32-bit shared-window addresses (``__cvta_generic_to_shared``). Everything
+that orders memory is ``asm volatile`` with a ``"memory"`` clobber. ``wgmma`` and
+``setmaxnreg`` need ``-gencode=arch=compute_90a,code=sm_90a``; the rest is plain sm_90.
+"""
+from __future__ import annotations
+
+from ...dsl.atoms.hopper import WGMMA_64xNx16
+
+
+def mbarrier_init() -> str:
+    """``mbarrier.init.shared::cta.b64`` (PTX ISA "mbarrier.init")."""
+    return r'''// mbarrier.init: phase 0, expecting `count` arrivals per phase (count in 1..2^20-1).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}'''
+
+
+def mbarrier_arrive_expect_tx() -> str:
+    """``mbarrier.arrive.expect_tx.shared::cta.b64`` (PTX ISA "mbarrier.expect_tx" / "mbarrier.arrive")."""
+    return r'''// One arrival on `bar` after raising its pending transaction count by `tx_bytes`
+// (the bytes the TMA loads completing on this phase will deliver).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t tx_bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(tx_bytes) : "memory");
+}
+// One plain arrival on `bar` (consumers releasing a stage).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}'''
+
+
+def mbarrier_wait() -> str:
+    """``mbarrier.try_wait.parity.shared::cta.b64`` and a spin loop on it (PTX ISA "mbarrier.test_wait/try_wait")."""
+    return r'''// True once the phase with parity `parity` (0/1) of `bar` has completed; may suspend for a
+// system-dependent time before returning false.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n"
+                 "}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+// Block until the phase of parity `parity` of `bar` completes.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}'''
+
+
+def tma_load_2d() -> str:
+    """``cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes`` (PTX ISA "cp.async.bulk.tensor").
+
+    ``tmap`` is the generic address of a ``const __grid_constant__ CUtensorMap`` kernel
+    parameter; ``c0`` is the innermost (column) coordinate, ``c1`` the row, in elements.
+    """
+    return r'''// TMA: copy the box at (c0 = inner/column, c1 = row) of the tensor map `tmap` (generic address of a
+// __grid_constant__ CUtensorMap) to shared `dst`; completion adds the box bytes to `bar`'s tx count.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, uint32_t bar, int32_t c0, int32_t c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}'''
+
+
+def fence_proxy_async() -> str:
+    """``fence.proxy.async.shared::cta`` (PTX ISA "membar/fence", proxy fences)."""
+    return r'''// Order this thread's generic-proxy shared-memory accesses before later async-proxy ones
+// (wgmma / TMA reading what st.shared or stmatrix wrote). Follow with a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}'''
+
+
+def wgmma_sync() -> str:
+    """``wgmma.fence``, ``wgmma.commit_group``, ``wgmma.wait_group`` (PTX ISA "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group")."""
+    return r'''// Before the first wgmma of a sequence, and whenever its accumulators/A registers were touched.
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+// Close the group of wgmma.mma_async issued since the last commit.
+__device__ __forceinline__ void wgmma_commit_group() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Wait until at most N committed wgmma groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_group() {
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group N must be in 0..7");
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Keep the compiler from moving accesses of an in-flight accumulator across this point.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        asm volatile("" : "+f"(d[i]) :: "memory");
+    }
+}'''
+
+
+def setmaxnreg() -> str:
+    """``setmaxnreg.{inc,dec}.sync.aligned.u32 N`` (PTX ISA "setmaxnreg"): N in 24..256, multiple of 8."""
+    return r'''// Warpgroup register reallocation: producers give registers back, consumers take them.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg N must be a multiple of 8 in 24..256");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg N must be a multiple of 8 in 24..256");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}'''
+
+
+def wgmma_helper_name(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
+    return f"wgmma_m64n{atom.n}k16_{atom.dtype.ptx}_ss{'_tb' if trans_b else ''}"
+
+
+def wgmma(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
+    """``wgmma.mma_async`` with A and B from shared-memory descriptors (PTX ISA "wgmma.mma_async").
+
+    ``name(float (&d)[N/2], uint64_t desc_a, uint64_t desc_b, int scale_d)``: ``d = A*B + (scale_d ? d : 0)``;
+    A is K-major, B K-major (``imm-trans-b = 0``) or, with ``trans_b``, MN-major (1).
+    Accumulator register i is at (row, col) ``atom.c_map(thread, i)``.
+    """
+    n = atom.c_regs
+    d_ops = ", ".join(f"%{i}" for i in range(n))
+    d_cons = ",\n          ".join(", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, n))) for j in range(0, n, 8))
+    tb = 1 if trans_b else 0
+    return f'''// {atom.name}: D(64x{atom.n}, f32) += A(64x16, smem desc) * B(16x{atom.n}, smem desc){", B transposed (MN-major)" if trans_b else ""}.
+// Issue between wgmma_fence() and wgmma_commit_group(); scale_d == 0 overwrites d.
+__device__ __forceinline__ void {wgmma_helper_name(atom, trans_b)}(float (&d)[{n}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
+    asm volatile(
+        "{{\\n"
+        ".reg .pred p;\\n"
+        "setp.ne.b32 p, %{n + 2}, 0;\\n"
+        "{atom.ptx} {{{d_ops}}}, %{n}, %{n + 1}, p, 1, 1, 0, {tb};\\n"
+        "}}\\n"
+        : {d_cons}
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+        : "memory");
+}}'''
+
+
+def helpers(atoms: tuple[WGMMA_64xNx16, ...] = ()) -> str:
+    """All Hopper helpers in a fixed order, then one wgmma helper per atom (K-major B)."""
+    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(),
+             fence_proxy_async(), wgmma_sync(), setmaxnreg()]
+    parts += [wgmma(a) for a in atoms]
+    return "\n".join(parts)
