@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 
 import attrs
+import numpy as np
 
 from ..dtypes import DType
 from ..layout import Layout
@@ -310,3 +311,141 @@ class TmaLoad:
             for j in range(cols // self.box_cols)
             for i in range(nr)
         )
+
+
+# --------------------------------------------------------------------------- K-major operand tiles
+#
+# PTX ISA facts used here ("Asynchronous Warpgroup Level Matrix Shared Memory Layout":
+# "Shared Memory Matrix Layout", "Strides", "Matrix Descriptor"):
+#
+# * A K-major operand is built of swizzle atoms of 8 rows (M/N) x span bytes (K); for
+#   NONE the atom is one 8 x 16-byte core matrix (128 contiguous bytes).
+# * SBO ("stride dimension byte offset") is the distance between consecutive 8-row
+#   groups along M/N. LBO ("leading dimension byte offset") for K-major is, without
+#   swizzle, the distance between the two core matrices along K of one k16 slice; for
+#   swizzled K-major layouts it is not used and assumed to be 1 (encoded field 1 = 16 B).
+# * The swizzle is applied to the absolute shared-memory byte address; base offset 0
+#   requires the repeating pattern to start at a 256/512/1024-byte boundary
+#   (32B/64B/128B), which this module requires of the tile base.
+
+
+def _pattern_bytes(swizzle: GmmaSwizzle) -> int:
+    """Bytes of one swizzle repeating pattern (8 rows x span); 128 (one core matrix) for NONE."""
+    return 8 * swizzle.span_bytes
+
+
+def _check_kmajor_tile(rows: int, k_cols: int, dtype: DType, swizzle: GmmaSwizzle) -> int:
+    """Validate a K-major tile; returns the atom width in elements (span / element size)."""
+    if not isinstance(swizzle, GmmaSwizzle):
+        raise ValueError(f"swizzle must be a GmmaSwizzle; got {swizzle!r}")
+    if dtype.size != 2:
+        raise ValueError(f"K-major wgmma tiles are implemented for 16-bit elements; got {dtype}")
+    span = swizzle.span_bytes // dtype.size
+    if not isinstance(rows, int) or rows <= 0 or rows % 8 or rows > 256:
+        raise ValueError(f"K-major tile rows must be a multiple of 8 in 8..256 (one TMA box per K block); got {rows!r}")
+    if not isinstance(k_cols, int) or k_cols <= 0 or k_cols % max(span, 16):
+        raise ValueError(
+            f"K-major tile k_cols must be a positive multiple of {max(span, 16)} "
+            f"(the {swizzle} atom width and the k16 step); got {k_cols!r}"
+        )
+    return span
+
+
+def kmajor_tile_layout(rows: int, k_cols: int, dtype: DType = DType.FP16,
+                       swizzle: GmmaSwizzle = GmmaSwizzle.B128) -> ComposedLayout:
+    """(row, k) -> element offset of a K-major ``rows x k_cols`` operand tile in shared memory.
+
+    The tile is written by ``TmaLoad(box_rows=rows, box_cols=span/2, swizzle=swizzle)``
+    boxes stacked along K (``coverage(rows, k_cols)``): K block ``j`` is one box of
+    ``rows`` rows x ``span`` bytes at byte ``j * rows * span``. Inside, the swizzle atom
+    (8 rows x span, :meth:`GmmaSwizzle.atom`) is tiled over rows::
+
+        Sw<B,3,3> o ((8, rows/8), (span/2, k_cols/(span/2))) : ((span/2, 4*span), (1, rows*span/2))
+
+    Offsets are relative to a tile base aligned to the swizzle pattern
+    (:func:`wgmma_kmajor_descriptors` checks that alignment).
+    """
+    span = _check_kmajor_tile(rows, k_cols, dtype, swizzle)
+    layout = Layout(((8, rows // 8), (span, k_cols // span)), ((span, 8 * span), (1, rows * span)))
+    return ComposedLayout(swizzle.swizzle, layout)
+
+
+def wgmma_kmajor_descriptors(tile_base_byte_addr: int, rows: int, k_cols: int, dtype: DType = DType.FP16,
+                             swizzle: GmmaSwizzle = GmmaSwizzle.B128,
+                             rows_per_wgmma: int = 64) -> list[list[SmemDescriptor]]:
+    """Descriptors ``[row_block][k16_step]`` for a K-major tile laid out as :func:`kmajor_tile_layout`.
+
+    ``rows_per_wgmma`` is the wgmma M (64, operand A) or N (8..256, operand B) extent;
+    row block ``m`` covers rows ``m*rows_per_wgmma ..``, k16 step ``s`` covers K
+    ``16*s .. 16*s+15``. Start address: tile base + ``j * rows * span`` (the K block's
+    TMA box) + ``m * rows_per_wgmma * span`` (whole atoms down the rows) + ``32 * t``
+    for the ``t``-th k16 slice inside the atom's span (128B: t in 0..3; the hardware
+    swizzles the absolute address, so advancing inside the atom is exact only because
+    the base is pattern-aligned). Swizzled: SBO = 8 * span (next 8-row group),
+    LBO = 16 (field value 1, unused). NONE: each 8-element K block is a ``rows x 16 B``
+    column of core matrices, SBO = 128, LBO = rows * 16 (next core matrix along K).
+    """
+    span = _check_kmajor_tile(rows, k_cols, dtype, swizzle)
+    align = _pattern_bytes(swizzle)
+    if not isinstance(tile_base_byte_addr, int) or isinstance(tile_base_byte_addr, bool) or tile_base_byte_addr < 0:
+        raise ValueError(f"tile_base_byte_addr must be a shared-memory byte address (int >= 0); got {tile_base_byte_addr!r}")
+    if tile_base_byte_addr % align:
+        raise ValueError(
+            f"K-major {swizzle} tile base {tile_base_byte_addr:#x} is not {align}-byte aligned: the {swizzle} "
+            f"pattern repeats every {align} bytes of absolute address and descriptors with base_offset 0 "
+            f"(and TMA's swizzle) assume the tile starts on that boundary"
+        )
+    if not isinstance(rows_per_wgmma, int) or rows_per_wgmma <= 0 or rows_per_wgmma % 8 or rows % rows_per_wgmma:
+        raise ValueError(f"rows_per_wgmma must be a positive multiple of 8 dividing rows={rows}; got {rows_per_wgmma!r}")
+    span_b = swizzle.span_bytes
+    row_bytes = rows * span_b  # one K block (TMA box)
+    k16_bytes = 16 * dtype.size
+    if tile_base_byte_addr + (k_cols // span) * row_bytes > 1 << 18:
+        raise ValueError(f"tile at {tile_base_byte_addr:#x} of {rows}x{k_cols} does not fit the 18-bit shared-memory window")
+    if swizzle is GmmaSwizzle.NONE:
+        lbo, sbo = row_bytes, 128
+    else:
+        lbo, sbo = 16, 8 * span_b
+    out: list[list[SmemDescriptor]] = []
+    for m in range(rows // rows_per_wgmma):
+        row_off = m * rows_per_wgmma * span_b
+        descs = []
+        for s in range(k_cols // 16):
+            kbyte = s * k16_bytes  # byte of K within an unswizzled K-row of the tile
+            if swizzle is GmmaSwizzle.NONE:
+                start = tile_base_byte_addr + (kbyte // span_b) * row_bytes + row_off
+            else:
+                start = tile_base_byte_addr + (kbyte // span_b) * row_bytes + row_off + kbyte % span_b
+            descs.append(SmemDescriptor(start, lbo, sbo, swizzle))
+        out.append(descs)
+    return out
+
+
+def descriptor_addresses(desc: SmemDescriptor, n_rows: int, k: int = 16, dtype: DType = DType.FP16) -> np.ndarray:
+    """Byte address the hardware reads for element ``(row, kk)`` of a K-major descriptor's k slice.
+
+    Written from the PTX ISA canonical K-major layouts, not from :func:`kmajor_tile_layout`:
+    element ``(row, kk)`` sits in core matrix ``(row // 8, kbyte // 16)`` (8 rows x 16 B),
+    ``kbyte = kk * size``. Without swizzle the core matrices are 128 contiguous bytes
+    placed at ``SBO`` steps along rows and ``LBO`` steps along K. With a ``W``-byte
+    swizzle an 8-row group is 8 rows of ``W`` bytes (SBO apart) and the K chunks are
+    consecutive 16-byte granules of the row; the hardware then XORs the 16-byte granule
+    bits [4, 4+B) of the *absolute* address with bits [7, 7+B) (B = 1, 2, 3 for 32/64/128B).
+    """
+    if desc.base_offset:
+        raise NotImplementedError("descriptor_addresses models base_offset == 0 (pattern-aligned tiles) only")
+    kbytes = k * dtype.size
+    if desc.swizzle is not GmmaSwizzle.NONE and kbytes > desc.swizzle.span_bytes:
+        raise ValueError(f"a {kbytes}-byte K slice does not fit the {desc.swizzle} span of {desc.swizzle.span_bytes} B")
+    row = np.arange(n_rows, dtype=np.int64)[:, None]
+    kb = (np.arange(k, dtype=np.int64) * dtype.size)[None, :]
+    group, r8 = row // 8, row % 8
+    chunk, within = kb // 16, kb % 16
+    if desc.swizzle is GmmaSwizzle.NONE:
+        return (desc.start_address + group * desc.stride_byte_offset + chunk * desc.leading_byte_offset
+                + r8 * 16 + within)
+    width = desc.swizzle.span_bytes
+    addr = desc.start_address + group * desc.stride_byte_offset + r8 * width + chunk * 16 + within
+    bits = {32: 1, 64: 2, 128: 3}[width]
+    mask = (1 << bits) - 1
+    return addr ^ (((addr >> 7) & mask) << 4)
