@@ -241,12 +241,12 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from .dsl.config import default_configs
-    from .dsl.sets import resolve_configs
+    from .emit.sweep import merge, resolve
 
     if not torch.cuda.is_available():
         print("flashgen: error: bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    cfgs = resolve_configs(args.configs) if args.configs else default_configs()
+    cfgs = list(merge(resolve(c) for c in args.configs).configs) if args.configs else default_configs()
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes)

@@ -22,7 +22,9 @@ import attrs
 from .dsl.config import KernelConfig
 from .emit.kernel import KernelSource, emit
 
-NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
+#: Flags every compile of an emitted kernel uses (flashgen check too); builds add line info for profilers.
+NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
+BUILD_FLAGS = NVCC_FLAGS + ("-lineinfo",)
 
 
 class BuildError(RuntimeError):
@@ -43,7 +45,7 @@ def arch_flags(capability: tuple[int, int]) -> tuple[str, str]:
 def nvcc_command(cu_path: Path, capability: tuple[int, int], out: str = "kernel.o") -> str:
     """The nvcc command that compiles the kernel translation unit alone (to reproduce failures)."""
     _, gencode = arch_flags(capability)
-    return shlex.join(["nvcc", *NVCC_FLAGS, gencode, "-Xptxas", "-v", "-c", str(cu_path), "-o", out])
+    return shlex.join(["nvcc", *BUILD_FLAGS, gencode, "-Xptxas", "-v", "-c", str(cu_path), "-o", out])
 
 
 @attrs.define
@@ -65,7 +67,7 @@ def _key(source: KernelSource, capability: tuple[int, int]) -> str:
     import torch
 
     h = hashlib.sha256()
-    for part in (source.text, source.binding, " ".join(NVCC_FLAGS), torch.__version__, str(torch.version.cuda), arch_flags(capability)[0]):
+    for part in (source.text, source.binding, " ".join(BUILD_FLAGS), torch.__version__, str(torch.version.cuda), arch_flags(capability)[0]):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -103,7 +105,7 @@ def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose:
         module = cpp_extension.load(
             name=f"flashgen_{key}",
             sources=[str(cu), str(cpp)],
-            extra_cuda_cflags=list(NVCC_FLAGS),
+            extra_cuda_cflags=list(BUILD_FLAGS),
             extra_cflags=["-O2"],
             build_directory=str(directory),
             verbose=False,

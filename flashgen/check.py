@@ -35,16 +35,13 @@ from typing import Callable, Iterable, Sequence
 
 import attrs
 
+from .build import NVCC_FLAGS, arch_flags
 from .dsl.config import KernelConfig
 from .emit.kernel import KernelSource, emit
 
-#: Target name -> nvcc ``-gencode`` flag.
-ARCHS: dict[str, str] = {
-    "sm_80": "-gencode=arch=compute_80,code=sm_80",
-    "sm_90a": "-gencode=arch=compute_90a,code=sm_90a",
-}
+#: Target name -> nvcc ``-gencode`` flag (the build stage's rule, so check compiles what compile() builds).
+ARCHS: dict[str, str] = {"sm_80": arch_flags((8, 0))[1], "sm_90a": arch_flags((9, 0))[1]}
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
-NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
 PTXAS_VERBOSE = ("-Xptxas", "-v")
 COMPILE_TIMEOUT_S = 900
 

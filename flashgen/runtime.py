@@ -6,6 +6,7 @@ Inputs are ``(batch, seq, heads, d_head)`` tensors (any strides with a contiguou
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -20,6 +21,12 @@ class InputError(ValueError):
 
 
 _FAKES: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    """Compute capability per device, asked once (the checks run on every call)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _ops(built: Built):
@@ -72,7 +79,7 @@ class Attention:
                 raise InputError(f"{name}: rows must be 16-byte aligned (strides {t.stride()} in elements must be multiples of 8)")
             if t.device != q.device:
                 raise InputError(f"{name} is on {t.device} but q is on {q.device}")
-        major, _ = torch.cuda.get_device_capability(q.device)
+        major, _ = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
         if major < 8:
             raise InputError(f"{torch.cuda.get_device_name(q.device)} has compute capability < 8.0; mma.sync/cp.async need sm_80+")
         b, sq, h, _ = q.shape

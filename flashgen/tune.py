@@ -115,12 +115,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from .dsl.sets import resolve_configs
+    from .emit.sweep import merge, resolve
 
     if not torch.cuda.is_available():
         print("flashgen: error: tune needs a CUDA GPU", file=sys.stderr)
         return 2
-    space = resolve_configs(args.configs) if args.configs else tuning_space(args.dtypes)
+    space = list(merge(resolve(c) for c in args.configs).configs) if args.configs else tuning_space(args.dtypes)
     space = [c for c in space if c.dtype.value in args.dtypes]
     found = tune(space, args.seqs)
     print(f"tuned {len(found)} bucket(s); cache: {tune_cache_path()}")

@@ -39,8 +39,7 @@ MASKS = ("none", "causal", "window")
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # m16n8k16
 FRAG_K = 8  # one "k tile" = 8 columns of the reduction dimension (one 8x8 ldmatrix matrix)
 SWIZZLE_TILE_COLS = 64  # shared-memory tiles are 64 elements (128 bytes) wide
-SMEM_LIMIT_BYTES = 227 * 1024  # opt-in dynamic shared memory per block, sm_80 (163 KiB) is lower
-SMEM_LIMIT_SM80_BYTES = 163 * 1024
+SMEM_LIMIT_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on sm_90 (sm_80: 163 KiB)
 REGS_PER_SM = 65536
 SMEM_PER_SM = 228 * 1024
 

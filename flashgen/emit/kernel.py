@@ -10,6 +10,7 @@ Layout of the emitted file:
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -159,16 +160,15 @@ def _base_decl(plan: KernelPlan, copy: TiledCopy, thread_args: list[str]) -> str
 
 
 def plan_splits(plan: KernelPlan) -> dict:
-    """Verified offset splits of every shared-memory copy of the plan (cached per plan)."""
-    cached = _SPLITS.get(plan.cfg)
-    if cached is None:
-        copies = [plan.g2s[o] for o in "QKV"] + [plan.s2r[o].copy for o in "QKV"] + [plan.r2s_O, plan.s2g_O]
-        cached = {c.name: split_offsets(c, plan.cfg.n_warps) for c in copies}
-        _SPLITS[plan.cfg] = cached
-    return cached
+    """Verified offset splits of every shared-memory copy of the plan (cached per config)."""
+    return _splits_for(plan.cfg)
 
 
-_SPLITS: dict = {}
+@functools.lru_cache(maxsize=64)
+def _splits_for(cfg: KernelConfig) -> dict:
+    plan = make_plan(cfg)
+    copies = [plan.g2s[o] for o in "QKV"] + [plan.s2r[o].copy for o in "QKV"] + [plan.r2s_O, plan.s2g_O]
+    return {c.name: split_offsets(c, cfg.n_warps) for c in copies}
 
 
 # ---- kernel body pieces ----------------------------------------------------------------

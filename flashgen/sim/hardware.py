@@ -195,28 +195,27 @@ B_K, B_N = _b_tables()  # [32, 2, 2]: (lane, reg, half) -> B (16x8) k, n
 C_ROW, C_COL = _c_tables()  # [32, 4]: (lane, reg) -> C/D (16x8) row, col
 
 
+def _scatter(regs: np.ndarray, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Registers ``[..., *rows.shape]`` -> ``[..., *shape]`` matrix via a (row, col) table."""
+    regs = np.asarray(regs)
+    out = np.zeros(regs.shape[: regs.ndim - rows.ndim] + shape, dtype=regs.dtype)
+    out[..., rows, cols] = regs
+    return out
+
+
 def a_fragment_to_matrix(a: np.ndarray) -> np.ndarray:
     """``[..., 32, 4, 2]`` A registers -> ``[..., 16, 16]`` matrix (any dtype)."""
-    a = np.asarray(a)
-    out = np.zeros(a.shape[:-3] + (16, 16), dtype=a.dtype)
-    out[..., A_ROW, A_COL] = a
-    return out
+    return _scatter(a, A_ROW, A_COL, (16, 16))
 
 
 def b_fragment_to_matrix(b: np.ndarray) -> np.ndarray:
     """``[..., 32, 2, 2]`` B registers -> ``[..., 16, 8]`` matrix (k, n)."""
-    b = np.asarray(b)
-    out = np.zeros(b.shape[:-3] + (16, 8), dtype=b.dtype)
-    out[..., B_K, B_N] = b
-    return out
+    return _scatter(b, B_K, B_N, (16, 8))
 
 
 def c_fragment_to_matrix(c: np.ndarray) -> np.ndarray:
     """``[..., 32, 4]`` accumulator -> ``[..., 16, 8]`` matrix."""
-    c = np.asarray(c)
-    out = np.zeros(c.shape[:-2] + (16, 8), dtype=c.dtype)
-    out[..., C_ROW, C_COL] = c
-    return out
+    return _scatter(c, C_ROW, C_COL, (16, 8))
 
 
 def a_matrix_to_fragment(m: np.ndarray) -> np.ndarray:
