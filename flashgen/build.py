@@ -82,6 +82,11 @@ def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose:
         if not torch.cuda.is_available():
             raise BuildError("no CUDA device: pass capability=(major, minor) to build for a GPU that is not here")
         capability = torch.cuda.get_device_capability()
+    if cfg.is_wgmma and tuple(capability) != (9, 0):
+        raise BuildError(
+            f"{cfg.short_form()} is a wgmma-engine (Hopper) kernel: it needs compute capability 9.0 (sm_90a), "
+            f"not {capability[0]}.{capability[1]}; use an engine=mma_sync config on this GPU"
+        )
     source = emit(cfg)
     key = _key(source, capability)
     directory = cache_root() / key

@@ -79,7 +79,10 @@ class Attention:
                 raise InputError(f"{name}: rows must be 16-byte aligned (strides {t.stride()} in elements must be multiples of 8)")
             if t.device != q.device:
                 raise InputError(f"{name} is on {t.device} but q is on {q.device}")
-        major, _ = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        if cfg.is_wgmma and (major, minor) != (9, 0):
+            raise InputError(f"{torch.cuda.get_device_name(q.device)} has compute capability {major}.{minor}; "
+                             "wgmma-engine kernels are built for sm_90a (H100/H200)")
         if major < 8:
             raise InputError(f"{torch.cuda.get_device_name(q.device)} has compute capability < 8.0; mma.sync/cp.async need sm_80+")
         b, sq, h, _ = q.shape
@@ -169,7 +172,8 @@ class AutoAttention:
             raise InputError(f"q has dtype {q.dtype}; flashgen kernels take float16 or bfloat16") from None
         if q.dim() != 4:
             raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
-        return lookup(torch.cuda.get_device_name(q.device), dtype, int(q.shape[3]), int(q.shape[1]))
+        return lookup(torch.cuda.get_device_name(q.device), dtype, int(q.shape[3]), int(q.shape[1]),
+                      capability=torch.cuda.get_device_capability(q.device))
 
     def __call__(self, q, k, v, **kwargs):
         cfg = self.select(q)

@@ -56,14 +56,32 @@ def save_cache(data: dict, path: Path | None = None) -> None:
     os.replace(tmp, path)
 
 
-def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = None) -> KernelConfig:
-    """The tuned config for a shape, else the shipped default for the dtype (and d_head)."""
+#: Key block size of the default wgmma-engine kernel per d_head (registers: O + S + P per consumer;
+#: shared memory: Q + 2 stages of K and V).
+HOPPER_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
+
+
+def hopper_default(dtype: DType, d_head: int) -> KernelConfig | None:
+    """The default Hopper (wgmma) config for a head size, or None where that engine does not take it."""
+    if d_head not in HOPPER_B_C:
+        return None
+    return KernelConfig.wgmma(dtype, d_head=d_head, B_c=HOPPER_B_C[d_head])
+
+
+def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = None,
+           capability: tuple[int, int] | None = None) -> KernelConfig:
+    """The tuned config for a shape, else the shipped default: the wgmma engine on compute capability 9.0
+    where it takes the head size, else the mma.sync default for the dtype (and d_head)."""
     from .dsl.notation import parse_config
 
     cache = load_cache() if cache is None else cache
     entry = cache.get(gpu, {}).get(dtype.value, {}).get(str(d_head), {}).get(str(seq_bucket(seq)))
     if entry:
         return parse_config(entry["config"])
+    if capability is not None and tuple(capability) == (9, 0):
+        hopper = hopper_default(dtype, d_head)
+        if hopper is not None:
+            return hopper
     base = next(c for c in default_configs() if c.dtype == dtype)
     return base if base.d_head == d_head else base.replace(d_head=d_head)
 

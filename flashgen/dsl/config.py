@@ -34,7 +34,25 @@ KNOBS: tuple[str, ...] = (
     "optimized_softmax",
     "mask",
 )
+#: Knobs of the Hopper (wgmma) engine; left out of ``to_dict`` for mma.sync configs so their
+#: YAML, names and hashes stay those of the seed family.
+HOPPER_KNOBS: tuple[str, ...] = ("engine", "stages", "pingpong", "intra_overlap")
+ENGINES = ("mma_sync", "wgmma")
 MASKS = ("none", "causal", "window")
+#: The mma.sync-only knobs and the values a wgmma config fixes them at (TMA copies are
+#: asynchronous and 128B-swizzled, operands are read by descriptor, the softmax is exp2-fused).
+WGMMA_FIXED: dict[str, Any] = {
+    "async_copy": True,
+    "eager_load_blocks": True,
+    "swizzled": True,
+    "Q_mma_load_K_tiles": 0,
+    "K_mma_load_K_tiles": 0,
+    "V_mma_load_K_tiles": 0,
+    "mma_double_buffer_loads": False,
+    "optimized_softmax": True,
+}
+WARPGROUP = 128  # threads of one warpgroup (wgmma's unit)
+WGMMA_M = 64  # query rows per consumer warpgroup (wgmma m64)
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # m16n8k16
 FRAG_K = 8  # one "k tile" = 8 columns of the reduction dimension (one 8x8 ldmatrix matrix)
@@ -100,10 +118,44 @@ class KernelConfig:
     #: score mask compiled into the kernel: none, causal (alignment chosen per call) or a
     #: sliding window (left/right sizes chosen per call). Tails (any length) are always handled.
     mask: str = "none"
+    #: ``mma_sync`` (the seed family, sm_80+) or ``wgmma`` (Hopper: TMA + wgmma + warp specialization, sm_90a).
+    engine: str = "mma_sync"
+    #: wgmma: shared-memory stages of the K/V ring the producer warpgroup fills (mma_sync: 1).
+    stages: int = attrs.field(default=1, converter=lambda v: _int("stages", v))
+    #: wgmma: consumer warpgroups take turns issuing their GEMMs (named barriers), so one's
+    #: softmax overlaps the other's tensor-core work.
+    pingpong: bool = False
+    #: wgmma: within a warpgroup, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and
+    #: the softmax of S_j runs while the PV GEMM is in flight.
+    intra_overlap: bool = False
+
+    @classmethod
+    def wgmma(cls, dtype: Any, d_head: int = 128, B_r: int = 128, B_c: int = 128, stages: int = 2,
+              pingpong: bool = True, intra_overlap: bool = True, mask: str = "none") -> "KernelConfig":
+        """A Hopper-engine config; ``n_warps`` follows from ``B_r`` (one producer + B_r/64 consumer warpgroups)."""
+        n_warps = 4 * (1 + _int("B_r", B_r) // WGMMA_M) if _int("B_r", B_r) > 0 else 0
+        return cls(dtype=dtype, d_head=d_head, B_r=B_r, B_c=B_c, n_warps=n_warps, mask=mask, engine="wgmma",
+                   stages=stages, pingpong=pingpong, intra_overlap=intra_overlap, **WGMMA_FIXED)
+
+    @property
+    def is_wgmma(self) -> bool:
+        return self.engine == "wgmma"
+
+    @property
+    def consumers(self) -> int:
+        """wgmma: consumer warpgroups (64 query rows each)."""
+        return self.B_r // WGMMA_M
 
     def __attrs_post_init__(self) -> None:
-        for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax"):
+        for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax",
+                     "pingpong", "intra_overlap"):
             _bool(name, getattr(self, name))
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine={self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.is_wgmma:
+            for rule in _WGMMA_RULES:
+                rule(self)
+            return
         for rule in _RULES:
             rule(self)
 
@@ -136,7 +188,10 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: one Q, one K and one V block (O reuses Q's space)."""
+        """Dynamic shared memory: one Q, one K and one V block (O reuses Q's space); wgmma: Q,
+        ``stages`` K and V blocks, the mbarriers and 1 KiB to align the base for the 128B swizzle."""
+        if self.is_wgmma:
+            return (self.B_r + 2 * self.stages * self.B_c) * self.d_head * self.dtype.size + 8 * (1 + 4 * self.stages) + 1024
         return (self.B_r + 2 * self.B_c) * self.d_smem * self.dtype.size
 
     def k_tiles(self, operand: str) -> int:
@@ -178,7 +233,7 @@ class KernelConfig:
     # ---- names ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain dict whose keys are exactly :data:`KNOBS` (dtype as its name)."""
-        d = {k: getattr(self, k) for k in KNOBS}
+        d = {k: getattr(self, k) for k in KNOBS + (HOPPER_KNOBS if self.is_wgmma else ())}
         d["dtype"] = self.dtype.value
         return d
 
@@ -187,12 +242,17 @@ class KernelConfig:
         """Build from a mapping with knob-name keys; unknown keys are an error."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a kernel config must be a mapping of knob names, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(KNOBS))
+        unknown = sorted(set(data) - set(KNOBS) - set(HOPPER_KNOBS))
         if unknown:
-            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(KNOBS)}")
+            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(KNOBS + HOPPER_KNOBS)}")
         if "dtype" not in data:
             raise ConfigError("config is missing 'dtype' (fp16 or bf16)")
-        return cls(**dict(data))
+        data = dict(data)
+        if data.get("engine") == "wgmma":  # the mma.sync-only knobs default to their fixed wgmma values
+            data = {**WGMMA_FIXED, "stages": 2, "pingpong": True, "intra_overlap": True, **data}
+            if "n_warps" not in data and isinstance(data.get("B_r", 128), int):
+                data["n_warps"] = 4 * (1 + data.get("B_r", 128) // WGMMA_M)
+        return cls(**data)
 
     def to_yaml(self) -> str:
         import yaml
@@ -212,6 +272,9 @@ class KernelConfig:
     def flags(self) -> tuple[str, ...]:
         """The short form's flags, in canonical order."""
         out = []
+        if self.is_wgmma:
+            out += ["wgmma", f"stages_{self.stages}"] + [f for f in ("pingpong", "intra") if getattr(self, "intra_overlap" if f == "intra" else f)]
+            return tuple(out + ([self.mask] if self.mask != "none" else []))
         if self.async_copy:
             out.append("async")
         if self.eager_load_blocks:
@@ -244,8 +307,11 @@ class KernelConfig:
             f"br{self.B_r}",
             f"bc{self.B_c}",
             f"w{self.n_warps}",
-            "async" if self.async_copy else "sync",
         ]
+        if self.is_wgmma:
+            parts += ["wgmma", f"s{self.stages}"] + (["pp"] if self.pingpong else []) + (["intra"] if self.intra_overlap else [])
+            return "_".join(parts + ([self.mask] if self.mask != "none" else []))
+        parts.append("async" if self.async_copy else "sync")
         if self.eager_load_blocks:
             parts.append("eager")
         parts.append("swz" if self.swizzled else "noswz")
@@ -339,7 +405,67 @@ def _rule_smem(c: KernelConfig) -> None:
         )
 
 
-_RULES = (_rule_sizes, _rule_eager, _rule_tile_counts, _rule_smem)
+def _rule_mma_sync_only(c: KernelConfig) -> None:
+    for name, off in (("stages", 1), ("pingpong", False), ("intra_overlap", False)):
+        if getattr(c, name) != off:
+            raise ConfigError(f"{name}={getattr(c, name)!r} is a wgmma-engine knob; an engine=mma_sync config needs {name}={off!r}")
+
+
+_RULES = (_rule_mma_sync_only, _rule_sizes, _rule_eager, _rule_tile_counts, _rule_smem)
+
+# ---- wgmma engine rules ----------------------------------------------------------------
+
+#: Registers a producer warpgroup keeps after ``setmaxnreg.dec`` (it only issues TMA copies).
+PRODUCER_REGS = 24
+
+
+def consumer_regs(consumers: int) -> int:
+    """Registers per consumer thread after ``setmaxnreg.inc``: what the producer gives back, split evenly."""
+    per = (REGS_PER_SM - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
+    return min(256, per // 8 * 8)
+
+
+def _wgmma_rule_knobs(c: KernelConfig) -> None:
+    for name, fixed in WGMMA_FIXED.items():
+        if getattr(c, name) != fixed:
+            raise ConfigError(f"{name}={getattr(c, name)!r} is an mma.sync knob; an engine=wgmma config fixes it at {fixed!r}")
+    if c.mask not in MASKS:
+        raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
+
+
+def _wgmma_rule_sizes(c: KernelConfig) -> None:
+    if c.d_head <= 0 or c.d_head % 64 or c.d_head > 256:
+        raise ConfigError(
+            f"d_head={c.d_head}: the wgmma engine takes d_head 64, 128, 192 or 256 (whole 128-byte swizzle "
+            "atoms of 64 columns per TMA box); use engine=mma_sync for other head sizes"
+        )
+    if c.B_r <= 0 or c.B_r % WGMMA_M or not 1 <= c.B_r // WGMMA_M <= 3:
+        raise ConfigError(f"B_r={c.B_r}: the wgmma engine gives each consumer warpgroup {WGMMA_M} query rows; B_r must be 64, 128 or 192")
+    want = 4 * (1 + c.consumers)
+    if c.n_warps != want:
+        raise ConfigError(f"n_warps={c.n_warps}: B_r={c.B_r} means 1 producer + {c.consumers} consumer warpgroups = {want} warps")
+    if c.B_c <= 0 or c.B_c % 16 or c.B_c > 256:
+        raise ConfigError(f"B_c={c.B_c}: must be a multiple of 16 in 16..256 (wgmma N of S = Q K^T, k16 steps of P V, a TMA box)")
+    if not 1 <= c.stages <= 4:
+        raise ConfigError(f"stages={c.stages}: the K/V ring takes 1 to 4 stages")
+    if c.pingpong and c.consumers != 2:
+        raise ConfigError(f"pingpong=true alternates two consumer warpgroups; B_r={c.B_r} has {c.consumers}")
+    regs = c.d_head // 2 + c.B_c // 2 + c.B_c // 4  # O and S accumulators, P fragments (32-bit each)
+    budget = consumer_regs(c.consumers) - 40
+    if regs > budget:
+        raise ConfigError(
+            f"d_head={c.d_head}, B_c={c.B_c}: O ({c.d_head // 2}) + S ({c.B_c // 2}) + P ({c.B_c // 4}) = {regs} registers per "
+            f"consumer thread exceed {budget} (the {consumer_regs(c.consumers)} a consumer gets with {c.consumers} consumer "
+            "warpgroups, less room for addresses and softmax); use a smaller B_c or fewer consumers"
+        )
+    if c.smem_bytes > SMEM_LIMIT_BYTES:
+        raise ConfigError(
+            f"shared memory (B_r + 2 * stages * B_c) * d_head * {c.dtype.size} + barriers + alignment = {c.smem_bytes} bytes "
+            f"exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit; use fewer stages or a smaller B_c"
+        )
+
+
+_WGMMA_RULES = (_wgmma_rule_knobs, _wgmma_rule_sizes)
 
 
 # ---- the seed's config sets ------------------------------------------------------------
@@ -430,6 +556,17 @@ def kernel_progression(all_block_sizes: bool = False) -> list[KernelConfig]:
                 out.append(cfg.replace(B_r=B_r, B_c=B_c, n_warps=n_warps))
             except ConfigError:
                 continue
+    return out
+
+
+def hopper_configs(dtypes: Iterable[DType | str] = ("fp16", "bf16")) -> list[KernelConfig]:
+    """The wgmma engine's d_head-128 set: the default (pingpong + intra overlap, 2 stages) and its
+    ablations (each overlap off, 3 stages, B_c 176), for benchmarks and the GPU tests."""
+    out = []
+    for dt in dtypes:
+        base = KernelConfig.wgmma(dt)
+        out += [base, base.replace(intra_overlap=False), base.replace(pingpong=False), base.replace(stages=3),
+                base.replace(B_c=176)]
     return out
 
 

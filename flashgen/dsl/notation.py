@@ -38,7 +38,11 @@ __all__ = [
 ]
 
 #: The short form's flags in canonical order (``KernelConfig.flags`` prints them so).
-VALID_FLAGS: tuple[str, ...] = ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window")
+VALID_FLAGS: tuple[str, ...] = ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window",
+                                "wgmma", "stages_N", "pingpong", "intra")
+#: Flags only the wgmma (Hopper) engine takes, and the mma.sync-only ones it refuses.
+_WGMMA_FLAGS = frozenset({"wgmma", "stages_N", "pingpong", "intra"})
+_MMA_SYNC_FLAGS = frozenset({"async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax"})
 
 #: d_head of a short form that gives three sizes, ``(dtype, B_r, B_c, n_warps)``.
 SHORT_FORM_D_HEAD = 128
@@ -124,6 +128,14 @@ class _ShortForm:
                     _FORMS["config"],
                 )
             seen[f.name] = f
+        if "wgmma" in seen:
+            return self._wgmma_config(text, seen)
+        for f in self.flags:
+            if f.name in _WGMMA_FLAGS:
+                raise NotationError(
+                    f"flag '{f.text}' needs the wgmma engine", text, f.line, f.column,
+                    "add +wgmma (Hopper kernels), or drop it for an mma.sync kernel", _FORMS["config"],
+                )
         if "load_Q_K_V_tiles" not in seen:
             last = self.flags[-1]
             raise NotationError(
@@ -144,6 +156,24 @@ class _ShortForm:
             knobs.update(f.knobs)
         try:
             return KernelConfig(**knobs)
+        except ConfigError as e:
+            raise ConfigError(f"invalid kernel config '{' '.join(text.split())}': {e}") from e
+
+
+    def _wgmma_config(self, text: str, seen: dict[str, _Flag]) -> KernelConfig:
+        """A wgmma short form: no mma.sync flags; stages/pingpong/intra off unless given."""
+        for f in self.flags:
+            if f.name in _MMA_SYNC_FLAGS:
+                raise NotationError(
+                    f"flag '{f.text}' is an mma.sync flag", text, f.line, f.column,
+                    "a +wgmma kernel takes wgmma, stages_N, pingpong, intra and a mask flag", _FORMS["config"],
+                )
+        knobs: dict[str, Any] = dict(dtype=self.dtype, engine="wgmma", stages=1, pingpong=False, intra_overlap=False)
+        knobs.update(self.sizes)
+        for f in self.flags:
+            knobs.update(f.knobs)
+        try:
+            return KernelConfig.from_dict(knobs)
         except ConfigError as e:
             raise ConfigError(f"invalid kernel config '{' '.join(text.split())}': {e}") from e
 
@@ -204,6 +234,18 @@ class _ToObjects(Transformer):
     def window_flag(self, tok: Token) -> _Flag:
         return _flag("mask", tok, mask="window")
 
+    def wgmma_flag(self, tok: Token) -> _Flag:
+        return _flag("wgmma", tok, engine="wgmma")
+
+    def stages_flag(self, tok: Token) -> _Flag:
+        return _flag("stages_N", tok, stages=int(str(tok).split("_")[1]))
+
+    def pingpong_flag(self, tok: Token) -> _Flag:
+        return _flag("pingpong", tok, pingpong=True)
+
+    def intra_flag(self, tok: Token) -> _Flag:
+        return _flag("intra", tok, intra_overlap=True)
+
     def flags(self, *flags: _Flag) -> tuple[_Flag, ...]:
         return flags
 
@@ -222,7 +264,8 @@ _TO_OBJECTS = _ToObjects()
 
 # ---- lark's errors -> NotationError ----------------------------------------------------
 
-_FLAG_TERMINALS = frozenset({"ASYNC", "EAGER", "SWIZZLED", "LOAD_TILES", "BUFFER", "OPT_SOFTMAX", "CAUSAL", "WINDOW"})
+_FLAG_TERMINALS = frozenset({"ASYNC", "EAGER", "SWIZZLED", "LOAD_TILES", "BUFFER", "OPT_SOFTMAX", "CAUSAL", "WINDOW",
+                             "WGMMA", "STAGES", "PINGPONG", "INTRA"})
 _TERMINAL_WORDS = {
     "NAT": "a non-negative integer",
     "INT": "an integer",

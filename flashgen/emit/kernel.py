@@ -711,6 +711,11 @@ def emit(cfg: KernelConfig) -> KernelSource:
     """The CUDA source of one config. Pure and deterministic."""
     from .binding import binding_source
 
+    if cfg.is_wgmma:
+        from .hopper_kernel import emit_hopper
+
+        return emit_hopper(cfg)
+
     plan = make_plan(cfg)
     name = cfg.mangle()
     q = plan.s2r["Q"]

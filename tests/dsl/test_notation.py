@@ -182,7 +182,8 @@ def test_unknown_flags_list_the_valid_ones(flag, column):
     err = _notation_error(parse_config, text)
     assert (err.line, err.column) == (1, column)
     assert f"unknown flag '{flag}' at column {column}; {VALID_FLAGS_TEXT}" in str(err)
-    assert VALID_FLAGS == ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window")
+    assert VALID_FLAGS == ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window",
+                           "wgmma", "stages_N", "pingpong", "intra")
 
 
 def test_unknown_flag_on_a_later_line():

@@ -219,6 +219,23 @@ class WGMMA_64xNx16:
         """f32 accumulator registers per thread: 64*N / 128."""
         return self.n // 2
 
+    @property
+    def rs_ptx(self) -> str:
+        """The same instruction with A from registers (``wgmma ... d, {a0..a3}, desc_b, ...``)."""
+        return self.ptx
+
+    # A from registers (PTX ISA "Matrix fragments for wgmma .m64nNk16", A of .f16/.bf16): each warp
+    # holds 16 rows as the mma.m16n8k16 A fragment. Value v = 2 * reg + half of 4 32-bit registers:
+    #   row = 16*warp + group + 8*(reg % 2),  col = 2*quad + half + 8*(reg / 2)
+    @property
+    def a_map(self) -> TVMap:
+        shape = ((4, 8, 4), (2, 2, 2))
+        return TVMap(
+            "A_rs", 128, 8,
+            row=Layout(shape, ((0, 1, 16), (0, 8, 0))),
+            col=Layout(shape, ((2, 0, 0), (1, 0, 8))),
+        )
+
     # thread = (quad 4, group 8, warp 4); value = (i%2, (i/2)%2, i/4)
     @property
     def c_map(self) -> TVMap:
@@ -419,6 +436,53 @@ def wgmma_kmajor_descriptors(tile_base_byte_addr: int, rows: int, k_cols: int, d
             descs.append(SmemDescriptor(start, lbo, sbo, swizzle))
         out.append(descs)
     return out
+
+
+def wgmma_mnmajor_descriptors(tile_base_byte_addr: int, k_rows: int, n_cols: int, dtype: DType = DType.FP16,
+                              swizzle: GmmaSwizzle = GmmaSwizzle.B128) -> list[SmemDescriptor]:
+    """Descriptors per k16 step for an MN-major B operand stored as :func:`kmajor_tile_layout` ``(k_rows, n_cols)``.
+
+    The V tile of ``O += P V`` is a row-major ``keys x d`` tile (the same TMA placement as K),
+    but its reduction runs down the rows, so wgmma reads it MN-major (``imm-trans-b = 1``).
+    The PTX ISA canonical MN-major swizzled layout is, in elements with ``T`` per 16 bytes,
+    ``((T, W/16, m), (8, k)) : ((1, T, LBO), (W/2, SBO))``: an atom is ``W`` bytes of N by 8
+    rows of K, LBO steps to the next atom along N (the next TMA column box,
+    ``k_rows * W`` bytes) and SBO to the next 8 rows of K (``8 * W``). k16 step ``s``
+    starts ``16 * s`` rows down: ``+ 16 * s * W`` bytes.
+    """
+    if swizzle is GmmaSwizzle.NONE:
+        raise ValueError("MN-major descriptors are implemented for the swizzled modes (32B/64B/128B)")
+    _check_kmajor_tile(k_rows, n_cols, dtype, swizzle)
+    if k_rows % 16:
+        raise ValueError(f"an MN-major operand's K extent must be a multiple of the k16 step; got k_rows={k_rows}")
+    align = _pattern_bytes(swizzle)
+    if not isinstance(tile_base_byte_addr, int) or tile_base_byte_addr < 0 or tile_base_byte_addr % align:
+        raise ValueError(f"MN-major {swizzle} tile base must be a {align}-byte aligned shared-memory address; got {tile_base_byte_addr!r}")
+    span_b = swizzle.span_bytes
+    if tile_base_byte_addr + (n_cols * dtype.size // span_b) * k_rows * span_b > 1 << 18:
+        raise ValueError(f"tile at {tile_base_byte_addr:#x} of {k_rows}x{n_cols} does not fit the 18-bit shared-memory window")
+    return [SmemDescriptor(tile_base_byte_addr + 16 * s * span_b, k_rows * span_b, 8 * span_b, swizzle)
+            for s in range(k_rows // 16)]
+
+
+def descriptor_addresses_mn(desc: SmemDescriptor, n_cols: int, k: int = 16, dtype: DType = DType.FP16) -> np.ndarray:
+    """Byte address wgmma reads for element ``(n, kk)`` of an MN-major descriptor's k16 slice.
+
+    From the ISA's canonical MN-major swizzled layout alone: ``n`` splits into the
+    element within a ``W``-byte atom row and the atom index (LBO apart); ``kk`` into the
+    row within 8 (``W`` bytes apart) and the 8-row group (SBO apart); then the absolute
+    address is XOR-swizzled like the K-major case.
+    """
+    if desc.swizzle is GmmaSwizzle.NONE or desc.base_offset:
+        raise NotImplementedError("descriptor_addresses_mn models swizzled, pattern-aligned descriptors only")
+    width = desc.swizzle.span_bytes
+    per_atom = width // dtype.size
+    n = np.arange(n_cols, dtype=np.int64)[:, None]
+    kk = np.arange(k, dtype=np.int64)[None, :]
+    addr = (desc.start_address + (n // per_atom) * desc.leading_byte_offset + (n % per_atom) * dtype.size
+            + (kk // 8) * desc.stride_byte_offset + (kk % 8) * width)
+    mask = (1 << desc.swizzle.bits) - 1
+    return addr ^ (((addr >> 7) & mask) << 4)
 
 
 def descriptor_addresses(desc: SmemDescriptor, n_rows: int, k: int = 16, dtype: DType = DType.FP16) -> np.ndarray:

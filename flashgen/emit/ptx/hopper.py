@@ -66,6 +66,48 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, uint
 }'''
 
 
+def tma_load_4d() -> str:
+    """``cp.async.bulk.tensor.4d`` (PTX ISA "cp.async.bulk.tensor"): coordinates innermost first.
+
+    flashgen's attention tensors map as (d_head, seq, heads, batch), so one map per tensor
+    clips boxes at each sequence's end (zero fill) whatever the strides between heads.
+    """
+    return r'''// TMA: copy the box at (c0 column, c1 row, c2 head, c3 batch) of the tensor map `tmap` to shared
+// `dst`; completion adds the box bytes to `bar`'s transaction count. Out-of-bounds elements read as 0.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int32_t c0, int32_t c1, int32_t c2, int32_t c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}'''
+
+
+def fence_mbarrier_init() -> str:
+    """``fence.mbarrier_init.release.cluster`` (PTX ISA "membar/fence"): initialised barriers visible to the async proxy."""
+    return r'''// Make mbarrier.init visible to the TMA unit (async proxy) before any copy completes on it.
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}'''
+
+
+def named_barrier() -> str:
+    """``bar.sync`` / ``bar.arrive`` with an id and a thread count (PTX ISA "bar, barrier")."""
+    return r'''// Named barriers (id 1..15; 0 is __syncthreads): `threads` arrivals complete a phase.
+__device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}'''
+
+
+def smem_descriptor() -> str:
+    """The wgmma matrix descriptor built on the device (fields of :class:`SmemDescriptor`)."""
+    return r'''// wgmma shared-memory matrix descriptor: start>>4 | LBO>>4 << 16 | SBO>>4 << 32 | mode << 62.
+// A later start is `desc + (bytes >> 4)` (the start field cannot carry: shared memory < 256 KiB).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t mode) {
+    return uint64_t((addr & 0x3FFFFu) >> 4) | uint64_t(lbo >> 4) << 16 | uint64_t(sbo >> 4) << 32 | uint64_t(mode) << 62;
+}'''
+
+
 def fence_proxy_async() -> str:
     """``fence.proxy.async.shared::cta`` (PTX ISA "membar/fence", proxy fences)."""
     return r'''// Order this thread's generic-proxy shared-memory accesses before later async-proxy ones
@@ -97,6 +139,14 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         asm volatile("" : "+f"(d[i]) :: "memory");
+    }
+}
+// The same for A fragments in registers: they stay live (unmoved) until the wgmma reading them is waited on.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3]) :: "memory");
     }
 }'''
 
@@ -146,9 +196,32 @@ __device__ __forceinline__ void {wgmma_helper_name(atom, trans_b)}(float (&d)[{n
 }}'''
 
 
+def wgmma_rs_helper_name(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
+    return f"wgmma_m64n{atom.n}k16_{atom.dtype.ptx}_rs{'_tb' if trans_b else ''}"
+
+
+def wgmma_rs(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
+    """``wgmma.mma_async`` with A from registers (4 x 32-bit, ``atom.a_map``) and B by descriptor; ``d += A*B``."""
+    n = atom.c_regs
+    d_ops = ", ".join(f"%{i}" for i in range(n))
+    d_cons = ",\n          ".join(", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, n))) for j in range(0, n, 8))
+    return f'''// {atom.name.replace("_SS", "_RS")}: D(64x{atom.n}, f32) += A(64x16, registers) * B(16x{atom.n}, smem desc{", MN-major" if trans_b else ""}).
+__device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)[{n}], const uint32_t (&a)[4], uint64_t desc_b) {{
+    asm volatile(
+        "{{\\n"
+        ".reg .pred p;\\n"
+        "setp.ne.b32 p, %{n + 5}, 0;\\n"  // scale-d is a predicate operand: always 1 (accumulate)
+        "{atom.rs_ptx} {{{d_ops}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, {1 if trans_b else 0};\\n"
+        "}}\\n"
+        : {d_cons}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+        : "memory");
+}}'''
+
+
 def helpers(atoms: tuple[WGMMA_64xNx16, ...] = ()) -> str:
     """All Hopper helpers in a fixed order, then one wgmma helper per atom (K-major B)."""
-    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(),
-             fence_proxy_async(), wgmma_sync(), setmaxnreg()]
+    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(), tma_load_4d(),
+             fence_mbarrier_init(), named_barrier(), smem_descriptor(), fence_proxy_async(), wgmma_sync(), setmaxnreg()]
     parts += [wgmma(a) for a in atoms]
     return "\n".join(parts)

@@ -1,0 +1,319 @@
+"""The plan of a Hopper (wgmma engine) kernel: TMA tiles, the K/V ring, descriptors, roles, schedule.
+
+FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
+
+* warpgroup 0 is the **producer**: after ``setmaxnreg.dec`` one thread issues TMA loads
+  (Q once, then K_j and V_j into a ``stages``-deep ring), each completing on a "full"
+  mbarrier with transaction bytes, after waiting on the stage's "empty" mbarrier;
+* warpgroups 1.. are **consumers** of 64 query rows each (``setmaxnreg.inc``):
+  ``S = Q K_j^T`` (wgmma, A and B from shared memory, K-major), online softmax on the
+  accumulator registers, ``O += P V_j`` (wgmma, A = P from registers, B = V MN-major),
+  releasing each stage with one arrival per warp on its "empty" barrier;
+* ``pingpong``: two consumers take turns issuing GEMMs (named barriers), so one's
+  softmax runs under the other's tensor-core work; ``intra_overlap``: S_j and
+  O += P_{j-1} V_{j-1} are issued back to back and the softmax of S_j runs while PV is
+  in flight.
+
+Every object here is read by both the emitter (:mod:`flashgen.emit.hopper_kernel`) and the
+simulator (:mod:`flashgen.sim.hopper`): shared-memory placement (``tma_tile`` layouts),
+descriptor fields and per-step offsets, the P-from-S register table, the barrier counts
+and the consumer schedule.
+"""
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from .atoms.hopper import (
+    GmmaSwizzle,
+    Mbarrier,
+    SmemDescriptor,
+    TmaLoad,
+    WGMMA_64xNx16,
+    kmajor_tile_layout,
+    wgmma_kmajor_descriptors,
+    wgmma_mnmajor_descriptors,
+)
+from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
+from .layout import Layout
+from .plan import ScoreMask, Step, _row_reduce_lanes
+from .swizzle import ComposedLayout, Swizzle
+
+SWIZZLE = GmmaSwizzle.B128
+BOX_COLS = SWIZZLE.span_bytes // 2  # 64 16-bit columns per TMA box (one 128-byte swizzle row)
+SMEM_ALIGN = 1024  # the 128B swizzle pattern repeats every 1024 bytes of absolute address
+
+
+@attrs.frozen
+class SmemTile:
+    """One operand tile in shared memory: ``layout(row, col)`` -> element offset from its stage base."""
+
+    name: str
+    rows: int
+    cols: int
+    layout: ComposedLayout
+    offset: int  # bytes from the 1024-aligned shared-memory base
+    stages: int
+    stage_bytes: int
+
+    def stage_offset(self, s: int) -> int:
+        return self.offset + s * self.stage_bytes
+
+    def __str__(self) -> str:
+        st = f" x {self.stages} stages" if self.stages > 1 else ""
+        return f"{self.name}[{self.rows}x{self.cols}]{st} @ {self.offset}: {self.layout}"
+
+
+@attrs.frozen
+class TmaTile:
+    """How a tile is filled: ``tma`` boxes over (rows of ``row_coord``, 64-column blocks)."""
+
+    tile: SmemTile
+    tma: TmaLoad
+    row_coord: str  # "q" (query rows of the CTA) or "kv" (key rows of block j)
+
+    @property
+    def bytes(self) -> int:
+        """expect_tx of one tile: every box's bytes (zero-filled out-of-bounds included)."""
+        return self.tile.stage_bytes
+
+    @property
+    def boxes(self):
+        return self.tma.coverage(self.tile.rows, self.tile.cols)
+
+
+@attrs.frozen
+class OperandDesc:
+    """A wgmma operand's descriptors: fields shared by all steps, start offsets per k16 step.
+
+    ``start(base, s)`` is ``base + step_offsets[s]`` (+ ``row_block_offset * block`` for
+    the A operand of consumer ``block``); LBO/SBO/swizzle are constant.
+    """
+
+    operand: str
+    major: str  # "K" or "MN"
+    lbo: int
+    sbo: int
+    swizzle: GmmaSwizzle
+    step_offsets: tuple[int, ...]
+    row_block_offset: int = 0
+
+    def descriptor(self, base: int, step: int, block: int = 0) -> SmemDescriptor:
+        return SmemDescriptor(base + self.row_block_offset * block + self.step_offsets[step], self.lbo, self.sbo, self.swizzle)
+
+
+@attrs.frozen
+class WarpgroupGemm:
+    """One consumer GEMM: ``k_steps`` wgmma of ``atom``; A from shared memory or registers."""
+
+    name: str
+    atom: WGMMA_64xNx16
+    a_from: str  # "smem" or "regs"
+    a: "OperandDesc | None"
+    b: OperandDesc
+    trans_b: bool
+
+    @property
+    def k_steps(self) -> int:
+        return len(self.b.step_offsets)
+
+
+@attrs.frozen
+class HopperPlan:
+    cfg: KernelConfig
+    tiles: dict  # Q, K, V, O (O stages the output in Q's space, per consumer rows)
+    loads: dict  # Q, K, V -> TmaTile
+    barriers: dict  # name -> (Mbarrier, offset, count per stage)
+    gemm_S: WarpgroupGemm
+    gemm_O: WarpgroupGemm
+    p_from_s: tuple[tuple[tuple[int, int], ...], ...]  # [k16 step][A reg] -> (S value lo, S value hi)
+    o_stage: ComposedLayout  # (CTA row, col) of the output tile -> element offset (Q's layout)
+    score_mask: ScoreMask
+    row_reduce_lanes: tuple[int, ...]
+    prologue: tuple[Step, ...]
+    body: tuple[Step, ...]
+    epilogue: tuple[Step, ...]
+    producer_regs: int
+    consumer_regs: int
+    smem_bytes: int
+
+    @property
+    def consumers(self) -> int:
+        return self.cfg.consumers
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * (1 + self.consumers)
+
+
+def _p_from_s(atom_s: WGMMA_64xNx16, atom_o: WGMMA_64xNx16, k_steps: int) -> tuple:
+    """For each k16 step of P V and each 32-bit A register: the two S accumulator values it packs.
+
+    Derived by matching maps: A value ``(thread, v)`` of step ``t`` needs ``P[row, 16 t + col]``;
+    it must be held by the same thread in the S accumulator (``c_map``), which the search
+    asserts -- the "accumulator reused as A operand" rule, proven rather than assumed.
+    """
+    c, a = atom_s.c_map, atom_o.a_map
+    where = {}
+    for thread in range(WARPGROUP):
+        for i in range(c.n_values):
+            where[(thread,) + c(thread, i)] = i
+    out = []
+    for t in range(k_steps):
+        regs = []
+        for r in range(4):
+            pair = []
+            for half in range(2):
+                v = 2 * r + half
+                for thread in range(WARPGROUP):
+                    row, col = a(thread, v)
+                    i = where.get((thread, row, 16 * t + col))
+                    if i is None:
+                        raise AssertionError(f"P[{row}, {16 * t + col}] is not in thread {thread}'s S accumulator")
+                    if thread == 0:
+                        first = i
+                    elif i != first:  # the same register index in every thread
+                        raise AssertionError("A register sources differ between threads")
+                pair.append(first)
+            regs.append(tuple(pair))
+        out.append(tuple(regs))
+    return tuple(out)
+
+
+def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tuple[Step, ...]]:
+    """The consumer warpgroup's steps. ``turn``/``pass`` bracket GEMM issue (pingpong only).
+
+    Blocks: ``j`` is the current key block; ``j-1`` the previous one (intra overlap).
+    The emitter maps each op to code; the simulator walks the same steps and checks the
+    async hazards (accumulators touched while a wgmma group is in flight, stages released
+    or read at the wrong time).
+    """
+    S = Step
+    turn = (S("turn", why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
+    pas = (S("pass", why="pingpong: hand the tensor cores to the other warpgroup"),) if cfg.pingpong else ()
+    if cfg.intra_overlap:
+        prologue = (
+            S("wait_full", "K", "j", why="K_j landed (TMA transaction bytes complete)"),
+            *turn,
+            S("gemm", "S", "j", why="S = Q K_j^T"),
+            *pas,
+            S("wgmma_wait", "0", why="S ready"),
+            S("release", "K", "j", why="K_j stage free for the producer"),
+            S("softmax", "first", "j", why="row max/sum of S_j, P = exp2(S - max)"),
+            S("convert_P", why="P -> 16-bit A fragments"),
+        )
+        body = (
+            S("wait_full", "K", "j"),
+            *turn,
+            S("gemm", "S", "j", why="S_j = Q K_j^T"),
+            S("wait_full", "V", "j-1"),
+            S("gemm", "O", "j-1", why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
+            *pas,
+            S("wgmma_wait", "1", why="S_j ready (PV may still run)"),
+            S("release", "K", "j"),
+            S("softmax", "stats", "j", why="new row max, exp2, row sums; O untouched (PV in flight)"),
+            S("wgmma_wait", "0", why="PV done: O and the P registers are free"),
+            S("release", "V", "j-1"),
+            S("rescale_O", why="O *= exp2(old max - new max)"),
+            S("convert_P"),
+        )
+        epilogue = (
+            S("wait_full", "V", "last"),
+            *turn,
+            S("gemm", "O", "last", why="O += P V of the last block"),
+            *pas,
+            S("wgmma_wait", "0"),
+            S("release", "V", "last"),
+        )
+        return prologue, body, epilogue
+    body = (
+        S("wait_full", "K", "j"),
+        *turn,
+        S("gemm", "S", "j", why="S = Q K_j^T"),
+        *pas,
+        S("wgmma_wait", "0"),
+        S("release", "K", "j"),
+        S("softmax", "stats", "j"),
+        S("rescale_O"),
+        S("convert_P"),
+        S("wait_full", "V", "j"),
+        *turn,
+        S("gemm", "O", "j", why="O += P V_j"),
+        *pas,
+        S("wgmma_wait", "0"),
+        S("release", "V", "j"),
+    )
+    return (), body, ()
+
+
+@functools.lru_cache(maxsize=None)
+def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
+    if not cfg.is_wgmma:
+        raise ValueError(f"{cfg.short_form()} is an mma.sync config; make_plan builds its plan")
+    d, B_r, B_c, st = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages
+    esz = cfg.dtype.size
+    q_bytes, kv_bytes = B_r * d * esz, B_c * d * esz
+    q = SmemTile("sQ", B_r, d, kmajor_tile_layout(B_r, d, cfg.dtype, SWIZZLE), 0, 1, q_bytes)
+    k = SmemTile("sK", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes, st, kv_bytes)
+    v = SmemTile("sV", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes + st * kv_bytes, st, kv_bytes)
+    bar0 = q_bytes + 2 * st * kv_bytes
+    names = [("q_full", 1, 1)] + [(n, st, c) for n, c in (("k_full", 1), ("v_full", 1), ("k_empty", 4 * cfg.consumers), ("v_empty", 4 * cfg.consumers))]
+    barriers, off = {}, bar0
+    for name, stages, count in names:
+        barriers[name] = (Mbarrier(name, count), off, stages)
+        off += 8 * stages
+    smem = off + SMEM_ALIGN  # slack to align the dynamic base
+    if smem != cfg.smem_bytes:
+        raise AssertionError(f"plan shared memory {smem} != config's {cfg.smem_bytes}")
+    loads = {
+        "Q": TmaTile(q, TmaLoad(B_r, BOX_COLS, cfg.dtype, SWIZZLE), "q"),
+        "K": TmaTile(k, TmaLoad(B_c, BOX_COLS, cfg.dtype, SWIZZLE), "kv"),
+        "V": TmaTile(v, TmaLoad(B_c, BOX_COLS, cfg.dtype, SWIZZLE), "kv"),
+    }
+    # descriptors relative to each tile's (stage) base; checked on a base of 0 (1024-aligned)
+    qd = wgmma_kmajor_descriptors(0, B_r, d, cfg.dtype, SWIZZLE, rows_per_wgmma=WGMMA_M)
+    kd = wgmma_kmajor_descriptors(0, B_c, d, cfg.dtype, SWIZZLE, rows_per_wgmma=B_c)[0]
+    vd = wgmma_mnmajor_descriptors(0, B_c, d, cfg.dtype, SWIZZLE)
+    a_q = OperandDesc("Q", "K", qd[0][0].leading_byte_offset, qd[0][0].stride_byte_offset, SWIZZLE,
+                      tuple(x.start_address for x in qd[0]), row_block_offset=qd[1][0].start_address if len(qd) > 1 else 0)
+    b_k = OperandDesc("K", "K", kd[0].leading_byte_offset, kd[0].stride_byte_offset, SWIZZLE, tuple(x.start_address for x in kd))
+    b_v = OperandDesc("V", "MN", vd[0].leading_byte_offset, vd[0].stride_byte_offset, SWIZZLE, tuple(x.start_address for x in vd))
+    atom_s, atom_o = WGMMA_64xNx16(cfg.dtype, B_c), WGMMA_64xNx16(cfg.dtype, d)
+    gemm_s = WarpgroupGemm("S", atom_s, "smem", a_q, b_k, trans_b=False)
+    gemm_o = WarpgroupGemm("O", atom_o, "regs", None, b_v, trans_b=True)
+    # output staging: consumer w writes its O rows 64w.. into Q's own layout, i.e. exactly the
+    # bytes of its own Q rows (only its S GEMMs read those, and they are done); the 128B swizzle
+    # keeps both the 4-byte accumulator stores and the 16-byte row reads conflict-free
+    o_stage = q.layout
+    o = SmemTile("sO", B_r, d, o_stage, 0, 1, q_bytes)
+    prologue, body, epilogue = _schedule(cfg)
+    return HopperPlan(
+        cfg=cfg,
+        tiles={"Q": q, "K": k, "V": v, "O": o},
+        loads=loads,
+        barriers=barriers,
+        gemm_S=gemm_s,
+        gemm_O=gemm_o,
+        p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
+        o_stage=o_stage,
+        score_mask=ScoreMask(cfg.mask, B_r, B_c),
+        row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
+        prologue=prologue,
+        body=body,
+        epilogue=epilogue,
+        producer_regs=PRODUCER_REGS,
+        consumer_regs=consumer_regs(cfg.consumers),
+        smem_bytes=smem,
+    )
+
+
+def _warp_c_map(atom: WGMMA_64xNx16):
+    """The accumulator map restricted to warp 0 (lanes 0..31), for the row-reduction lanes."""
+    from .tiling import TVMap
+
+    c = atom.c_map
+    shape = ((4, 8), c.row.shape[1])
+    return TVMap("C_warp", 32, c.n_values,
+                 row=Layout(shape, ((c.row.stride[0][0], c.row.stride[0][1]), c.row.stride[1])),
+                 col=Layout(shape, ((c.col.stride[0][0], c.col.stride[0][1]), c.col.stride[1])))

@@ -1,0 +1,507 @@
+"""HopperPlan -> standalone CUDA C++ (sm_90a): TMA producer, wgmma consumers, named-barrier pingpong.
+
+Same file shape as :mod:`flashgen.emit.kernel` (header with the plan, PTX helpers, the
+kernel, an ``extern "C"`` launcher taking the same argument struct, so the torch binding
+is shared). The launcher builds the three TMA tensor maps per call
+(``cuTensorMapEncodeTiled`` through the runtime's driver entry point: no -lcuda).
+Every shared-memory address, descriptor field, barrier count and the step order come
+from :func:`flashgen.dsl.hopper_plan.make_hopper_plan`.
+"""
+from __future__ import annotations
+
+import json
+
+from ..dsl.config import KernelConfig
+from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
+from .kernel import LOG2E, KernelSource, args_struct
+from .ptx import hopper as ptx_hopper, math as ptx_math, vec
+from .template import CodeTemplate
+
+
+def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
+    """One consumer GEMM: fence, ``k_steps`` wgmma with constant descriptor offsets, commit."""
+    g = plan.gemm_S if which == "S" else plan.gemm_O
+    stage = "st_prev" if block in ("j-1", "last") else "st"
+    if which == "S":
+        helper = ptx_hopper.wgmma_helper_name(g.atom)
+        calls = [
+            f"{helper}(s_acc, desc_q + {off >> 4}u, desc_k + uint64_t({stage}) * {plan.tiles['K'].stage_bytes >> 4}u + {boff >> 4}u, {1 if t else 0});"
+            for t, (off, boff) in enumerate(zip(g.a.step_offsets, g.b.step_offsets))
+        ]
+        fence = ["wgmma_fence_operands(s_acc);"]
+        after = ["wgmma_fence_operands(s_acc);"]
+    else:
+        helper = ptx_hopper.wgmma_rs_helper_name(g.atom, True)
+        calls = [
+            f"{helper}(o_acc, p_frag[{t}], desc_v + uint64_t({stage}) * {plan.tiles['V'].stage_bytes >> 4}u + {boff >> 4}u);"
+            for t, boff in enumerate(g.b.step_offsets)
+        ]
+        fence = ["wgmma_fence_operands(o_acc);", "wgmma_fence_operands(p_frag);"]
+        after = ["wgmma_fence_operands(o_acc);"]
+    return fence + ["wgmma_fence();"] + calls + ["wgmma_commit_group();"] + after
+
+
+def _softmax(plan: HopperPlan, first: bool) -> list[str]:
+    """Mask (masked blocks only), row max, exp2, row sums on S; ``corr`` for rescaling O later."""
+    c = plan.gemm_S.atom.c_map
+    n = c.n_values
+    # values (4*chunk + 2h + e): row half h, column 8*chunk + e + col(thread, 0); checked on the map
+    for t in range(128):
+        for i in range(n):
+            r, col = c(t, i)
+            if (r, col) != (c(t, 2 * ((i // 2) % 2))[0], c(t, 0)[1] + 8 * (i // 4) + i % 2):
+                raise ValueError(f"wgmma C map {c}: value {i} of thread {t} breaks the (chunk, half, e) pattern")
+    row = c.row.to_cpp(["wtid", "2 * h"])
+    col = c.col.to_cpp(["wtid", "0"])
+    shfl = [f"mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, {m}));" for m in plan.row_reduce_lanes]
+    lines = [
+        "if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it",
+        "    #pragma unroll",
+        "    for (uint32_t h = 0; h < 2; ++h) {",
+        f"        const int i = q_row0 + int(64 * cw + {row});",
+        "        int lo, hi;",
+        "        score_row_range(i, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
+        f"        const int c0 = j * int(B_c) + int({col});",
+        "        lo -= c0; hi -= c0;",
+        "        #pragma unroll",
+        "        for (uint32_t ch = 0; ch < B_c / 8; ++ch)",
+        "            #pragma unroll",
+        "            for (uint32_t e = 0; e < 2; ++e)",
+        "                if (int(ch * 8 + e) < lo || int(ch * 8 + e) >= hi) s_acc[4 * ch + 2 * h + e] = -INFINITY;",
+        "    }",
+        "}",
+        "#pragma unroll",
+        "for (uint32_t h = 0; h < 2; ++h) {",
+        "    float mx = -INFINITY;",
+        "    #pragma unroll",
+        "    for (uint32_t ch = 0; ch < B_c / 8; ++ch) mx = fmaxf(mx, fmaxf(s_acc[4 * ch + 2 * h], s_acc[4 * ch + 2 * h + 1]));",
+        *["    " + s for s in shfl],
+        "    const float m_new = fmaxf(row_max[h], mx);",
+        "    const float neg_m = m_new == -INFINITY ? 0.f : -m_new * scale_log2;  // all masked so far: p = 0",
+    ]
+    if first:
+        lines += ["    row_sum[h] = 0.f;"]
+    else:
+        lines += [
+            "    corr[h] = ex2_approx(fmaf(row_max[h], scale_log2, neg_m));  // O is rescaled once PV is done",
+            "    row_sum[h] *= corr[h];",
+        ]
+    lines += [
+        "    row_max[h] = m_new;",
+        "    #pragma unroll",
+        "    for (uint32_t ch = 0; ch < B_c / 8; ++ch) {",
+        "        s_acc[4 * ch + 2 * h] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h], scale_log2, neg_m));",
+        "        s_acc[4 * ch + 2 * h + 1] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h + 1], scale_log2, neg_m));",
+        "        row_sum[h] += s_acc[4 * ch + 2 * h] + s_acc[4 * ch + 2 * h + 1];  // this thread's columns; quad-reduced at the end",
+        "    }",
+        "}",
+    ]
+    return lines
+
+
+def _convert_p(plan: HopperPlan) -> list[str]:
+    out = [f"// P -> A fragments of P V (plan.p_from_s: which S values each 32-bit A register packs)"]
+    for t, regs in enumerate(plan.p_from_s):
+        out.append(" ".join(f"p_frag[{t}][{r}] = pack2(s_acc[{lo}], s_acc[{hi}]);" for r, (lo, hi) in enumerate(regs)))
+    return out
+
+
+def _step(plan: HopperPlan, step: Step, section: str) -> list[str]:
+    """C++ for one consumer step. ``section``: prologue, body or epilogue (blocks j, j-1, last)."""
+    op, arg, block = step.op, step.arg, step.block
+    stage = {"j": "st", "j-1": "st_prev", "last": "st_prev"}.get(block, "")
+    phase = {"st": "ph", "st_prev": "ph_prev"}.get(stage, "")
+    if op == "wait_full":
+        code = [f"mbar_wait(bar_{arg.lower()}_full + 8 * {stage}, {phase});"]
+    elif op == "release":
+        code = [f"if (lane == 0) mbar_arrive(bar_{arg.lower()}_empty + 8 * {stage});  // one arrival per warp"]
+    elif op == "gemm":
+        code = _gemm(plan, arg, block)
+    elif op == "wgmma_wait":
+        code = [f"wgmma_wait_group<{arg}>();"] + (["wgmma_fence_operands(s_acc);"] if arg in ("0", "1") else []) + (
+            ["wgmma_fence_operands(o_acc); wgmma_fence_operands(p_frag);"] if arg == "0" else [])
+    elif op == "softmax":
+        code = ["softmax(j, masked, " + ("std::true_type{}" if arg == "first" else "std::false_type{}") + ");"]
+    elif op == "rescale_O":
+        code = [
+            "#pragma unroll",
+            "for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] *= corr[(i / 2) % 2];",
+        ]
+    elif op == "convert_P":
+        code = _convert_p(plan)
+    elif op == "turn":
+        code = ["named_bar_sync(1 + cw, 2 * 128);"]
+    elif op == "pass":
+        last = {"epilogue": "true", "body": "false", "prologue": "false"}[section]
+        if section == "body" and not plan.cfg.intra_overlap and _after_gemm(plan, step) == "O":
+            last = "(j == j_end - 1)"
+        code = [f"if (!(cw == 1 && {last})) named_bar_arrive(1 + (cw ^ 1), 2 * 128);  // consumer 1 skips its last pass"]
+    else:
+        raise ValueError(f"no code for consumer step {step}")
+    why = f"// [{op}{' ' + arg if arg else ''}{' ' + block if block else ''}]" + (f" {step.why}" if step.why else "")
+    return [why] + code
+
+
+def _after_gemm(plan: HopperPlan, step: Step) -> str:
+    """Which GEMM the ``pass`` step follows in the body."""
+    seen = ""
+    for s in plan.body:
+        if s.op == "gemm":
+            seen = s.arg
+        if s is step:
+            return seen
+    return seen
+
+
+_KERNEL = CodeTemplate(
+    r"""// Generated by flashgen. Do not edit: change the config and re-emit.
+//
+// $short_form
+// knobs: $knobs_json
+// grid: (ceil(seq_q / $B_r), heads, batch), block: $threads threads (warpgroup 0: TMA producer,
+// warpgroups 1..$consumers: consumers of 64 query rows each), dynamic shared memory: $smem_bytes bytes
+// build: -gencode=arch=compute_90a,code=sm_90a
+//
+// plan:
+$plan_lines
+#include <stdint.h>
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder is fetched through the runtime)
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math.h>
+#include <type_traits>
+
+namespace $name {
+
+constexpr uint32_t B_r = $B_r, B_c = $B_c, D_HEAD = $d_head, STAGES = $stages, CONSUMERS = $consumers, THREADS = $threads;
+static_assert(THREADS == 128 * (1 + CONSUMERS), "one producer and CONSUMERS consumer warpgroups");
+constexpr uint32_t Q_BYTES = $q_bytes, KV_BYTES = $kv_bytes;  // expect_tx of a Q tile and of one K or V stage
+
+$mask_fns
+
+using elem_t = $elem_t;
+
+// ---- PTX helpers ----
+$ptx_helpers
+
+struct Params {
+    CUtensorMap tm_q, tm_k, tm_v;  // (d_head, seq, heads, batch) maps, 64x{B_r or B_c} boxes, 128B swizzle
+    elem_t* o; int64_t o_batch, o_head, o_ld;
+    float* lse; int64_t lse_batch, lse_head;
+    int seq_q, seq_k;
+    int kv_group;
+    int mask_offset, window_left, window_right;
+    float scale, scale_log2;
+};
+
+__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
+    extern __shared__ unsigned char smem_raw[];
+    // the 128B swizzle repeats every 1024 bytes of absolute address: align the base (slack is in the size)
+    const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+    $smem_decls
+    const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
+    // reversed query blocks: with a causal mask the longest rows start first
+    const int q_block = int(gridDim.x - 1 - blockIdx.x);
+    const int q_row0 = q_block * int(B_r);
+    const int head = int(blockIdx.y), batch = int(blockIdx.z), kv_head = head / p.kv_group;
+    int j_begin, j_end;  // key blocks holding any kept score of this CTA's rows
+    kv_block_range(q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &j_begin, &j_end);
+
+    if (threadIdx.x == 0) {
+        $barrier_init
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---- producer: registers back to the pool, one thread issues every TMA copy ----
+        setmaxnreg_dec<$producer_regs>();
+        if (wtid == 0 && j_begin < j_end) {
+            mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
+            $load_q
+            for (int j = j_begin; j < j_end; ++j) {
+                const uint32_t it = uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;
+                mbar_wait(bar_k_empty + 8 * st, ph ^ 1u);  // a fresh barrier passes parity 1 at once
+                mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
+                $load_k
+                mbar_wait(bar_v_empty + 8 * st, ph ^ 1u);
+                mbar_arrive_expect_tx(bar_v_full + 8 * st, KV_BYTES);
+                $load_v
+            }
+        }
+        return;
+    }
+
+    // ---- consumers: 64 query rows each ----
+    setmaxnreg_inc<$consumer_regs>();
+    const uint32_t cw = wg - 1;  // consumer index
+    const float scale_log2 = p.scale_log2;
+    float o_acc[D_HEAD / 2], s_acc[B_c / 2];
+    uint32_t p_frag[B_c / 16][4];
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
+    #pragma unroll
+    for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;
+    const uint64_t desc_q = smem_desc(sQ + cw * $q_row_block_bytes, $q_lbo, $q_sbo, $swizzle_code);
+    const uint64_t desc_k = smem_desc(sK, $k_lbo, $k_sbo, $swizzle_code);
+    const uint64_t desc_v = smem_desc(sV, $v_lbo, $v_sbo, $swizzle_code);
+    (void)corr;
+
+    auto softmax = [&](const int j, auto masked, auto first) {
+        if constexpr (decltype(first)::value) {
+            $softmax_first
+        } else {
+            $softmax_next
+        }
+    };
+
+    if (j_begin < j_end) {
+        mbar_wait(bar_q_full, 0);
+        $pingpong_start
+        $main_loop
+    }
+
+    // ---- epilogue: O /= l, registers -> this consumer's Q rows in shared memory -> 16-byte global stores ----
+    float inv[2];
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+        float l = row_sum[h];
+        $sum_reduce
+        inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
+        const int row = q_row0 + int(64 * cw + $c_row_h);
+        if (p.lse != nullptr && $lse_writer && row < p.seq_q)
+            p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+    }
+    const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done
+    #pragma unroll
+    for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {
+        const uint32_t r = $c_row_i, c = $c_col_i;
+        st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
+    }
+    named_bar_sync(3 + cw, 128);  // this warpgroup's rows are staged
+    elem_t* gO = p.o + batch * p.o_batch + head * p.o_head;
+    #pragma unroll
+    for (uint32_t v = 0; v < 64 * D_HEAD / 8 / 128; ++v) {
+        const uint32_t idx = v * 128 + wtid, r = idx / (D_HEAD / 8), c = idx % (D_HEAD / 8) * 8;
+        const int row = q_row0 + int(64 * cw + r);
+        if (row < p.seq_q) st_global_v4(gO + int64_t(row) * p.o_ld + c, ld_shared_v4(sO + 2 * ($o_stage_rc)));
+    }
+}
+
+}  // namespace $name
+
+$args_struct
+
+namespace $name {
+
+using encode_fn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                               const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                               CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+static encode_fn tensor_map_encoder() {
+    static encode_fn fn = nullptr;
+    if (fn == nullptr) {
+        void* ptr = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            fn = reinterpret_cast<encode_fn>(ptr);
+    }
+    return fn;
+}
+
+// A (d_head, seq, heads, batch) map of a (batch, seq, heads, d_head) tensor with element strides
+// `stride` = (batch, head, seq); boxes of 64 columns x `box_rows` rows, 128B swizzle, zero fill.
+static bool make_map(CUtensorMap* map, const void* ptr, int seq, int heads, int batch, const int64_t* stride, uint32_t box_rows) {
+    encode_fn encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint64_t dims[4] = {D_HEAD, cuuint64_t(seq), cuuint64_t(heads), cuuint64_t(batch)};
+    // a size-1 dimension's stride is never used; give it a valid one (a multiple of 16 bytes)
+    const int64_t s_seq = seq > 1 ? stride[2] : D_HEAD, s_head = heads > 1 ? stride[1] : D_HEAD, s_batch = batch > 1 ? stride[0] : D_HEAD;
+    const cuuint64_t strides[3] = {cuuint64_t(s_seq) * sizeof(elem_t), cuuint64_t(s_head) * sizeof(elem_t), cuuint64_t(s_batch) * sizeof(elem_t)};
+    const cuuint32_t box[4] = {$box_cols, box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    return encode(map, $tma_dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  $tma_swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace $name
+
+// Launch on `stream` (a cudaStream_t). Returns a cudaError_t: cudaErrorInvalidValue for sizes the kernel
+// cannot take or strides a tensor map cannot describe (multiples of 16 bytes), cudaErrorNotSupported when
+// the driver has no cuTensorMapEncodeTiled.
+extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
+    using namespace $name;
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k < 0)
+        return (int)cudaErrorInvalidValue;
+    if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
+    static Params p;  // large (3 tensor maps): built in static storage, passed by value to the launch
+    p = Params{};
+    const int seq_k = a->seq_k > 0 ? a->seq_k : 1;  // an empty key sequence still needs a valid map (no block is loaded)
+    if (!make_map(&p.tm_q, a->q, a->seq_q, a->heads, a->batch, a->q_stride, B_r) ||
+        !make_map(&p.tm_k, a->k, seq_k, a->kv_heads, a->batch, a->k_stride, B_c) ||
+        !make_map(&p.tm_v, a->v, seq_k, a->kv_heads, a->batch, a->v_stride, B_c))
+        return (int)cudaErrorInvalidValue;
+    p.o = (elem_t*)a->o; p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_ld = a->o_stride[2];
+    p.lse = a->lse; p.lse_batch = a->lse_stride[0]; p.lse_head = a->lse_stride[1];
+    p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.kv_group = a->heads / a->kv_heads;
+    p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
+    p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
+    constexpr int smem = $smem_bytes;
+    static bool attr_set = false;  // the attribute is per function; set it once
+    if (!attr_set) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return (int)e;
+        attr_set = true;
+    }
+    dim3 grid((a->seq_q + B_r - 1) / B_r, a->heads, a->batch);
+    kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(p);
+    return (int)cudaGetLastError();
+}
+"""
+)
+
+
+def _tma_calls(plan: HopperPlan, op: str) -> list[str]:
+    load = plan.loads[op]
+    dst = {"Q": "sQ", "K": "sK + st * KV_BYTES", "V": "sV + st * KV_BYTES"}[op]
+    row = "q_row0" if load.row_coord == "q" else "j * int(B_c)"
+    head = "head" if op == "Q" else "kv_head"
+    bar = "bar_q_full" if op == "Q" else f"bar_{op.lower()}_full + 8 * st"
+    return [
+        f"tma_load_4d({dst} + {b.smem_offset}u, &p.tm_{op.lower()}, {bar}, {b.col0}, {row} + {b.row0}, {head}, batch);"
+        for b in load.boxes
+    ]
+
+
+def _main_loop(plan: HopperPlan) -> list[str]:
+    """prologue (first block) -> body over the rest -> epilogue, each step from the plan."""
+    out: list[str] = []
+
+    def steps(section: str, seq) -> list[str]:
+        lines: list[str] = []
+        for s in seq:
+            lines += _step(plan, s, section)
+        return lines
+
+    stage_vars = [
+        "const uint32_t it = uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;",
+        "const uint32_t st_prev = (it + STAGES - 1) % STAGES, ph_prev = ((it + STAGES - 1) / STAGES - 1) & 1u;",
+        "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
+    ]
+    dispatch = lambda fn: [  # noqa: E731
+        "if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right))",
+        f"    {fn}(j, std::true_type{{}});",
+        "else",
+        f"    {fn}(j, std::false_type{{}});",
+    ]
+    if plan.prologue:
+        out += ["auto first_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps("prologue", plan.prologue)] + ["};"]
+        out += ["{", "    const int j = j_begin;"] + ["    " + l for l in dispatch("first_block")] + ["}"]
+    body_start = "j_begin + 1" if plan.prologue else "j_begin"
+    out += ["auto kv_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps("body", plan.body)] + ["};"]
+    out += [f"for (int j = {body_start}; j < j_end; ++j) {{"] + ["    " + l for l in dispatch("kv_block")] + ["}"]
+    if plan.epilogue:
+        out += ["{", "    const int j = j_end;  // the last block's PV: its stage is the 'previous' one of j_end"]
+        out += ["    " + l for l in stage_vars + steps("epilogue", plan.epilogue)] + ["}"]
+    return out
+
+
+def _plan_lines(plan: HopperPlan) -> list[str]:
+    out = [f"//   {t}" for t in plan.tiles.values()]
+    for op, ld in plan.loads.items():
+        out.append(f"//   TMA {op}: {len(ld.boxes)} box(es) of {ld.tma.box_rows}x{ld.tma.box_cols} {ld.tma.swizzle}, {ld.bytes} bytes per tile")
+    for name, (bar, off, stages) in plan.barriers.items():
+        out.append(f"//   mbarrier {name}[{stages}] @ {off}: {bar.arrive_count} arrival(s) per phase")
+    for g in (plan.gemm_S, plan.gemm_O):
+        a = f"A {g.a.operand} {g.a.major}-major smem" if g.a else "A from registers"
+        out.append(f"//   gemm {g.name}: {g.k_steps} x {g.atom.ptx}, {a}, B {g.b.operand} {g.b.major}-major (LBO {g.b.lbo}, SBO {g.b.sbo})")
+    out.append(f"//   registers: producer {plan.producer_regs}, consumers {plan.consumer_regs} (setmaxnreg)")
+    for sec in ("prologue", "body", "epilogue"):
+        steps = getattr(plan, sec)
+        if steps:
+            out.append(f"//   {sec}: {' | '.join(s.op + (' ' + s.arg if s.arg else '') + (' ' + s.block if s.block else '') for s in steps)}")
+    return out
+
+
+def emit_hopper(cfg: KernelConfig) -> KernelSource:
+    """The CUDA source of one wgmma-engine config. Pure and deterministic."""
+    from .binding import binding_source
+
+    plan = make_hopper_plan(cfg)
+    name = cfg.mangle()
+    c = plan.gemm_S.atom.c_map
+    co = plan.gemm_O.atom.c_map
+    bars = []
+    smem_decls = [f"const uint32_t sQ = smem + {plan.tiles['Q'].offset}u, sK = smem + {plan.tiles['K'].offset}u, sV = smem + {plan.tiles['V'].offset}u;"]
+    for bname, (bar, off, stages) in plan.barriers.items():
+        smem_decls.append(f"const uint32_t bar_{bname} = smem + {off}u;  // [{stages}] x 8 bytes")
+        bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
+    sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
+    pingpong_start = (
+        ["// pingpong: consumer 0 issues first; consumer 1 hands it the first turn",
+         "if (cw == 1) named_bar_arrive(1 + 0, 2 * 128);"] if cfg.pingpong else ["// no pingpong: consumers issue GEMMs independently"]
+    )
+    a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
+    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
+               ptx_hopper.wgmma_rs(plan.gemm_O.atom, True)]
+    tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
+    text = _KERNEL.substitute(
+        name=name,
+        short_form=cfg.short_form(),
+        knobs_json=json.dumps(cfg.to_dict()),
+        plan_lines=_plan_lines(plan),
+        B_r=cfg.B_r,
+        B_c=cfg.B_c,
+        d_head=cfg.d_head,
+        stages=cfg.stages,
+        consumers=cfg.consumers,
+        threads=plan.threads,
+        smem_bytes=plan.smem_bytes,
+        q_bytes=f"{plan.loads['Q'].bytes}u",
+        kv_bytes=f"{plan.loads['K'].bytes}u",
+        mask_fns=plan.score_mask.to_cpp(),
+        elem_t=cfg.dtype.cpp,
+        ptx_helpers="\n\n".join(helpers),
+        smem_decls=smem_decls,
+        barrier_init=bars,
+        producer_regs=plan.producer_regs,
+        consumer_regs=plan.consumer_regs,
+        load_q=_tma_calls(plan, "Q"),
+        load_k=_tma_calls(plan, "K"),
+        load_v=_tma_calls(plan, "V"),
+        q_row_block_bytes=f"{a.row_block_offset}u",
+        q_lbo=f"{a.lbo}u", q_sbo=f"{a.sbo}u",
+        k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u",
+        v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u",
+        swizzle_code=f"{a.swizzle.desc_code}u",
+        softmax_first=_softmax(plan, True),
+        softmax_next=_softmax(plan, False),
+        pingpong_start=pingpong_start,
+        main_loop=_main_loop(plan),
+        sum_reduce=sum_reduce,
+        c_row_h=c.row.to_cpp(["wtid", "2 * h"]),
+        lse_writer=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
+        c_row_i=co.row.to_cpp(["wtid", "i"]),
+        c_col_i=co.col.to_cpp(["wtid", "i"]),
+        o_stage_rc=plan.o_stage.to_cpp(["64 * cw + r", "c"]),
+        args_struct=args_struct(name),
+        box_cols=plan.loads["Q"].tma.box_cols,
+        tma_dtype=tma_dtype,
+        tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
+        log2e=f"{LOG2E!r}f",
+    )
+    meta = {
+        "name": name,
+        "short_form": cfg.short_form(),
+        "config": cfg.to_dict(),
+        "hash": cfg.content_hash(),
+        "threads": plan.threads,
+        "smem_bytes": plan.smem_bytes,
+        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
+        "launcher": f"{name}_launch",
+        "arch": "sm_90a",
+        "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask, "seq": "any length >= 1; heads % kv_heads == 0",
+                     "gpu": "compute capability 9.0 (sm_90a)", "strides": "multiples of 8 elements (16 bytes)"},
+    }
+    return KernelSource(name, text, binding_source(cfg, name), meta)

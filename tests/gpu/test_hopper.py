@@ -1,0 +1,101 @@
+"""GPU tests of the wgmma engine (TMA + wgmma + warp specialization), marked ``gpu``; sm_90 only.
+
+Same rules as the mma.sync suites: float64 reference, FlashAttention's tolerance against
+PyTorch's SDPA in the same dtype, outputs poisoned with NaN first, fresh random inputs;
+masks, tails, GQA and LSE through ``test_features.check_masks_tails_gqa``; the sanitizer
+on the default config.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen.dsl.config import KernelConfig, hopper_configs  # noqa: E402
+from flashgen.tune import HOPPER_B_C  # noqa: E402
+
+from test_attention import check_close  # noqa: E402  (tests/gpu is on sys.path: pytest prepend import mode)
+from test_features import SHAPES as FEATURE_SHAPES, check_masks_tails_gqa  # noqa: E402
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU (H100/H200) for wgmma kernels")]
+
+REPO = Path(__file__).resolve().parents[2]
+# the d_head-128 set (default + ablations) and the default of every other head size the engine takes
+CONFIGS = list(dict.fromkeys(hopper_configs() + [KernelConfig.wgmma(dt, d_head=d, B_c=bc) for d, bc in HOPPER_B_C.items() for dt in ("fp16", "bf16")]))
+SHAPES = [(2, 1024, 4), (1, 640, 3), (3, 384, 2)]  # (batch, seq, heads)
+
+
+@pytest.fixture(scope="module")
+def built():
+    import flashgen
+    from flashgen.build import build_many
+
+    masked = [c.replace(mask=m) for c in CONFIGS if c.d_head in (64, 128) and c == KernelConfig.wgmma(c.dtype, d_head=c.d_head) for m in ("causal", "window")]
+    failures = build_many(CONFIGS + masked, torch.cuda.get_device_capability())
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    return {c: flashgen.compile(c) for c in CONFIGS}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.mangle())
+def test_matches_float64_reference(built, cfg):
+    attn = built[cfg]
+    torch.manual_seed(cfg.d_head + cfg.B_c)
+    for b, s, h in SHAPES:
+        q, k, v = (torch.randn(b, s, h, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(3))
+        out = torch.full_like(q, float("nan"))
+        o = attn(q, k, v, out=out)
+        check_close(o, q, k, v, 1 / math.sqrt(cfg.d_head))
+
+
+@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_masks_tails_gqa(built, dtype, d_head):
+    check_masks_tails_gqa(built[KernelConfig.wgmma(dtype, d_head=d_head)], FEATURE_SHAPES + [(1, 1000, 1500, 4, 1)], seed=d_head)
+
+
+def test_strided_and_transposed_inputs(built):
+    """(b, h, s, d) storage passed as its transpose, and a slice of a wider tensor: tensor maps take the strides."""
+    cfg = KernelConfig.wgmma("bf16")
+    attn = built[cfg]
+    q = torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(2, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
+    k, v = kv[..., :128], kv[..., 128:]
+    check_close(attn(q, k, v, softmax_scale=0.07), q, k, v, 0.07)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_sanitizer_clean(built, tool):
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    cfg = KernelConfig.wgmma("fp16").replace(mask="causal")
+    res = subprocess.run(
+        [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"), cfg.short_form(), "300", "1", "2", "333", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-6000:]
+    assert "ERROR SUMMARY: 0 errors" in text or "(0 errors, 0 warnings)" in text, text[-3000:]
+
+
+def test_auto_runs_the_wgmma_engine_on_sm90(built):
+    """compile("auto") with no tuned entry picks the wgmma default on sm_90 and computes the right thing."""
+    import flashgen
+    from flashgen.tune import lookup
+
+    assert lookup(torch.cuda.get_device_name(), KernelConfig.wgmma("fp16").dtype, 128, 1024, cache={},
+                  capability=torch.cuda.get_device_capability()) == KernelConfig.wgmma("fp16")
+    auto = flashgen.compile("auto")
+    q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    check_close(auto(q, k, v), q, k, v, 1 / math.sqrt(128))
