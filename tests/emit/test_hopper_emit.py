@@ -1,0 +1,105 @@
+"""wgmma-engine kernels: emitted from the HopperPlan, compiled for sm_90a with nvcc (CPU only).
+
+nvcc tests are marked ``nvcc`` (skipped without nvcc). The defaults and a spread of
+head sizes / masks must compile with no local memory, and the PTX must hold the
+instructions the plan asks for (wgmma, TMA, mbarrier, setmaxnreg, named barriers).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from flashgen.check import check_configs, failure_report, ptx_command
+from flashgen.dsl.config import KernelConfig, default_configs
+from flashgen.dsl.dtypes import DType
+from flashgen.dsl.hopper_plan import make_hopper_plan
+from flashgen.emit.kernel import emit
+from flashgen.tune import hopper_default, lookup
+
+CONFIGS = [
+    KernelConfig.wgmma("fp16"),
+    KernelConfig.wgmma("bf16"),
+    KernelConfig.wgmma("fp16", mask="causal"),
+    KernelConfig.wgmma("bf16", d_head=64, pingpong=False),
+    KernelConfig.wgmma("fp16", d_head=256, B_c=64, intra_overlap=False, mask="window"),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, nvcc):
+    # sm_80 is asked for too: wgmma kernels must be skipped there, not fail
+    res = check_configs(CONFIGS, ("sm_80", "sm_90a"), jobs=os.cpu_count(), workdir=tmp_path_factory.mktemp("hcheck"), use_cache=False)
+    return {(r.cfg, r.arch): r for r in res}
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("cfg", CONFIGS, ids=KernelConfig.mangle)
+def test_compiles_for_sm90a_without_local_memory(cfg, results):
+    assert (cfg, "sm_80") not in results, "wgmma kernels exist for sm_90a only"
+    r = results[(cfg, "sm_90a")]
+    assert r.ok, failure_report(r)
+    s = r.stats
+    assert (s.spill_stores, s.spill_loads, s.stack_frame) == (0, 0, 0), f"{cfg}: local memory used\n  {r.command}"
+    # setmaxnreg needs a register cap at entry: __launch_bounds__(threads, 1) -> 65536 / threads, rounded down to 8
+    assert s.registers == min(255, 65536 // (128 * (1 + cfg.consumers)) // 8 * 8)
+    assert "C7508" not in r.log and "C7510" not in r.log, f"ptxas ignored setmaxnreg or serialized wgmma:\n{r.log}"
+
+
+@pytest.mark.nvcc
+def test_ptx_holds_the_planned_instructions(tmp_path, nvcc):
+    cfg = KernelConfig.wgmma("fp16", mask="causal")
+    plan = make_hopper_plan(cfg)
+    cu = tmp_path / "k.cu"
+    cu.write_text(emit(cfg).text)
+    ptx = tmp_path / "k.ptx"
+    subprocess.run(ptx_command(nvcc, cu, "sm_90a", ptx), check=True, capture_output=True)
+    text = ptx.read_text()
+    s_ops = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.B_c}k16\.f32\.f16\.f16", text)
+    o_ops = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.d_head}k16\.f32\.f16\.f16", text)
+    # every code copy (first block / masked and unmasked body / last PV) issues whole GEMMs
+    assert s_ops and len(s_ops) % plan.gemm_S.k_steps == 0
+    assert o_ops and len(o_ops) % plan.gemm_O.k_steps == 0
+    for needle in ("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.try_wait.parity",
+                   "mbarrier.arrive.expect_tx", "mbarrier.init.shared", "fence.mbarrier_init", "setmaxnreg.inc.sync.aligned.u32 240",
+                   "setmaxnreg.dec.sync.aligned.u32 24", "bar.arrive", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group.sync.aligned 1"):
+        assert needle in text, f"PTX lacks {needle!r}"
+
+
+def test_emitted_source_renders_the_plan():
+    cfg = KernelConfig.wgmma("bf16", B_c=176)
+    plan = make_hopper_plan(cfg)
+    src = emit(cfg)
+    assert src.text == emit(cfg).text, "emission is deterministic"
+    text = src.text
+    kst, vst = plan.tiles["K"].stage_bytes >> 4, plan.tiles["V"].stage_bytes >> 4
+    for t, (qoff, koff) in enumerate(zip(plan.gemm_S.a.step_offsets, plan.gemm_S.b.step_offsets)):
+        assert f"(s_acc, desc_q + {qoff >> 4}u, desc_k + uint64_t(st) * {kst}u + {koff >> 4}u, {int(t > 0)});" in text
+    for t, voff in enumerate(plan.gemm_O.b.step_offsets):  # intra overlap: PV reads the previous block's stage
+        assert f"(o_acc, p_frag[{t}], desc_v + uint64_t(st_prev) * {vst}u + {voff >> 4}u);" in text
+    assert f"smem_desc(sV, {plan.gemm_O.b.lbo}u, {plan.gemm_O.b.sbo}u, 1u)" in text  # V: MN-major, 128B swizzle
+    for name, (bar, off, stages) in plan.barriers.items():
+        assert f"bar_{name} = smem + {off}u" in text and f"mbar_init(bar_{name} + 8 * s, {bar.arrive_count})" in text
+    for (lo, hi) in (pair for regs in plan.p_from_s for pair in regs):
+        assert f"pack2(s_acc[{lo}], s_acc[{hi}])" in text
+    assert src.meta["arch"] == "sm_90a" and src.meta["smem_bytes"] == cfg.smem_bytes == plan.smem_bytes
+
+
+def test_sm90_defaults_to_the_wgmma_engine():
+    for dtype in (DType.FP16, DType.BF16):
+        hopper = lookup("NVIDIA H200", dtype, 128, 4096, cache={}, capability=(9, 0))
+        assert hopper.is_wgmma and hopper == hopper_default(dtype, 128)
+        ampere = lookup("NVIDIA A100", dtype, 128, 4096, cache={}, capability=(8, 0))
+        assert not ampere.is_wgmma and ampere in default_configs()
+        # a head size the engine does not take falls back to mma.sync
+        assert not lookup("NVIDIA H200", dtype, 96, 4096, cache={}, capability=(9, 0)).is_wgmma
+
+
+def test_building_for_another_gpu_is_refused():
+    pytest.importorskip("torch")
+    from flashgen.build import BuildError, build
+
+    with pytest.raises(BuildError, match=r"needs compute capability 9\.0 \(sm_90a\), not 8\.0"):
+        build(KernelConfig.wgmma("fp16"), capability=(8, 0))
