@@ -9,7 +9,7 @@ from __future__ import annotations
 from .dsl.config import ConfigError, KernelConfig, load_config
 from .dsl.dtypes import DType
 
-__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_plan"]
+__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_hopper_plan", "make_plan"]
 __version__ = "0.1.0"
 
 
@@ -36,3 +36,10 @@ def make_plan(cfg):
     from .dsl.plan import make_plan as _make_plan
 
     return _make_plan(load_config(cfg))
+
+
+def make_hopper_plan(cfg):
+    """The :class:`flashgen.dsl.hopper_plan.HopperPlan` of a wgmma-engine config."""
+    from .dsl.hopper_plan import make_hopper_plan as _make_hopper_plan
+
+    return _make_hopper_plan(load_config(cfg))

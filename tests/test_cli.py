@@ -286,6 +286,30 @@ def test_simulate_with_the_real_simulator(capsys):
     assert isinstance(report, dict)
 
 
+def test_simulate_a_wgmma_config(capsys, monkeypatch):
+    """The wgmma engine's report: schedule hazards and a CTA with tails vs float64; a broken plan fails."""
+    cfg = "(BF16, 64, 128, 64, 12): wgmma+stages_2+pingpong+intra+causal"
+    rc, out, err = run_cli(capsys, "simulate", cfg, "--json")
+    assert rc == 0, err
+    (report,) = json.loads(out)
+    assert report["engine"] == "wgmma" and report["schedule"]["ok"] and report["cta"]["ok"]
+    assert report["cta"]["max_abs_err"] <= report["cta"]["bound"]
+    # drop the wait for the previous block's V from the plan: the simulator must say so, the command must fail
+    import attrs
+
+    from flashgen.dsl import hopper_plan
+
+    real = hopper_plan.make_hopper_plan
+
+    def broken(c):
+        p = real(c)
+        return attrs.evolve(p, body=tuple(s for s in p.body if not (s.op == "wait_full" and s.arg == "V")))
+
+    monkeypatch.setattr("flashgen.sim.report.make_hopper_plan", broken)
+    rc, out, _ = run_cli(capsys, "simulate", cfg)
+    assert rc == 1 and "hazard" in out and "[FAILED]" in out
+
+
 @pytest.mark.parametrize("cmd, module", [("simulate", "flashgen.sim.report"), ("bench", "flashgen.bench"), ("tune", "flashgen.tune")])
 def test_a_missing_module_is_a_clear_error(cmd, module, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, module, None)  # import raises ModuleNotFoundError

@@ -332,6 +332,8 @@ def _schedule(cfg: KernelConfig) -> Schedule:
 
 def make_plan(cfg: KernelConfig) -> KernelPlan:
     """The DSL objects of one kernel config (pure; equal configs give equal plans)."""
+    if cfg.is_wgmma:
+        raise ValueError(f"{cfg.short_form()} is a wgmma-engine config: its plan is flashgen.dsl.hopper_plan.make_hopper_plan")
     dt, BR, BC, T = cfg.dtype, cfg.B_r, cfg.B_c, cfg.threads
     D = cfg.d_smem  # shared-memory tile width (whole 64-column swizzle blocks)
     DM = cfg.d_mma  # columns the MMAs cover (d_head rounded up to 16)

@@ -54,6 +54,7 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
     row = c.row.to_cpp(["wtid", "2 * h"])
     col = c.col.to_cpp(["wtid", "0"])
     shfl = [f"mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, {m}));" for m in plan.row_reduce_lanes]
+    row_values = [f"s_acc[{4 * ch + e} + 2 * h]" for ch in range(n // 4) for e in range(2)]  # this thread's values of row half h
     lines = [
         "if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it",
         "    #pragma unroll",
@@ -72,9 +73,8 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
         "}",
         "#pragma unroll",
         "for (uint32_t h = 0; h < 2; ++h) {",
-        "    float mx = -INFINITY;",
-        "    #pragma unroll",
-        "    for (uint32_t ch = 0; ch < B_c / 8; ++ch) mx = fmaxf(mx, fmaxf(s_acc[4 * ch + 2 * h], s_acc[4 * ch + 2 * h + 1]));",
+        "    // pairwise trees: log2(B_c / 2) dependent steps instead of B_c / 2 (the softmax is the critical path)",
+        f"    float mx = {_tree('fmaxf', row_values)};",
         *["    " + s for s in shfl],
         "    const float m_new = fmaxf(row_max[h], mx);",
         "    const float neg_m = m_new == -INFINITY ? 0.f : -m_new * scale_log2;  // all masked so far: p = 0",
@@ -92,11 +92,20 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
         "    for (uint32_t ch = 0; ch < B_c / 8; ++ch) {",
         "        s_acc[4 * ch + 2 * h] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h], scale_log2, neg_m));",
         "        s_acc[4 * ch + 2 * h + 1] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h + 1], scale_log2, neg_m));",
-        "        row_sum[h] += s_acc[4 * ch + 2 * h] + s_acc[4 * ch + 2 * h + 1];  // this thread's columns; quad-reduced at the end",
         "    }",
+        f"    row_sum[h] += {_tree('+', row_values)};  // this thread's columns; quad-reduced at the end",
         "}",
     ]
     return lines
+
+
+def _tree(op: str, exprs: list[str]) -> str:
+    """A balanced reduction expression of ``exprs`` with ``op`` (a binary function name or ``+``)."""
+    if len(exprs) == 1:
+        return exprs[0]
+    mid = len(exprs) // 2
+    a, b = _tree(op, exprs[:mid]), _tree(op, exprs[mid:])
+    return f"({a} + {b})" if op == "+" else f"{op}({a}, {b})"
 
 
 def _convert_p(plan: HopperPlan) -> list[str]:

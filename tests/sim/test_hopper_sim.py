@@ -1,0 +1,250 @@
+"""One CTA of the Hopper (wgmma) plan on the CPU vs float64 attention, and its async-hazard checker.
+
+Tolerance: ``cta.compare_with_reference`` (the mma.sync simulator's rule): max|O - O_f64| <=
+2 * max|O_lowp - O_f64| + 1e-3 and lse within 1e-4 relative, -inf exactly where the reference
+has no kept score. Hazard tests walk plans whose steps were removed or moved
+(``attrs.evolve``'d copies) and expect the checker to report it.
+"""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.hopper_plan import make_hopper_plan
+from flashgen.dsl.plan import Step
+from flashgen.sim import cta
+from flashgen.sim import hardware as hw
+from flashgen.sim import hopper
+
+W = KernelConfig.wgmma
+PP_INTRA = W("fp16", d_head=64, B_c=64)  # 2 stages, pingpong + intra overlap
+PLAIN = W("bf16", d_head=64, B_c=64, stages=1, pingpong=False, intra_overlap=False)
+
+
+def _inputs(cfg, seq_q, seq_k, seed=0, spread=2.0):
+    rng = np.random.default_rng(seed)
+    q = hw.encode(spread * rng.standard_normal((seq_q, cfg.d_head)), cfg.dtype)
+    k = hw.encode(spread * rng.standard_normal((seq_k, cfg.d_head)), cfg.dtype)
+    v = hw.encode(rng.standard_normal((seq_k, cfg.d_head)), cfg.dtype)
+    return q, k, v
+
+
+def _check(cfg, seq_q, seq_k, q_block=0, seed=0, offset=0, left=-1, right=-1, plan=None):
+    """Simulate one CTA and compare with float64 attention over the same mask; returns the report."""
+    plan = plan or make_hopper_plan(cfg)
+    q, k, v = _inputs(cfg, seq_q, seq_k, seed)
+    o, lse, rep = hopper.simulate_cta(plan, q, k, v, q_block, mask_offset=offset, window_left=left, window_right=right)
+    row0 = q_block * cfg.B_r
+    rows = min(cfg.B_r, seq_q - row0)
+    assert o.shape == (rows, cfg.d_head) and lse.shape == (rows,)
+    keep = np.array([[plan.score_mask.keep(row0 + i, j, seq_k, offset, left, right) for j in range(seq_k)]
+                     for i in range(rows)], dtype=bool).reshape(rows, seq_k)
+    cmp = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, o, keep=keep, lse=lse)
+    assert cmp["ok"], cmp
+    assert rep.ok, rep.hazards[:3]
+    return rep
+
+
+@pytest.mark.parametrize("cfg, seq_q, seq_k, q_block", [
+    (PP_INTRA, 128, 256, 0),  # 4 blocks: two ring cycles
+    (PP_INTRA, 100, 77, 0),  # tails: 28 zero-filled query rows, 51 masked keys
+    (PLAIN, 100, 77, 0),
+    (PLAIN, 256, 200, 1),
+    (W("fp16", d_head=64, B_r=64, B_c=64, stages=3, pingpong=False), 100, 77, 1),  # second CTA, 36 rows
+    (W("bf16", d_head=64, B_c=176, stages=2, intra_overlap=False), 128, 300, 0),  # N = 176 wgmma, 2 blocks
+    (W("fp16", d_head=128, B_c=128, stages=2), 100, 300, 0),  # the d128 case
+], ids=lambda x: str(x) if isinstance(x, KernelConfig) else None)
+def test_cta_matches_float64_attention(cfg, seq_q, seq_k, q_block):
+    rep = _check(cfg, seq_q, seq_k, q_block)
+    assert (rep.j_begin, rep.j_end) == (0, -(-seq_k // cfg.B_c))
+
+
+@pytest.mark.parametrize("cfg", [W("fp16", d_head=64, B_c=64, mask="causal"),
+                                 W("bf16", d_head=64, B_c=64, stages=1, pingpong=False, mask="causal")], ids=str)
+@pytest.mark.parametrize("seq_q, seq_k, q_block, offset", [
+    (128, 300, 0, 0),  # top-left diagonal: blocks past the rows are skipped
+    (100, 77, 0, 77 - 100),  # bottom-right aligned, tails; the first 23 rows see no key
+    (256, 256, 1, 0),
+    (128, 128, 0, -200),  # every row fully masked: no block visited, O = 0, lse = -inf
+])
+def test_causal(cfg, seq_q, seq_k, q_block, offset):
+    rep = _check(cfg, seq_q, seq_k, q_block, offset=offset)
+    if offset == -200:
+        assert rep.j_begin == rep.j_end
+
+
+@pytest.mark.parametrize("left, right", [(40, 0), (20, 30), (-1, 10), (70, -1)])
+def test_window(left, right):
+    cfg = W("fp16", d_head=64, B_c=64, stages=2, intra_overlap=False, mask="window")
+    rep = _check(cfg, 200, 330, 1, left=left, right=right)
+    if 0 <= left < 64:
+        assert rep.j_begin > 0  # rows 128.. reach back less than 64 keys: key block 0 is skipped
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    cfg = W("fp16", d_head=64, B_c=64, mask="causal")
+    q, k, v = _inputs(cfg, 128, 64)
+    o, lse, rep = hopper.simulate_cta(make_hopper_plan(cfg), q, k, v, mask_offset=-20)
+    assert rep.ok
+    assert (o[:20] == 0).all() and np.isneginf(lse[:20]).all()
+    assert np.isfinite(lse[20:]).all() and (o[20:] != 0).any()
+
+
+def test_online_softmax_rescales_when_the_max_moves_late():
+    """Larger scores in the last block: only right if O and l are rescaled by exp2(old - new max)."""
+    cfg = PP_INTRA
+    q, k, v = _inputs(cfg, 128, 256, spread=1.0)
+    kf = hw.decode(k, cfg.dtype)
+    kf[192:] *= 4
+    k = hw.encode(kf, cfg.dtype)
+    o, lse, rep = hopper.simulate_cta(make_hopper_plan(cfg), q, k, v)
+    assert rep.ok and cta.compare_with_reference(cfg, q, k, v, o, lse=lse)["ok"]
+
+
+# ---------------------------------------------------------------------- schedules are clean
+
+
+SCHEDULES = [W(dt, d_head=64, B_r=br, B_c=64, stages=st, pingpong=pp, intra_overlap=intra)
+             for dt, br, st, pp, intra in [
+                 ("fp16", 128, 1, True, True), ("fp16", 128, 2, True, False), ("bf16", 128, 3, False, True),
+                 ("fp16", 128, 1, False, False), ("bf16", 64, 2, False, True), ("fp16", 64, 1, False, False),
+                 ("bf16", 192, 2, False, False), ("fp16", 128, 4, True, True),
+             ]]
+
+
+@pytest.mark.parametrize("cfg", SCHEDULES, ids=str)
+@pytest.mark.parametrize("n_blocks", [1, 2, 5])
+def test_every_schedule_is_hazard_free(cfg, n_blocks):
+    plan = make_hopper_plan(cfg)
+    q, k, v = _inputs(cfg, cfg.B_r, n_blocks * cfg.B_c)
+    o, lse, rep = hopper.simulate_cta(plan, q, k, v)
+    assert rep.hazards == []
+    assert rep.groups == 2 * n_blocks * cfg.consumers
+    if cfg.pingpong:  # consumer 1 hands over the first turn and skips its last pass
+        n_issue = sum(s.op == "turn" for s in plan.prologue + plan.epilogue) + n_blocks * sum(s.op == "turn" for s in plan.body) \
+            - (sum(s.op == "turn" for s in plan.body) if plan.prologue else 0)
+        assert rep.pingpong[0] == {"turn": n_issue, "pass": n_issue, "skipped": 0}
+        assert rep.pingpong[1] == {"turn": n_issue, "pass": n_issue - 1, "skipped": 1}
+
+
+# ---------------------------------------------------------------------- mutations are caught
+
+
+def _index(steps, op, arg=None):
+    return next(i for i, s in enumerate(steps) if s.op == op and (arg is None or s.arg == arg))
+
+
+def _without(plan, part, i):
+    steps = getattr(plan, part)
+    return attrs.evolve(plan, **{part: steps[:i] + steps[i + 1:]})
+
+
+def _move(plan, part, i, to):
+    steps = list(getattr(plan, part))
+    steps.insert(to, steps.pop(i))
+    return attrs.evolve(plan, **{part: tuple(steps)})
+
+
+def _hazards(plan, n_blocks=3):
+    return hopper.check_schedule(plan, n_blocks)
+
+
+@pytest.mark.parametrize("cfg", [PP_INTRA, PLAIN, W("fp16", d_head=64, B_c=64, stages=2, pingpong=True, intra_overlap=False),
+                                 W("bf16", d_head=64, B_c=64, stages=2, pingpong=False, intra_overlap=True)], ids=str)
+def test_removing_any_step_is_caught(cfg):
+    """Every step of prologue, body and epilogue is needed: without it the walk reports a hazard."""
+    plan = make_hopper_plan(cfg)
+    assert _hazards(plan) == []
+    for part in ("prologue", "body", "epilogue"):
+        for i, step in enumerate(getattr(plan, part)):
+            assert _hazards(_without(plan, part, i)), f"removing {part} step {i} ({step}) went unnoticed"
+
+
+@pytest.mark.parametrize("cfg", [PP_INTRA, PLAIN], ids=str)
+def test_missing_wgmma_wait_is_reported(cfg):
+    plan = make_hopper_plan(cfg)
+    h = _hazards(_without(plan, "body", _index(plan.body, "wgmma_wait")))
+    assert any("in flight" in x and "S registers" in x for x in h), h[:3]
+
+
+def test_missing_pv_wait_lets_rescale_touch_O_in_flight():
+    plan = make_hopper_plan(PP_INTRA)
+    h = _hazards(_without(plan, "body", _index(plan.body, "wgmma_wait", "0")))
+    assert any("touches O registers while wgmma group O[" in x for x in h), h[:3]
+
+
+@pytest.mark.parametrize("cfg", [PP_INTRA, PLAIN], ids=str)
+@pytest.mark.parametrize("tensor", ["K", "V"])
+def test_release_before_the_wait_is_reported(cfg, tensor):
+    plan = make_hopper_plan(cfg)
+    i = next(i for i, s in enumerate(plan.body) if s.op == "release" and s.arg == tensor)
+    wait = max(k for k in range(i) if plan.body[k].op == "wgmma_wait")
+    h = _hazards(_move(plan, "body", i, wait))
+    assert any(f"releases {tensor}_" in x and "still reads it" in x for x in h), h[:3]
+
+
+@pytest.mark.parametrize("cfg", [PP_INTRA, PLAIN], ids=str)
+@pytest.mark.parametrize("tensor", ["K", "V"])
+def test_dropped_wait_full_is_reported(cfg, tensor):
+    plan = make_hopper_plan(cfg)
+    h = _hazards(_without(plan, "body", _index(plan.body, "wait_full", tensor)))
+    assert any(f"reads {tensor}_" in x and "without its wait_full" in x for x in h), h[:3]
+
+
+def test_pingpong_imbalance_is_reported():
+    plan = make_hopper_plan(PP_INTRA)
+    h = _hazards(_without(plan, "epilogue", _index(plan.epilogue, "turn")))
+    assert any("do not balance" in x for x in h), h[:3]
+    h = _hazards(_without(plan, "body", _index(plan.body, "pass")))
+    assert any("deadlock" in x for x in h), h[:3]
+    # one pass too many: an arrival is left on a turn barrier at exit
+    extra = attrs.evolve(plan, epilogue=plan.epilogue + (Step("pass"),))
+    h = _hazards(extra)
+    assert any("do not balance" in x for x in h), h[:3]
+
+
+def test_too_small_empty_barrier_count_lets_the_producer_overwrite_a_stage():
+    """k_empty expecting one consumer's 4 arrivals: the producer refills K while the other consumer reads it."""
+    plan = make_hopper_plan(PP_INTRA)
+    bars = dict(plan.barriers)
+    bar, off, stages = bars["k_empty"]
+    bars["k_empty"] = (attrs.evolve(bar, arrive_count=4), off, stages)
+    h = _hazards(attrs.evolve(plan, barriers=bars))
+    assert any("but it holds K_" in x for x in h), h[:3]
+
+
+def test_o_staging_over_the_other_consumers_rows_is_reported():
+    """A staging layout of 64-row blocks of d contiguous elements per consumer (an earlier
+    version) overlaps the other consumer's Q rows when sO aliases sQ and d > 64, and the K/V
+    ring when placed elsewhere; the checker reports either."""
+    from flashgen.dsl.layout import Layout
+    from flashgen.dsl.swizzle import ComposedLayout, Swizzle
+
+    cfg = W("fp16", d_head=128, B_c=64, stages=1, pingpong=False, intra_overlap=False)
+    plan = make_hopper_plan(cfg)
+    bad = ComposedLayout(Swizzle(3, 3, 4), Layout((cfg.B_r, cfg.d_head), (cfg.d_head, 1)))
+    q, k, v = _inputs(cfg, 128, 64)
+    assert hopper.simulate_cta(plan, q, k, v)[2].ok
+    o_tile = attrs.evolve(plan.tiles["O"], offset=plan.tiles["Q"].offset)
+    for tiles in ({**plan.tiles, "O": o_tile}, {**plan.tiles, "O": attrs.evolve(o_tile, offset=plan.tiles["K"].offset)}):
+        _, _, rep = hopper.simulate_cta(attrs.evolve(plan, o_stage=bad, tiles=tiles), q, k, v)
+        assert any("another warpgroup or the producer may still use" in x for x in rep.hazards), rep.hazards[:3]
+
+
+def test_wrong_descriptor_field_gives_wrong_numbers():
+    """The simulator reads V through the ISA MN-major model: swapped LBO/SBO read the wrong elements."""
+    cfg = PP_INTRA.replace(d_head=128)
+    plan = make_hopper_plan(cfg)
+    b = plan.gemm_O.b
+    bad = attrs.evolve(plan, gemm_O=attrs.evolve(plan.gemm_O, b=attrs.evolve(b, lbo=b.sbo, sbo=b.lbo)))
+    q, k, v = _inputs(cfg, 128, 128)
+    o, lse, _ = hopper.simulate_cta(bad, q, k, v)
+    assert not cta.compare_with_reference(cfg, q, k, v, o, lse=lse)["ok"]
+
+
+def test_tma_fill_refuses_misaligned_base():
+    plan = make_hopper_plan(PLAIN)
+    with pytest.raises(ValueError, match="1024"):
+        hopper.tma_fill(np.zeros(plan.smem_bytes, np.uint8), plan.loads["K"], 512, np.zeros((64, 64), np.uint16))
