@@ -13,7 +13,7 @@ import json
 
 from ..dsl.config import KernelConfig
 from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
-from .kernel import LOG2E, KernelSource, args_struct
+from .kernel import LOG2E, KernelSource, args_struct, kernel_meta
 from .ptx import hopper as ptx_hopper, math as ptx_math, vec
 from .template import CodeTemplate
 
@@ -127,8 +127,10 @@ def _step(plan: HopperPlan, step: Step, section: str) -> list[str]:
     elif op == "gemm":
         code = _gemm(plan, arg, block)
     elif op == "wgmma_wait":
-        code = [f"wgmma_wait_group<{arg}>();"] + (["wgmma_fence_operands(s_acc);"] if arg in ("0", "1") else []) + (
-            ["wgmma_fence_operands(o_acc); wgmma_fence_operands(p_frag);"] if arg == "0" else [])
+        # after the wait the retired groups' registers are the compiler's again: S always, O and P once all are done
+        code = [f"wgmma_wait_group<{arg}>();", "wgmma_fence_operands(s_acc);"]
+        if arg == "0":
+            code.append("wgmma_fence_operands(o_acc); wgmma_fence_operands(p_frag);")
     elif op == "softmax":
         code = ["softmax(j, masked, " + ("std::true_type{}" if arg == "first" else "std::false_type{}") + ");"]
     elif op == "rescale_O":
@@ -500,17 +502,6 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
         log2e=f"{LOG2E!r}f",
     )
-    meta = {
-        "name": name,
-        "short_form": cfg.short_form(),
-        "config": cfg.to_dict(),
-        "hash": cfg.content_hash(),
-        "threads": plan.threads,
-        "smem_bytes": plan.smem_bytes,
-        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
-        "launcher": f"{name}_launch",
-        "arch": "sm_90a",
-        "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask, "seq": "any length >= 1; heads % kv_heads == 0",
-                     "gpu": "compute capability 9.0 (sm_90a)", "strides": "multiples of 8 elements (16 bytes)"},
-    }
+    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, gpu="compute capability 9.0 (sm_90a)",
+                       strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, text, binding_source(cfg, name), meta)

@@ -690,6 +690,23 @@ struct {name}_args {{
 }};"""
 
 
+def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, **extra: Any) -> dict:
+    """The manifest entry of an emitted kernel (both engines); ``extra`` adds to ``requires``."""
+    return {
+        "name": name,
+        "short_form": cfg.short_form(),
+        "config": cfg.to_dict(),
+        "hash": cfg.content_hash(),
+        "threads": threads,
+        "smem_bytes": smem_bytes,
+        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
+        "launcher": f"{name}_launch",
+        **({"arch": "sm_90a"} if cfg.is_wgmma else {}),
+        "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask,
+                     "seq": "any length >= 1; heads % kv_heads == 0", **extra},
+    }
+
+
 def _plan_lines(plan: KernelPlan) -> list[str]:
     out = []
     for t in ("sQ", "sK", "sV", "sO"):
@@ -780,15 +797,5 @@ def emit(cfg: KernelConfig) -> KernelSource:
         s2g_comment=f"{plan.s2g_O.name}: {plan.s2g_O.atom.name}, this warp's rows",
         s2g_values=plan.s2g_O.partition.tv.n_values,
     )
-    meta = {
-        "name": name,
-        "short_form": cfg.short_form(),
-        "config": cfg.to_dict(),
-        "hash": cfg.content_hash(),
-        "threads": cfg.threads,
-        "smem_bytes": cfg.smem_bytes,
-        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
-        "launcher": f"{name}_launch",
-        "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask, "seq": "any length >= 1; heads % kv_heads == 0"},
-    }
+    meta = kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes)
     return KernelSource(name, text, binding_source(cfg, name), meta)

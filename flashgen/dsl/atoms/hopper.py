@@ -219,11 +219,6 @@ class WGMMA_64xNx16:
         """f32 accumulator registers per thread: 64*N / 128."""
         return self.n // 2
 
-    @property
-    def rs_ptx(self) -> str:
-        """The same instruction with A from registers (``wgmma ... d, {a0..a3}, desc_b, ...``)."""
-        return self.ptx
-
     # A from registers (PTX ISA "Matrix fragments for wgmma .m64nNk16", A of .f16/.bf16): each warp
     # holds 16 rows as the mma.m16n8k16 A fragment. Value v = 2 * reg + half of 4 32-bit registers:
     #   row = 16*warp + group + 8*(reg % 2),  col = 2*quad + half + 8*(reg / 2)

@@ -211,7 +211,7 @@ __device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)
         "{{\\n"
         ".reg .pred p;\\n"
         "setp.ne.b32 p, %{n + 5}, 0;\\n"  // scale-d is a predicate operand: always 1 (accumulate)
-        "{atom.rs_ptx} {{{d_ops}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, {1 if trans_b else 0};\\n"
+        "{atom.ptx} {{{d_ops}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, {1 if trans_b else 0};\\n"
         "}}\\n"
         : {d_cons}
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
