@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .build import cache_root
-from .dsl.config import DType, KernelConfig, default_configs, tuning_space
+from .dsl.config import ConfigError, DType, KernelConfig, default_configs, tuning_space
 
 BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -65,7 +65,11 @@ def hopper_default(dtype: DType, d_head: int) -> KernelConfig | None:
     """The default Hopper (wgmma) config for a head size, or None where that engine does not take it."""
     if d_head not in HOPPER_B_C:
         return None
-    return KernelConfig.wgmma(dtype, d_head=d_head, B_c=HOPPER_B_C[d_head])
+    cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=HOPPER_B_C[d_head])
+    try:  # persistent where the separate output tile fits in shared memory (d_head 64 and 128)
+        return cfg.replace(persistent=True)
+    except ConfigError:
+        return cfg
 
 
 def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = None,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hopper engine on the GPU: smoke (diagnostic inputs), then the GPU tests, then the benchmark.
-# usage: OUT=dir bash tools/gpu_hopper.sh [smoke|tests|bench|all]
+# usage: OUT=dir [BENCH="configs..."] bash tools/gpu_hopper.sh [smoke|tests|bench|all]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,5 +16,8 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   echo "== bench"
-  python -m flashgen.cli bench hopper defaults --d-heads 128 --causal both --seqs 512 1024 2048 4096 8192 16384 -o "$OUT" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
+  # shellcheck disable=SC2086  # BENCH is a list of configs / named sets
+  eval "python -m flashgen.cli bench ${BENCH:-hopper defaults} --d-heads 128 --causal both --seqs 512 1024 2048 4096 8192 16384 -o \"\$OUT\"" \
+    2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
+  python tools/bench_per_config.py "$OUT/bench.json" | tee "$OUT/bench_per_config.txt"
 fi

@@ -36,7 +36,7 @@ KNOBS: tuple[str, ...] = (
 )
 #: Knobs of the Hopper (wgmma) engine; left out of ``to_dict`` for mma.sync configs so their
 #: YAML, names and hashes stay those of the seed family.
-HOPPER_KNOBS: tuple[str, ...] = ("engine", "stages", "pingpong", "intra_overlap")
+HOPPER_KNOBS: tuple[str, ...] = ("engine", "stages", "pingpong", "intra_overlap", "persistent")
 ENGINES = ("mma_sync", "wgmma")
 MASKS = ("none", "causal", "window")
 #: The mma.sync-only knobs and the values a wgmma config fixes them at (TMA copies are
@@ -128,14 +128,18 @@ class KernelConfig:
     #: wgmma: within a warpgroup, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and
     #: the softmax of S_j runs while the PV GEMM is in flight.
     intra_overlap: bool = False
+    #: wgmma: one CTA per SM loops over (query block, head, batch) tiles; the output is staged
+    #: apart from Q so the next tile's Q and K/V loads overlap this tile's epilogue.
+    persistent: bool = False
 
     @classmethod
     def wgmma(cls, dtype: Any, d_head: int = 128, B_r: int = 128, B_c: int = 128, stages: int = 2,
-              pingpong: bool = True, intra_overlap: bool = True, mask: str = "none") -> "KernelConfig":
+              pingpong: bool = True, intra_overlap: bool = True, persistent: bool = False,
+              mask: str = "none") -> "KernelConfig":
         """A Hopper-engine config; ``n_warps`` follows from ``B_r`` (one producer + B_r/64 consumer warpgroups)."""
         n_warps = 4 * (1 + _int("B_r", B_r) // WGMMA_M) if _int("B_r", B_r) > 0 else 0
         return cls(dtype=dtype, d_head=d_head, B_r=B_r, B_c=B_c, n_warps=n_warps, mask=mask, engine="wgmma",
-                   stages=stages, pingpong=pingpong, intra_overlap=intra_overlap, **WGMMA_FIXED)
+                   stages=stages, pingpong=pingpong, intra_overlap=intra_overlap, persistent=persistent, **WGMMA_FIXED)
 
     @property
     def is_wgmma(self) -> bool:
@@ -148,7 +152,7 @@ class KernelConfig:
 
     def __attrs_post_init__(self) -> None:
         for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax",
-                     "pingpong", "intra_overlap"):
+                     "pingpong", "intra_overlap", "persistent"):
             _bool(name, getattr(self, name))
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r}: expected one of {', '.join(ENGINES)}")
@@ -189,9 +193,12 @@ class KernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: one Q, one K and one V block (O reuses Q's space); wgmma: Q,
-        ``stages`` K and V blocks, the mbarriers and 1 KiB to align the base for the 128B swizzle."""
+        ``stages`` K and V blocks (persistent: and an output tile apart from Q), the mbarriers
+        and 1 KiB to align the base for the 128B swizzle."""
         if self.is_wgmma:
-            return (self.B_r + 2 * self.stages * self.B_c) * self.d_head * self.dtype.size + 8 * (1 + 4 * self.stages) + 1024
+            rows = (2 if self.persistent else 1) * self.B_r + 2 * self.stages * self.B_c
+            barriers = 1 + 4 * self.stages + (1 if self.persistent else 0)
+            return rows * self.d_head * self.dtype.size + 8 * barriers + 1024
         return (self.B_r + 2 * self.B_c) * self.d_smem * self.dtype.size
 
     def k_tiles(self, operand: str) -> int:
@@ -249,7 +256,7 @@ class KernelConfig:
             raise ConfigError("config is missing 'dtype' (fp16 or bf16)")
         data = dict(data)
         if data.get("engine") == "wgmma":  # the mma.sync-only knobs default to their fixed wgmma values
-            data = {**WGMMA_FIXED, "stages": 2, "pingpong": True, "intra_overlap": True, **data}
+            data = {**WGMMA_FIXED, "stages": 2, "pingpong": True, "intra_overlap": True, "persistent": False, **data}
             if "n_warps" not in data and isinstance(data.get("B_r", 128), int):
                 data["n_warps"] = 4 * (1 + data.get("B_r", 128) // WGMMA_M)
         return cls(**data)
@@ -273,7 +280,8 @@ class KernelConfig:
         """The short form's flags, in canonical order."""
         out = []
         if self.is_wgmma:
-            out += ["wgmma", f"stages_{self.stages}"] + [f for f in ("pingpong", "intra") if getattr(self, "intra_overlap" if f == "intra" else f)]
+            out += ["wgmma", f"stages_{self.stages}"] + [f for f, knob in (("pingpong", "pingpong"), ("intra", "intra_overlap"),
+                                                                           ("persistent", "persistent")) if getattr(self, knob)]
             return tuple(out + ([self.mask] if self.mask != "none" else []))
         if self.async_copy:
             out.append("async")
@@ -310,6 +318,7 @@ class KernelConfig:
         ]
         if self.is_wgmma:
             parts += ["wgmma", f"s{self.stages}"] + (["pp"] if self.pingpong else []) + (["intra"] if self.intra_overlap else [])
+            parts += ["persist"] if self.persistent else []
             return "_".join(parts + ([self.mask] if self.mask != "none" else []))
         parts.append("async" if self.async_copy else "sync")
         if self.eager_load_blocks:
@@ -406,7 +415,7 @@ def _rule_smem(c: KernelConfig) -> None:
 
 
 def _rule_mma_sync_only(c: KernelConfig) -> None:
-    for name, off in (("stages", 1), ("pingpong", False), ("intra_overlap", False)):
+    for name, off in (("stages", 1), ("pingpong", False), ("intra_overlap", False), ("persistent", False)):
         if getattr(c, name) != off:
             raise ConfigError(f"{name}={getattr(c, name)!r} is a wgmma-engine knob; an engine=mma_sync config needs {name}={off!r}")
 
@@ -460,8 +469,9 @@ def _wgmma_rule_sizes(c: KernelConfig) -> None:
         )
     if c.smem_bytes > SMEM_LIMIT_BYTES:
         raise ConfigError(
-            f"shared memory (B_r + 2 * stages * B_c) * d_head * {c.dtype.size} + barriers + alignment = {c.smem_bytes} bytes "
-            f"exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit; use fewer stages or a smaller B_c"
+            f"shared memory ({'2 * B_r' if c.persistent else 'B_r'} + 2 * stages * B_c) * d_head * {c.dtype.size} + barriers "
+            f"+ alignment = {c.smem_bytes} bytes exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit; use fewer stages or a "
+            f"smaller B_c{' (persistent=true stages the output apart from Q)' if c.persistent else ''}"
         )
 
 
@@ -561,12 +571,12 @@ def kernel_progression(all_block_sizes: bool = False) -> list[KernelConfig]:
 
 def hopper_configs(dtypes: Iterable[DType | str] = ("fp16", "bf16")) -> list[KernelConfig]:
     """The wgmma engine's d_head-128 set: the default (pingpong + intra overlap, 2 stages) and its
-    ablations (each overlap off, 3 stages, B_c 176), for benchmarks and the GPU tests."""
+    variants (each overlap off, 3 stages, B_c 176, persistent), for benchmarks and the GPU tests."""
     out = []
     for dt in dtypes:
         base = KernelConfig.wgmma(dt)
         out += [base, base.replace(intra_overlap=False), base.replace(pingpong=False), base.replace(stages=3),
-                base.replace(B_c=176)]
+                base.replace(B_c=176), base.replace(persistent=True)]
     return out
 
 

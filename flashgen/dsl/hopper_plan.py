@@ -190,6 +190,8 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
     or read at the wrong time).
     """
     S = Step
+    # persistent: Q is free for the next tile once the last block's S GEMM retired
+    rel_q = (S("release", "Q", guard="j + 1 == j_end", why="last S retired: the producer may load the next tile's Q"),) if cfg.persistent else ()
     turn = (S("turn", why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
     pas = (S("pass", why="pingpong: hand the tensor cores to the other warpgroup"),) if cfg.pingpong else ()
     if cfg.intra_overlap:
@@ -200,6 +202,7 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
             *pas,
             S("wgmma_wait", "0", why="S ready"),
             S("release", "K", "j", why="K_j stage free for the producer"),
+            *rel_q,
             S("softmax", "first", "j", why="row max/sum of S_j, P = exp2(S - max)"),
             S("convert_P", why="P -> 16-bit A fragments"),
         )
@@ -212,6 +215,7 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
             *pas,
             S("wgmma_wait", "1", why="S_j ready (PV may still run)"),
             S("release", "K", "j"),
+            *rel_q,
             S("softmax", "stats", "j", why="new row max, exp2, row sums; O untouched (PV in flight)"),
             S("wgmma_wait", "0", why="PV done: O and the P registers are free"),
             S("release", "V", "j-1"),
@@ -234,6 +238,7 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
         *pas,
         S("wgmma_wait", "0"),
         S("release", "K", "j"),
+        *rel_q,
         S("softmax", "stats", "j"),
         S("rescale_O"),
         S("convert_P"),
@@ -257,8 +262,12 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
     q = SmemTile("sQ", B_r, d, kmajor_tile_layout(B_r, d, cfg.dtype, SWIZZLE), 0, 1, q_bytes)
     k = SmemTile("sK", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes, st, kv_bytes)
     v = SmemTile("sV", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes + st * kv_bytes, st, kv_bytes)
-    bar0 = q_bytes + 2 * st * kv_bytes
+    # persistent: the output tile sits apart from Q (after the ring), so the next tile's Q can land
+    # while this tile's output is still being stored; the producer waits on q_empty for that
+    o_offset = q_bytes + 2 * st * kv_bytes if cfg.persistent else 0
+    bar0 = q_bytes + 2 * st * kv_bytes + (q_bytes if cfg.persistent else 0)
     names = [("q_full", 1, 1)] + [(n, st, c) for n, c in (("k_full", 1), ("v_full", 1), ("k_empty", 4 * cfg.consumers), ("v_empty", 4 * cfg.consumers))]
+    names += [("q_empty", 1, 4 * cfg.consumers)] if cfg.persistent else []
     barriers, off = {}, bar0
     for name, stages, count in names:
         barriers[name] = (Mbarrier(name, count), off, stages)
@@ -282,11 +291,11 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
     atom_s, atom_o = WGMMA_64xNx16(cfg.dtype, B_c), WGMMA_64xNx16(cfg.dtype, d)
     gemm_s = WarpgroupGemm("S", atom_s, "smem", a_q, b_k, trans_b=False)
     gemm_o = WarpgroupGemm("O", atom_o, "regs", None, b_v, trans_b=True)
-    # output staging: consumer w writes its O rows 64w.. into Q's own layout, i.e. exactly the
-    # bytes of its own Q rows (only its S GEMMs read those, and they are done); the 128B swizzle
+    # output staging: consumer w writes its O rows 64w.. in Q's layout, i.e. (non-persistent) exactly
+    # the bytes of its own Q rows (only its S GEMMs read those, and they are done); the 128B swizzle
     # keeps both the 4-byte accumulator stores and the 16-byte row reads conflict-free
     o_stage = q.layout
-    o = SmemTile("sO", B_r, d, o_stage, 0, 1, q_bytes)
+    o = SmemTile("sO", B_r, d, o_stage, o_offset, 1, q_bytes)
     prologue, body, epilogue = _schedule(cfg)
     return HopperPlan(
         cfg=cfg,

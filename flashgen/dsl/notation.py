@@ -39,9 +39,9 @@ __all__ = [
 
 #: The short form's flags in canonical order (``KernelConfig.flags`` prints them so).
 VALID_FLAGS: tuple[str, ...] = ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window",
-                                "wgmma", "stages_N", "pingpong", "intra")
+                                "wgmma", "stages_N", "pingpong", "intra", "persistent")
 #: Flags only the wgmma (Hopper) engine takes, and the mma.sync-only ones it refuses.
-_WGMMA_FLAGS = frozenset({"wgmma", "stages_N", "pingpong", "intra"})
+_WGMMA_FLAGS = frozenset({"wgmma", "stages_N", "pingpong", "intra", "persistent"})
 _MMA_SYNC_FLAGS = frozenset({"async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax"})
 
 #: d_head of a short form that gives three sizes, ``(dtype, B_r, B_c, n_warps)``.
@@ -166,9 +166,10 @@ class _ShortForm:
             if f.name in _MMA_SYNC_FLAGS:
                 raise NotationError(
                     f"flag '{f.text}' is an mma.sync flag", text, f.line, f.column,
-                    "a +wgmma kernel takes wgmma, stages_N, pingpong, intra and a mask flag", _FORMS["config"],
+                    "a +wgmma kernel takes wgmma, stages_N, pingpong, intra, persistent and a mask flag", _FORMS["config"],
                 )
-        knobs: dict[str, Any] = dict(dtype=self.dtype, engine="wgmma", stages=1, pingpong=False, intra_overlap=False)
+        knobs: dict[str, Any] = dict(dtype=self.dtype, engine="wgmma", stages=1, pingpong=False, intra_overlap=False,
+                                     persistent=False)
         knobs.update(self.sizes)
         for f in self.flags:
             knobs.update(f.knobs)
@@ -246,6 +247,9 @@ class _ToObjects(Transformer):
     def intra_flag(self, tok: Token) -> _Flag:
         return _flag("intra", tok, intra_overlap=True)
 
+    def persistent_flag(self, tok: Token) -> _Flag:
+        return _flag("persistent", tok, persistent=True)
+
     def flags(self, *flags: _Flag) -> tuple[_Flag, ...]:
         return flags
 
@@ -265,7 +269,7 @@ _TO_OBJECTS = _ToObjects()
 # ---- lark's errors -> NotationError ----------------------------------------------------
 
 _FLAG_TERMINALS = frozenset({"ASYNC", "EAGER", "SWIZZLED", "LOAD_TILES", "BUFFER", "OPT_SOFTMAX", "CAUSAL", "WINDOW",
-                             "WGMMA", "STAGES", "PINGPONG", "INTRA"})
+                             "WGMMA", "STAGES", "PINGPONG", "INTRA", "PERSISTENT"})
 _TERMINAL_WORDS = {
     "NAT": "a non-negative integer",
     "INT": "an integer",

@@ -115,15 +115,16 @@ def _convert_p(plan: HopperPlan) -> list[str]:
     return out
 
 
-def _step(plan: HopperPlan, step: Step, section: str) -> list[str]:
-    """C++ for one consumer step. ``section``: prologue, body or epilogue (blocks j, j-1, last)."""
+def _step(plan: HopperPlan, step: Step) -> list[str]:
+    """C++ for one consumer step (blocks j, j-1, last; a guarded step runs where its guard holds)."""
     op, arg, block = step.op, step.arg, step.block
     stage = {"j": "st", "j-1": "st_prev", "last": "st_prev"}.get(block, "")
     phase = {"st": "ph", "st_prev": "ph_prev"}.get(stage, "")
     if op == "wait_full":
         code = [f"mbar_wait(bar_{arg.lower()}_full + 8 * {stage}, {phase});"]
     elif op == "release":
-        code = [f"if (lane == 0) mbar_arrive(bar_{arg.lower()}_empty + 8 * {stage});  // one arrival per warp"]
+        slot = f" + 8 * {stage}" if stage else ""  # Q has one slot, K/V one per ring stage
+        code = [f"if (lane == 0) mbar_arrive(bar_{arg.lower()}_empty{slot});  // one arrival per warp"]
     elif op == "gemm":
         code = _gemm(plan, arg, block)
     elif op == "wgmma_wait":
@@ -143,25 +144,13 @@ def _step(plan: HopperPlan, step: Step, section: str) -> list[str]:
     elif op == "turn":
         code = ["named_bar_sync(1 + cw, 2 * 128);"]
     elif op == "pass":
-        last = {"epilogue": "true", "body": "false", "prologue": "false"}[section]
-        if section == "body" and not plan.cfg.intra_overlap and _after_gemm(plan, step) == "O":
-            last = "(j == j_end - 1)"
-        code = [f"if (!(cw == 1 && {last})) named_bar_arrive(1 + (cw ^ 1), 2 * 128);  // consumer 1 skips its last pass"]
+        code = ["named_bar_arrive(1 + (cw ^ 1), 2 * 128);"]
     else:
         raise ValueError(f"no code for consumer step {step}")
+    if step.guard:
+        code = [f"if ({step.guard}) {{"] + ["    " + c for c in code] + ["}"]
     why = f"// [{op}{' ' + arg if arg else ''}{' ' + block if block else ''}]" + (f" {step.why}" if step.why else "")
     return [why] + code
-
-
-def _after_gemm(plan: HopperPlan, step: Step) -> str:
-    """Which GEMM the ``pass`` step follows in the body."""
-    seen = ""
-    for s in plan.body:
-        if s.op == "gemm":
-            seen = s.arg
-        if s is step:
-            return seen
-    return seen
 
 
 _KERNEL = CodeTemplate(
@@ -169,7 +158,7 @@ _KERNEL = CodeTemplate(
 //
 // $short_form
 // knobs: $knobs_json
-// grid: (ceil(seq_q / $B_r), heads, batch), block: $threads threads (warpgroup 0: TMA producer,
+// grid: $grid_doc, block: $threads threads (warpgroup 0: TMA producer,
 // warpgroups 1..$consumers: consumers of 64 query rows each), dynamic shared memory: $smem_bytes bytes
 // build: -gencode=arch=compute_90a,code=sm_90a
 //
@@ -201,10 +190,27 @@ struct Params {
     elem_t* o; int64_t o_batch, o_head, o_ld;
     float* lse; int64_t lse_batch, lse_head;
     int seq_q, seq_k;
-    int kv_group;
+    int heads, batch, kv_group;
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
 };
+
+// One output tile: B_r query rows of one head, and the key blocks holding any kept score of them.
+struct Tile {
+    int q_row0, head, batch, kv_head, j_begin, j_end;
+};
+// Tile order: query blocks vary fastest (tiles running at the same time share K/V in L2), last
+// block first (with a causal mask its rows are the longest), then heads, then batch.
+__device__ __forceinline__ Tile tile_at(const Params& p, int tile, int n_q_blocks) {
+    Tile t;
+    const int hb = tile / n_q_blocks;
+    t.q_row0 = (n_q_blocks - 1 - tile % n_q_blocks) * int(B_r);
+    t.head = hb % p.heads;
+    t.batch = hb / p.heads;
+    t.kv_head = t.head / p.kv_group;
+    kv_block_range(t.q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &t.j_begin, &t.j_end);
+    return t;
+}
 
 __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
     extern __shared__ unsigned char smem_raw[];
@@ -212,12 +218,13 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
     $smem_decls
     const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
-    // reversed query blocks: with a causal mask the longest rows start first
-    const int q_block = int(gridDim.x - 1 - blockIdx.x);
-    const int q_row0 = q_block * int(B_r);
-    const int head = int(blockIdx.y), batch = int(blockIdx.z), kv_head = head / p.kv_group;
-    int j_begin, j_end;  // key blocks holding any kept score of this CTA's rows
-    kv_block_range(q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &j_begin, &j_end);
+    // tiles = (query block, head, batch) in tile_at's order; $tile_loop_doc
+    const int n_q_blocks = (p.seq_q + int(B_r) - 1) / int(B_r), n_tiles = n_q_blocks * p.heads * p.batch;
+    // round r of this CTA: tile r * gridDim.x + blockIdx.x, mirrored in odd rounds ("snake") so a CTA
+    // given a long tile in one round gets a short one in the next (tiles shrink along the order)
+    auto cta_tile = [&](int r) {
+        return r * int(gridDim.x) + ((r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x));
+    };
 
     if (threadIdx.x == 0) {
         $barrier_init
@@ -228,17 +235,26 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     if (wg == 0) {
         // ---- producer: registers back to the pool, one thread issues every TMA copy ----
         setmaxnreg_dec<$producer_regs>();
-        if (wtid == 0 && j_begin < j_end) {
-            mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
-            $load_q
-            for (int j = j_begin; j < j_end; ++j) {
-                const uint32_t it = uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;
-                mbar_wait(bar_k_empty + 8 * st, ph ^ 1u);  // a fresh barrier passes parity 1 at once
-                mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
-                $load_k
-                mbar_wait(bar_v_empty + 8 * st, ph ^ 1u);
-                mbar_arrive_expect_tx(bar_v_full + 8 * st, KV_BYTES);
-                $load_v
+        if (wtid == 0) {
+            uint32_t kv_it = 0, q_it = 0;  // K/V ring slots and Q tiles used so far (stage and phase)
+            for (int r = 0, tile = cta_tile(0); tile < n_tiles; tile = cta_tile(++r)) {
+                const Tile t = tile_at(p, tile, n_q_blocks);
+                const int q_row0 = t.q_row0, head = t.head, batch = t.batch, kv_head = t.kv_head, j_begin = t.j_begin, j_end = t.j_end;
+                if (j_begin >= j_end) continue;  // no key block: the consumers write zeros
+                $wait_q_empty
+                mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
+                $load_q
+                for (int j = j_begin; j < j_end; ++j) {
+                    const uint32_t it = kv_it + uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;
+                    mbar_wait(bar_k_empty + 8 * st, ph ^ 1u);  // a fresh barrier passes parity 1 at once
+                    mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
+                    $load_k
+                    mbar_wait(bar_v_empty + 8 * st, ph ^ 1u);
+                    mbar_arrive_expect_tx(bar_v_full + 8 * st, KV_BYTES);
+                    $load_v
+                }
+                kv_it += uint32_t(j_end - j_begin);
+                ++q_it;
             }
         }
         return;
@@ -250,53 +266,64 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const float scale_log2 = p.scale_log2;
     float o_acc[D_HEAD / 2], s_acc[B_c / 2];
     uint32_t p_frag[B_c / 16][4];
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
-    #pragma unroll
-    for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;
+    float row_max[2], row_sum[2], corr[2] = {1.f, 1.f};
     const uint64_t desc_q = smem_desc(sQ + cw * $q_row_block_bytes, $q_lbo, $q_sbo, $swizzle_code);
     const uint64_t desc_k = smem_desc(sK, $k_lbo, $k_sbo, $swizzle_code);
     const uint64_t desc_v = smem_desc(sV, $v_lbo, $v_sbo, $swizzle_code);
     (void)corr;
+    $pingpong_start
+    uint32_t kv_it = 0, q_it = 0;  // the producer's counters, kept in step
 
-    auto softmax = [&](const int j, auto masked, auto first) {
-        if constexpr (decltype(first)::value) {
-            $softmax_first
-        } else {
-            $softmax_next
+    for (int r = 0, tile = cta_tile(0); tile < n_tiles; tile = cta_tile(++r)) {
+        const Tile t = tile_at(p, tile, n_q_blocks);
+        const int q_row0 = t.q_row0, head = t.head, batch = t.batch, j_begin = t.j_begin, j_end = t.j_end;
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.f;
+        #pragma unroll
+        for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;
+
+        auto softmax = [&](const int j, auto masked, auto first) {
+            if constexpr (decltype(first)::value) {
+                $softmax_first
+            } else {
+                $softmax_next
+            }
+        };
+
+        if (j_begin < j_end) {
+            mbar_wait(bar_q_full, q_it & 1u);
+            $main_loop
+            kv_it += uint32_t(j_end - j_begin);
+            ++q_it;
         }
-    };
 
-    if (j_begin < j_end) {
-        mbar_wait(bar_q_full, 0);
-        $pingpong_start
-        $main_loop
+        // ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> 16-byte global stores ----
+        float inv[2];
+        #pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            float l = row_sum[h];
+            $sum_reduce
+            inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
+            const int row = q_row0 + int(64 * cw + $c_row_h);
+            if (p.lse != nullptr && $lse_writer && row < p.seq_q)
+                p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+        }
+        $o_stage_decl
+        #pragma unroll
+        for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {
+            const uint32_t r = $c_row_i, c = $c_col_i;
+            st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
+        }
+        named_bar_sync(3 + cw, 128);  // this warpgroup's rows are staged
+        elem_t* gO = p.o + batch * p.o_batch + head * p.o_head;
+        #pragma unroll
+        for (uint32_t v = 0; v < 64 * D_HEAD / 8 / 128; ++v) {
+            const uint32_t idx = v * 128 + wtid, r = idx / (D_HEAD / 8), c = idx % (D_HEAD / 8) * 8;
+            const int row = q_row0 + int(64 * cw + r);
+            if (row < p.seq_q) st_global_v4(gO + int64_t(row) * p.o_ld + c, ld_shared_v4(sO + 2 * ($o_stage_rc)));
+        }
     }
-
-    // ---- epilogue: O /= l, registers -> this consumer's Q rows in shared memory -> 16-byte global stores ----
-    float inv[2];
-    #pragma unroll
-    for (uint32_t h = 0; h < 2; ++h) {
-        float l = row_sum[h];
-        $sum_reduce
-        inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
-        const int row = q_row0 + int(64 * cw + $c_row_h);
-        if (p.lse != nullptr && $lse_writer && row < p.seq_q)
-            p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
-    }
-    const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done
-    #pragma unroll
-    for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {
-        const uint32_t r = $c_row_i, c = $c_col_i;
-        st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
-    }
-    named_bar_sync(3 + cw, 128);  // this warpgroup's rows are staged
-    elem_t* gO = p.o + batch * p.o_batch + head * p.o_head;
-    #pragma unroll
-    for (uint32_t v = 0; v < 64 * D_HEAD / 8 / 128; ++v) {
-        const uint32_t idx = v * 128 + wtid, r = idx / (D_HEAD / 8), c = idx % (D_HEAD / 8) * 8;
-        const int row = q_row0 + int(64 * cw + r);
-        if (row < p.seq_q) st_global_v4(gO + int64_t(row) * p.o_ld + c, ld_shared_v4(sO + 2 * ($o_stage_rc)));
-    }
+    $pingpong_end
 }
 
 }  // namespace $name
@@ -355,7 +382,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
         return (int)cudaErrorInvalidValue;
     p.o = (elem_t*)a->o; p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_ld = a->o_stride[2];
     p.lse = a->lse; p.lse_batch = a->lse_stride[0]; p.lse_head = a->lse_stride[1];
-    p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.kv_group = a->heads / a->kv_heads;
+    p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.heads = a->heads; p.batch = a->batch; p.kv_group = a->heads / a->kv_heads;
     p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
     constexpr int smem = $smem_bytes;
@@ -365,7 +392,9 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
         if (e != cudaSuccess) return (int)e;
         attr_set = true;
     }
-    dim3 grid((a->seq_q + B_r - 1) / B_r, a->heads, a->batch);
+    const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;
+    if (tiles > INT32_MAX) return (int)cudaErrorInvalidValue;
+    $grid_size
     kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(p);
     return (int)cudaGetLastError();
 }
@@ -389,14 +418,11 @@ def _main_loop(plan: HopperPlan) -> list[str]:
     """prologue (first block) -> body over the rest -> epilogue, each step from the plan."""
     out: list[str] = []
 
-    def steps(section: str, seq) -> list[str]:
-        lines: list[str] = []
-        for s in seq:
-            lines += _step(plan, s, section)
-        return lines
+    def steps(seq) -> list[str]:
+        return [line for s in seq for line in _step(plan, s)]
 
     stage_vars = [
-        "const uint32_t it = uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;",
+        "const uint32_t it = kv_it + uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;",
         "const uint32_t st_prev = (it + STAGES - 1) % STAGES, ph_prev = ((it + STAGES - 1) / STAGES - 1) & 1u;",
         "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
     ]
@@ -407,14 +433,14 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         f"    {fn}(j, std::false_type{{}});",
     ]
     if plan.prologue:
-        out += ["auto first_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps("prologue", plan.prologue)] + ["};"]
+        out += ["auto first_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps(plan.prologue)] + ["};"]
         out += ["{", "    const int j = j_begin;"] + ["    " + l for l in dispatch("first_block")] + ["}"]
     body_start = "j_begin + 1" if plan.prologue else "j_begin"
-    out += ["auto kv_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps("body", plan.body)] + ["};"]
+    out += ["auto kv_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps(plan.body)] + ["};"]
     out += [f"for (int j = {body_start}; j < j_end; ++j) {{"] + ["    " + l for l in dispatch("kv_block")] + ["}"]
     if plan.epilogue:
         out += ["{", "    const int j = j_end;  // the last block's PV: its stage is the 'previous' one of j_end"]
-        out += ["    " + l for l in stage_vars + steps("epilogue", plan.epilogue)] + ["}"]
+        out += ["    " + l for l in stage_vars + steps(plan.epilogue)] + ["}"]
     return out
 
 
@@ -449,10 +475,35 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         smem_decls.append(f"const uint32_t bar_{bname} = smem + {off}u;  // [{stages}] x 8 bytes")
         bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
     sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
-    pingpong_start = (
-        ["// pingpong: consumer 0 issues first; consumer 1 hands it the first turn",
-         "if (cw == 1) named_bar_arrive(1 + 0, 2 * 128);"] if cfg.pingpong else ["// no pingpong: consumers issue GEMMs independently"]
-    )
+    if cfg.pingpong:
+        pingpong_start = ["// pingpong: consumer 0 issues first; consumer 1 hands it the first turn",
+                          "if (cw == 1) named_bar_arrive(1 + 0, 2 * 128);"]
+        pingpong_end = ["// consumer 1 passed once more than consumer 0 took turns (its initial pass): take it, so every",
+                        "// named-barrier phase completes before exit",
+                        "if (cw == 0) named_bar_sync(1 + 0, 2 * 128);"]
+    else:
+        pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
+    o_tile = plan.tiles["O"]
+    # a mask makes tiles unequal: one CTA per tile lets the hardware's CTA scheduler balance them,
+    # where equal tiles gain from looping (the next tile's loads overlap this one's epilogue)
+    loop_tiles = cfg.persistent and cfg.mask == "none"
+    if cfg.persistent:
+        tile_loop_doc = ("persistent: gridDim.x = min(SMs, tiles), each CTA loops over rounds" if loop_tiles else
+                         "persistent kernel, launched with one CTA per tile (masked tiles differ in length)")
+        wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
+        o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
+                        "named_bar_sync(3 + cw, 128);  // this warpgroup's reads of the previous tile's staged rows are done"]
+    else:
+        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
+        wait_q_empty = []
+        o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
+    if loop_tiles:
+        grid_size = ["int dev = 0, sms = 0;  // persistent: one CTA per SM (at most one per tile)",
+                     "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
+                     "    return (int)cudaGetLastError();",
+                     "const dim3 grid{unsigned(tiles < sms ? tiles : sms)};"]
+    else:
+        grid_size = ["const dim3 grid{unsigned(tiles)};"]
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
                ptx_hopper.wgmma_rs(plan.gemm_O.atom, True)]
@@ -489,6 +540,12 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         softmax_first=_softmax(plan, True),
         softmax_next=_softmax(plan, False),
         pingpong_start=pingpong_start,
+        pingpong_end=pingpong_end,
+        tile_loop_doc=tile_loop_doc,
+        grid_doc="min(SMs, tiles) persistent CTAs" if loop_tiles else "one CTA per tile",
+        wait_q_empty=wait_q_empty,
+        o_stage_decl=o_stage_decl,
+        grid_size=grid_size,
         main_loop=_main_loop(plan),
         sum_reduce=sum_reduce,
         c_row_h=c.row.to_cpp(["wtid", "2 * h"]),

@@ -56,7 +56,7 @@ _ALLOWED = (ast.Expression, ast.Compare, ast.BinOp, ast.BoolOp, ast.UnaryOp, ast
             ast.Add, ast.Sub, ast.Mult, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.And, ast.Or, ast.Not)
 
 
-_NAMES = ("j", "j_begin", "n_blocks")
+_NAMES = ("j", "j_begin", "n_blocks", "j_end")  # j_end: the Hopper kernel's name for the loop end
 
 
 def eval_guard(guard: str, j: int, n_blocks: int, j_begin: int = 0) -> bool:
@@ -75,7 +75,7 @@ def eval_guard(guard: str, j: int, n_blocks: int, j_begin: int = 0) -> bool:
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED) or (isinstance(node, ast.Name) and node.id not in _NAMES):
             raise ValueError(f"cannot evaluate guard {guard!r}: only {', '.join(_NAMES)}, integers, + - * and comparisons")
-    env = {"j": j, "j_begin": j_begin, "n_blocks": n_blocks}
+    env = {"j": j, "j_begin": j_begin, "n_blocks": n_blocks, "j_end": n_blocks}
     return bool(eval(compile(tree, "<guard>", "eval"), {"__builtins__": {}}, env))
 
 

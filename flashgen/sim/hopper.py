@@ -18,7 +18,11 @@ What is modelled
 * **Consumers**: each walks prologue / body per block / epilogue; round-robin one step at a
   time, a step that must wait (``wait_full`` before the data landed, ``turn`` before the
   other warpgroup's ``pass``) blocks. Pingpong follows the emitted rule: consumer 1 gives
-  consumer 0 one initial pass and skips its pass at its last issue point.
+  consumer 0 one initial pass, and consumer 0 takes the one pass left over before exit.
+  Steps with a ``guard`` (``release Q`` in the last block of a persistent plan) run where it holds.
+* **Persistent plans** are walked for one tile: the ``release Q`` point is checked (after the
+  last S GEMM retired, once per consumer), the next tile's reuse of Q and of the O staging
+  is left to the GPU tests.
 * **wgmma groups**: each ``gemm`` step is one committed group; ``wgmma_wait N`` retires all
   but the ``N`` newest. A group *executes when it retires*, reading shared memory and
   registers then (the latest moment the hardware may read them), so a missing wait or an
@@ -50,6 +54,7 @@ from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descr
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
 from flashgen.dsl.plan import Step
 from flashgen.sim import hardware as hw
+from flashgen.sim.cta import eval_guard
 from flashgen.sim.layout_eval import offsets
 
 LOG2E = 1.4426950408889634  # the emitter's literal
@@ -157,7 +162,7 @@ def _row_slots(c: _TV) -> tuple[np.ndarray, np.ndarray]:
 class HopperReport:
     """``hazards``: problems found (empty = clean); ``j_begin``/``j_end``: the key blocks
     visited; ``groups``: wgmma groups committed; ``pingpong``: per consumer counts of
-    ``turn``, ``pass`` issued and ``pass`` skipped (the last-issue rule)."""
+    ``turn`` and ``pass`` issued, and ``absorbed``: the leftover pass consumer 0 takes before exit."""
 
     hazards: list[str]
     j_begin: int
@@ -206,8 +211,7 @@ class _Consumer:
         self.o_scale: int | None = None
         self.max_block: int | None = None
         self.corr_from: int | None = None
-        self.turns = self.passes = self.skipped = 0
-        self.skip_at = -1  # index in steps of the pass consumer 1 skips
+        self.turns = self.passes = self.absorbed = 0
 
     @property
     def done(self) -> bool:
@@ -260,10 +264,12 @@ class _Cta:
             return out
         first_body = self.jb + 1 if p.prologue else self.jb
         for i, s in enumerate(p.prologue):
-            out.append((f"prologue step {i} ({_text(s)}) j={self.jb}", s, self._block(s, self.jb)))
+            if eval_guard(s.guard, self.jb, self.je, self.jb):
+                out.append((f"prologue step {i} ({_text(s)}) j={self.jb}", s, self._block(s, self.jb)))
         for j in range(first_body, self.je):
             for i, s in enumerate(p.body):
-                out.append((f"body j={j} step {i} ({_text(s)})", s, self._block(s, j)))
+                if eval_guard(s.guard, j, self.je, self.jb):
+                    out.append((f"body j={j} step {i} ({_text(s)})", s, self._block(s, j)))
         for i, s in enumerate(p.epilogue):
             out.append((f"epilogue step {i} ({_text(s)})", s, self._block(s, self.je - 1)))
         return out
@@ -280,11 +286,7 @@ class _Cta:
 
     def _consumer(self, w: int) -> _Consumer:
         g = self.plan
-        c = _Consumer(w, self._flat_steps(), g.gemm_S.atom.c_regs, g.gemm_O.atom.c_regs, g.gemm_O.k_steps)
-        if self.cfg.pingpong and w == 1:
-            passes = [i for i, (_, s, _) in enumerate(c.steps) if s.op == "pass"]
-            c.skip_at = passes[-1] if passes else -1
-        return c
+        return _Consumer(w, self._flat_steps(), g.gemm_S.atom.c_regs, g.gemm_O.atom.c_regs, g.gemm_O.k_steps)
 
     def flag(self, where: str, msg: str) -> None:
         text = f"{where}: {msg}"
@@ -318,11 +320,11 @@ class _Cta:
         if self.jb < self.je:
             tma_fill(self.smem, self.plan.loads["Q"], self.plan.tiles["Q"].offset,
                      self.q[self.q_row0: min(self.q_row0 + self.cfg.B_r, self.seq_q)])
-            if self.cfg.pingpong:
-                if self.cfg.consumers != 2:
-                    self.flag("start", f"pingpong needs 2 consumer warpgroups, the plan has {self.cfg.consumers}")
-                else:
-                    self.pending[0] += 1  # consumer 1 hands consumer 0 the first turn
+        if self.cfg.pingpong:
+            if self.cfg.consumers != 2:
+                self.flag("start", f"pingpong needs 2 consumer warpgroups, the plan has {self.cfg.consumers}")
+            else:
+                self.pending[0] += 1  # consumer 1 hands consumer 0 the first turn (before the tile loop)
         self.produce()
         while not all(c.done for c in self.consumers):
             progressed = False
@@ -359,8 +361,6 @@ class _Cta:
         elif op == "pass":
             if not self.cfg.pingpong:
                 self.flag(where, "pass step in a plan without pingpong")
-            elif c.pc == c.skip_at:
-                c.skipped += 1
             else:
                 other = c.w ^ 1
                 self.pending[other] += 1
@@ -397,13 +397,22 @@ class _Cta:
                 self.flag(where, f"consumer {c.w} touches {'/'.join(sorted(bad))} registers while wgmma group {g.what} is in flight")
 
     def release(self, c: _Consumer, t: str, b: int, where: str) -> None:
-        for g in c.groups:
-            if g.smem[:2] == (t, b):
-                self.flag(where, f"consumer {c.w} releases {t}_{b} while wgmma group {g.what} still reads it")
+        if f"{t.lower()}_empty" not in self.plan.barriers:
+            self.flag(where, f"consumer {c.w} releases {t} but the plan has no {t.lower()}_empty barrier")
+            return
+        if t == "Q":  # Q has one slot, read by every S GEMM of the tile
+            b = 0
+            for g in c.groups:
+                if g.what.startswith("S"):
+                    self.flag(where, f"consumer {c.w} releases Q while wgmma group {g.what} still reads it")
+        else:
+            for g in c.groups:
+                if g.smem[:2] == (t, b):
+                    self.flag(where, f"consumer {c.w} releases {t}_{b} while wgmma group {g.what} still reads it")
+            if (t, b) not in c.full_seen:
+                self.flag(where, f"consumer {c.w} releases {t}_{b} it never waited for")
         if (t, b) in c.released:
-            self.flag(where, f"consumer {c.w} releases {t}_{b} twice")
-        if (t, b) not in c.full_seen:
-            self.flag(where, f"consumer {c.w} releases {t}_{b} it never waited for")
+            self.flag(where, f"consumer {c.w} releases {t}{'' if t == 'Q' else f'_{b}'} twice")
         c.released.add((t, b))
         need = self.plan.barriers[f"{t.lower()}_empty"][0].arrive_count
         n = self.arrivals.get((t, b), 0) + WARPS_PER_WG  # one arrival per warp
@@ -425,6 +434,8 @@ class _Cta:
             self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{b} without its wait_full")
         if (t, b) in c.released:
             self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{b} after releasing it")
+        if which == "S" and ("Q", 0) in c.released:
+            self.flag(where, f"consumer {c.w}: gemm S reads Q after releasing it (the producer may load the next tile's)")
         self._check_stage(c, t, b, where, "issued on")
         st = self._stage(b)
         if which == "S":
@@ -569,12 +580,18 @@ class _Cta:
             for t in ("K", "V"):
                 if (t, j) not in c.released:
                     self.flag(where, f"consumer {c.w} never releases {t}_{j}")
+        if "q_empty" in self.plan.barriers and self.je > self.jb and ("Q", 0) not in c.released:
+            self.flag(where, f"consumer {c.w} never releases Q: a persistent producer waits forever for the next tile")
 
     def final_checks(self) -> None:
         if self.prod_pc < len(self.prod_ops):
             t, j = self.prod_ops[self.prod_pc]
             self.flag("producer", f"never issues {t}_{j}: its stage was not released by every consumer warp")
-        if self.cfg.pingpong:
+        if self.cfg.pingpong and self.cfg.consumers == 2:
+            # before exit consumer 0 takes the pass consumer 1 gave last (or its initial one)
+            if self.pending[0]:
+                self.pending[0] -= 1
+                self.consumers[0].absorbed += 1
             for w, n in enumerate(self.pending):
                 if n:
                     self.flag("exit", f"consumer {w}'s turn barrier has {n} unmatched pass(es): turns and passes do not balance")
@@ -683,7 +700,7 @@ def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray
     cta = _Cta(plan, q[:seq_q], k[:seq_k], v[:seq_k], q_row0, seq_q, seq_k, scale, (mask_offset, window_left, window_right))
     cta.run()
     o, lse = cta.output()
-    pp = {c.w: {"turn": c.turns, "pass": c.passes, "skipped": c.skipped} for c in cta.consumers}
+    pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in cta.consumers}
     return o, lse, HopperReport(cta.hazards, cta.jb, cta.je, cta.n_groups, pp)
 
 

@@ -35,6 +35,8 @@ CONFIGS = [
     W("fp16", d_head=192, B_c=64, stages=2, intra_overlap=False),
     W("bf16", d_head=64, B_r=192, B_c=64, stages=3, pingpong=False),
     W("fp16", d_head=64, B_c=128, stages=4, pingpong=True, intra_overlap=False),
+    W("bf16", persistent=True),  # the output tile apart from Q, a q_empty barrier
+    W("fp16", d_head=64, B_c=176, stages=3, pingpong=False, intra_overlap=False, persistent=True, mask="causal"),
 ]
 IDS = [c.mangle() for c in CONFIGS]
 
@@ -261,6 +263,7 @@ def test_shared_memory_placement(cfg):
         assert off % 8 == 0, f"mbarrier {name} at {off} is not 8-byte aligned"
         assert bar.name == name
         assert stages == (1 if name.startswith("q_") else cfg.stages), name
+        assert name != "q_empty" or cfg.persistent, "q_empty exists only in persistent plans"
         # full: the producer's one arrive_expect_tx; empty: one arrival per consumer warp
         assert bar.arrive_count == (1 if name.endswith("_full") else 4 * cfg.consumers), name
         regions.append((off, off + 8 * stages, name))
@@ -268,6 +271,9 @@ def test_shared_memory_placement(cfg):
     for (a0, a1, an), (b0, b1, bn) in zip(regions, regions[1:]):
         assert a1 <= b0, f"{an} [{a0}, {a1}) overlaps {bn} [{b0}, {b1})"
     assert regions[-1][1] + 1024 <= plan.smem_bytes
+    # persistent: O has its own space (the next tile's Q lands while O is stored), and Q is released
+    assert (plan.tiles["O"].offset != plan.tiles["Q"].offset) == cfg.persistent
+    assert ("q_empty" in plan.barriers) == cfg.persistent
     assert plan.threads == 128 * (1 + cfg.consumers) == 32 * cfg.n_warps
 
 
@@ -343,8 +349,31 @@ def test_mma_sync_dicts_and_hashes_have_no_engine_keys():
 
 def test_wgmma_hashes_cover_the_engine_knobs():
     base = W("fp16")
-    others = [base.replace(stages=3), base.replace(pingpong=False), base.replace(intra_overlap=False)]
-    assert len({c.content_hash() for c in [base] + others}) == 4
+    others = [base.replace(stages=3), base.replace(pingpong=False), base.replace(intra_overlap=False), base.replace(persistent=True)]
+    assert len({c.content_hash() for c in [base] + others}) == 5
+    assert len({c.mangle() for c in [base] + others}) == 5
+
+
+def test_persistent_needs_room_for_the_output_tile():
+    """The separate output tile costs B_r x d_head: d_head 256 with B_c 64 no longer fits."""
+    assert W("fp16", d_head=256, B_c=64).smem_bytes <= SMEM_LIMIT_BYTES
+    with pytest.raises(ConfigError, match="persistent=true stages the output apart from Q"):
+        W("fp16", d_head=256, B_c=64, persistent=True)
+
+
+@pytest.mark.parametrize("cfg", [W("fp16", persistent=True), W("fp16", persistent=True, intra_overlap=False)], ids=str)
+def test_persistent_schedule_releases_q_once_after_the_last_S(cfg):
+    """release Q is guarded to the last block and follows the wait that retires that block's S GEMM."""
+    plan = make_hopper_plan(cfg)
+    for part in (plan.prologue, plan.body):
+        if not part:
+            continue
+        i = next(i for i, s in enumerate(part) if s.op == "release" and s.arg == "Q")
+        assert part[i].guard == "j + 1 == j_end"
+        s_gemm = next(k for k, s in enumerate(part) if s.op == "gemm" and s.arg == "S")
+        waits = [k for k in range(s_gemm, i) if part[k].op == "wgmma_wait"]
+        assert waits, "Q released with no wgmma wait after its S GEMM"
+    assert not any(s.arg == "Q" for s in make_hopper_plan(cfg.replace(persistent=False)).body)
 
 
 def test_make_hopper_plan_refuses_mma_sync_configs():

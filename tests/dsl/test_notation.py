@@ -183,7 +183,7 @@ def test_unknown_flags_list_the_valid_ones(flag, column):
     assert (err.line, err.column) == (1, column)
     assert f"unknown flag '{flag}' at column {column}; {VALID_FLAGS_TEXT}" in str(err)
     assert VALID_FLAGS == ("async", "eager", "swizzled", "load_Q_K_V_tiles", "buffer", "opt_softmax", "causal", "window",
-                           "wgmma", "stages_N", "pingpong", "intra")
+                           "wgmma", "stages_N", "pingpong", "intra", "persistent")
 
 
 def test_unknown_flag_on_a_later_line():

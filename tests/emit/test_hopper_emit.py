@@ -25,6 +25,7 @@ CONFIGS = [
     KernelConfig.wgmma("fp16", mask="causal"),
     KernelConfig.wgmma("bf16", d_head=64, pingpong=False),
     KernelConfig.wgmma("fp16", d_head=256, B_c=64, intra_overlap=False, mask="window"),
+    KernelConfig.wgmma("bf16", persistent=True),
 ]
 
 
@@ -103,3 +104,19 @@ def test_building_for_another_gpu_is_refused():
 
     with pytest.raises(BuildError, match=r"needs compute capability 9\.0 \(sm_90a\), not 8\.0"):
         build(KernelConfig.wgmma("fp16"), capability=(8, 0))
+
+
+def test_persistent_kernels_loop_over_tiles_when_unmasked():
+    """Unmasked persistent kernels launch min(SMs, tiles) CTAs, wait for Q's release before refilling
+    it and stage O apart from Q; masked ones keep one CTA per tile (unequal tiles) with the same body."""
+    loop = emit(KernelConfig.wgmma("fp16", persistent=True)).text
+    masked = emit(KernelConfig.wgmma("fp16", persistent=True, mask="causal")).text
+    plain = emit(KernelConfig.wgmma("fp16")).text
+    plan = make_hopper_plan(KernelConfig.wgmma("fp16", persistent=True))
+    assert "cudaDevAttrMultiProcessorCount" in loop and "grid{unsigned(tiles < sms ? tiles : sms)}" in loop
+    assert "cudaDevAttrMultiProcessorCount" not in masked and "grid{unsigned(tiles)}" in masked
+    for text in (loop, masked):
+        assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
+        assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
+        assert f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;" in text
+    assert "bar_q_empty" not in plain and "const uint32_t sO = sQ;" in plain

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen.dsl.config import KernelConfig, hopper_configs  # noqa: E402
-from flashgen.tune import HOPPER_B_C  # noqa: E402
+from flashgen.tune import HOPPER_B_C, hopper_default  # noqa: E402
 
 from test_attention import check_close  # noqa: E402  (tests/gpu is on sys.path: pytest prepend import mode)
 from test_features import SHAPES as FEATURE_SHAPES, check_masks_tails_gqa  # noqa: E402
@@ -32,8 +32,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs 
 
 REPO = Path(__file__).resolve().parents[2]
 # the d_head-128 set (default + ablations) and the default of every other head size the engine takes
-CONFIGS = list(dict.fromkeys(hopper_configs() + [KernelConfig.wgmma(dt, d_head=d, B_c=bc) for d, bc in HOPPER_B_C.items() for dt in ("fp16", "bf16")]))
+CONFIGS = list(dict.fromkeys(hopper_configs() + [KernelConfig.wgmma(dt, d_head=d, B_c=bc) for d, bc in HOPPER_B_C.items() for dt in ("fp16", "bf16")]
+                             + [hopper_default(KernelConfig.wgmma(dt).dtype, d) for d in HOPPER_B_C for dt in ("fp16", "bf16")]))
 SHAPES = [(2, 1024, 4), (1, 640, 3), (3, 384, 2)]  # (batch, seq, heads)
+MANY_TILES = (1, 2048, 10)  # 160 tiles: more than an H100/H200 has SMs, so persistent CTAs loop
 
 
 @pytest.fixture(scope="module")
@@ -41,27 +43,31 @@ def built():
     import flashgen
     from flashgen.build import build_many
 
-    masked = [c.replace(mask=m) for c in CONFIGS if c.d_head in (64, 128) and c == KernelConfig.wgmma(c.dtype, d_head=c.d_head) for m in ("causal", "window")]
-    failures = build_many(CONFIGS + masked, torch.cuda.get_device_capability())
+    feature = [KernelConfig.wgmma(dt, d_head=d, persistent=pe) for dt in ("fp16", "bf16") for d in (64, 128) for pe in (False, True)]
+    masked = [c.replace(mask=m) for c in feature for m in ("causal", "window")]
+    failures = build_many(list(dict.fromkeys(CONFIGS + feature + masked)), torch.cuda.get_device_capability())
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
-    return {c: flashgen.compile(c) for c in CONFIGS}
+    return {c: flashgen.compile(c) for c in dict.fromkeys(CONFIGS + feature)}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.mangle())
 def test_matches_float64_reference(built, cfg):
     attn = built[cfg]
     torch.manual_seed(cfg.d_head + cfg.B_c)
-    for b, s, h in SHAPES:
+    for b, s, h in SHAPES + ([MANY_TILES] if cfg.persistent else []):
         q, k, v = (torch.randn(b, s, h, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(3))
         out = torch.full_like(q, float("nan"))
         o = attn(q, k, v, out=out)
         check_close(o, q, k, v, 1 / math.sqrt(cfg.d_head))
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
 @pytest.mark.parametrize("d_head", [64, 128])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_masks_tails_gqa(built, dtype, d_head):
-    check_masks_tails_gqa(built[KernelConfig.wgmma(dtype, d_head=d_head)], FEATURE_SHAPES + [(1, 1000, 1500, 4, 1)], seed=d_head)
+def test_masks_tails_gqa(built, dtype, d_head, persistent):
+    # the last shape has 576 tiles: persistent CTAs run several, with masks, tails and GQA
+    shapes = FEATURE_SHAPES + [(1, 1000, 1500, 4, 1)] + ([(2, 700, 1100, 48, 8)] if persistent else [])
+    check_masks_tails_gqa(built[KernelConfig.wgmma(dtype, d_head=d_head, persistent=persistent)], shapes, seed=d_head)
 
 
 def test_strided_and_transposed_inputs(built):
@@ -74,14 +80,18 @@ def test_strided_and_transposed_inputs(built):
     check_close(attn(q, k, v, softmax_scale=0.07), q, k, v, 0.07)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_sanitizer_clean(built, tool):
+def test_sanitizer_clean(built, tool, persistent):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer not on PATH")
-    cfg = KernelConfig.wgmma("fp16").replace(mask="causal")
+    # persistent (unmasked: masked tiles get one CTA each): 3 query blocks x 48 heads = 144 tiles, more
+    # than the SMs, so CTAs loop and reuse Q, the K/V ring and the O staging
+    cfg = KernelConfig.wgmma("fp16", persistent=True) if persistent else KernelConfig.wgmma("fp16").replace(mask="causal")
+    shape = ["300", "1", "48", "333", "8"] if persistent else ["300", "1", "2", "333", "1"]
     res = subprocess.run(
-        [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"), cfg.short_form(), "300", "1", "2", "333", "1"],
+        [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"), cfg.short_form(), *shape],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )
     text = res.stdout + res.stderr
@@ -95,7 +105,7 @@ def test_auto_runs_the_wgmma_engine_on_sm90(built):
     from flashgen.tune import lookup
 
     assert lookup(torch.cuda.get_device_name(), KernelConfig.wgmma("fp16").dtype, 128, 1024, cache={},
-                  capability=torch.cuda.get_device_capability()) == KernelConfig.wgmma("fp16")
+                  capability=torch.cuda.get_device_capability()) == hopper_default(KernelConfig.wgmma("fp16").dtype, 128)
     auto = flashgen.compile("auto")
     q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     check_close(auto(q, k, v), q, k, v, 1 / math.sqrt(128))
