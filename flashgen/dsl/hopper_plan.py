@@ -12,7 +12,10 @@ FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
 * ``pingpong``: two consumers take turns issuing GEMMs (named barriers), so one's
   softmax runs under the other's tensor-core work; ``intra_overlap``: S_j and
   O += P_{j-1} V_{j-1} are issued back to back and the softmax of S_j runs while PV is
-  in flight.
+  in flight;
+* ``persistent``: CTAs loop over tiles (query block, head, batch); the output is staged in
+  its own tile and the consumers release Q (``q_empty``) once the last S GEMM retired, so the
+  producer loads the next tile's Q and K/V while this tile's epilogue runs.
 
 Every object here is read by both the emitter (:mod:`flashgen.emit.hopper_kernel`) and the
 simulator (:mod:`flashgen.sim.hopper`): shared-memory placement (``tma_tile`` layouts),
