@@ -197,7 +197,7 @@ class KernelConfig:
         and 1 KiB to align the base for the 128B swizzle."""
         if self.is_wgmma:
             rows = (2 if self.persistent else 1) * self.B_r + 2 * self.stages * self.B_c
-            barriers = 1 + 4 * self.stages + (2 if self.persistent else 0)  # persistent: q_empty and the tile slot
+            barriers = 1 + 4 * self.stages + (1 if self.persistent else 0)
             return rows * self.d_head * self.dtype.size + 8 * barriers + 1024
         return (self.B_r + 2 * self.B_c) * self.d_smem * self.dtype.size
 

@@ -132,11 +132,6 @@ class HopperPlan:
     gemm_O: WarpgroupGemm
     p_from_s: tuple[tuple[tuple[int, int], ...], ...]  # [k16 step][A reg] -> (S value lo, S value hi)
     o_stage: ComposedLayout  # (CTA row, col) of the output tile -> element offset (Q's layout)
-    #: "grid": one CTA per tile; "static": min(SMs, tiles) CTAs take tiles in a fixed round order
-    #: (equal, unmasked tiles); "dynamic": CTAs draw the next tile from a global counter (masked
-    #: tiles differ in length), longest first
-    tile_scheduler: str
-    tile_slot: "int | None"  # persistent: shared-memory word where the producer names the next tile
     score_mask: ScoreMask
     row_reduce_lanes: tuple[int, ...]
     prologue: tuple[Step, ...]
@@ -280,10 +275,6 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
     for name, stages, count in names:
         barriers[name] = (Mbarrier(name, count), off, stages)
         off += 8 * stages
-    # persistent: the producer names each tile (or the end) in this word before q_full completes
-    tile_slot = off if cfg.persistent else None
-    off += 8 if cfg.persistent else 0
-    scheduler = "grid" if not cfg.persistent else ("static" if cfg.mask == "none" else "dynamic")
     smem = off + SMEM_ALIGN  # slack to align the dynamic base
     if smem != cfg.smem_bytes:
         raise AssertionError(f"plan shared memory {smem} != config's {cfg.smem_bytes}")
@@ -318,8 +309,6 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         gemm_O=gemm_o,
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
-        tile_scheduler=scheduler,
-        tile_slot=tile_slot,
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         prologue=prologue,

@@ -21,7 +21,6 @@ _BINDING = CodeTemplate(
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
-$scheduler_includes
 
 $args_struct
 extern "C" int ${name}_launch(const ${name}_args* args, void* stream);
@@ -46,7 +45,6 @@ void run_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     a.seq_q = (int)q.size(1); a.seq_k = (int)k.size(1);
     a.softmax_scale = (float)softmax_scale;
     a.mask_offset = (int)mask_offset; a.window_left = (int)window_left; a.window_right = (int)window_right;
-    $set_counters
     const int err = ${name}_launch(&a, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == 0, "$name: launch failed: ", cudaGetErrorString((cudaError_t)err));
 }
@@ -74,15 +72,6 @@ TORCH_LIBRARY_IMPL(flashgen, CUDA, m) {
 
 
 def binding_source(cfg: KernelConfig, name: str) -> str:
-    from ..dsl.hopper_plan import make_hopper_plan
     from .kernel import args_struct
 
-    dynamic = cfg.is_wgmma and make_hopper_plan(cfg).tile_scheduler == "dynamic"
-    return _BINDING.substitute(
-        name=name, short_form=cfg.short_form(), args_struct=args_struct(name),
-        scheduler_includes=["#include <ATen/ops/zeros.h>"] if dynamic else [],
-        # a zeroed ticket counter per call (stream-ordered, so concurrent streams and graph replays,
-        # which replay the zero-fill, never share one); freed after the launch, the allocator orders reuse
-        set_counters=["const at::Tensor tickets = at::zeros({1}, q.options().dtype(at::kInt));",
-                      "a.tile_counters = reinterpret_cast<unsigned int*>(tickets.data_ptr<int>());"] if dynamic else [],
-    )
+    return _BINDING.substitute(name=name, short_form=cfg.short_form(), args_struct=args_struct(name))

@@ -191,7 +191,6 @@ struct Params {
     float* lse; int64_t lse_batch, lse_head;
     int seq_q, seq_k;
     int heads, batch, kv_group;
-    unsigned int* tile_counters;  // dynamic scheduler: the ticket counter, zeroed for this launch
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
 };
@@ -221,7 +220,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
     // tiles = (query block, head, batch) in tile_at's order; $tile_loop_doc
     const int n_q_blocks = (p.seq_q + int(B_r) - 1) / int(B_r), n_tiles = n_q_blocks * p.heads * p.batch;
-    $tile_order
+    // round r of this CTA: tile r * gridDim.x + blockIdx.x, mirrored in odd rounds ("snake") so a CTA
+    // given a long tile in one round gets a short one in the next (tiles shrink along the order)
+    auto cta_tile = [&](int r) {
+        return r * int(gridDim.x) + ((r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x));
+    };
 
     if (threadIdx.x == 0) {
         $barrier_init
@@ -234,11 +237,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
         setmaxnreg_dec<$producer_regs>();
         if (wtid == 0) {
             uint32_t kv_it = 0, q_it = 0;  // K/V ring slots and Q tiles used so far (stage and phase)
-            for (int r = 0;; ++r) {
-                $producer_next_tile
+            for (int r = 0, tile = cta_tile(0); tile < n_tiles; tile = cta_tile(++r)) {
                 const Tile t = tile_at(p, tile, n_q_blocks);
                 const int q_row0 = t.q_row0, head = t.head, batch = t.batch, kv_head = t.kv_head, j_begin = t.j_begin, j_end = t.j_end;
-                $producer_empty_tile
+                if (j_begin >= j_end) continue;  // no key block: the consumers write zeros
+                $wait_q_empty
                 mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
                 $load_q
                 for (int j = j_begin; j < j_end; ++j) {
@@ -253,7 +256,6 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
                 kv_it += uint32_t(j_end - j_begin);
                 ++q_it;
             }
-            $producer_done
         }
         return;
     }
@@ -272,7 +274,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     $pingpong_start
     uint32_t kv_it = 0, q_it = 0;  // the producer's counters, kept in step
 
-    $consumer_loop_head
+    for (int r = 0, tile = cta_tile(0); tile < n_tiles; tile = cta_tile(++r)) {
         const Tile t = tile_at(p, tile, n_q_blocks);
         const int q_row0 = t.q_row0, head = t.head, batch = t.batch, j_begin = t.j_begin, j_end = t.j_end;
         row_max[0] = row_max[1] = -INFINITY;
@@ -289,11 +291,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
         };
 
         if (j_begin < j_end) {
-            $consumer_q_wait
+            mbar_wait(bar_q_full, q_it & 1u);
             $main_loop
             kv_it += uint32_t(j_end - j_begin);
+            ++q_it;
         }
-        $consumer_q_done
 
         // ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> 16-byte global stores ----
         float inv[2];
@@ -442,84 +444,6 @@ def _main_loop(plan: HopperPlan) -> list[str]:
     return out
 
 
-def _scheduler_code(plan: HopperPlan) -> dict:
-    """The template pieces that differ between ``plan.tile_scheduler`` kinds.
-
-    grid: each CTA computes its one tile from blockIdx. static / dynamic (persistent): the
-    producer thread picks each next tile (a fixed round order, or a ticket from a global
-    counter), waits until the consumers released Q (``q_empty``), names the tile in the
-    ``tile_slot`` word and completes ``q_full``; the consumers read the slot after ``q_full``
-    (the mbarrier orders the store before the read) and stop at a tile number past the end.
-    """
-    kind, o_tile = plan.tile_scheduler, plan.tiles["O"]
-    if kind == "grid":
-        return dict(
-            tile_loop_doc="one tile per CTA (gridDim.x = tiles)",
-            grid_doc="one CTA per tile",
-            tile_order=[],
-            producer_next_tile=["const int tile = r == 0 ? int(blockIdx.x) : n_tiles;  // one tile per CTA",
-                                "if (tile >= n_tiles) break;"],
-            producer_empty_tile=["if (j_begin >= j_end) continue;  // no key block: the consumers write zeros"],
-            producer_done=[],
-            consumer_loop_head=["for (int r = 0; r < 1; ++r) {  // one tile per CTA", "    const int tile = int(blockIdx.x);"],
-            consumer_q_wait=["mbar_wait(bar_q_full, q_it & 1u);"],
-            consumer_q_done=[],
-            o_stage_decl=["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"],
-            grid_size=["const dim3 grid{unsigned(tiles)};"],
-        )
-    if kind == "static":
-        order = ["// round r of this CTA: tile r * gridDim.x + blockIdx.x, mirrored in odd rounds (\"snake\"): a CTA",
-                 "// given a late tile in one round gets an early one in the next",
-                 "auto cta_tile = [&](int r) {",
-                 "    return r * int(gridDim.x) + ((r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x));",
-                 "};"]
-        next_tile = ["const int tile = cta_tile(r);"]
-        done: list[str] = []
-        grid_extra: list[str] = []
-        doc = "persistent: gridDim.x = min(SMs, tiles), each CTA takes one tile per round"
-    else:
-        order = []
-        next_tile = ["// the first tile is blockIdx.x; later ones are tickets past the first round, in tile order (longest first)",
-                     "const int tile = r == 0 ? int(blockIdx.x) : int(gridDim.x) + int(atomicAdd(p.tile_counters, 1u));"]
-        done = []
-        grid_extra = ["if (a->tile_counters == nullptr) return (int)cudaErrorInvalidValue;  // the dynamic scheduler's ticket counter",
-                      "p.tile_counters = a->tile_counters;"]
-        doc = "persistent: gridDim.x = min(SMs, tiles), each CTA draws its next tile from a global counter"
-    return dict(
-        tile_loop_doc=doc,
-        grid_doc="min(SMs, tiles) persistent CTAs",
-        tile_order=order,
-        producer_next_tile=next_tile + [
-            "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // the consumers are done with Q and the slot of the previous tile",
-            "st_shared_b32(tile_slot, uint32_t(tile));",
-            "if (tile >= n_tiles) {  // no tile left: the consumers stop",
-            "    mbar_arrive(bar_q_full);",
-            "    break;",
-            "}",
-        ],
-        producer_empty_tile=["if (j_begin >= j_end) {  // no key block: nothing to load, the consumers write zeros",
-                             "    mbar_arrive(bar_q_full);",
-                             "    ++q_it;",
-                             "    continue;",
-                             "}"],
-        producer_done=done,
-        consumer_loop_head=["for (;;) {",
-                            "    mbar_wait(bar_q_full, q_it & 1u);  // the next tile is named (and its Q landed, if it has keys)",
-                            "    const int tile = int(ld_shared_b32(tile_slot));",
-                            "    if (tile >= n_tiles) break;"],
-        consumer_q_wait=[],
-        consumer_q_done=["if (j_begin >= j_end && lane == 0) mbar_arrive(bar_q_empty);  // no S GEMM read Q: hand it back",
-                         "++q_it;"],
-        o_stage_decl=[f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
-                      "named_bar_sync(3 + cw, 128);  // this warpgroup's reads of the previous tile's staged rows are done"],
-        grid_size=grid_extra + [
-            "int dev = 0, sms = 0;  // persistent: one CTA per SM (at most one per tile)",
-            "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
-            "    return (int)cudaGetLastError();",
-            "const dim3 grid{unsigned(tiles < sms ? tiles : sms)};"],
-    )
-
-
 def _plan_lines(plan: HopperPlan) -> list[str]:
     out = [f"//   {t}" for t in plan.tiles.values()]
     for op, ld in plan.loads.items():
@@ -547,8 +471,6 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     co = plan.gemm_O.atom.c_map
     bars = []
     smem_decls = [f"const uint32_t sQ = smem + {plan.tiles['Q'].offset}u, sK = smem + {plan.tiles['K'].offset}u, sV = smem + {plan.tiles['V'].offset}u;"]
-    if plan.tile_slot is not None:
-        smem_decls.append(f"const uint32_t tile_slot = smem + {plan.tile_slot}u;  // the producer names the next tile here")
     for bname, (bar, off, stages) in plan.barriers.items():
         smem_decls.append(f"const uint32_t bar_{bname} = smem + {off}u;  // [{stages}] x 8 bytes")
         bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
@@ -561,7 +483,27 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                         "if (cw == 0) named_bar_sync(1 + 0, 2 * 128);"]
     else:
         pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
-    sched = _scheduler_code(plan)
+    o_tile = plan.tiles["O"]
+    # a mask makes tiles unequal: one CTA per tile lets the hardware's CTA scheduler balance them,
+    # where equal tiles gain from looping (the next tile's loads overlap this one's epilogue)
+    loop_tiles = cfg.persistent and cfg.mask == "none"
+    if cfg.persistent:
+        tile_loop_doc = ("persistent: gridDim.x = min(SMs, tiles), each CTA loops over rounds" if loop_tiles else
+                         "persistent kernel, launched with one CTA per tile (masked tiles differ in length)")
+        wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
+        o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
+                        "named_bar_sync(3 + cw, 128);  // this warpgroup's reads of the previous tile's staged rows are done"]
+    else:
+        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
+        wait_q_empty = []
+        o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
+    if loop_tiles:
+        grid_size = ["int dev = 0, sms = 0;  // persistent: one CTA per SM (at most one per tile)",
+                     "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
+                     "    return (int)cudaGetLastError();",
+                     "const dim3 grid{unsigned(tiles < sms ? tiles : sms)};"]
+    else:
+        grid_size = ["const dim3 grid{unsigned(tiles)};"]
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
                ptx_hopper.wgmma_rs(plan.gemm_O.atom, True)]
@@ -599,7 +541,11 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         softmax_next=_softmax(plan, False),
         pingpong_start=pingpong_start,
         pingpong_end=pingpong_end,
-        **sched,
+        tile_loop_doc=tile_loop_doc,
+        grid_doc="min(SMs, tiles) persistent CTAs" if loop_tiles else "one CTA per tile",
+        wait_q_empty=wait_q_empty,
+        o_stage_decl=o_stage_decl,
+        grid_size=grid_size,
         main_loop=_main_loop(plan),
         sum_reduce=sum_reduce,
         c_row_h=c.row.to_cpp(["wtid", "2 * h"]),
@@ -613,7 +559,6 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
         log2e=f"{LOG2E!r}f",
     )
-    grid = "(ceil(seq_q / B_r) * heads * batch)" if plan.tile_scheduler == "grid" else "(min(SMs, ceil(seq_q / B_r) * heads * batch))"
-    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid.replace("B_r", str(cfg.B_r)), gpu="compute capability 9.0 (sm_90a)",
+    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, text, binding_source(cfg, name), meta)

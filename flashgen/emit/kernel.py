@@ -687,14 +687,11 @@ struct {name}_args {{
     float softmax_scale;
     int mask_offset;               // causal/window diagonal: 0 top-left, seq_k - seq_q bottom-right
     int window_left, window_right; // sliding-window sizes, -1 = unbounded
-    unsigned int* tile_counters;   // wgmma kernels with a dynamic tile scheduler: a zeroed ticket counter
-                                   // for this launch alone; else unused (nullptr)
 }};"""
 
 
-def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, grid: str = "", **extra: Any) -> dict:
+def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, **extra: Any) -> dict:
     """The manifest entry of an emitted kernel (both engines); ``extra`` adds to ``requires``."""
-    grid = grid or f"(ceil(seq_q / {cfg.B_r}), heads, batch)"
     return {
         "name": name,
         "short_form": cfg.short_form(),
@@ -702,7 +699,7 @@ def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, gri
         "hash": cfg.content_hash(),
         "threads": threads,
         "smem_bytes": smem_bytes,
-        "grid": grid,
+        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
         "launcher": f"{name}_launch",
         **({"arch": "sm_90a"} if cfg.is_wgmma else {}),
         "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask,

@@ -106,27 +106,17 @@ def test_building_for_another_gpu_is_refused():
         build(KernelConfig.wgmma("fp16"), capability=(8, 0))
 
 
-def test_tile_schedulers_in_the_source():
-    """grid: one CTA per tile. Persistent kernels launch min(SMs, tiles) CTAs whose producer names each
-    tile in the plan's tile slot after Q was released, and stage O apart from Q: unmasked ones in a fixed
-    round order ("static"), masked ones from a global ticket counter the binding provides ("dynamic")."""
-    kinds = {"grid": KernelConfig.wgmma("fp16"), "static": KernelConfig.wgmma("fp16", persistent=True),
-             "dynamic": KernelConfig.wgmma("fp16", persistent=True, mask="causal")}
-    for kind, cfg in kinds.items():
-        plan = make_hopper_plan(cfg)
-        assert plan.tile_scheduler == kind
-        src = emit(cfg)
-        text, binding = src.text, src.binding
-        persistent = kind != "grid"
-        assert ("grid{unsigned(tiles < sms ? tiles : sms)}" in text) == persistent
-        assert ("grid{unsigned(tiles)}" in text) == (not persistent)
-        assert ("mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text) == persistent
-        assert ("mbar_arrive(bar_q_empty);" in text) == persistent
-        assert (f"tile_slot = smem + {plan.tile_slot}u" in text) == persistent
-        assert ("const int tile = int(ld_shared_b32(tile_slot));" in text) == persistent
-        assert (f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;" in text) == persistent
-        assert ("const uint32_t sO = sQ;" in text) == (not persistent)
-        assert ("const int tile = cta_tile(r);" in text) == (kind == "static")
-        assert ("atomicAdd(p.tile_counters, 1u)" in text) == (kind == "dynamic")
-        assert ("at::zeros({1}, q.options().dtype(at::kInt))" in binding) == (kind == "dynamic")
-        assert src.meta["grid"].startswith("(min(SMs") == persistent
+def test_persistent_kernels_loop_over_tiles_when_unmasked():
+    """Unmasked persistent kernels launch min(SMs, tiles) CTAs, wait for Q's release before refilling
+    it and stage O apart from Q; masked ones keep one CTA per tile (unequal tiles) with the same body."""
+    loop = emit(KernelConfig.wgmma("fp16", persistent=True)).text
+    masked = emit(KernelConfig.wgmma("fp16", persistent=True, mask="causal")).text
+    plain = emit(KernelConfig.wgmma("fp16")).text
+    plan = make_hopper_plan(KernelConfig.wgmma("fp16", persistent=True))
+    assert "cudaDevAttrMultiProcessorCount" in loop and "grid{unsigned(tiles < sms ? tiles : sms)}" in loop
+    assert "cudaDevAttrMultiProcessorCount" not in masked and "grid{unsigned(tiles)}" in masked
+    for text in (loop, masked):
+        assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
+        assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
+        assert f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;" in text
+    assert "bar_q_empty" not in plain and "const uint32_t sO = sQ;" in plain

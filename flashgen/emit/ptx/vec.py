@@ -23,9 +23,4 @@ __device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
 }
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
-    uint32_t v;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-    return v;
 }'''
