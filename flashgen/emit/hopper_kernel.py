@@ -486,7 +486,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     o_tile = plan.tiles["O"]
     # a mask makes tiles unequal: one CTA per tile lets the hardware's CTA scheduler balance them,
     # where equal tiles gain from looping (the next tile's loads overlap this one's epilogue)
-    loop_tiles = cfg.persistent and cfg.mask == "none"
+    loop_tiles = plan.tile_scheduler == "static"
     if cfg.persistent:
         tile_loop_doc = ("persistent: gridDim.x = min(SMs, tiles), each CTA loops over rounds" if loop_tiles else
                          "persistent kernel, launched with one CTA per tile (masked tiles differ in length)")
@@ -559,6 +559,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
         log2e=f"{LOG2E!r}f",
     )
-    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, gpu="compute capability 9.0 (sm_90a)",
+    tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
+    grid = f"(min(SMs, {tiles}))" if loop_tiles else f"({tiles})"
+    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, text, binding_source(cfg, name), meta)

@@ -690,8 +690,9 @@ struct {name}_args {{
 }};"""
 
 
-def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, **extra: Any) -> dict:
+def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, grid: str = "", **extra: Any) -> dict:
     """The manifest entry of an emitted kernel (both engines); ``extra`` adds to ``requires``."""
+    grid = grid or f"(ceil(seq_q / {cfg.B_r}), heads, batch)"
     return {
         "name": name,
         "short_form": cfg.short_form(),
@@ -699,7 +700,7 @@ def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, **e
         "hash": cfg.content_hash(),
         "threads": threads,
         "smem_bytes": smem_bytes,
-        "grid": f"(ceil(seq_q / {cfg.B_r}), heads, batch)",
+        "grid": grid,
         "launcher": f"{name}_launch",
         **({"arch": "sm_90a"} if cfg.is_wgmma else {}),
         "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask,

@@ -120,3 +120,10 @@ def test_persistent_kernels_loop_over_tiles_when_unmasked():
         assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
         assert f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;" in text
     assert "bar_q_empty" not in plain and "const uint32_t sO = sQ;" in plain
+    # the plan decides the launch shape; the manifest says it
+    kinds = {c: make_hopper_plan(c).tile_scheduler for c in (KernelConfig.wgmma("fp16", persistent=True),
+                                                             KernelConfig.wgmma("fp16", persistent=True, mask="causal"),
+                                                             KernelConfig.wgmma("fp16"))}
+    assert list(kinds.values()) == ["static", "grid", "grid"]
+    for c, kind in kinds.items():
+        assert emit(c).meta["grid"].startswith("(min(SMs") == (kind == "static")
