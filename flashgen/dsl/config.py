@@ -255,8 +255,8 @@ class KernelConfig:
         if "dtype" not in data:
             raise ConfigError("config is missing 'dtype' (fp16 or bf16)")
         data = dict(data)
-        if data.get("engine") == "wgmma":  # the mma.sync-only knobs default to their fixed wgmma values
-            data = {**WGMMA_FIXED, "stages": 2, "pingpong": True, "intra_overlap": True, "persistent": False, **data}
+        if data.get("engine") == "wgmma":  # mma.sync-only knobs at their fixed values, the rest as KernelConfig.wgmma
+            data = {**WGMMA_FIXED, "B_c": 128, "stages": 2, "pingpong": True, "intra_overlap": True, "persistent": False, **data}
             if "n_warps" not in data and isinstance(data.get("B_r", 128), int):
                 data["n_warps"] = 4 * (1 + data.get("B_r", 128) // WGMMA_M)
         return cls(**data)

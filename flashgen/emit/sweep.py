@@ -2,8 +2,8 @@
 
 The format (one rule: **a knob given as a list is swept**)::
 
-    # one config: a mapping of knob names (flashgen.dsl.config.KNOBS); missing knobs
-    # take KernelConfig's defaults, dtype is required
+    # one config: a mapping of knob names (flashgen.dsl.config.KNOBS, and HOPPER_KNOBS
+    # with engine: wgmma); missing knobs take KernelConfig's defaults, dtype is required
     dtype: fp16
     B_r: 128
     B_c: 64
@@ -45,7 +45,7 @@ from typing import Any, Iterable
 import attrs
 import yaml
 
-from ..dsl.config import KNOBS, ConfigError, KernelConfig, is_tuning_candidate
+from ..dsl.config import HOPPER_KNOBS, KNOBS, ConfigError, KernelConfig, is_tuning_candidate
 
 __all__ = ["PRUNE_MODES", "Skipped", "SweepError", "SweepResult", "load_sweep", "parse_sweep", "resolve"]
 
@@ -208,9 +208,9 @@ def _expand_mapping(m: dict, source: str, line: int, out: _Collector) -> None:
     key_lines = getattr(m, "key_lines", {})
     at = lambda key: f"{source}:{key_lines.get(key, line)}"  # noqa: E731
     for key in m:
-        if key != "prune" and key not in KNOBS:
+        if key != "prune" and key not in KNOBS + HOPPER_KNOBS:
             raise SweepError(
-                f"{at(key)}: unknown config key {key!r}; valid keys: {', '.join(KNOBS)} (and 'prune')"
+                f"{at(key)}: unknown config key {key!r}; valid keys: {', '.join(KNOBS + HOPPER_KNOBS)} (and 'prune')"
             )
     prune = m.get("prune", "none")
     if prune is None or prune is False:

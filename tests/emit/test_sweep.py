@@ -167,6 +167,28 @@ def test_example_tuning_space_without_pruning_keeps_every_valid_config():
     assert set(tuning_space()) < set(r.configs)
 
 
+def test_example_hopper_is_the_sm90_default():
+    from flashgen.tune import hopper_default
+
+    r = load_sweep(EXAMPLES / "hopper.yaml")
+    assert [c.is_wgmma for c in r.configs] == [True, True]
+    assert list(r.configs) == [hopper_default(c.dtype, 128) for c in r.configs]
+    assert [c.dtype.value for c in r.configs] == ["fp16", "bf16"]
+
+
+def test_wgmma_knobs_sweep_and_default_like_the_constructor():
+    from flashgen.emit.sweep import SweepError
+
+    r = parse_sweep("engine: wgmma\ndtype: fp16\nstages: [2, 3]\npersistent: [false, true]\n")
+    base = KernelConfig.wgmma("fp16")
+    # B_c etc. as KernelConfig.wgmma; stages 3 + persistent is over the shared-memory limit: skipped, with why
+    assert list(r.configs) == [base, base.replace(persistent=True), base.replace(stages=3)]
+    assert len(r.skipped) == 1 and r.skipped[0].knobs == {"engine": "wgmma", "dtype": "fp16", "stages": 3, "persistent": True}
+    assert "persistent=true stages the output apart from Q" in r.skipped[0].reason
+    with pytest.raises(SweepError, match="unknown config key 'stage'"):
+        parse_sweep("engine: wgmma\ndtype: fp16\nstage: 2\n")
+
+
 def test_example_single():
     (cfg,) = load_sweep(EXAMPLES / "single.yaml").configs
     assert cfg == KernelConfig(dtype="fp16") == parse_config(BEST)
