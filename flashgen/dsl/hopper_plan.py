@@ -271,8 +271,9 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
     v = SmemTile("sV", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes + st * kv_bytes, st, kv_bytes)
     # persistent: the output tile sits apart from Q (after the ring), so the next tile's Q can land
     # while this tile's output is still being stored; the producer waits on q_empty for that
-    o_offset = q_bytes + 2 * st * kv_bytes if cfg.persistent else 0
-    bar0 = q_bytes + 2 * st * kv_bytes + (q_bytes if cfg.persistent else 0)
+    ring_end = q_bytes + 2 * st * kv_bytes
+    o_offset = ring_end if cfg.persistent else 0
+    bar0 = ring_end + (q_bytes if cfg.persistent else 0)
     names = [("q_full", 1, 1)] + [(n, st, c) for n, c in (("k_full", 1), ("v_full", 1), ("k_empty", 4 * cfg.consumers), ("v_empty", 4 * cfg.consumers))]
     names += [("q_empty", 1, 4 * cfg.consumers)] if cfg.persistent else []
     barriers, off = {}, bar0
