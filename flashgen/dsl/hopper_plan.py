@@ -132,9 +132,8 @@ class HopperPlan:
     gemm_O: WarpgroupGemm
     p_from_s: tuple[tuple[tuple[int, int], ...], ...]  # [k16 step][A reg] -> (S value lo, S value hi)
     o_stage: ComposedLayout  # (CTA row, col) of the output tile -> element offset (Q's layout)
-    #: "grid": one CTA per tile; "static": min(SMs, tiles) CTAs take tiles in a fixed round order
-    #: (persistent and unmasked: equal tiles). Masked tiles differ in length, and the hardware's CTA
-    #: scheduler balances them better than a fixed order, so masked persistent kernels launch as "grid".
+    #: "grid": one CTA per tile; "static" (persistent): about one CTA per SM, each taking tiles in a
+    #: fixed order of rounds (with a mask, the launcher sizes the grid so round pairs balance)
     tile_scheduler: str
     score_mask: ScoreMask
     row_reduce_lanes: tuple[int, ...]
@@ -314,7 +313,7 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         gemm_O=gemm_o,
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
-        tile_scheduler="static" if cfg.persistent and cfg.mask == "none" else "grid",
+        tile_scheduler="static" if cfg.persistent else "grid",
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         prologue=prologue,

@@ -484,12 +484,9 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     else:
         pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
     o_tile = plan.tiles["O"]
-    # a mask makes tiles unequal: one CTA per tile lets the hardware's CTA scheduler balance them,
-    # where equal tiles gain from looping (the next tile's loads overlap this one's epilogue)
     loop_tiles = plan.tile_scheduler == "static"
     if cfg.persistent:
-        tile_loop_doc = ("persistent: gridDim.x = min(SMs, tiles), each CTA loops over rounds" if loop_tiles else
-                         "persistent kernel, launched with one CTA per tile (masked tiles differ in length)")
+        tile_loop_doc = "persistent: gridDim.x = min(SMs, tiles) (see the launcher), each CTA loops over rounds"
         wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
         o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
                         "named_bar_sync(3 + cw, 128);  // this warpgroup's reads of the previous tile's staged rows are done"]
@@ -501,7 +498,25 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         grid_size = ["int dev = 0, sms = 0;  // persistent: one CTA per SM (at most one per tile)",
                      "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
                      "    return (int)cudaGetLastError();",
-                     "const dim3 grid{unsigned(tiles < sms ? tiles : sms)};"]
+                     "int ctas = tiles < sms ? int(tiles) : sms;"]
+        if cfg.mask != "none":
+            grid_size += [
+                "// unequal tiles (a mask): gridDim.x a multiple of `half` = half the query blocks of a head (all of",
+                "// them when odd) makes every odd round mirror the even one before it, so each CTA's two tiles of",
+                "// a round pair have complementary blocks (causal: n_q + 1 key blocks together). Not worth more",
+                "// than a tenth of the SMs.",
+                "const int n_q = (a->seq_q + int(B_r) - 1) / int(B_r), half = n_q % 2 ? n_q : n_q / 2;",
+                "if (tiles > sms && sms / half * half >= sms - sms / 10) {",
+                "    int lo = INT32_MAX, hi = 0;  // shortest and longest tile (key blocks)",
+                "    for (int qb = 0; qb < n_q; ++qb) {",
+                "        int jb, je;",
+                "        kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
+                "        lo = je - jb < lo ? je - jb : lo; hi = je - jb > hi ? je - jb : hi;",
+                "    }",
+                "    if (lo != hi) ctas = sms / half * half;",
+                "}",
+            ]
+        grid_size += ["const dim3 grid{unsigned(ctas)};"]
     else:
         grid_size = ["const dim3 grid{unsigned(tiles)};"]
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b

@@ -106,15 +106,18 @@ def test_building_for_another_gpu_is_refused():
         build(KernelConfig.wgmma("fp16"), capability=(8, 0))
 
 
-def test_persistent_kernels_loop_over_tiles_when_unmasked():
-    """Unmasked persistent kernels launch min(SMs, tiles) CTAs, wait for Q's release before refilling
-    it and stage O apart from Q; masked ones keep one CTA per tile (unequal tiles) with the same body."""
+def test_persistent_kernels_loop_over_tiles():
+    """Persistent kernels (masked or not) launch min(SMs, tiles) CTAs, wait for Q's release before
+    refilling it and stage O apart from Q; plain ones launch one CTA per tile and stage O in Q."""
     loop = emit(KernelConfig.wgmma("fp16", persistent=True)).text
     masked = emit(KernelConfig.wgmma("fp16", persistent=True, mask="causal")).text
     plain = emit(KernelConfig.wgmma("fp16")).text
     plan = make_hopper_plan(KernelConfig.wgmma("fp16", persistent=True))
-    assert "cudaDevAttrMultiProcessorCount" in loop and "grid{unsigned(tiles < sms ? tiles : sms)}" in loop
-    assert "cudaDevAttrMultiProcessorCount" not in masked and "grid{unsigned(tiles)}" in masked
+    for text in (loop, masked):
+        assert "cudaDevAttrMultiProcessorCount" in text and "int ctas = tiles < sms ? int(tiles) : sms;" in text
+    # unequal (masked) tiles: the grid is rounded to a multiple of half the query blocks where tiles differ
+    assert "if (lo != hi) ctas = sms / half * half;" in masked and "ctas = sms / half" not in loop
+    assert "grid{unsigned(tiles)}" in plain
     for text in (loop, masked):
         assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
         assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
@@ -124,6 +127,6 @@ def test_persistent_kernels_loop_over_tiles_when_unmasked():
     kinds = {c: make_hopper_plan(c).tile_scheduler for c in (KernelConfig.wgmma("fp16", persistent=True),
                                                              KernelConfig.wgmma("fp16", persistent=True, mask="causal"),
                                                              KernelConfig.wgmma("fp16"))}
-    assert list(kinds.values()) == ["static", "grid", "grid"]
+    assert list(kinds.values()) == ["static", "static", "grid"]
     for c, kind in kinds.items():
         assert emit(c).meta["grid"].startswith("(min(SMs") == (kind == "static")

@@ -86,10 +86,10 @@ def test_sanitizer_clean(built, tool, persistent):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer not on PATH")
-    # persistent (unmasked: masked tiles get one CTA each): 3 query blocks x 48 heads = 144 tiles, more
-    # than the SMs, so CTAs loop and reuse Q, the K/V ring and the O staging
-    cfg = KernelConfig.wgmma("fp16", persistent=True) if persistent else KernelConfig.wgmma("fp16").replace(mask="causal")
-    shape = ["300", "1", "48", "333", "8"] if persistent else ["300", "1", "2", "333", "1"]
+    # persistent: 3 query blocks x 96 heads = 288 tiles of unequal length (causal), more than twice the SMs,
+    # so CTAs loop (paired rounds, then the rest) and reuse Q, the K/V ring and the O staging
+    cfg = KernelConfig.wgmma("fp16", persistent=persistent).replace(mask="causal")
+    shape = ["300", "1", "96", "333", "8"] if persistent else ["300", "1", "2", "333", "1"]
     res = subprocess.run(
         [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"), cfg.short_form(), *shape],
         capture_output=True, text=True, cwd=REPO, timeout=600,
