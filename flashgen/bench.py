@@ -6,6 +6,11 @@ median of ``triton.testing.do_bench`` (CUDA-event fallback) after warm-up; SDPA
 backends get ``.transpose(1, 2)`` views of the same tensors. The timed flashgen
 config's output is checked against a float64 reference in the same run. Results go
 to JSON and a PNG; a ratio table is printed last.
+
+Shared GPUs drift (clocks, neighbours) by a few percent over seconds, which would tilt
+a ratio of two timings taken one after the other. So every kernel of a shape (the peers
+and the configs) is timed in ``rounds`` interleaved rounds (A B C, A B C, ...) and each
+reports the median of its rounds; the JSON keeps every round.
 """
 from __future__ import annotations
 
@@ -47,6 +52,25 @@ def time_ms(fn: Callable[[], Any]) -> float:
         return sorted(times)[len(times) // 2]
 
 
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, timer: Callable[[Callable[[], Any]], float] = time_ms
+                ) -> dict[str, list[float]]:
+    """Time each of ``fns`` once per round, in the same order every round: ``{name: [ms per round]}``.
+    A kernel that fails (e.g. a backend that rejects the input) raises out of the first round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, d: int, causal: bool = False) -> float:
     f = 4.0 * batch * heads * seq_q * seq_k * d
     return f / 2 if causal else f
@@ -80,8 +104,10 @@ def matmul_ceiling(dtype) -> float:
     return 2 * n**3 / ms / 1e9
 
 
-def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS) -> dict:
-    """Time every (dtype, d_head, causal) x shape: the given configs (d_head adapted) and the SDPA peers."""
+def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS,
+              rounds: int = 3) -> dict:
+    """Time every (dtype, d_head, causal) x shape: the given configs (d_head adapted) and the SDPA
+    peers, in ``rounds`` interleaved rounds (medians reported)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -116,6 +142,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "heads": heads,
+        "rounds": rounds,
         "d_heads": list(d_heads),
         "rows": [],
         "matmul_tflops": {},
@@ -133,25 +160,36 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
                     flops = attention_flops(batch, heads, seq, seq, d_head, causal)
                     row: dict[str, Any] = {"dtype": dt_name, "d_head": d_head, "causal": causal, "seq": seq, "batch": batch, "flashgen": {}, "peers": {}}
                     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                    fns: dict[str, Callable[[], Any]] = {}
                     for peer in peers:
+                        def run_peer(backend=getattr(SDPBackend, peer)):
+                            with sdpa_kernel(backend):
+                                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                         try:
-                            with sdpa_kernel(getattr(SDPBackend, peer)):
-                                ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                            row["peers"][peer] = flops / ms / 1e9
+                            run_peer()
+                            fns[peer] = run_peer
                         except RuntimeError as exc:  # backend not available for this input
                             row["peers"][peer] = None
                             log(f"{peer} unavailable at seq {seq}: {str(exc).splitlines()[0]}")
-                    for cfg, attn in attns.items():
-                        if cfg.dtype.value != dt_name or cfg.d_head != d_head or (cfg.mask == "causal") != causal:
-                            continue
-                        out = torch.empty_like(q)
-                        ms = time_ms(lambda: attn(q, k, v, out=out, causal=causal))
+                    mine = [c for c in attns if c.dtype.value == dt_name and c.d_head == d_head and (c.mask == "causal") == causal]
+                    outs = {c: torch.empty_like(q) for c in mine}
+                    for c in mine:
+                        fns[c.short_form()] = lambda attn=attns[c], out=outs[c]: attn(q, k, v, out=out, causal=causal)
+                    times = interleaved(fns, rounds)
+                    for peer in peers:
+                        if peer in times:
+                            row["peers"][peer] = flops / median(times[peer]) / 1e9
+                    row["peer_rounds_tflops"] = {n: [flops / ms / 1e9 for ms in t] for n, t in times.items() if n in peers}
+                    for cfg in mine:
+                        out = outs[cfg]
                         out.fill_(float("nan"))
-                        attn(q, k, v, out=out, causal=causal)
+                        attns[cfg](q, k, v, out=out, causal=causal)
                         err, err_t = reference_error(out, q, k, v, scale, causal)
                         ok = bool(err <= 2 * err_t + 1e-5) and not bool(torch.isnan(out).any())
                         key = cfg.replace(mask="none").short_form()
-                        row["flashgen"][key] = {"tflops": flops / ms / 1e9, "max_err": err, "torch_err": err_t, "correct": ok}
+                        ms = times[cfg.short_form()]
+                        row["flashgen"][key] = {"tflops": flops / median(ms) / 1e9, "rounds_tflops": [flops / t / 1e9 for t in ms],
+                                                "max_err": err, "torch_err": err_t, "correct": ok}
                     best = max(row["flashgen"].items(), key=lambda kv: kv[1]["tflops"], default=None)
                     row["best"] = best[0] if best else None
                     results["rows"].append(row)
@@ -167,7 +205,8 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
 def format_table(results: dict) -> str:
     lines = [
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
-        f"{results['heads']} heads, TFLOP/s (causal counts half the FLOPs; ratio = flashgen / peer)",
+        f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s) "
+        "(causal counts half the FLOPs; ratio = flashgen / peer)",
         f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
     ]
     for row in results["rows"]:
@@ -234,6 +273,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqs", nargs="+", type=int, help="sequence lengths (default: all of BENCHMARK.md's)")
     p.add_argument("--d-heads", nargs="+", type=int, default=[128], help="head dimensions (default: 128)")
     p.add_argument("--causal", choices=["no", "yes", "both"], default="no", help="non-causal, causal or both")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved timing rounds per shape; each kernel reports its median (default: 3)")
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
@@ -243,13 +284,16 @@ def main(args: argparse.Namespace) -> int:
     from .dsl.config import default_configs
     from .emit.sweep import merge, resolve
 
+    if args.rounds < 1:
+        print(f"flashgen: error: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("flashgen: error: bench needs a CUDA GPU", file=sys.stderr)
         return 2
     cfgs = list(merge(resolve(c) for c in args.configs).configs) if args.configs else default_configs()
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
-    results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes)
+    results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True))

@@ -1,0 +1,55 @@
+"""CPU checks of the benchmark's timing protocol (the GPU timings themselves need a GPU)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from flashgen import bench
+
+
+def test_interleaved_times_every_kernel_once_per_round_in_the_same_order():
+    calls = []
+    clock = iter(range(100))
+
+    def timer(fn):
+        fn()
+        return float(next(clock))
+
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": lambda: calls.append("c")}
+    times = bench.interleaved(fns, 3, timer)
+    assert calls == ["a", "b", "c"] * 3
+    assert times == {"a": [0.0, 3.0, 6.0], "b": [1.0, 4.0, 7.0], "c": [2.0, 5.0, 8.0]}
+
+
+def test_medians_of_rounds_keep_a_transient_slowdown_out_of_the_ratio():
+    """Two equal kernels; the GPU runs 30% slow during the first timing (a neighbour's burst). One
+    round puts the burst into the ratio; the medians of three interleaved rounds do not."""
+    state = {"n": 0}
+
+    def bursty(fn):
+        state["n"] += 1
+        return 1.3 if state["n"] == 1 else 1.0
+
+    fns = {"a": lambda: None, "b": lambda: None}
+    one = bench.interleaved(fns, 1, bursty)
+    assert one["a"][0] / one["b"][0] == pytest.approx(1.3)
+    state["n"] = 0
+    three = bench.interleaved(fns, 3, bursty)
+    assert three["a"] == [1.3, 1.0, 1.0]  # every round kept (the JSON reports them)
+    assert bench.median(three["a"]) / bench.median(three["b"]) == 1.0
+
+
+def test_median_and_round_count_checks():
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert bench.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        bench.interleaved({"a": lambda: None}, 0, lambda fn: 1.0)
+
+
+def test_bench_refuses_zero_rounds_before_touching_the_gpu(capsys):
+    pytest.importorskip("torch")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert bench.main(p.parse_args(["--rounds", "0"])) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
