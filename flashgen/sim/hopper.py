@@ -11,18 +11,21 @@ What is modelled
 ----------------
 * **TMA** (:func:`tma_fill`): written from the 128B-swizzle byte rule, not from the tile
   layouts, so tests can compare the two. Rows past the sequence end are zero-filled.
-* **Producer**: a sequential program (Q once, then for each key block ``K_j`` and ``V_j``),
-  each load waiting for its ring stage to be released by every consumer warp (the plan's
-  ``*_empty`` arrive counts). It runs as far ahead as the ring allows after every consumer
-  step, so a stage released too early really is overwritten.
-* **Consumers**: each walks prologue / body per block / epilogue; round-robin one step at a
+* **Producer**: a sequential program (per tile Q, then for each key block ``K_j`` and ``V_j``),
+  each load waiting for its ring stage (Q: the previous tile's Q) to be released by every
+  consumer warp (the plan's ``*_empty`` arrive counts). It runs as far ahead as the ring
+  allows after every consumer step, so a stage released too early really is overwritten.
+* **Consumers**: each walks, per tile, the Q wait, prologue / body per block / epilogue, then the
+  output (``finish_rows``, ``store_O``: the emitter's fixed epilogue code, walked as steps so
+  their placement is checked too); round-robin one step at a
   time, a step that must wait (``wait_full`` before the data landed, ``turn`` before the
   other warpgroup's ``pass``) blocks. Pingpong follows the emitted rule: consumer 1 gives
   consumer 0 one initial pass, and consumer 0 takes the one pass left over before exit.
   Steps with a ``guard`` (``release Q`` in the last block of a persistent plan) run where it holds.
-* **Persistent plans** are walked for one tile: the ``release Q`` point is checked (after the
-  last S GEMM retired, once per consumer), the next tile's reuse of Q and of the O staging
-  is left to the GPU tests.
+* **Persistent plans** walk several tiles (:func:`simulate_tiles`, one head): the ring stages
+  run on across tiles as the emitted counters do, the next tile's Q lands only after every
+  consumer warp released the previous one, and an S GEMM executing on another tile's Q is
+  reported. Output rows are written by each tile's ``store_O`` step.
 * **wgmma groups**: each ``gemm`` step is one committed group; ``wgmma_wait N`` retires all
   but the ``N`` newest. A group *executes when it retires*, reading shared memory and
   registers then (the latest moment the hardware may read them), so a missing wait or an
@@ -40,7 +43,8 @@ Hazards (strings in ``report.hazards``; empty = clean)
   rescaled at the wrong max, each block's S / softmax / PV not exactly once;
 * pingpong named barriers: over-arrival, unbalanced turns and passes at exit, deadlock;
 * output staging over another warpgroup's Q/O rows, the K/V ring or the mbarriers; wgmma groups
-  in flight at exit.
+  in flight at exit; ``finish_rows`` / ``store_O`` out of place (statistics or O not of the
+  finished tile's last block, O stored before all its PV GEMMs, a tile finished twice or never).
 """
 from __future__ import annotations
 
@@ -61,6 +65,11 @@ LOG2E = 1.4426950408889634  # the emitter's literal
 SWIZZLE_SPAN = 128  # bytes of one 128B-swizzle row: 64 16-bit columns per TMA box
 WARPS_PER_WG = 4
 WG = 128
+# the emitter's fixed code around the plan's steps, walked as steps: a tile with key blocks first
+# waits for its Q; every tile ends by writing its rows (row sums, 1/l and LSE, then O / l staged
+# and stored; the statistics and O start over for the next tile)
+TILE_START = (Step("wait_full", "Q", "j"),)
+TILE_OUTPUT = (Step("finish_rows", block="last"), Step("store_O", block="last"))
 
 # ---------------------------------------------------------------------- TMA
 
@@ -79,10 +88,12 @@ def tma_byte_addresses(rows: int, cols: int, base_byte: int = 0, elem_bytes: int
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
-def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data: np.ndarray) -> None:
+def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data: np.ndarray,
+             rows: tuple[int, int] | None = None) -> None:
     """Place ``data`` (``[<= rows, <= cols]`` 16-bit patterns) into the uint8 image like a TMA load.
 
     Missing rows/columns (past the tensor's end) are zero-filled, as TMA's out-of-bounds fill.
+    ``rows = (lo, hi)`` writes only those tile rows (the boxes of one consumer's part).
     """
     if isinstance(tile, TmaTile):
         if tile.tma.box_cols * tile.tma.dtype.size != SWIZZLE_SPAN:
@@ -102,7 +113,8 @@ def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data:
     addr = tma_byte_addresses(tile.rows, tile.cols, base_byte)
     if addr.max() + 2 > smem.size:
         raise ValueError(f"tma_fill: {tile.name} at {base_byte} does not fit the {smem.size}-byte image")
-    smem.view("<u2")[addr // 2] = full
+    lo, hi = rows if rows is not None else (0, tile.rows)
+    smem.view("<u2")[addr[lo:hi] // 2] = full[lo:hi]
 
 
 def _read16(smem: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
@@ -212,34 +224,63 @@ class _Consumer:
         self.max_block: int | None = None
         self.corr_from: int | None = None
         self.turns = self.passes = self.absorbed = 0
+        self.fin: tuple | None = None  # (tile, 1/l) between finish_rows and store_O
 
     @property
     def done(self) -> bool:
         return self.pc >= len(self.steps)
 
 
+@attrs.frozen
+class _Tile:
+    """One output tile of the CTA's walk: query rows from ``q_row0``, key blocks ``[jb, je)``."""
+
+    q_row0: int
+    jb: int
+    je: int
+
+    @property
+    def n(self) -> int:
+        return max(0, self.je - self.jb)
+
+
 class _Cta:
-    def __init__(self, plan: HopperPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_row0: int, seq_q: int,
+    def __init__(self, plan: HopperPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_blocks: list[int], seq_q: int,
                  seq_k: int, scale: float, mask_args: tuple[int, int, int]):
         self.plan, self.cfg = plan, plan.cfg
         cfg = plan.cfg
         self.dtype = cfg.dtype
         self.q, self.k, self.v = q, k, v
-        self.q_row0, self.seq_q, self.seq_k, self.mask_args = q_row0, seq_q, seq_k, mask_args
+        self.seq_q, self.seq_k, self.mask_args = seq_q, seq_k, mask_args
         self.scale = np.float32(scale)
         self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
-        self.jb, self.je = plan.score_mask.block_range(q_row0, seq_q, seq_k, *mask_args)
+        self.tiles = [_Tile(qb * cfg.B_r, *plan.score_mask.block_range(qb * cfg.B_r, seq_q, seq_k, *mask_args)) for qb in q_blocks]
+        if len(self.tiles) > 1 and "q_empty" not in plan.barriers:
+            raise ValueError(f"{cfg.short_form()}: only a persistent plan (q_empty barrier) walks several tiles")
+        # key blocks in the order the CTA visits them: global index g -> (tile, key block); ring stage g % stages
+        self.blocks = [(ti, j) for ti, t in enumerate(self.tiles) for j in range(t.jb, t.je)]
+        self.first_g = np.cumsum([0] + [t.n for t in self.tiles]).tolist()
+        self.jb, self.je = self.tiles[0].jb, self.tiles[0].je
         self.hazards: list[str] = []
         self.smem = np.zeros(plan.smem_bytes, np.uint8)  # base 0 stands for the 1024-aligned dynamic base
         self.n_groups = 0
-        self.counts: dict = {}  # (consumer, "S"|"softmax"|"O", block) -> times done
+        self.counts: dict = {}  # (consumer, "S"|"softmax"|"O", g) or (consumer, "finish_rows"|"store_O", tile) -> times done
         # ring state
         self.stage_block = {"K": [None] * cfg.stages, "V": [None] * cfg.stages}
+        self.q_tile: int | None = None  # whose Q is in shared memory
         self.loaded: set = set()
         self.arrivals: dict = {}
-        self.prod_ops = [(t, j) for j in range(self.jb, self.je) for t in ("K", "V")]
+        self.prod_ops = []
+        for ti, t in enumerate(self.tiles):  # the emitted producer skips tiles without key blocks
+            g0 = self.first_g[ti]
+            if t.n:
+                self.prod_ops += [("Q", ti)] + [(x, g) for g in range(g0, self.first_g[ti + 1]) for x in ("K", "V")]
         self.prod_pc = 0
         self.pending = [0] * cfg.consumers  # named-barrier arrivals waiting for each consumer's turn
+        # outputs per tile: 16-bit O patterns and lse of the rows below seq_q
+        rows = [max(0, min(cfg.B_r, seq_q - t.q_row0)) for t in self.tiles]
+        self.o = [np.zeros((r, cfg.d_head), np.uint16) for r in rows]
+        self.lse = [np.full(r, np.nan, np.float32) for r in rows]
         # maps
         self.cs, self.co = _c_map(plan.gemm_S.atom), _c_map(plan.gemm_O.atom)
         self.a = _a_map(plan.gemm_O.atom)
@@ -253,35 +294,52 @@ class _Cta:
         np.add.at(cover, (self.a.rows, self.a.cols), 1)
         if not np.all(cover == 1):
             self.hazards.append("the A-register map does not cover the 64x16 A tile exactly once")
+        # element index of (CTA row, col) in the image; flat layout index = row + B_r * col (colex)
+        self.o_stage = plan.tiles["O"].offset // 2 + offsets(plan.o_stage).reshape(cfg.d_head, cfg.B_r).T
         self.consumers = [self._consumer(w) for w in range(cfg.consumers)]
 
     # -- setup
+    def name(self, g: int | None) -> str:
+        """A key block as messages show it: ``j``, or ``j@tile`` when the walk has several tiles."""
+        if g is None:
+            return "none"
+        ti, j = self.blocks[g]
+        return str(j) if len(self.tiles) == 1 else f"{j}@{ti}"
+
     def _flat_steps(self) -> list:
-        """(where, step, block) for prologue, body per block, epilogue; blocks resolved."""
+        """(where, step, block g, tile) for each tile: the Q wait, prologue, body per block, epilogue,
+        then the output steps; blocks resolved to global indices."""
         p = self.plan
         out = []
-        if self.jb >= self.je:
-            return out
-        first_body = self.jb + 1 if p.prologue else self.jb
-        for i, s in enumerate(p.prologue):
-            if eval_guard(s.guard, self.jb, self.je, self.jb):
-                out.append((f"prologue step {i} ({_text(s)}) j={self.jb}", s, self._block(s, self.jb)))
-        for j in range(first_body, self.je):
-            for i, s in enumerate(p.body):
-                if eval_guard(s.guard, j, self.je, self.jb):
-                    out.append((f"body j={j} step {i} ({_text(s)})", s, self._block(s, j)))
-        for i, s in enumerate(p.epilogue):
-            out.append((f"epilogue step {i} ({_text(s)})", s, self._block(s, self.je - 1)))
+
+        def add(where, steps, ti, j):
+            t = self.tiles[ti]
+            for i, s in enumerate(steps):
+                if eval_guard(s.guard, j, t.je, t.jb):
+                    out.append((f"{where} step {i} ({_text(s)})", s, self._block(s, ti, j), ti))
+
+        for ti, t in enumerate(self.tiles):
+            at = f"tile {ti} " if len(self.tiles) > 1 else ""
+            if t.n:
+                add(f"{at}start j={t.jb}", TILE_START, ti, t.jb)
+                add(f"{at}prologue j={t.jb}", p.prologue, ti, t.jb)
+            first_body = t.jb + 1 if p.prologue else t.jb
+            for j in range(first_body, t.je):
+                add(f"{at}body j={j}", p.body, ti, j)
+            if t.n:
+                add(f"{at}epilogue", p.epilogue, ti, t.je - 1)
+            add(f"{at}output", TILE_OUTPUT, ti, t.je - 1)
         return out
 
-    def _block(self, s: Step, j: int) -> int:
+    def _block(self, s: Step, ti: int, j: int) -> int | None:
+        """Global index of the block a step names (``last``: tile ``ti``'s last; None if it has none)."""
+        t = self.tiles[ti]
         b = s.block.replace(" ", "")
-        if b in ("", "j"):
-            return j
-        if b == "j-1":
-            return j - 1
         if b == "last":
-            return self.je - 1
+            return self.first_g[ti] + t.n - 1 if t.n else None
+        if b in ("", "j", "j-1"):
+            g = self.first_g[ti] + (j - t.jb)
+            return g - 1 if b == "j-1" else g
         raise ValueError(f"step {s}: unknown block {s.block!r}")
 
     def _consumer(self, w: int) -> _Consumer:
@@ -295,31 +353,35 @@ class _Cta:
 
     # -- producer
     def produce(self) -> None:
-        """Issue loads in program order while each one's ring stage is free."""
+        """Issue loads in program order while each one's slot is free (Q: every consumer warp
+        released the previous tile's; K/V: the stage's previous block released)."""
         cfg, plan = self.cfg, self.plan
         while self.prod_pc < len(self.prod_ops):
-            t, j = self.prod_ops[self.prod_pc]
-            it = j - self.jb
-            st = it % cfg.stages
-            if it >= cfg.stages:
-                need = plan.barriers[f"{t.lower()}_empty"][0].arrive_count
-                if self.arrivals.get((t, j - cfg.stages), 0) < need:
-                    return
-            tile = plan.loads[t]
-            rows = getattr(self, t.lower())[j * cfg.B_c: (j + 1) * cfg.B_c]
-            tma_fill(self.smem, tile, tile.tile.stage_offset(st), rows)
-            self.stage_block[t][st] = j
-            self.loaded.add((t, j))
+            t, x = self.prod_ops[self.prod_pc]
+            if t == "Q":  # the previous tile's Q released by every consumer warp
+                if self.q_tile is not None:
+                    need = plan.barriers["q_empty"][0].arrive_count
+                    if self.arrivals.get(("Q", self.q_tile), 0) < need:
+                        return
+                tile = self.tiles[x]
+                tma_fill(self.smem, plan.loads["Q"], plan.tiles["Q"].offset,
+                         self.q[tile.q_row0: min(tile.q_row0 + cfg.B_r, self.seq_q)])
+                self.q_tile = x
+            else:
+                st = x % cfg.stages
+                if x >= cfg.stages:
+                    need = plan.barriers[f"{t.lower()}_empty"][0].arrive_count
+                    if self.arrivals.get((t, x - cfg.stages), 0) < need:
+                        return
+                j = self.blocks[x][1]
+                rows = getattr(self, t.lower())[j * cfg.B_c: (j + 1) * cfg.B_c]
+                tma_fill(self.smem, plan.loads[t], plan.loads[t].tile.stage_offset(st), rows)
+                self.stage_block[t][st] = x
+            self.loaded.add((t, x))
             self.prod_pc += 1
-
-    def _stage(self, j: int) -> int:
-        return (j - self.jb) % self.cfg.stages
 
     # -- the walk
     def run(self) -> None:
-        if self.jb < self.je:
-            tma_fill(self.smem, self.plan.loads["Q"], self.plan.tiles["Q"].offset,
-                     self.q[self.q_row0: min(self.q_row0 + self.cfg.B_r, self.seq_q)])
         if self.cfg.pingpong:
             if self.cfg.consumers != 2:
                 self.flag("start", f"pingpong needs 2 consumer warpgroups, the plan has {self.cfg.consumers}")
@@ -342,14 +404,15 @@ class _Cta:
 
     def step(self, c: _Consumer) -> bool:
         """Execute ``c``'s next step; False when it has to wait."""
-        where, s, b = c.steps[c.pc]
+        where, s, b, ti = c.steps[c.pc]
         op = s.op
         if op == "wait_full":
-            if not self.jb <= b < self.je:
-                self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks [{self.jb}, {self.je})")
-            elif (s.arg, b) not in self.loaded:
+            key = ("Q", ti) if s.arg == "Q" else (s.arg, b)
+            if s.arg != "Q" and not (b is not None and 0 <= b < len(self.blocks)):
+                self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
+            elif key not in self.loaded:
                 return False
-            c.full_seen.add((s.arg, b))
+            c.full_seen.add(key)
         elif op == "turn":
             if not self.cfg.pingpong:
                 self.flag(where, "turn step in a plan without pingpong")
@@ -368,22 +431,27 @@ class _Cta:
                 if self.pending[other] > 1:
                     self.flag(where, f"consumer {c.w} arrives twice on consumer {other}'s turn barrier before it synced (over-arrival)")
         elif op == "gemm":
-            self.issue(c, s.arg, b, where)
+            self.issue(c, s.arg, b, ti, where)
         elif op == "wgmma_wait":
             keep = int(s.arg)
             while len(c.groups) > keep:
                 self.retire(c, where)
         elif op == "release":
-            self.release(c, s.arg, b, where)
+            self.release(c, s.arg, b, ti, where)
         elif op == "softmax":
             self.touch(c, {"S"}, {"S"}, where)
-            self.softmax(c, b, s.arg == "first", where)
+            self.softmax(c, b, ti, s.arg == "first", where)
         elif op == "convert_P":
             self.touch(c, {"S"}, {"P"}, where)
             self.convert_p(c, where)
         elif op == "rescale_O":
             self.touch(c, {"O"}, {"O"}, where)
             self.rescale(c, where)
+        elif op == "finish_rows":
+            self.finish_rows(c, ti, where)
+        elif op == "store_O":
+            self.touch(c, {"O"}, {"O"}, where)
+            self.store_o(c, ti, where)
         else:
             self.flag(where, f"unknown consumer step {op!r}")
         c.pc += 1
@@ -396,58 +464,61 @@ class _Cta:
             if bad:
                 self.flag(where, f"consumer {c.w} touches {'/'.join(sorted(bad))} registers while wgmma group {g.what} is in flight")
 
-    def release(self, c: _Consumer, t: str, b: int, where: str) -> None:
+    def release(self, c: _Consumer, t: str, b: int, ti: int, where: str) -> None:
         if f"{t.lower()}_empty" not in self.plan.barriers:
             self.flag(where, f"consumer {c.w} releases {t} but the plan has no {t.lower()}_empty barrier")
             return
         if t == "Q":  # Q has one slot, read by every S GEMM of the tile
-            b = 0
+            key, what = ("Q", ti), "Q"
             for g in c.groups:
                 if g.what.startswith("S"):
                     self.flag(where, f"consumer {c.w} releases Q while wgmma group {g.what} still reads it")
         else:
+            key, what = (t, b), f"{t}_{self.name(b)}"
             for g in c.groups:
                 if g.smem[:2] == (t, b):
-                    self.flag(where, f"consumer {c.w} releases {t}_{b} while wgmma group {g.what} still reads it")
+                    self.flag(where, f"consumer {c.w} releases {what} while wgmma group {g.what} still reads it")
             if (t, b) not in c.full_seen:
-                self.flag(where, f"consumer {c.w} releases {t}_{b} it never waited for")
-        if (t, b) in c.released:
-            self.flag(where, f"consumer {c.w} releases {t}{'' if t == 'Q' else f'_{b}'} twice")
-        c.released.add((t, b))
+                self.flag(where, f"consumer {c.w} releases {what} it never waited for")
+        if key in c.released:
+            self.flag(where, f"consumer {c.w} releases {what} twice")
+        c.released.add(key)
         need = self.plan.barriers[f"{t.lower()}_empty"][0].arrive_count
-        n = self.arrivals.get((t, b), 0) + WARPS_PER_WG  # one arrival per warp
+        n = self.arrivals.get(key, 0) + WARPS_PER_WG  # one arrival per warp
         if n > need:
-            self.flag(where, f"{t.lower()}_empty of {t}_{b} gets {n} arrivals, more than its count {need}")
-        self.arrivals[(t, b)] = n
+            self.flag(where, f"{t.lower()}_empty of {what} gets {n} arrivals, more than its count {need}")
+        self.arrivals[key] = n
 
     def _check_stage(self, c: _Consumer, t: str, b: int, where: str, when: str) -> None:
-        st = self._stage(b)
+        st = b % self.cfg.stages
         held = self.stage_block[t][st]
         if held != b:
-            what = "nothing" if held is None else f"{t}_{held}"
-            self.flag(where, f"consumer {c.w}: wgmma {when} stage {st} for {t}_{b} but it holds {what}")
+            what = "nothing" if held is None else f"{t}_{self.name(held)}"
+            self.flag(where, f"consumer {c.w}: wgmma {when} stage {st} for {t}_{self.name(b)} but it holds {what}")
 
     # -- GEMMs
-    def issue(self, c: _Consumer, which: str, b: int, where: str) -> None:
+    def issue(self, c: _Consumer, which: str, b: int, ti: int, where: str) -> None:
         t = "K" if which == "S" else "V"
         if (t, b) not in c.full_seen:
-            self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{b} without its wait_full")
+            self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{self.name(b)} without its wait_full")
         if (t, b) in c.released:
-            self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{b} after releasing it")
-        if which == "S" and ("Q", 0) in c.released:
+            self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{self.name(b)} after releasing it")
+        if which == "S" and ("Q", ti) in c.released:
             self.flag(where, f"consumer {c.w}: gemm S reads Q after releasing it (the producer may load the next tile's)")
+        if which == "S" and ("Q", ti) not in c.full_seen:
+            self.flag(where, f"consumer {c.w}: gemm S reads Q without its wait_full")
         self._check_stage(c, t, b, where, "issued on")
-        st = self._stage(b)
+        st = b % self.cfg.stages
         if which == "S":
-            g = _Group(f"S[{b}]", frozenset({"S"}), frozenset(), (t, b, st), lambda: self.exec_s(c, b, st, where))
+            g = _Group(f"S[{self.name(b)}]", frozenset({"S"}), frozenset(), (t, b, st), lambda: self.exec_s(c, b, ti, st, where))
         else:
             if c.p_block != b:
-                self.flag(where, f"consumer {c.w}: gemm O of block {b} but the P registers hold block {c.p_block}")
+                self.flag(where, f"consumer {c.w}: gemm O of block {self.name(b)} but the P registers hold block {self.name(c.p_block)}")
             if c.o_scale is not None and c.o_scale != b:
-                self.flag(where, f"consumer {c.w}: O (scaled to block {c.o_scale}'s max) += P_{b} (block {b}'s max): "
-                                 "a rescale is missing")
+                self.flag(where, f"consumer {c.w}: O (scaled to block {self.name(c.o_scale)}'s max) += P_{self.name(b)} "
+                                 f"(block {self.name(b)}'s max): a rescale is missing")
             c.o_scale = b
-            g = _Group(f"O[{b}]", frozenset({"O"}), frozenset({"P", "O"}), (t, b, st), lambda: self.exec_o(c, b, st, where))
+            g = _Group(f"O[{self.name(b)}]", frozenset({"O"}), frozenset({"P", "O"}), (t, b, st), lambda: self.exec_o(c, b, st, where))
         c.groups.append(g)
         self.n_groups += 1
 
@@ -456,8 +527,10 @@ class _Cta:
         self._check_stage(c, g.smem[0], g.smem[1], f"{where} (retiring {g.what})", "executed on")
         g.run()
 
-    def exec_s(self, c: _Consumer, b: int, st: int, where: str) -> None:
+    def exec_s(self, c: _Consumer, b: int, ti: int, st: int, where: str) -> None:
         """S = Q K_b^T: ``k_steps`` wgmma; step 0 has scale-d 0 (fresh accumulator)."""
+        if self.q_tile != ti:
+            self.flag(where, f"consumer {c.w}: S[{self.name(b)}] of tile {ti} executes on the Q of tile {self.q_tile}")
         g, dt = self.plan.gemm_S, self.dtype
         q_base, k_base = self.plan.tiles["Q"].offset, self.plan.tiles["K"].stage_offset(st)
         acc = np.zeros(c.s_acc.shape, np.float64)
@@ -506,15 +579,19 @@ class _Cta:
                     self.flag(where, f"row_reduce_lanes {self.plan.row_reduce_lanes} leave threads of row {r} with different {what}")
                     return
 
-    def softmax(self, c: _Consumer, j: int, first: bool, where: str) -> None:
+    def softmax(self, c: _Consumer, g: int, ti: int, first: bool, where: str) -> None:
         f32 = np.float32
-        if c.s_state != ("raw", j):
-            self.flag(where, f"consumer {c.w}: softmax of block {j} but S holds {c.s_state}")
-        self.count(c, "softmax", j)
+        if c.s_state != ("raw", g):
+            state = None if c.s_state is None else (c.s_state[0], self.name(c.s_state[1]))
+            self.flag(where, f"consumer {c.w}: softmax of block {self.name(g)} but S holds {state}")
+        if first and c.max_block is not None:
+            self.flag(where, f"consumer {c.w}: the first softmax of tile {ti} starts from the statistics of block "
+                             f"{self.name(c.max_block)} (no finish_rows reset them)")
+        self.count(c, "softmax", g)
         s = c.s_acc.copy()
-        sm = self.plan.score_mask
-        if sm.block_needs_mask(j, self.q_row0, self.seq_q, self.seq_k, *self.mask_args):
-            rows = self.q_row0 + 64 * c.w + self.cs.rows
+        sm, j, q_row0 = self.plan.score_mask, self.blocks[g][1], self.tiles[ti].q_row0
+        if sm.block_needs_mask(j, q_row0, self.seq_q, self.seq_k, *self.mask_args):
+            rows = q_row0 + 64 * c.w + self.cs.rows
             cols = j * self.cfg.B_c + self.cs.cols
             keep = np.vectorize(lambda i, col: sm.keep(int(i), int(col), self.seq_k, *self.mask_args))(rows, cols)
             s = np.where(keep, s, f32(-np.inf)).astype(f32)
@@ -534,7 +611,7 @@ class _Cta:
             c.row_sum = (c.row_sum * c.corr).astype(f32)
             c.corr_from = c.max_block
         c.row_max = m_new.astype(f32)
-        c.max_block = j
+        c.max_block = g
         p = hw.ex2_approx_ftz(hw.fma32(s, self.scale_log2, np.take_along_axis(neg_m, self.s_slot, axis=1)))
         for h in range(2):  # row_sum += p[i] + p[i+1] over the row's value pairs (zeros elsewhere: exact)
             vals = np.where(self.s_slot == h, p, f32(0))
@@ -544,7 +621,7 @@ class _Cta:
                 acc = (acc + pairs[:, k]).astype(f32)
             c.row_sum[:, h] = acc
         c.s_acc = p.astype(f32)
-        c.s_state = ("P", j)
+        c.s_state = ("P", g)
 
     def convert_p(self, c: _Consumer, where: str) -> None:
         """``p_frag[t][r] = pack2(s_acc[lo], s_acc[hi])`` exactly as ``plan.p_from_s`` says."""
@@ -556,37 +633,110 @@ class _Cta:
 
     def rescale(self, c: _Consumer, where: str) -> None:
         if c.o_scale is not None and c.o_scale != c.corr_from:
-            self.flag(where, f"consumer {c.w}: rescale_O applies the correction from block {c.corr_from}'s max "
-                             f"to O scaled to block {c.o_scale}'s")
+            self.flag(where, f"consumer {c.w}: rescale_O applies the correction from block {self.name(c.corr_from)}'s max "
+                             f"to O scaled to block {self.name(c.o_scale)}'s")
         c.o_acc = (c.o_acc * np.take_along_axis(c.corr, self.o_slot, axis=1)).astype(np.float32)
         c.o_scale = c.max_block
+
+    # -- a tile's output
+    def _last(self, ti: int) -> int | None:
+        t = self.tiles[ti]
+        return self.first_g[ti] + t.n - 1 if t.n else None
+
+    def finish_rows(self, c: _Consumer, ti: int, where: str) -> None:
+        """Row sums quad-reduced, 1/l kept for store_O, lse written; row statistics reset for the next tile."""
+        f32 = np.float32
+        if c.max_block != self._last(ti):
+            self.flag(where, f"consumer {c.w}: finish_rows of tile {ti} with the statistics of block "
+                             f"{self.name(c.max_block)}, not of its last block {self.name(self._last(ti))}")
+        self.count(c, "finish_rows", ti)
+        l = self._butterfly(c.row_sum.copy(), np.add)
+        self._check_rows_agree(l, "row sums", where)
+        with np.errstate(divide="ignore"):
+            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
+            logl = np.log(l.astype(np.float64)).astype(f32)
+        row_lse = np.where(l > 0, hw.fma32(c.row_max, self.scale, logl), f32(-np.inf))
+        writer = (np.arange(WG) % 32 & sum(self.plan.row_reduce_lanes)) == 0
+        n_rows = self.lse[ti].size
+        for h in range(2):
+            rr = 64 * c.w + self.s_rows[writer, h]
+            ok = rr < n_rows
+            self.lse[ti][rr[ok]] = row_lse[writer, h][ok]
+        c.fin = (ti, inv)
+        c.row_max[:] = -np.inf
+        c.row_sum[:] = 0
+        c.max_block = None
+
+    def store_o(self, c: _Consumer, ti: int, where: str) -> None:
+        """O /= l staged through ``plan.o_stage`` and read back in 16-byte rows, as the emitted code does; O reset."""
+        cfg, f32 = self.cfg, np.float32
+        self.count(c, "store_O", ti)
+        if c.fin is None or c.fin[0] != ti:
+            self.flag(where, f"consumer {c.w}: store_O of tile {ti} without its finish_rows")
+            inv = np.zeros((WG, 2), f32)
+        else:
+            inv = c.fin[1]
+        for g in range(self.first_g[ti], self.first_g[ti + 1]):
+            if self.counts.get((c.w, "O", g), 0) != 1:
+                self.flag(where, f"consumer {c.w}: store_O of tile {ti} before gemm O of block {self.name(g)} ran")
+                break
+        if c.o_scale is not None and c.o_scale != self._last(ti):
+            self.flag(where, f"consumer {c.w}: O is scaled to block {self.name(c.o_scale)}'s max, the statistics to "
+                             f"block {self.name(self._last(ti))}'s")
+        val = (c.o_acc * np.take_along_axis(inv, self.o_slot, axis=1)).astype(f32)
+        img, o_stage, o = self.smem.view("<u2"), self.o_stage, self.o[ti]
+        # st.shared.b32 of pack2(value i, value i+1), i even, at o_stage(c_map(thread, i))
+        ev = np.arange(0, val.shape[1], 2)
+        dst = o_stage[64 * c.w + self.co.rows[:, ev], self.co.cols[:, ev]]
+        if dst.min() < 0 or dst.max() + 1 >= img.size:
+            self.flag(where, f"consumer {c.w}: o_stage addresses fall outside the {self.smem.size}-byte shared memory")
+        else:
+            clash = self._foreign_elements(c.w, o_stage)[np.concatenate([dst.ravel(), dst.ravel() + 1])].sum()
+            if clash:
+                self.flag(where, f"consumer {c.w} stages O over {clash} element(s) another warpgroup or the "
+                                 "producer may still use (other consumers' Q or O rows, the K/V ring, the mbarriers)")
+            img[dst] = hw.encode(val[:, ev], self.dtype)
+            img[dst + 1] = hw.encode(val[:, ev + 1], self.dtype)
+            # 16-byte row reads: 8 consecutive elements from o_stage(64w + r, c) for c % 8 == 0
+            r_all = np.arange(64)
+            keep = 64 * c.w + r_all < o.shape[0]
+            for c0 in range(0, cfg.d_head, 8):
+                src = o_stage[64 * c.w + r_all, c0][:, None] + np.arange(8)
+                o[(64 * c.w + r_all)[keep], c0: c0 + 8] = img[src[keep]]
+        c.o_acc[:] = 0
+        c.o_scale = None
+        c.fin = None
 
     # -- the end
     def finish(self, c: _Consumer) -> None:
         where = f"end of consumer {c.w}"
         if c.groups:
             names = ", ".join(g.what for g in c.groups)
-            self.flag(where, f"{len(c.groups)} wgmma group(s) still in flight ({names}) when O is normalised")
+            self.flag(where, f"{len(c.groups)} wgmma group(s) still in flight ({names}) at exit")
             while c.groups:
                 self.retire(c, where)
-        if c.o_scale is not None and c.o_scale != c.max_block:
-            self.flag(where, f"consumer {c.w}: O is scaled to block {c.o_scale}'s max, the statistics to block {c.max_block}'s")
-        for j in range(self.jb, self.je):
+        for g in range(len(self.blocks)):
             for what in ("S", "softmax", "O"):
-                n = self.counts.get((c.w, what, j), 0)
+                n = self.counts.get((c.w, what, g), 0)
                 if n != 1:
                     name = what if what == "softmax" else f"gemm {what}"
-                    self.flag(where, f"consumer {c.w}: {name} ran {n} time(s) for block {j} (expected once)")
+                    self.flag(where, f"consumer {c.w}: {name} ran {n} time(s) for block {self.name(g)} (expected once)")
             for t in ("K", "V"):
-                if (t, j) not in c.released:
-                    self.flag(where, f"consumer {c.w} never releases {t}_{j}")
-        if "q_empty" in self.plan.barriers and self.je > self.jb and ("Q", 0) not in c.released:
-            self.flag(where, f"consumer {c.w} never releases Q: a persistent producer waits forever for the next tile")
+                if (t, g) not in c.released:
+                    self.flag(where, f"consumer {c.w} never releases {t}_{self.name(g)}")
+        for ti, t in enumerate(self.tiles):
+            for what in ("finish_rows", "store_O"):
+                n = self.counts.get((c.w, what, ti), 0)
+                if n != 1:
+                    self.flag(where, f"consumer {c.w}: {what} ran {n} time(s) for tile {ti} (expected once)")
+            if "q_empty" in self.plan.barriers and t.n and ("Q", ti) not in c.released:
+                self.flag(where, f"consumer {c.w} never releases Q: a persistent producer waits forever for the next tile")
 
     def final_checks(self) -> None:
         if self.prod_pc < len(self.prod_ops):
-            t, j = self.prod_ops[self.prod_pc]
-            self.flag("producer", f"never issues {t}_{j}: its stage was not released by every consumer warp")
+            t, x = self.prod_ops[self.prod_pc]
+            what = f"the Q of tile {x}: Q was" if t == "Q" else f"{t}_{self.name(x)}: its stage was"
+            self.flag("producer", f"never issues {what} not released by every consumer warp")
         if self.cfg.pingpong and self.cfg.consumers == 2:
             # before exit consumer 0 takes the pass consumer 1 gave last (or its initial one)
             if self.pending[0]:
@@ -596,7 +746,6 @@ class _Cta:
                 if n:
                     self.flag("exit", f"consumer {w}'s turn barrier has {n} unmatched pass(es): turns and passes do not balance")
 
-    # -- output
     def _foreign_elements(self, w: int, o_stage: np.ndarray) -> np.ndarray:
         """Mask over the image's 16-bit elements consumer ``w``'s epilogue must not write: the
         other consumers' Q rows and O staging rows, every K/V stage and the mbarriers (its own Q
@@ -614,50 +763,6 @@ class _Cta:
             bad[off // 2: (off + 8 * stages) // 2] = True
         return bad
 
-    def output(self) -> tuple[np.ndarray, np.ndarray]:
-        """O /= l and lse per consumer, staged through ``plan.o_stage`` as the emitted epilogue does."""
-        cfg, f32 = self.cfg, np.float32
-        n_rows = max(0, min(cfg.B_r, self.seq_q - self.q_row0))
-        o = np.zeros((n_rows, cfg.d_head), np.uint16)
-        lse = np.full(n_rows, np.nan, np.float32)
-        # element index of (CTA row, col) in the image; flat layout index = row + B_r * col (colex)
-        o_stage = self.plan.tiles["O"].offset // 2 + offsets(self.plan.o_stage).reshape(cfg.d_head, cfg.B_r).T
-        img = self.smem.view("<u2")
-        lanes = np.arange(WG) % 32
-        writer = (lanes & sum(self.plan.row_reduce_lanes)) == 0
-        for c in self.consumers:
-            where = f"epilogue of consumer {c.w}"
-            l = self._butterfly(c.row_sum.copy(), np.add)
-            self._check_rows_agree(l, "row sums", where)
-            with np.errstate(divide="ignore"):
-                inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
-                logl = np.log(l.astype(np.float64)).astype(f32)
-            val = (c.o_acc * np.take_along_axis(inv, self.o_slot, axis=1)).astype(f32)
-            row_lse = np.where(l > 0, hw.fma32(c.row_max, self.scale, logl), f32(-np.inf))
-            # st.shared.b32 of pack2(value i, value i+1), i even, at o_stage(c_map(thread, i))
-            ev = np.arange(0, val.shape[1], 2)
-            dst = o_stage[64 * c.w + self.co.rows[:, ev], self.co.cols[:, ev]]
-            if dst.min() < 0 or dst.max() + 1 >= img.size:
-                self.flag(where, f"consumer {c.w}: o_stage addresses fall outside the {self.smem.size}-byte shared memory")
-                continue
-            clash = self._foreign_elements(c.w, o_stage)[np.concatenate([dst.ravel(), dst.ravel() + 1])].sum()
-            if clash:
-                self.flag(where, f"consumer {c.w} stages O over {clash} element(s) another warpgroup or the "
-                                 "producer may still use (other consumers' Q or O rows, the K/V ring, the mbarriers)")
-            img[dst] = hw.encode(val[:, ev], self.dtype)
-            img[dst + 1] = hw.encode(val[:, ev + 1], self.dtype)
-            # 16-byte row reads: 8 consecutive elements from o_stage(64w + r, c) for c % 8 == 0
-            r_all = np.arange(64)
-            for c0 in range(0, cfg.d_head, 8):
-                src = o_stage[64 * c.w + r_all, c0][:, None] + np.arange(8)
-                keep = 64 * c.w + r_all < n_rows
-                o[(64 * c.w + r_all)[keep], c0: c0 + 8] = img[src[keep]]
-            for h in range(2):
-                rr = 64 * c.w + self.s_rows[writer, h]
-                ok = rr < n_rows
-                lse[rr[ok]] = row_lse[writer, h][ok]
-        return o, lse
-
 
 def _text(s: Step) -> str:
     return s.op + (f" {s.arg}" if s.arg else "") + (f" {s.block}" if s.block else "")
@@ -666,19 +771,7 @@ def _text(s: Step) -> str:
 # ---------------------------------------------------------------------- entry points
 
 
-def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_block: int = 0,
-                 seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
-                 mask_offset: int = 0, window_left: int = -1, window_right: int = -1
-                 ) -> tuple[np.ndarray, np.ndarray, HopperReport]:
-    """One CTA (query rows ``q_block * B_r ...``) of the Hopper plan: ``(o, lse, report)``.
-
-    ``q``: ``[seq_q, d]``, ``k``/``v``: ``[seq_k, d]``, 16-bit patterns (uint16) or floats
-    (rounded to the dtype). ``o``: ``[rows, d]`` uint16 patterns of the CTA's rows below
-    ``seq_q``; ``lse``: natural-log log-sum-exp (``-inf`` for a row with no kept score).
-    ``scale`` defaults to ``1/sqrt(d)``.
-    """
-    if not isinstance(plan, HopperPlan):
-        plan = make_hopper_plan(plan)
+def _encode_inputs(plan: HopperPlan, q, k, v, seq_q, seq_k):
     cfg = plan.cfg
     arrs = []
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -693,23 +786,53 @@ def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray
     seq_k = k.shape[0] if seq_k is None else seq_k
     if q.shape[0] < seq_q or k.shape[0] < seq_k or v.shape != k.shape:
         raise ValueError(f"q/k/v shapes {q.shape}, {k.shape}, {v.shape} do not cover seq_q={seq_q}, seq_k={seq_k}")
-    q_row0 = q_block * cfg.B_r
-    if not 0 <= q_row0 < seq_q:
-        raise ValueError(f"q_block {q_block} starts at row {q_row0}, outside seq_q={seq_q}")
+    return q[:seq_q], k[:seq_k], v[:seq_k], seq_q, seq_k
+
+
+def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_blocks: list[int],
+                   seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
+                   mask_offset: int = 0, window_left: int = -1, window_right: int = -1
+                   ) -> tuple[list[np.ndarray], list[np.ndarray], HopperReport]:
+    """One CTA walking the tiles (query blocks) ``q_blocks`` in order, as a persistent CTA does
+    (one head: every tile reads the same ``k``/``v``): ``(o per tile, lse per tile, report)``.
+    A plan without ``q_empty`` (not persistent) takes one tile. Arguments as :func:`simulate_cta`.
+    """
+    if not isinstance(plan, HopperPlan):
+        plan = make_hopper_plan(plan)
+    cfg = plan.cfg
+    q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
+    for qb in q_blocks:
+        if not 0 <= qb * cfg.B_r < seq_q:
+            raise ValueError(f"q_block {qb} starts at row {qb * cfg.B_r}, outside seq_q={seq_q}")
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
-    cta = _Cta(plan, q[:seq_q], k[:seq_k], v[:seq_k], q_row0, seq_q, seq_k, scale, (mask_offset, window_left, window_right))
+    cta = _Cta(plan, q, k, v, list(q_blocks), seq_q, seq_k, scale, (mask_offset, window_left, window_right))
     cta.run()
-    o, lse = cta.output()
     pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in cta.consumers}
-    return o, lse, HopperReport(cta.hazards, cta.jb, cta.je, cta.n_groups, pp)
+    return cta.o, cta.lse, HopperReport(cta.hazards, cta.jb, cta.je, cta.n_groups, pp)
 
 
-def check_schedule(plan: "HopperPlan", n_blocks: int = 3, seed: int = 0) -> list[str]:
-    """Hazards of one CTA walking ``n_blocks`` key blocks (random data, no mask)."""
+def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_block: int = 0,
+                 seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
+                 mask_offset: int = 0, window_left: int = -1, window_right: int = -1
+                 ) -> tuple[np.ndarray, np.ndarray, HopperReport]:
+    """One CTA (query rows ``q_block * B_r ...``) of the Hopper plan: ``(o, lse, report)``.
+
+    ``q``: ``[seq_q, d]``, ``k``/``v``: ``[seq_k, d]``, 16-bit patterns (uint16) or floats
+    (rounded to the dtype). ``o``: ``[rows, d]`` uint16 patterns of the CTA's rows below
+    ``seq_q``; ``lse``: natural-log log-sum-exp (``-inf`` for a row with no kept score).
+    ``scale`` defaults to ``1/sqrt(d)``.
+    """
+    o, lse, rep = simulate_tiles(plan, q, k, v, [q_block], seq_q, seq_k, scale, mask_offset=mask_offset,
+                                 window_left=window_left, window_right=window_right)
+    return o[0], lse[0], rep
+
+
+def check_schedule(plan: "HopperPlan", n_blocks: int = 3, seed: int = 0, tiles: int = 1) -> list[str]:
+    """Hazards of one CTA walking ``tiles`` tiles of ``n_blocks`` key blocks each (random data, no mask)."""
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
     cfg = plan.cfg
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((cfg.B_r, cfg.d_head))
+    q = rng.standard_normal((tiles * cfg.B_r, cfg.d_head))
     kv = rng.standard_normal((n_blocks * cfg.B_c, cfg.d_head))
-    return simulate_cta(plan, q, kv, kv)[2].hazards
+    return simulate_tiles(plan, q, kv, kv, list(range(tiles)))[2].hazards

@@ -155,7 +155,8 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
 
 def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -> dict[str, Any]:
     """The wgmma engine's checks (:mod:`flashgen.sim.hopper`): schedule hazards over 1, 2 and 5 key
-    blocks, and (``cta``) a functional CTA with a query tail and a key tail vs float64 attention.
+    blocks (persistent plans: two tiles back to back), and (``cta``) a functional CTA with a query
+    tail and a key tail vs float64 attention.
 
     Keys: ``config``, ``name``, ``engine`` ("wgmma"), ``schedule`` ``{ok, hazards}``, ``cta``
     ``{ok, detail, max_abs_err, bound}``, ``ok``.
@@ -164,10 +165,11 @@ def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -
 
     plan = make_hopper_plan(cfg)
     hazards = []
+    tiles = 2 if cfg.persistent else 1
     for n in (1, 2, 5):
-        hazards += [f"{n} block(s): {h}" for h in hopper.check_schedule(plan, n_blocks=n, seed=seed)]
+        hazards += [f"{n} block(s): {h}" for h in hopper.check_schedule(plan, n_blocks=n, seed=seed, tiles=tiles)]
     result: dict[str, Any] = {"config": cfg.short_form(), "name": cfg.mangle(), "engine": "wgmma",
-                              "schedule": {"ok": not hazards, "hazards": hazards}}
+                              "schedule": {"ok": not hazards, "hazards": hazards, "tiles": tiles}}
     checks = [not hazards]
     if cta:
         rng = np.random.default_rng(seed)
@@ -200,7 +202,8 @@ def format_report(results: list[dict[str, Any]]) -> str:
     for res in results:
         lines = [f"{res['config']}  [{_ok(res['ok'])}]", f"  kernel {res['name']}"]
         if res.get("engine") == "wgmma":
-            lines.append(f"  schedule (1, 2 and 5 key blocks; TMA ring, wgmma groups, pingpong turns): {_ok(res['schedule']['ok'])}")
+            walk = "1, 2 and 5 key blocks" + (f", {res['schedule']['tiles']} tiles" if res["schedule"].get("tiles", 1) > 1 else "")
+            lines.append(f"  schedule ({walk}; TMA ring, wgmma groups, pingpong turns): {_ok(res['schedule']['ok'])}")
             lines += [f"    hazard: {h}" for h in res["schedule"]["hazards"][:10]]
             if "cta" in res:
                 lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")

@@ -103,6 +103,38 @@ def test_online_softmax_rescales_when_the_max_moves_late():
     assert rep.ok and cta.compare_with_reference(cfg, q, k, v, o, lse=lse)["ok"]
 
 
+@pytest.mark.parametrize("cfg, mask, offset", [
+    (PP_INTRA.replace(persistent=True), "none", 0),  # pingpong + intra overlap across tiles
+    (PP_INTRA.replace(persistent=True, mask="causal"), "causal", -200),  # tile 0 has no key block: zeros, no Q
+    (PLAIN.replace(persistent=True), "none", 0),  # no overlap
+    (W("fp16", d_head=128, persistent=True, mask="causal"), "causal", 56),  # the d128 default, unequal tiles
+], ids=str)
+def test_persistent_cta_walks_several_tiles(cfg, mask, offset):
+    """One persistent CTA walks tiles in a scheduler-like order (long, empty, short ...): every
+    tile's rows match float64 attention, the ring and Q run on across tiles, no hazard."""
+    plan = make_hopper_plan(cfg)
+    seq_q, seq_k = 3 * cfg.B_r - 20, 3 * cfg.B_c + 30
+    q, k, v = _inputs(cfg, seq_q, seq_k, seed=7)
+    order = [2, 0, 1, 2]
+    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, order, mask_offset=offset)
+    assert rep.hazards == []
+    for qb, ot, lt in zip(order, o, lse):
+        row0 = qb * cfg.B_r
+        rows = min(cfg.B_r, seq_q - row0)
+        keep = np.array([[plan.score_mask.keep(row0 + i, j, seq_k, offset, -1, -1) for j in range(seq_k)]
+                         for i in range(rows)], dtype=bool).reshape(rows, seq_k)
+        cmp = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, ot, keep=keep, lse=lt)
+        assert cmp["ok"], (qb, cmp)
+    if mask == "causal" and offset < 0:
+        assert (o[1] == 0).all() and np.isneginf(lse[1]).all()
+
+
+def test_only_persistent_plans_walk_several_tiles():
+    q, k, v = _inputs(PP_INTRA, 256, 128)
+    with pytest.raises(ValueError, match="only a persistent plan"):
+        hopper.simulate_tiles(make_hopper_plan(PP_INTRA), q, k, v, [0, 1])
+
+
 # ---------------------------------------------------------------------- schedules are clean
 
 
@@ -119,13 +151,14 @@ SCHEDULES = [W(dt, d_head=64, B_r=br, B_c=64, stages=st, pingpong=pp, intra_over
 @pytest.mark.parametrize("n_blocks", [1, 2, 5])
 def test_every_schedule_is_hazard_free(cfg, n_blocks):
     plan = make_hopper_plan(cfg)
-    q, k, v = _inputs(cfg, cfg.B_r, n_blocks * cfg.B_c)
-    o, lse, rep = hopper.simulate_cta(plan, q, k, v)
+    n_tiles = 3 if cfg.persistent else 1  # a persistent CTA: three tiles back to back
+    q, k, v = _inputs(cfg, n_tiles * cfg.B_r, n_blocks * cfg.B_c)
+    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, list(range(n_tiles)))
     assert rep.hazards == []
-    assert rep.groups == 2 * n_blocks * cfg.consumers
+    assert rep.groups == 2 * n_blocks * cfg.consumers * n_tiles
     if cfg.pingpong:  # consumer 1 hands over the first turn; consumer 0 takes the pass left over at exit
-        n_issue = sum(s.op == "turn" for s in plan.prologue + plan.epilogue) + n_blocks * sum(s.op == "turn" for s in plan.body) \
-            - (sum(s.op == "turn" for s in plan.body) if plan.prologue else 0)
+        n_issue = n_tiles * (sum(s.op == "turn" for s in plan.prologue + plan.epilogue) + n_blocks * sum(s.op == "turn" for s in plan.body)
+                             - (sum(s.op == "turn" for s in plan.body) if plan.prologue else 0))
         assert rep.pingpong[0] == {"turn": n_issue, "pass": n_issue, "absorbed": 1}
         assert rep.pingpong[1] == {"turn": n_issue, "pass": n_issue, "absorbed": 0}
 
@@ -148,8 +181,9 @@ def _move(plan, part, i, to):
     return attrs.evolve(plan, **{part: tuple(steps)})
 
 
-def _hazards(plan, n_blocks=3):
-    return hopper.check_schedule(plan, n_blocks)
+def _hazards(plan, n_blocks=3, tiles=None):
+    tiles = tiles or (2 if "q_empty" in plan.barriers else 1)  # persistent plans: across a tile boundary
+    return hopper.check_schedule(plan, n_blocks, tiles=tiles)
 
 
 @pytest.mark.parametrize("cfg", [PP_INTRA, PLAIN, W("fp16", d_head=64, B_c=64, stages=2, pingpong=True, intra_overlap=False),
@@ -273,3 +307,23 @@ def test_q_release_needs_a_q_empty_barrier():
     assert "q_empty" not in plan.barriers
     h = _hazards(attrs.evolve(plan, body=plan.body + (Step("release", "Q", guard="j + 1 == j_end"),)))
     assert any("has no q_empty barrier" in x for x in h), h[:3]
+
+
+def test_next_tiles_q_over_a_running_S_gives_the_wrong_tile():
+    """Q released after the first S GEMM instead of the last: the producer loads the next tile's
+    Q while the later S GEMMs still have to execute on the old one."""
+    plan = make_hopper_plan(PP_INTRA.replace(persistent=True))
+    early = attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard="j == j_begin") if s.arg == "Q" and s.op == "release" else s
+                                              for s in getattr(plan, part)) for part in ("prologue", "body")})
+    h = _hazards(early, n_blocks=3, tiles=3)
+    assert any("executes on the Q of tile" in x for x in h), h[:3]
+
+
+def test_tile_output_steps_out_of_place_are_reported():
+    """The output of a tile needs its last PV retired and the statistics of its last block."""
+    plan = make_hopper_plan(PP_INTRA.replace(persistent=True))
+    no_wait = _without(plan, "epilogue", _index(plan.epilogue, "wgmma_wait"))
+    h = _hazards(no_wait)
+    assert any("touches O registers while wgmma group O[" in x for x in h), h[:3]
+    h = _hazards(_without(plan, "epilogue", _index(plan.epilogue, "gemm")))
+    assert any("store_O of tile 0 before gemm O of block" in x for x in h), h[:3]
