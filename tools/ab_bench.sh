@@ -11,20 +11,20 @@
 set -uo pipefail
 pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD:/tmp/site FLASHGEN_CACHE=${FLASHGEN_CACHE:-/tmp/fgcache} PYTHONUNBUFFERED=1
-OUT=${OUT:-ab_out}; mkdir -p "$OUT"
+OUT=$(realpath -m "${OUT:-ab_out}"); mkdir -p "$OUT"
 CFGS="${CFGS:-'(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent'}"
 SEQS="${SEQS:-1024 2048 4096 8192}"
 if [[ -n "${TESTS:-}" ]]; then
   echo "== tests"; timeout 500 python -m pytest tests/gpu/test_hopper.py -q -x -p no:cacheprovider -k "$TESTS" 2>&1 | tail -8
 fi
-here=$PWD
+
 for round in ${ROUNDS:-1 2}; do
   for dir in ${VARIANTS:-.}; do
     tag=$(basename "$(realpath "$dir")")$round
     echo "== bench $dir round $round"
     # shellcheck disable=SC2086  # CFGS is a list of quoted short forms
-    (cd "$dir" && eval "python -m flashgen.cli bench $CFGS --d-heads 128 --causal ${CAUSAL:-both} --dtypes ${DTYPES:-fp16} --seqs $SEQS -o \"$here/$OUT/$tag\"" \
-      2>"$here/$OUT/$tag.err" | tail -1)
+    (cd "$dir" && eval "python -m flashgen.cli bench $CFGS --d-heads 128 --causal ${CAUSAL:-both} --dtypes ${DTYPES:-fp16} --seqs $SEQS -o \"$OUT/$tag\"" \
+      2>"$OUT/$tag.err" | tail -1)
     python tools/bench_per_config.py "$OUT/$tag/bench.json" > "$OUT/${tag}_per_config.txt"
   done
 done
