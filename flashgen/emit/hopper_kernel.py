@@ -576,6 +576,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     )
     tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
     grid = f"(min(SMs, {tiles}))" if loop_tiles else f"({tiles})"
+    if loop_tiles and cfg.mask != "none":
+        grid = f"(min(SMs, {tiles}); with unequal tiles, SMs rounded down to a multiple of half the query blocks)"
     meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, text, binding_source(cfg, name), meta)
