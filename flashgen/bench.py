@@ -65,6 +65,19 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, timer: Callable[
     return times
 
 
+def pick_fastest(fns: dict[str, Callable[[], Any]], rounds: int = 3, finalists: int = 4,
+                 timer: Callable[[Callable[[], Any]], float] = time_ms) -> tuple[str, dict[str, float]]:
+    """The fastest of many candidates without a winner's curse: one timing each, then the
+    ``finalists`` fastest timed again in ``rounds`` interleaved rounds; the lowest median wins.
+    Returns ``(name, {finalist: median ms})``."""
+    if not fns:
+        raise ValueError("no candidates to time")
+    first = {name: t[0] for name, t in interleaved(fns, 1, timer).items()}
+    top = sorted(first, key=first.get)[:max(1, finalists)]
+    medians = {name: median(t) for name, t in interleaved({n: fns[n] for n in top}, rounds, timer).items()}
+    return min(medians, key=medians.get), medians
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     mid = len(s) // 2

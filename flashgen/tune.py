@@ -90,10 +90,13 @@ def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = N
     return base if base.d_head == d_head else base.replace(d_head=d_head)
 
 
-def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16) -> dict[str, Any]:
+def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16, rounds: int = 3, finalists: int = 4) -> dict[str, Any]:
+    """Time the configs per (dtype, d_head, sequence bucket) and store the fastest in the cache: one
+    timing each, then the ``finalists`` fastest again in ``rounds`` interleaved rounds (medians), so
+    a config that was lucky once does not win (:func:`flashgen.bench.pick_fastest`)."""
     import torch
 
-    from .bench import attention_flops, time_ms
+    from .bench import attention_flops, pick_fastest
     from .build import build_many
     from .runtime import compile as fg_compile
 
@@ -112,16 +115,17 @@ def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16) -> dict[str
                 q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dtype.torch) for _ in range(3))
                 out = torch.empty_like(q)
                 flops = attention_flops(batch, heads, seq, seq, d_head)
-                timings = []
-                for i, cfg in enumerate(group, 1):
-                    if seq % cfg.B_r or seq % cfg.B_c:
-                        continue
-                    attn = fg_compile(cfg)
-                    ms = time_ms(lambda: attn(q, k, v, out=out))
-                    timings.append((flops / ms / 1e9, cfg))
-                best_tf, best = max(timings, key=lambda t: t[0])
-                log(f"{dtype.value} d{d_head} seq {seq}: best {best_tf:.0f} TFLOP/s of {len(timings)}: {best.short_form()}")
-                entry = {"config": best.short_form(), "tflops": round(best_tf, 1), "candidates": len(timings), "time": time.strftime("%Y-%m-%d")}
+                fns = {cfg.short_form(): (lambda attn=fg_compile(cfg): attn(q, k, v, out=out))
+                       for cfg in group if not (seq % cfg.B_r or seq % cfg.B_c)}
+                if not fns:
+                    log(f"{dtype.value} d{d_head} seq {seq}: no config takes this length, skipped")
+                    continue
+                name, medians = pick_fastest(fns, rounds, finalists)
+                best_tf = flops / medians[name] / 1e9
+                log(f"{dtype.value} d{d_head} seq {seq}: best {best_tf:.0f} TFLOP/s of {len(fns)} (median of {rounds} rounds "
+                    f"among {len(medians)} finalists): {name}")
+                entry = {"config": name, "tflops": round(best_tf, 1), "candidates": len(fns),
+                         "finalists": {n: round(flops / ms / 1e9, 1) for n, ms in medians.items()}, "time": time.strftime("%Y-%m-%d")}
                 cache.setdefault(gpu, {}).setdefault(dtype.value, {}).setdefault(str(d_head), {})[str(seq_bucket(seq))] = entry
                 found[f"{dtype.value}/d{d_head}/{seq}"] = entry
     save_cache(cache)
@@ -132,6 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("configs", nargs="*", help="config space: YAML files, short forms or named sets (default: tuning-space)")
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     p.add_argument("--seqs", nargs="+", type=int, default=list(BUCKETS), help="sequence lengths to tune (one bucket each)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the finalists (default: 3)")
+    p.add_argument("--finalists", type=int, default=4, help="fastest configs of the first timing that are timed again (default: 4)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -139,12 +145,15 @@ def main(args: argparse.Namespace) -> int:
 
     from .emit.sweep import merge, resolve
 
+    if args.rounds < 1 or args.finalists < 1:
+        print("flashgen: error: --rounds and --finalists must be at least 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("flashgen: error: tune needs a CUDA GPU", file=sys.stderr)
         return 2
     space = list(merge(resolve(c) for c in args.configs).configs) if args.configs else tuning_space(args.dtypes)
     space = [c for c in space if c.dtype.value in args.dtypes]
-    found = tune(space, args.seqs)
+    found = tune(space, args.seqs, rounds=args.rounds, finalists=args.finalists)
     print(f"tuned {len(found)} bucket(s); cache: {tune_cache_path()}")
     for key, entry in found.items():
         print(f"  {key:18} {entry['tflops']:7.1f} TFLOP/s  {entry['config']}")

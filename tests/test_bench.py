@@ -53,3 +53,31 @@ def test_bench_refuses_zero_rounds_before_touching_the_gpu(capsys):
     bench.add_arguments(p)
     assert bench.main(p.parse_args(["--rounds", "0"])) == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_pick_fastest_does_not_crown_a_config_that_was_lucky_once():
+    """Candidate "lucky" runs at 1.0 ms in its first timing and 1.2 ms after; "steady" always at
+    1.05 ms; "slow" at 2.0 ms drops out after the first timing (one finalist slot too few)."""
+    seen = {"lucky": 0}
+
+    def lucky():
+        seen["lucky"] += 1
+        return 1.0 if seen["lucky"] == 1 else 1.2
+
+    fns = {"lucky": lucky, "steady": lambda: 1.05, "slow": lambda: 2.0}
+    name, medians = bench.pick_fastest(fns, rounds=3, finalists=2, timer=lambda fn: fn())
+    assert name == "steady"
+    assert medians == {"lucky": 1.2, "steady": 1.05}  # the finalists and their medians; "slow" was cut
+    assert bench.pick_fastest({"only": lambda: 3.0}, timer=lambda fn: fn()) == ("only", {"only": 3.0})
+    with pytest.raises(ValueError, match="no candidates"):
+        bench.pick_fastest({})
+
+
+def test_tune_refuses_zero_rounds_before_touching_the_gpu(capsys):
+    pytest.importorskip("torch")
+    from flashgen import tune
+
+    p = argparse.ArgumentParser()
+    tune.add_arguments(p)
+    assert tune.main(p.parse_args(["--finalists", "0"])) == 2
+    assert "must be at least 1" in capsys.readouterr().err
