@@ -220,7 +220,7 @@ def format_table(results: dict) -> str:
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
         f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s) "
         "(causal counts half the FLOPs; ratio = flashgen / peer)",
-        f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
+        f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
     ]
     for row in results["rows"]:
         if not row["best"]:
@@ -234,8 +234,11 @@ def format_table(results: dict) -> str:
         def ratio(x, w):
             return f"{fg['tflops'] / x:{w}.3f}" if x else " " * (w - 1) + "-"
 
+        # (max - min) / median of the best config's rounds: how far one timing could have moved its ratios
+        r = fg.get("rounds_tflops") or []
+        spread = f"{(max(r) - min(r)) / median(r):6.1%}" if len(r) > 1 else "     -"
         lines.append(
-            f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6} {fg['tflops']:9.0f} {num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} "
+            f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6} {fg['tflops']:9.0f} {spread} {num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} "
             f"{num(p.get('EFFICIENT_ATTENTION'))} {ratio(p.get('FLASH_ATTENTION'), 8)} {ratio(p.get('CUDNN_ATTENTION'), 8)} "
             f"{ratio(p.get('EFFICIENT_ATTENTION'), 9)}  {'yes' if fg['correct'] else 'NO '} {row['best']}"
         )

@@ -81,3 +81,18 @@ def test_tune_refuses_zero_rounds_before_touching_the_gpu(capsys):
     tune.add_arguments(p)
     assert tune.main(p.parse_args(["--finalists", "0"])) == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
+    cfg = "(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra"
+    row = {"dtype": "fp16", "d_head": 128, "causal": False, "seq": 2048, "batch": 16, "best": cfg,
+           "peers": {"FLASH_ATTENTION": 300.0, "CUDNN_ATTENTION": 500.0, "EFFICIENT_ATTENTION": None},
+           "flashgen": {cfg: {"tflops": 550.0, "rounds_tflops": [540.0, 550.0, 562.0], "correct": True},
+                        "other": {"tflops": 400.0, "rounds_tflops": [400.0], "correct": True}}}
+    res = {"gpu": "GPU", "torch": "t", "cuda": "c", "heads": 16, "rounds": 3, "rows": [row], "matmul_tflops": {"fp16": 700.0}}
+    line = bench.format_table(res).splitlines()[2]
+    fields = line.split()
+    assert fields[:6] == ["fp16", "128", "-", "2048", "550", "4.0%"]  # (562 - 540) / 550
+    assert fields[6:9] == ["300", "500", "-"] and fields[9:11] == ["1.833", "1.100"]
+    assert line.endswith(cfg) and " yes " in line
+    assert "median of 3 interleaved round(s)" in bench.format_table(res)
