@@ -601,14 +601,7 @@ def simulate_cta(
     """
     plan = _plan_of(cfg_or_plan)
     cfg = plan.cfg
-    data = {}
-    for name, x in (("Q", q), ("K", k), ("V", v)):
-        x = np.asarray(x)
-        if x.dtype != np.uint16:
-            x = hw.encode(x, cfg.dtype)
-        if x.ndim != 2 or x.shape[1] != cfg.d_head:
-            raise ValueError(f"{name}: expected [rows, {cfg.d_head}], got {x.shape}")
-        data[name] = x
+    data = {name: hw.operand_rows(name, x, cfg.dtype, cfg.d_head) for name, x in (("Q", q), ("K", k), ("V", v))}
     rows = data["Q"].shape[0]
     if not 0 < rows <= cfg.B_r:
         raise ValueError(f"Q: expected 1..{cfg.B_r} rows (one CTA), got {rows}")

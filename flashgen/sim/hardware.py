@@ -89,6 +89,17 @@ def decode(bits: np.ndarray, dtype: object = FP16) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def operand_rows(name: str, x: np.ndarray, dtype: object, d_head: int) -> np.ndarray:
+    """A simulator input ``[rows, d_head]`` as uint16 patterns: patterns as given, floats rounded
+    to ``dtype``; any other shape is a ValueError naming the operand."""
+    x = np.asarray(x)
+    if x.dtype != np.uint16:
+        x = encode(x, dtype)
+    if x.ndim != 2 or x.shape[1] != d_head:
+        raise ValueError(f"{name}: expected [rows, {d_head}], got {x.shape}")
+    return x
+
+
 def encode(values: np.ndarray, dtype: object = FP16) -> np.ndarray:
     """uint16 patterns of ``values`` rounded to fp16/bf16, round to nearest even (``cvt.rn``).
 

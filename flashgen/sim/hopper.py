@@ -773,15 +773,7 @@ def _text(s: Step) -> str:
 
 def _encode_inputs(plan: HopperPlan, q, k, v, seq_q, seq_k):
     cfg = plan.cfg
-    arrs = []
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        x = np.asarray(x)
-        if x.dtype != np.uint16:
-            x = hw.encode(x, cfg.dtype)
-        if x.ndim != 2 or x.shape[1] != cfg.d_head:
-            raise ValueError(f"{name}: expected [rows, {cfg.d_head}], got {x.shape}")
-        arrs.append(x)
-    q, k, v = arrs
+    q, k, v = (hw.operand_rows(name, x, cfg.dtype, cfg.d_head) for name, x in (("q", q), ("k", k), ("v", v)))
     seq_q = q.shape[0] if seq_q is None else seq_q
     seq_k = k.shape[0] if seq_k is None else seq_k
     if q.shape[0] < seq_q or k.shape[0] < seq_k or v.shape != k.shape:
