@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any, Callable
 
 SHAPES = ((512, 16), (1024, 16), (2048, 16), (4096, 16), (8192, 8), (16384, 4))  # (seq, batch)
@@ -76,12 +77,6 @@ def pick_fastest(fns: dict[str, Callable[[], Any]], rounds: int = 3, finalists: 
     top = sorted(first, key=first.get)[:max(1, finalists)]
     medians = {name: median(t) for name, t in interleaved({n: fns[n] for n in top}, rounds, timer).items()}
     return min(medians, key=medians.get), medians
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, d: int, causal: bool = False) -> float:
