@@ -296,6 +296,7 @@ class _Cta:
             self.hazards.append("the A-register map does not cover the 64x16 A tile exactly once")
         # element index of (CTA row, col) in the image; flat layout index = row + B_r * col (colex)
         self.o_stage = plan.tiles["O"].offset // 2 + offsets(plan.o_stage).reshape(cfg.d_head, cfg.B_r).T
+        self._foreign: dict[int, np.ndarray] = {}  # consumer -> elements its output staging must not touch
         self.consumers = [self._consumer(w) for w in range(cfg.consumers)]
 
     # -- setup
@@ -691,7 +692,7 @@ class _Cta:
         if dst.min() < 0 or dst.max() + 1 >= img.size:
             self.flag(where, f"consumer {c.w}: o_stage addresses fall outside the {self.smem.size}-byte shared memory")
         else:
-            clash = self._foreign_elements(c.w, o_stage)[np.concatenate([dst.ravel(), dst.ravel() + 1])].sum()
+            clash = self._foreign_elements(c.w)[np.concatenate([dst.ravel(), dst.ravel() + 1])].sum()
             if clash:
                 self.flag(where, f"consumer {c.w} stages O over {clash} element(s) another warpgroup or the "
                                  "producer may still use (other consumers' Q or O rows, the K/V ring, the mbarriers)")
@@ -746,11 +747,13 @@ class _Cta:
                 if n:
                     self.flag("exit", f"consumer {w}'s turn barrier has {n} unmatched pass(es): turns and passes do not balance")
 
-    def _foreign_elements(self, w: int, o_stage: np.ndarray) -> np.ndarray:
+    def _foreign_elements(self, w: int) -> np.ndarray:
         """Mask over the image's 16-bit elements consumer ``w``'s epilogue must not write: the
         other consumers' Q rows and O staging rows, every K/V stage and the mbarriers (its own Q
-        rows are free: its S GEMMs have all retired)."""
-        cfg, plan = self.cfg, self.plan
+        rows are free: its S GEMMs have all retired). Built once per consumer (every tile reuses it)."""
+        if w in self._foreign:
+            return self._foreign[w]
+        cfg, plan, o_stage = self.cfg, self.plan, self.o_stage
         bad = np.zeros(self.smem.size // 2, bool)
         others = np.ones(cfg.B_r, bool)
         others[64 * w: 64 * (w + 1)] = False
@@ -761,6 +764,7 @@ class _Cta:
             bad[tile.offset // 2: (tile.offset + tile.stages * tile.stage_bytes) // 2] = True
         for _, off, stages in plan.barriers.values():
             bad[off // 2: (off + 8 * stages) // 2] = True
+        self._foreign[w] = bad
         return bad
 
 
