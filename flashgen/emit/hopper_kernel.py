@@ -485,16 +485,15 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
     o_tile = plan.tiles["O"]
     loop_tiles = plan.tile_scheduler == "static"
-    if cfg.persistent:
-        tile_loop_doc = "persistent: gridDim.x = min(SMs, tiles) (see the launcher), each CTA loops over rounds"
+    if cfg.persistent:  # the shared-memory side: Q released per tile, O staged apart
         wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
         o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
                         "named_bar_sync(3 + cw, 128);  // this warpgroup's reads of the previous tile's staged rows are done"]
     else:
-        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
         wait_q_empty = []
         o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
-    if loop_tiles:
+    if loop_tiles:  # the launch side: which tiles a CTA takes
+        tile_loop_doc = "persistent: gridDim.x = min(SMs, tiles) (see the launcher), each CTA loops over rounds"
         grid_size = ["int dev = 0, sms = 0;  // persistent: one CTA per SM (at most one per tile)",
                      "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
                      "    return (int)cudaGetLastError();",
@@ -518,6 +517,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
             ]
         grid_size += ["const dim3 grid{unsigned(ctas)};"]
     else:
+        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
         grid_size = ["const dim3 grid{unsigned(tiles)};"]
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
