@@ -15,7 +15,10 @@ FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
   in flight;
 * ``persistent``: CTAs loop over tiles (query block, head, batch); the output is staged in
   its own tile and the consumers release Q (``q_empty``) once the last S GEMM retired, so the
-  producer loads the next tile's Q and K/V while this tile's epilogue runs.
+  producer loads the next tile's Q and K/V while this tile's epilogue runs;
+* the epilogue: each consumer stages its 64 output rows in shared memory (Q's swizzled
+  layout) and one of its threads hands them to TMA stores (``stores``), so the warps do not
+  wait for global writes; the staging bytes are rewritten only after the stores read them.
 
 Every object here is read by both the emitter (:mod:`flashgen.emit.hopper_kernel`) and the
 simulator (:mod:`flashgen.sim.hopper`): shared-memory placement (``tma_tile`` layouts),
@@ -33,6 +36,7 @@ from .atoms.hopper import (
     Mbarrier,
     SmemDescriptor,
     TmaLoad,
+    TmaStore,
     WGMMA_64xNx16,
     kmajor_tile_layout,
     wgmma_kmajor_descriptors,
@@ -127,6 +131,7 @@ class HopperPlan:
     cfg: KernelConfig
     tiles: dict  # Q, K, V, O (O stages the output in Q's space, per consumer rows)
     loads: dict  # Q, K, V -> TmaTile
+    stores: dict  # O -> TmaTile: each consumer stores its 64 staged rows (TmaStore boxes of 64 rows)
     barriers: dict  # name -> (Mbarrier, offset, count per stage)
     gemm_S: WarpgroupGemm
     gemm_O: WarpgroupGemm
@@ -300,14 +305,18 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
     gemm_o = WarpgroupGemm("O", atom_o, "regs", None, b_v, trans_b=True)
     # output staging: consumer w writes its O rows 64w.. in Q's layout, i.e. (non-persistent) exactly
     # the bytes of its own Q rows (only its S GEMMs read those, and they are done); the 128B swizzle
-    # keeps both the 4-byte accumulator stores and the 16-byte row reads conflict-free
+    # keeps the 4-byte accumulator stores conflict-free and is the layout a TMA box with that
+    # swizzle reads, so one thread per consumer stores the rows (64-row boxes) while the
+    # warpgroup goes on with the next tile
     o_stage = q.layout
     o = SmemTile("sO", B_r, d, o_stage, o_offset, 1, q_bytes)
+    stores = {"O": TmaTile(o, TmaStore(WGMMA_M, BOX_COLS, cfg.dtype, SWIZZLE), "q")}
     prologue, body, epilogue = _schedule(cfg)
     return HopperPlan(
         cfg=cfg,
         tiles={"Q": q, "K": k, "V": v, "O": o},
         loads=loads,
+        stores=stores,
         barriers=barriers,
         gemm_S=gemm_s,
         gemm_O=gemm_o,

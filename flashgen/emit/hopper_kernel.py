@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from ..dsl.config import KernelConfig
+from ..dsl.config import WGMMA_M, KernelConfig
 from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
 from .kernel import LOG2E, KernelSource, args_struct, kernel_meta
 from .ptx import hopper as ptx_hopper, math as ptx_math, vec
@@ -186,8 +186,7 @@ using elem_t = $elem_t;
 $ptx_helpers
 
 struct Params {
-    CUtensorMap tm_q, tm_k, tm_v;  // (d_head, seq, heads, batch) maps, 64x{B_r or B_c} boxes, 128B swizzle
-    elem_t* o; int64_t o_batch, o_head, o_ld;
+    CUtensorMap tm_q, tm_k, tm_v, tm_o;  // (d_head, seq, heads, batch) maps, 64 x {B_r, B_c, B_c, $o_box_rows} boxes, 128B swizzle
     float* lse; int64_t lse_batch, lse_head;
     int seq_q, seq_k;
     int heads, batch, kv_group;
@@ -297,7 +296,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
             ++q_it;
         }
 
-        // ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> 16-byte global stores ----
+        // ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> TMA stores ----
         float inv[2];
         #pragma unroll
         for (uint32_t h = 0; h < 2; ++h) {
@@ -314,15 +313,14 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
             const uint32_t r = $c_row_i, c = $c_col_i;
             st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
         }
+        fence_proxy_async();  // the TMA unit (async proxy) reads what these st.shared wrote
         named_bar_sync(3 + cw, 128);  // this warpgroup's rows are staged
-        elem_t* gO = p.o + batch * p.o_batch + head * p.o_head;
-        #pragma unroll
-        for (uint32_t v = 0; v < 64 * D_HEAD / 8 / 128; ++v) {
-            const uint32_t idx = v * 128 + wtid, r = idx / (D_HEAD / 8), c = idx % (D_HEAD / 8) * 8;
-            const int row = q_row0 + int(64 * cw + r);
-            if (row < p.seq_q) st_global_v4(gO + int64_t(row) * p.o_ld + c, ld_shared_v4(sO + 2 * ($o_stage_rc)));
+        if (wtid == 0) {  // one thread stores them; the warpgroup goes on without waiting for global writes
+            $store_o
+            bulk_commit_group();
         }
     }
+    if (wtid == 0) bulk_wait_group<0>();  // the last stores finished reading shared memory before the CTA exits
     $pingpong_end
 }
 
@@ -373,14 +371,14 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k < 0)
         return (int)cudaErrorInvalidValue;
     if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
-    static Params p;  // large (3 tensor maps): built in static storage, passed by value to the launch
+    static Params p;  // large (4 tensor maps): built in static storage, passed by value to the launch
     p = Params{};
     const int seq_k = a->seq_k > 0 ? a->seq_k : 1;  // an empty key sequence still needs a valid map (no block is loaded)
     if (!make_map(&p.tm_q, a->q, a->seq_q, a->heads, a->batch, a->q_stride, B_r) ||
         !make_map(&p.tm_k, a->k, seq_k, a->kv_heads, a->batch, a->k_stride, B_c) ||
-        !make_map(&p.tm_v, a->v, seq_k, a->kv_heads, a->batch, a->v_stride, B_c))
+        !make_map(&p.tm_v, a->v, seq_k, a->kv_heads, a->batch, a->v_stride, B_c) ||
+        !make_map(&p.tm_o, a->o, a->seq_q, a->heads, a->batch, a->o_stride, $o_box_rows))
         return (int)cudaErrorInvalidValue;
-    p.o = (elem_t*)a->o; p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_ld = a->o_stride[2];
     p.lse = a->lse; p.lse_batch = a->lse_stride[0]; p.lse_head = a->lse_stride[1];
     p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.heads = a->heads; p.batch = a->batch; p.kv_group = a->heads / a->kv_heads;
     p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
@@ -412,6 +410,21 @@ def _tma_calls(plan: HopperPlan, op: str) -> list[str]:
         f"tma_load_4d({dst} + {b.smem_offset}u, &p.tm_{op.lower()}, {bar}, {b.col0}, {row} + {b.row0}, {head}, batch);"
         for b in load.boxes
     ]
+
+
+def _tma_store_calls(plan: HopperPlan) -> list[str]:
+    """Consumer ``cw``'s TMA stores of its staged output rows: the boxes of row block ``cw``."""
+    st = plan.stores["O"]
+    rows = st.tma.box_rows
+    if rows != WGMMA_M:
+        raise AssertionError(f"O store boxes of {rows} rows: a consumer owns {WGMMA_M}")
+    boxes = st.boxes
+    first = {b.col0: b.smem_offset for b in boxes if b.row0 == 0}
+    for b in boxes:  # row block i of a column block sits i boxes after row block 0: sO + cw * bytes
+        if b.smem_offset != first[b.col0] + (b.row0 // rows) * st.tma.bytes:
+            raise AssertionError(f"O store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it")
+    return [f"tma_store_4d(&p.tm_o, sO + cw * {st.tma.bytes}u + {off}u, {col0}, q_row0 + {rows} * int(cw), head, batch);"
+            for col0, off in sorted(first.items())]
 
 
 def _main_loop(plan: HopperPlan) -> list[str]:
@@ -488,7 +501,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     if cfg.persistent:  # the shared-memory side: Q released per tile, O staged apart
         wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
         o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
-                        "named_bar_sync(3 + cw, 128);  // this warpgroup's reads of the previous tile's staged rows are done"]
+                        "if (wtid == 0) bulk_wait_group_read<0>();  // the previous tile's TMA stores have read the staged rows",
+                        "named_bar_sync(3 + cw, 128);  // ... before this warpgroup writes them again"]
     else:
         wait_q_empty = []
         o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
@@ -568,6 +582,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         c_row_i=co.row.to_cpp(["wtid", "i"]),
         c_col_i=co.col.to_cpp(["wtid", "i"]),
         o_stage_rc=plan.o_stage.to_cpp(["64 * cw + r", "c"]),
+        store_o=_tma_store_calls(plan),
+        o_box_rows=plan.stores["O"].tma.box_rows,
         args_struct=args_struct(name),
         box_cols=plan.loads["Q"].tma.box_cols,
         tma_dtype=tma_dtype,

@@ -9,8 +9,9 @@ numbers or the hazard list say so.
 
 What is modelled
 ----------------
-* **TMA** (:func:`tma_fill`): written from the 128B-swizzle byte rule, not from the tile
-  layouts, so tests can compare the two. Rows past the sequence end are zero-filled.
+* **TMA** (:func:`tma_fill` for loads, :func:`tma_read` for the output's stores): written from
+  the 128B-swizzle byte rule, not from the tile layouts, so tests can compare the two. Rows
+  past the sequence end are zero-filled on loads and not written on stores.
 * **Producer**: a sequential program (per tile Q, then for each key block ``K_j`` and ``V_j``),
   each load waiting for its ring stage (Q: the previous tile's Q) to be released by every
   consumer warp (the plan's ``*_empty`` arrive counts). It runs as far ahead as the ring
@@ -116,6 +117,30 @@ def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data:
     lo, hi = rows if rows is not None else (0, tile.rows)
     smem.view("<u2")[addr[lo:hi] // 2] = full[lo:hi]
 
+
+
+def tma_read(smem: np.ndarray, tt: TmaTile, base_byte: int, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """What the TMA stores of ``tt``'s boxes read from the uint8 image: uint16 ``[tile rows, cols]``.
+
+    Each box (``tt.boxes``: its tile origin and byte offset) is read with the 128B-swizzle byte
+    rule at ``base_byte + box.smem_offset``; ``rows = (lo, hi)`` reads only the boxes starting
+    in those tile rows (one consumer's stores), the other rows stay 0.
+    """
+    if tt.tma.box_cols * tt.tma.dtype.size != SWIZZLE_SPAN:
+        raise ValueError(f"tma_read models 128-byte-wide boxes; {tt.tile.name} has {tt.tma.box_cols}-column boxes")
+    if smem.dtype != np.uint8 or smem.ndim != 1 or not smem.flags.c_contiguous or smem.size % 2:
+        raise ValueError("smem must be a contiguous 1-D uint8 array of even length")
+    lo, hi = rows if rows is not None else (0, tt.tile.rows)
+    out = np.zeros((tt.tile.rows, tt.tile.cols), np.uint16)
+    img = smem.view("<u2")
+    for b in tt.boxes:
+        if not lo <= b.row0 < hi:
+            continue
+        addr = tma_byte_addresses(tt.tma.box_rows, tt.tma.box_cols, base_byte + b.smem_offset)
+        if addr.max() + 2 > smem.size:
+            raise ValueError(f"tma_read: a {tt.tile.name} box at {base_byte + b.smem_offset} does not fit the {smem.size}-byte image")
+        out[b.row0: b.row0 + tt.tma.box_rows, b.col0: b.col0 + tt.tma.box_cols] = img[addr // 2]
+    return out
 
 def _read16(smem: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
     """float64 values of the 16-bit elements at byte addresses ``addr`` (NaN outside the image)."""
@@ -669,7 +694,8 @@ class _Cta:
         c.max_block = None
 
     def store_o(self, c: _Consumer, ti: int, where: str) -> None:
-        """O /= l staged through ``plan.o_stage`` and read back in 16-byte rows, as the emitted code does; O reset."""
+        """O /= l staged through ``plan.o_stage`` and read back by the TMA stores of ``plan.stores``, as the
+        emitted code does; O reset."""
         cfg, f32 = self.cfg, np.float32
         self.count(c, "store_O", ti)
         if c.fin is None or c.fin[0] != ti:
@@ -698,12 +724,12 @@ class _Cta:
                                  "producer may still use (other consumers' Q or O rows, the K/V ring, the mbarriers)")
             img[dst] = hw.encode(val[:, ev], self.dtype)
             img[dst + 1] = hw.encode(val[:, ev + 1], self.dtype)
-            # 16-byte row reads: 8 consecutive elements from o_stage(64w + r, c) for c % 8 == 0
-            r_all = np.arange(64)
-            keep = 64 * c.w + r_all < o.shape[0]
-            for c0 in range(0, cfg.d_head, 8):
-                src = o_stage[64 * c.w + r_all, c0][:, None] + np.arange(8)
-                o[(64 * c.w + r_all)[keep], c0: c0 + 8] = img[src[keep]]
+            # the TMA stores of this consumer's boxes (plan.stores) read the rows back; rows past
+            # the sequence end are not written
+            rows = np.arange(64 * c.w, 64 * c.w + 64)
+            rows = rows[rows < o.shape[0]]
+            staged = tma_read(self.smem, self.plan.stores["O"], self.plan.tiles["O"].offset, (64 * c.w, 64 * c.w + 64))
+            o[rows] = staged[rows]
         c.o_acc[:] = 0
         c.o_scale = None
         c.fin = None

@@ -65,7 +65,9 @@ def test_ptx_holds_the_planned_instructions(tmp_path, nvcc):
     assert o_ops and len(o_ops) % plan.gemm_O.k_steps == 0
     for needle in ("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.try_wait.parity",
                    "mbarrier.arrive.expect_tx", "mbarrier.init.shared", "fence.mbarrier_init", "setmaxnreg.inc.sync.aligned.u32 240",
-                   "setmaxnreg.dec.sync.aligned.u32 24", "bar.arrive", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group.sync.aligned 1"):
+                   "setmaxnreg.dec.sync.aligned.u32 24", "bar.arrive", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group.sync.aligned 1",
+                   "fence.proxy.async.shared::cta", "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
+                   "cp.async.bulk.wait_group 0"):
         assert needle in text, f"PTX lacks {needle!r}"
 
 
@@ -85,6 +87,13 @@ def test_emitted_source_renders_the_plan():
         assert f"bar_{name} = smem + {off}u" in text and f"mbar_init(bar_{name} + 8 * s, {bar.arrive_count})" in text
     for (lo, hi) in (pair for regs in plan.p_from_s for pair in regs):
         assert f"pack2(s_acc[{lo}], s_acc[{hi}])" in text
+    st = plan.stores["O"]  # each consumer stores its 64 staged rows: the boxes of its row block
+    for b in (b for b in st.boxes if b.row0 == 0):
+        assert f"tma_store_4d(&p.tm_o, sO + cw * {st.tma.bytes}u + {b.smem_offset}u, {b.col0}, q_row0 + 64 * int(cw), head, batch);" in text
+    assert text.count("tma_store_4d(&p.tm_o") == len(st.boxes) // cfg.consumers
+    assert f"make_map(&p.tm_o, a->o, a->seq_q, a->heads, a->batch, a->o_stride, {st.tma.box_rows})" in text
+    # the staged rows reach the async proxy before the store is issued
+    assert text.index("fence_proxy_async();  // the TMA unit") < text.index("this warpgroup's rows are staged") < text.index("tma_store_4d(&p.tm_o")
     assert src.meta["arch"] == "sm_90a" and src.meta["smem_bytes"] == cfg.smem_bytes == plan.smem_bytes
 
 
@@ -122,7 +131,9 @@ def test_persistent_kernels_loop_over_tiles():
         assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
         assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
         assert f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;" in text
-    assert "bar_q_empty" not in plain and "const uint32_t sO = sQ;" in plain
+        # a tile's staging is rewritten only after the previous tile's TMA stores read it
+        assert text.index("bulk_wait_group_read<0>();") < text.index("st_shared_b32(sO")
+    assert "bar_q_empty" not in plain and "const uint32_t sO = sQ;" in plain and "bulk_wait_group_read<0>();" not in plain
     # the plan decides the launch shape; the manifest says it
     kinds = {c: make_hopper_plan(c).tile_scheduler for c in (KernelConfig.wgmma("fp16", persistent=True),
                                                              KernelConfig.wgmma("fp16", persistent=True, mask="causal"),

@@ -65,6 +65,11 @@ hopper_probe(const __grid_constant__ CUtensorMap tmap, float* out, uint64_t desc
         if (threadIdx.x == 256) {{
             mbar_arrive_expect_tx(bar, 64 * 64 * 2);
             tma_load_2d(tile, &tmap, bar, scale_d * 64, parity * 64);
+            mbar_wait(bar, parity);
+            tma_store_4d(&tmap, tile, 0, parity * 64, scale_d, 0);
+            bulk_commit_group();
+            bulk_wait_group_read<0>();
+            bulk_wait_group<0>();
         }}
     }} else {{
         setmaxnreg_inc<232>();
@@ -119,6 +124,10 @@ def ptx(nvcc, cu_file) -> str:
         "mbarrier.try_wait.parity.shared::cta.b64",
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
         "fence.proxy.async.shared::cta",
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group",
+        "cp.async.bulk.commit_group",
+        "cp.async.bulk.wait_group.read 0",
+        "cp.async.bulk.wait_group 0",
         "wgmma.fence.sync.aligned",
         "wgmma.commit_group.sync.aligned",
         "wgmma.wait_group.sync.aligned 0",

@@ -70,14 +70,21 @@ def test_masks_tails_gqa(built, dtype, d_head, persistent):
     check_masks_tails_gqa(built[KernelConfig.wgmma(dtype, d_head=d_head, persistent=persistent)], shapes, seed=d_head)
 
 
-def test_strided_and_transposed_inputs(built):
-    """(b, h, s, d) storage passed as its transpose, and a slice of a wider tensor: tensor maps take the strides."""
-    cfg = KernelConfig.wgmma("bf16")
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+def test_strided_and_transposed_inputs(built, persistent):
+    """(b, h, s, d) storage passed as its transpose, and a slice of a wider tensor: tensor maps take the
+    strides, of the inputs and of the output the TMA stores write (a transposed view, poisoned first)."""
+    cfg = KernelConfig.wgmma("bf16", persistent=persistent)
     attn = built[cfg]
     q = torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     kv = torch.randn(2, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
     k, v = kv[..., :128], kv[..., 128:]
     check_close(attn(q, k, v, softmax_scale=0.07), q, k, v, 0.07)
+    storage = torch.full((2, 4, 301, 136), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = storage[:, :, :300, :128].transpose(1, 2)  # rows 272 elements apart, heads 301 rows apart
+    assert attn(q, k, v, out=out, softmax_scale=0.07) is out
+    check_close(out, q, k, v, 0.07)
+    assert storage[:, :, 300].isnan().all() and storage[..., 128:].isnan().all()  # nothing written outside the view
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])

@@ -325,6 +325,17 @@ class TmaLoad:
         )
 
 
+
+@attrs.frozen
+class TmaStore(TmaLoad):
+    """The same boxes written back: ``cp.async.bulk.tensor`` from shared to global memory.
+
+    Issued by one thread after the tile's shared-memory writes were made visible to the
+    async proxy (``fence.proxy.async`` + a barrier); completion is tracked by bulk groups
+    (``cp.async.bulk.commit_group``, ``cp.async.bulk.wait_group.read`` before the source
+    bytes are written again), not by an mbarrier. Out-of-bounds box rows are not written.
+    """
+
 # --------------------------------------------------------------------------- K-major operand tiles
 #
 # PTX ISA facts used here ("Asynchronous Warpgroup Level Matrix Shared Memory Layout":

@@ -80,6 +80,32 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
 }'''
 
 
+
+def tma_store_4d() -> str:
+    """``cp.async.bulk.tensor.4d.global.shared::cta.bulk_group`` and its bulk-group completion
+    (PTX ISA "cp.async.bulk.tensor", "cp.async.bulk.commit_group", "cp.async.bulk.wait_group")."""
+    return r'''// TMA store: copy shared `src` to the box at (c0 column, c1 row, c2 head, c3 batch) of `tmap`; rows
+// past the tensor's end are not written. The shared bytes must be visible to the async proxy first.
+__device__ __forceinline__ void tma_store_4d(const void* tmap, uint32_t src, int32_t c0, int32_t c1, int32_t c2, int32_t c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(tmap)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// This thread's TMA stores issued so far form one bulk group.
+__device__ __forceinline__ void bulk_commit_group() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Wait until at most N of this thread's bulk groups are pending: `.read` only until their shared
+// sources were read (the bytes may be rewritten), otherwise until the writes are done.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}'''
+
+
 def fence_mbarrier_init() -> str:
     """``fence.mbarrier_init.release.cluster`` (PTX ISA "membar/fence"): initialised barriers visible to the async proxy."""
     return r'''// Make mbarrier.init visible to the TMA unit (async proxy) before any copy completes on it.
@@ -221,7 +247,7 @@ __device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)
 
 def helpers(atoms: tuple[WGMMA_64xNx16, ...] = ()) -> str:
     """All Hopper helpers in a fixed order, then one wgmma helper per atom (K-major B)."""
-    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(), tma_load_4d(),
+    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(), tma_load_4d(), tma_store_4d(),
              fence_mbarrier_init(), named_barrier(), smem_descriptor(), fence_proxy_async(), wgmma_sync(), setmaxnreg()]
     parts += [wgmma(a) for a in atoms]
     return "\n".join(parts)
