@@ -89,6 +89,14 @@ def tma_byte_addresses(rows: int, cols: int, base_byte: int = 0, elem_bytes: int
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
+def _check_tma(smem: np.ndarray, tt: "TmaTile | None", who: str) -> None:
+    """The image is a flat uint8 array; the boxes are the 128-byte-wide ones the byte rule models."""
+    if tt is not None and tt.tma.box_cols * tt.tma.dtype.size != SWIZZLE_SPAN:
+        raise ValueError(f"{who} models 128-byte-wide boxes; {tt.tile.name} has {tt.tma.box_cols}-column boxes")
+    if smem.dtype != np.uint8 or smem.ndim != 1 or not smem.flags.c_contiguous or smem.size % 2:
+        raise ValueError("smem must be a contiguous 1-D uint8 array of even length")
+
+
 def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data: np.ndarray,
              rows: tuple[int, int] | None = None) -> None:
     """Place ``data`` (``[<= rows, <= cols]`` 16-bit patterns) into the uint8 image like a TMA load.
@@ -97,11 +105,10 @@ def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data:
     ``rows = (lo, hi)`` writes only those tile rows (the boxes of one consumer's part).
     """
     if isinstance(tile, TmaTile):
-        if tile.tma.box_cols * tile.tma.dtype.size != SWIZZLE_SPAN:
-            raise ValueError(f"tma_fill models 128-byte-wide boxes; {tile.tile.name} has {tile.tma.box_cols}-column boxes")
+        _check_tma(smem, tile, "tma_fill")
         tile = tile.tile
-    if smem.dtype != np.uint8 or smem.ndim != 1 or not smem.flags.c_contiguous or smem.size % 2:
-        raise ValueError("smem must be a contiguous 1-D uint8 array of even length")
+    else:
+        _check_tma(smem, None, "tma_fill")
     if base_byte % 1024:
         raise ValueError(f"tma_fill: base {base_byte:#x} is not 1024-byte aligned (the 128B swizzle pattern)")
     data = np.asarray(data)
@@ -118,7 +125,6 @@ def tma_fill(smem: np.ndarray, tile: "TmaTile | SmemTile", base_byte: int, data:
     smem.view("<u2")[addr[lo:hi] // 2] = full[lo:hi]
 
 
-
 def tma_read(smem: np.ndarray, tt: TmaTile, base_byte: int, rows: tuple[int, int] | None = None) -> np.ndarray:
     """What the TMA stores of ``tt``'s boxes read from the uint8 image: uint16 ``[tile rows, cols]``.
 
@@ -126,10 +132,7 @@ def tma_read(smem: np.ndarray, tt: TmaTile, base_byte: int, rows: tuple[int, int
     rule at ``base_byte + box.smem_offset``; ``rows = (lo, hi)`` reads only the boxes starting
     in those tile rows (one consumer's stores), the other rows stay 0.
     """
-    if tt.tma.box_cols * tt.tma.dtype.size != SWIZZLE_SPAN:
-        raise ValueError(f"tma_read models 128-byte-wide boxes; {tt.tile.name} has {tt.tma.box_cols}-column boxes")
-    if smem.dtype != np.uint8 or smem.ndim != 1 or not smem.flags.c_contiguous or smem.size % 2:
-        raise ValueError("smem must be a contiguous 1-D uint8 array of even length")
+    _check_tma(smem, tt, "tma_read")
     lo, hi = rows if rows is not None else (0, tt.tile.rows)
     out = np.zeros((tt.tile.rows, tt.tile.cols), np.uint16)
     img = smem.view("<u2")
@@ -141,6 +144,7 @@ def tma_read(smem: np.ndarray, tt: TmaTile, base_byte: int, rows: tuple[int, int
             raise ValueError(f"tma_read: a {tt.tile.name} box at {base_byte + b.smem_offset} does not fit the {smem.size}-byte image")
         out[b.row0: b.row0 + tt.tma.box_rows, b.col0: b.col0 + tt.tma.box_cols] = img[addr // 2]
     return out
+
 
 def _read16(smem: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
     """float64 values of the 16-bit elements at byte addresses ``addr`` (NaN outside the image)."""
@@ -696,7 +700,7 @@ class _Cta:
     def store_o(self, c: _Consumer, ti: int, where: str) -> None:
         """O /= l staged through ``plan.o_stage`` and read back by the TMA stores of ``plan.stores``, as the
         emitted code does; O reset."""
-        cfg, f32 = self.cfg, np.float32
+        f32 = np.float32
         self.count(c, "store_O", ti)
         if c.fin is None or c.fin[0] != ti:
             self.flag(where, f"consumer {c.w}: store_O of tile {ti} without its finish_rows")
@@ -728,7 +732,8 @@ class _Cta:
             # the sequence end are not written
             rows = np.arange(64 * c.w, 64 * c.w + 64)
             rows = rows[rows < o.shape[0]]
-            staged = tma_read(self.smem, self.plan.stores["O"], self.plan.tiles["O"].offset, (64 * c.w, 64 * c.w + 64))
+            store = self.plan.stores["O"]
+            staged = tma_read(self.smem, store, store.tile.offset, (64 * c.w, 64 * c.w + 64))
             o[rows] = staged[rows]
         c.o_acc[:] = 0
         c.o_scale = None
