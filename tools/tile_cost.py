@@ -9,6 +9,7 @@ times: the part of the kernel that short sequences pay for most.
 """
 import argparse
 import math
+from statistics import linear_regression, median
 
 import torch
 
@@ -22,9 +23,11 @@ def main() -> None:
     ap.add_argument("--seq-q", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq-k", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--seq-k", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="at least two lengths")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if len(set(args.seq_k)) < 2:
+        ap.error("--seq-k needs at least two different lengths to fit a line")
     kernels = {}
     for text in args.configs:
         cfg = flashgen.load_config(text)
@@ -39,12 +42,8 @@ def main() -> None:
             out = torch.empty_like(q)
             fns[sk] = (lambda q=q, k=k, v=v, out=out: attn(q, k, v, out=out))
             blocks[sk] = math.ceil(sk / cfg.B_c)
-        times = {sk: sorted(t)[len(t) // 2] for sk, t in interleaved(fns, args.rounds).items()}
-        xs, ys = [blocks[s] for s in args.seq_k], [times[s] for s in args.seq_k]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        b = my - a * mx
+        times = {sk: median(t) for sk, t in interleaved(fns, args.rounds).items()}
+        a, b = linear_regression([blocks[s] for s in args.seq_k], [times[s] for s in args.seq_k])
         flops = {s: 4 * args.batch * args.heads * args.seq_q * s * cfg.d_head / times[s] / 1e9 for s in args.seq_k}
         print(f"{text}\n  seq_q {args.seq_q} batch {args.batch}: " +
               "  ".join(f"seq_k {s}: {times[s] * 1e3:.1f} us {flops[s]:.0f} TF/s" for s in args.seq_k))
