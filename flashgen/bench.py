@@ -50,7 +50,7 @@ def time_ms(fn: Callable[[], Any]) -> float:
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+        return median(times)
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, timer: Callable[[Callable[[], Any]], float] = time_ms

@@ -145,9 +145,10 @@ def main(args: argparse.Namespace) -> int:
 
     from .emit.sweep import merge, resolve
 
-    if args.rounds < 1 or args.finalists < 1:
-        print("flashgen: error: --rounds and --finalists must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--rounds", args.rounds), ("--finalists", args.finalists)):
+        if value < 1:
+            print(f"flashgen: error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("flashgen: error: tune needs a CUDA GPU", file=sys.stderr)
         return 2
