@@ -47,12 +47,19 @@ def test_median_and_round_count_checks():
         bench.interleaved({"a": lambda: None}, 0, lambda fn: 1.0)
 
 
-def test_bench_refuses_zero_rounds_before_touching_the_gpu(capsys):
+@pytest.mark.parametrize("command, argv, message", [
+    ("bench", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("tune", ["--finalists", "0"], "--finalists must be at least 1, got 0"),
+])
+def test_timing_commands_refuse_zero_rounds_before_touching_the_gpu(command, argv, message, capsys):
     pytest.importorskip("torch")
+    import importlib
+
+    module = importlib.import_module(f"flashgen.{command}")
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    assert bench.main(p.parse_args(["--rounds", "0"])) == 2
-    assert "--rounds must be at least 1" in capsys.readouterr().err
+    module.add_arguments(p)
+    assert module.main(p.parse_args(argv)) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_pick_fastest_does_not_crown_a_config_that_was_lucky_once():
@@ -71,16 +78,6 @@ def test_pick_fastest_does_not_crown_a_config_that_was_lucky_once():
     assert bench.pick_fastest({"only": lambda: 3.0}, timer=lambda fn: fn()) == ("only", {"only": 3.0})
     with pytest.raises(ValueError, match="no candidates"):
         bench.pick_fastest({})
-
-
-def test_tune_refuses_zero_rounds_before_touching_the_gpu(capsys):
-    pytest.importorskip("torch")
-    from flashgen import tune
-
-    p = argparse.ArgumentParser()
-    tune.add_arguments(p)
-    assert tune.main(p.parse_args(["--finalists", "0"])) == 2
-    assert "must be at least 1" in capsys.readouterr().err
 
 
 def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
