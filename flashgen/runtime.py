@@ -162,7 +162,8 @@ class AutoAttention:
         self.verbose = verbose
         self._built: dict[KernelConfig, Attention] = {}
 
-    def select(self, q: torch.Tensor) -> KernelConfig:
+    def select(self, q: torch.Tensor, masked: bool = False) -> KernelConfig:
+        """The config for ``q``'s shape (``masked``: the call applies a causal or window mask)."""
         from .dsl.dtypes import DType
         from .tune import lookup
 
@@ -173,10 +174,10 @@ class AutoAttention:
         if q.dim() != 4:
             raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
         return lookup(torch.cuda.get_device_name(q.device), dtype, int(q.shape[3]), int(q.shape[1]),
-                      capability=torch.cuda.get_device_capability(q.device))
+                      capability=torch.cuda.get_device_capability(q.device), masked=masked)
 
     def __call__(self, q, k, v, **kwargs):
-        cfg = self.select(q)
+        cfg = self.select(q, masked=bool(kwargs.get("causal")) or kwargs.get("window") is not None)
         attn = self._built.get(cfg)
         if attn is None:
             attn = self._built[cfg] = Attention(build(cfg, verbose=self.verbose))

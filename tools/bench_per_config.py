@@ -16,7 +16,7 @@ def main(path: str) -> None:
         cells = [f"flash {fa or 0:.0f} cudnn {cu or 0:.0f}"]
         for name, r in row["flashgen"].items():
             tag = "" if r["correct"] else " WRONG"
-            cells.append(f"{name.split(': ')[1]} {r['tflops']:.0f} ({r['tflops'] / (fa or 1):.3f}, {r['tflops'] / (cu or 1):.3f}){tag}")
+            cells.append(f"{name} {r['tflops']:.0f} ({r['tflops'] / (fa or 1):.3f}, {r['tflops'] / (cu or 1):.3f}){tag}")
         print(head + " | " + " | ".join(cells))
     print("dense matmul:", {k: round(v) for k, v in res["matmul_tflops"].items()})
 

@@ -570,13 +570,14 @@ def kernel_progression(all_block_sizes: bool = False) -> list[KernelConfig]:
 
 
 def hopper_configs(dtypes: Iterable[DType | str] = ("fp16", "bf16")) -> list[KernelConfig]:
-    """The wgmma engine's d_head-128 set: the default (pingpong + intra overlap, 2 stages) and its
-    variants (each overlap off, 3 stages, B_c 176, persistent), for benchmarks and the GPU tests."""
+    """The wgmma engine's d_head-128 set: the base config (pingpong + intra overlap, 2 stages) and its
+    variants (each overlap off, 3 stages, B_c 176, persistent with B_c 128 and 160: the shipped
+    defaults), for benchmarks and the GPU tests."""
     out = []
     for dt in dtypes:
         base = KernelConfig.wgmma(dt)
         out += [base, base.replace(intra_overlap=False), base.replace(pingpong=False), base.replace(stages=3),
-                base.replace(B_c=176), base.replace(persistent=True)]
+                base.replace(B_c=176), base.replace(persistent=True), base.replace(B_c=160, persistent=True)]
     return out
 
 

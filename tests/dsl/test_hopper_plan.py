@@ -36,6 +36,7 @@ CONFIGS = [
     W("bf16", d_head=64, B_r=192, B_c=64, stages=3, pingpong=False),
     W("fp16", d_head=64, B_c=128, stages=4, pingpong=True, intra_overlap=False),
     W("bf16", persistent=True),  # the output tile apart from Q, a q_empty barrier
+    W("fp16", B_c=160, persistent=True),  # the long-sequence default: 230 KB of shared memory
     W("fp16", d_head=64, B_c=176, stages=3, pingpong=False, intra_overlap=False, persistent=True, mask="causal"),
 ]
 IDS = [c.mangle() for c in CONFIGS]

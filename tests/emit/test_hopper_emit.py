@@ -17,7 +17,7 @@ from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.dtypes import DType
 from flashgen.dsl.hopper_plan import make_hopper_plan
 from flashgen.emit.kernel import emit
-from flashgen.tune import hopper_default, lookup
+from flashgen.tune import HOPPER_B_C, HOPPER_LONG_B_C, hopper_default, lookup
 
 CONFIGS = [
     KernelConfig.wgmma("fp16"),
@@ -26,6 +26,7 @@ CONFIGS = [
     KernelConfig.wgmma("bf16", d_head=64, pingpong=False),
     KernelConfig.wgmma("fp16", d_head=256, B_c=64, intra_overlap=False, mask="window"),
     KernelConfig.wgmma("bf16", persistent=True),
+    KernelConfig.wgmma("fp16", B_c=160, persistent=True),  # the long-sequence default: shared memory nearly full
 ]
 
 
@@ -100,7 +101,14 @@ def test_emitted_source_renders_the_plan():
 def test_sm90_defaults_to_the_wgmma_engine():
     for dtype in (DType.FP16, DType.BF16):
         hopper = lookup("NVIDIA H200", dtype, 128, 4096, cache={}, capability=(9, 0))
-        assert hopper.is_wgmma and hopper == hopper_default(dtype, 128)
+        assert hopper.is_wgmma and hopper.persistent and hopper == hopper_default(dtype, 128, 4096)
+        # the larger key block only for long unmasked sequences of the head sizes that list one
+        long_from, long_b_c = HOPPER_LONG_B_C[128]
+        for seq, masked in ((long_from, False), (long_from - 1, False), (long_from, True), (16384, True), (512, False)):
+            cfg = lookup("NVIDIA H200", dtype, 128, seq, cache={}, capability=(9, 0), masked=masked)
+            assert cfg.B_c == (long_b_c if seq >= long_from and not masked else HOPPER_B_C[128]), (seq, masked)
+            assert cfg.persistent and cfg.replace(B_c=HOPPER_B_C[128]) == hopper_default(dtype, 128)
+        assert hopper_default(dtype, 64, 16384).B_c == HOPPER_B_C[64]
         ampere = lookup("NVIDIA A100", dtype, 128, 4096, cache={}, capability=(8, 0))
         assert not ampere.is_wgmma and ampere in default_configs()
         # a head size the engine does not take falls back to mma.sync

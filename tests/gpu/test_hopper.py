@@ -36,6 +36,7 @@ CONFIGS = list(dict.fromkeys(hopper_configs() + [KernelConfig.wgmma(dt, d_head=d
                              + [hopper_default(KernelConfig.wgmma(dt).dtype, d) for d in HOPPER_B_C for dt in ("fp16", "bf16")]))
 SHAPES = [(2, 1024, 4), (1, 640, 3), (3, 384, 2)]  # (batch, seq, heads)
 MANY_TILES = (1, 2048, 10)  # 160 tiles: more than an H100/H200 has SMs, so persistent CTAs loop
+FEATURE_BLOCKS = [(64, 128), (128, 128), (128, 160)]  # (d_head, B_c): B_c 160 has a key tail at most lengths
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def built():
     import flashgen
     from flashgen.build import build_many
 
-    feature = [KernelConfig.wgmma(dt, d_head=d, persistent=pe) for dt in ("fp16", "bf16") for d in (64, 128) for pe in (False, True)]
+    feature = [KernelConfig.wgmma(dt, d_head=d, B_c=bc, persistent=pe) for dt in ("fp16", "bf16") for d, bc in FEATURE_BLOCKS
+               for pe in (False, True)]
     masked = [c.replace(mask=m) for c in feature for m in ("causal", "window")]
     failures = build_many(list(dict.fromkeys(CONFIGS + feature + masked)), torch.cuda.get_device_capability())
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
@@ -62,12 +64,12 @@ def test_matches_float64_reference(built, cfg):
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
-@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("d_head, B_c", FEATURE_BLOCKS, ids=[f"d{d}-bc{bc}" for d, bc in FEATURE_BLOCKS])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_masks_tails_gqa(built, dtype, d_head, persistent):
+def test_masks_tails_gqa(built, dtype, d_head, B_c, persistent):
     # the last shape has 576 tiles: persistent CTAs run several, with masks, tails and GQA
     shapes = FEATURE_SHAPES + [(1, 1000, 1500, 4, 1)] + ([(2, 700, 1100, 48, 8)] if persistent else [])
-    check_masks_tails_gqa(built[KernelConfig.wgmma(dtype, d_head=d_head, persistent=persistent)], shapes, seed=d_head)
+    check_masks_tails_gqa(built[KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c, persistent=persistent)], shapes, seed=d_head + B_c)
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
@@ -115,4 +117,8 @@ def test_auto_runs_the_wgmma_engine_on_sm90(built):
                   capability=torch.cuda.get_device_capability()) == hopper_default(KernelConfig.wgmma("fp16").dtype, 128)
     auto = flashgen.compile("auto")
     q, k, v = (torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    check_close(auto(q, k, v), q, k, v, 1 / math.sqrt(128))
+    # long unmasked sequences take the larger key block (2048 keys: 12 blocks of 160 and a tail of 128)
+    q, k, v = (torch.randn(1, 2048, 2, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    assert auto.select(q).B_c == 160 and auto.select(q, masked=True).B_c == 128
     check_close(auto(q, k, v), q, k, v, 1 / math.sqrt(128))

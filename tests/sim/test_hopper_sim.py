@@ -55,6 +55,7 @@ def _check(cfg, seq_q, seq_k, q_block=0, seed=0, offset=0, left=-1, right=-1, pl
     (W("fp16", d_head=64, B_r=64, B_c=64, stages=3, pingpong=False), 100, 77, 1),  # second CTA, 36 rows
     (W("bf16", d_head=64, B_c=176, stages=2, intra_overlap=False), 128, 300, 0),  # N = 176 wgmma, 2 blocks
     (W("fp16", d_head=128, B_c=128, stages=2), 100, 300, 0),  # the d128 case
+    (W("fp16", d_head=128, B_c=160, persistent=True), 100, 300, 0),  # N = 160: 10 k16 steps of P V, a 140-key tail
 ], ids=lambda x: str(x) if isinstance(x, KernelConfig) else None)
 def test_cta_matches_float64_attention(cfg, seq_q, seq_k, q_block):
     rep = _check(cfg, seq_q, seq_k, q_block)
