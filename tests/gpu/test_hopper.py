@@ -89,16 +89,22 @@ def test_strided_and_transposed_inputs(built, persistent):
     assert storage[:, :, 300].isnan().all() and storage[..., 128:].isnan().all()  # nothing written outside the view
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-160 default with a key tail
+    "grid": (KernelConfig.wgmma("fp16", mask="causal"), ["300", "1", "2", "333", "1"]),
+    # 3 query blocks x 96 heads = 288 tiles of unequal length (causal), more than twice the SMs,
+    # so CTAs loop (paired rounds, then the rest) and reuse Q, the K/V ring and the O staging
+    "persistent": (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), ["300", "1", "96", "333", "8"]),
+    "persistent-bc160": (KernelConfig.wgmma("fp16", B_c=160, persistent=True), ["300", "1", "96", "333", "8"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(SANITIZED))
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_sanitizer_clean(built, tool, persistent):
+def test_sanitizer_clean(built, tool, variant):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer not on PATH")
-    # persistent: 3 query blocks x 96 heads = 288 tiles of unequal length (causal), more than twice the SMs,
-    # so CTAs loop (paired rounds, then the rest) and reuse Q, the K/V ring and the O staging
-    cfg = KernelConfig.wgmma("fp16", persistent=persistent).replace(mask="causal")
-    shape = ["300", "1", "96", "333", "8"] if persistent else ["300", "1", "2", "333", "1"]
+    cfg, shape = SANITIZED[variant]
     res = subprocess.run(
         [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"), cfg.short_form(), *shape],
         capture_output=True, text=True, cwd=REPO, timeout=600,
