@@ -61,9 +61,9 @@ def save_cache(data: dict, path: Path | None = None) -> None:
 HOPPER_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
 #: Unmasked sequences of at least ``seq`` keys take the larger key block ``B_c`` (d_head -> (seq, B_c)):
 #: the per-block fixed cost (row max, barrier turns, O rescale) spreads over more keys. d_head 128
-#: persistent B_c 160 (the most that fits beside the output tile) measured +4-7% at seq 2048-4096 on an
-#: H100 and even from 8192 on; shorter and masked sequences run faster with B_c 128
-#: (docs/results/block_160_h100.txt).
+#: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
+#: on an H100 (+2-3% on an H200) and even from 8192 on; shorter and masked sequences run faster with
+#: B_c 128 (docs/results/block_160_h100.txt). ``seq`` 0 (unknown) keeps the base block.
 HOPPER_LONG_B_C = {128: (2048, 160)}
 
 
