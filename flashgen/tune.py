@@ -59,12 +59,13 @@ def save_cache(data: dict, path: Path | None = None) -> None:
 #: Key block size of the default wgmma-engine kernel per d_head (registers: O + S + P per consumer;
 #: shared memory: Q + 2 stages of K and V).
 HOPPER_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
-#: Unmasked sequences of at least ``seq`` keys take the larger key block ``B_c`` (d_head -> (seq, B_c)):
+#: Unmasked sequences of ``lo`` to ``hi`` keys take the larger key block ``B_c`` (d_head -> (lo, hi, B_c)):
 #: the per-block fixed cost (row max, barrier turns, O rescale) spreads over more keys. d_head 128
 #: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
-#: on an H100 (+2-3% on an H200) and even from 8192 on; shorter and masked sequences run faster with
-#: B_c 128 (docs/results/block_160_h100.txt). ``seq`` 0 (unknown) keeps the base block.
-HOPPER_LONG_B_C = {128: (2048, 160)}
+#: on an H100 and +1 to +5% on an H200, about even at 8192, 0-5% slower at 16384 on the H200; shorter
+#: and masked sequences run faster with B_c 128, and for d_head 64 every larger block was slower
+#: (docs/results/block_160_h100.txt). ``seq`` 0 (unknown) keeps the base block.
+HOPPER_LONG_B_C = {128: (2048, 8192, 160)}
 
 
 def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False) -> KernelConfig | None:
@@ -73,8 +74,8 @@ def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False
     if d_head not in HOPPER_B_C:
         return None
     B_c = HOPPER_B_C[d_head]
-    long_from, long_b_c = HOPPER_LONG_B_C.get(d_head, (0, B_c))
-    if long_from and seq >= long_from and not masked:
+    lo, hi, long_b_c = HOPPER_LONG_B_C.get(d_head, (0, 0, B_c))
+    if lo <= seq <= hi and seq and not masked:
         B_c = long_b_c
     cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c)
     try:  # persistent where the separate output tile fits in shared memory (d_head 64 and 128)
