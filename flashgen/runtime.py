@@ -131,14 +131,7 @@ class Attention:
             self.check(q, k, v, out)
         if align not in ("top_left", "bottom_right"):
             raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
-        if window is not None:
-            if causal:
-                raise InputError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
-            left, right = (int(x) for x in window)
-            mask = "window"
-        else:
-            left, right = -1, (0 if causal else -1)
-            mask = "causal" if causal else "none"
+        mask, left, right = _score_mask(causal, window)
         attn = self._variant(mask)
         offset = 0 if align == "top_left" else int(k.shape[1]) - int(q.shape[1])
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.cfg.d_head)
@@ -149,6 +142,16 @@ class Attention:
         else:
             attn._op_out(q, k, v, out, lse, scale, offset, left, right)
         return (out, lse) if return_lse else out
+
+
+def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, int, int]:
+    """The kernel's score mask and its (left, right) window for a call's ``causal`` / ``window``."""
+    if window is None:
+        return ("causal" if causal else "none"), -1, (0 if causal else -1)
+    if causal:
+        raise InputError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
+    left, right = (int(x) for x in window)
+    return "window", left, right
 
 
 class AutoAttention:
@@ -177,7 +180,7 @@ class AutoAttention:
                       capability=torch.cuda.get_device_capability(q.device), masked=masked)
 
     def __call__(self, q, k, v, **kwargs):
-        cfg = self.select(q, masked=bool(kwargs.get("causal")) or kwargs.get("window") is not None)
+        cfg = self.select(q, masked=_score_mask(kwargs.get("causal", False), kwargs.get("window"))[0] != "none")
         attn = self._built.get(cfg)
         if attn is None:
             attn = self._built[cfg] = Attention(build(cfg, verbose=self.verbose))

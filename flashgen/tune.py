@@ -75,7 +75,7 @@ def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False
         return None
     B_c = HOPPER_B_C[d_head]
     lo, hi, long_b_c = HOPPER_LONG_B_C.get(d_head, (0, 0, B_c))
-    if lo <= seq <= hi and seq and not masked:
+    if lo <= seq <= hi and not masked:
         B_c = long_b_c
     cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c)
     try:  # persistent where the separate output tile fits in shared memory (d_head 64 and 128)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of one wgmma-engine kernel launch (and, for comparison, SDPA cuDNN's),
+# Nsight Compute profile of one wgmma-engine kernel launch (16 heads; and, for comparison, SDPA cuDNN's),
 # plus the kernel's SASS. Run on the GPU machine from the repository root; results under $OUT.
 #
 # usage: OUT=out [CFG="short form"] [SEQ=2048] [BATCH=16] [DTYPE=fp16] bash tools/profile_hopper.sh
@@ -22,10 +22,12 @@ import flashgen
 which = sys.argv[1]
 seq, batch = int(os.environ["SEQ"]), int(os.environ["BATCH"])
 dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[os.environ["DTYPE"]]
-q, k, v = (torch.randn(batch, seq, 16, 128, device="cuda", dtype=dt) for _ in range(3))
+cfg = flashgen.load_config(os.environ["CFG"])
+q, k, v = (torch.randn(batch, seq, 16, cfg.d_head, device="cuda", dtype=dt) for _ in range(3))
 if which == "flashgen":
-    attn = flashgen.compile(os.environ["CFG"])
-    print("built:", attn, flush=True)
+    attn = flashgen.compile(cfg)
+    if len(sys.argv) > 2:  # where the operator library is, for cuobjdump
+        open(sys.argv[2], "w").write(str(attn.built.library))
     run = lambda: attn(q, k, v)
 else:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -38,9 +40,8 @@ for _ in range(3):
 torch.cuda.synchronize()
 PY
 
-python /tmp/profile_run.py flashgen || exit 1  # build outside the profiler
-so=$(find "$FLASHGEN_CACHE" -name '*.so' -newer /tmp/profile_run.py | head -1)
-[[ -n $so ]] || so=$(find "$FLASHGEN_CACHE" -name '*.so' | head -1)
+python /tmp/profile_run.py flashgen /tmp/profile_lib.txt || exit 1  # build outside the profiler
+so=$(cat /tmp/profile_lib.txt)
 cuobjdump -sass "$so" > "$OUT/sass.txt" 2>&1; echo "sass: $(wc -l < "$OUT/sass.txt") lines from $so"
 ncu --set full --import-source no --kernel-name-base demangled -k regex:flash_fwd_ --launch-skip 2 --launch-count 1 -f -o /tmp/fg \
   python /tmp/profile_run.py flashgen > "$OUT/ncu_log.txt" 2>&1
