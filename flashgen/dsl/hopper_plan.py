@@ -15,7 +15,8 @@ FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
   in flight;
 * ``persistent``: CTAs loop over tiles (query block, head, batch); the output is staged in
   its own tile and the consumers release Q (``q_empty``) once the last S GEMM retired, so the
-  producer loads the next tile's Q and K/V while this tile's epilogue runs;
+  producer loads the next tile's Q and K/V while this tile's epilogue runs; unmasked, a
+  partial last round's tiles are split by key blocks over the idle CTAs (``tail_split``);
 * the epilogue: each consumer stages its 64 output rows in shared memory (Q's swizzled
   layout) and one of its threads hands them to TMA stores (``stores``), so the warps do not
   wait for global writes; the staging bytes are rewritten only after the stores read them.
@@ -46,9 +47,12 @@ from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_re
 from .layout import Layout
 from .plan import ScoreMask, Step, _row_reduce_lanes
 from .swizzle import ComposedLayout, Swizzle
+from .tail_split import TailSplit
 
 SWIZZLE = GmmaSwizzle.B128
 BOX_COLS = SWIZZLE.span_bytes // 2  # 64 16-bit columns per TMA box (one 128-byte swizzle row)
+#: parts a wave-tail tile splits into at most (measured: seq 2048 leaves 4 tiles for 132 SMs)
+TAIL_MAX_PARTS = 4
 SMEM_ALIGN = 1024  # the 128B swizzle pattern repeats every 1024 bytes of absolute address
 
 
@@ -140,6 +144,8 @@ class HopperPlan:
     #: "grid": one CTA per tile; "static" (persistent): about one CTA per SM, each taking tiles in a
     #: fixed order of rounds (with a mask, the launcher sizes the grid so round pairs balance)
     tile_scheduler: str
+    #: persistent and unmasked (equal tiles): the last round's tiles split over idle CTAs; else None
+    tail_split: "TailSplit | None"
     score_mask: ScoreMask
     row_reduce_lanes: tuple[int, ...]
     prologue: tuple[Step, ...]
@@ -323,6 +329,7 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
         tile_scheduler="static" if cfg.persistent else "grid",
+        tail_split=TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d) if cfg.persistent and cfg.mask == "none" else None,
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         prologue=prologue,

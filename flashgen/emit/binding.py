@@ -17,6 +17,7 @@ _BINDING = CodeTemplate(
 // $short_form
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -24,6 +25,7 @@ _BINDING = CodeTemplate(
 
 $args_struct
 extern "C" int ${name}_launch(const ${name}_args* args, void* stream);
+extern "C" int ${name}_workspace(const ${name}_args* args, size_t* bytes, size_t* zeroed);
 
 namespace {
 
@@ -45,7 +47,18 @@ void run_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     a.seq_q = (int)q.size(1); a.seq_k = (int)k.size(1);
     a.softmax_scale = (float)softmax_scale;
     a.mask_offset = (int)mask_offset; a.window_left = (int)window_left; a.window_right = (int)window_right;
-    const int err = ${name}_launch(&a, c10::cuda::getCurrentCUDAStream().stream());
+    // scratch the launch asks for (a persistent kernel's wave-tail split), from torch's allocator on this
+    // stream: freed when this returns, reused only by work queued after the launch
+    size_t ws_bytes = 0, ws_zeroed = 0;
+    int err = ${name}_workspace(&a, &ws_bytes, &ws_zeroed);
+    TORCH_CHECK(err == 0, "$name: workspace query failed: ", cudaGetErrorString((cudaError_t)err));
+    at::Tensor ws;
+    if (ws_bytes) {
+        ws = at::empty({(int64_t)ws_bytes}, q.options().dtype(at::kByte));
+        if (ws_zeroed) ws.narrow(0, 0, (int64_t)ws_zeroed).zero_();
+        a.workspace = ws.data_ptr();
+    }
+    err = ${name}_launch(&a, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == 0, "$name: launch failed: ", cudaGetErrorString((cudaError_t)err));
 }
 

@@ -180,6 +180,8 @@ constexpr uint32_t Q_BYTES = $q_bytes, KV_BYTES = $kv_bytes;  // expect_tx of a 
 
 $mask_fns
 
+$tail_rule
+
 using elem_t = $elem_t;
 
 // ---- PTX helpers ----
@@ -192,11 +194,13 @@ struct Params {
     int heads, batch, kv_group;
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
+    $tail_params
 };
 
 // One output tile: B_r query rows of one head, and the key blocks holding any kept score of them.
 struct Tile {
     int q_row0, head, batch, kv_head, j_begin, j_end;
+    int unit, tail_tile, part;  // a part of a split tail tile: its workspace slot, tile and part; unit -1: a whole tile
 };
 // Tile order: query blocks vary fastest (tiles running at the same time share K/V in L2), last
 // block first (with a causal mask its rows are the longest), then heads, then batch.
@@ -220,9 +224,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     // tiles = (query block, head, batch) in tile_at's order; $tile_loop_doc
     const int n_q_blocks = (p.seq_q + int(B_r) - 1) / int(B_r), n_tiles = n_q_blocks * p.heads * p.batch;
     // round r of this CTA: tile r * gridDim.x + blockIdx.x, mirrored in odd rounds ("snake") so a CTA
-    // given a long tile in one round gets a short one in the next (tiles shrink along the order)
-    auto cta_tile = [&](int r) {
-        return r * int(gridDim.x) + ((r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x));
+    // given a long tile in one round gets a short one in the next (tiles shrink along the order);
+    // false once the CTA has no work left
+    auto cta_work = [&](int r, Tile* t) {
+        const int slot = (r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+        $pick_tile
     };
 
     if (threadIdx.x == 0) {
@@ -236,8 +242,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
         setmaxnreg_dec<$producer_regs>();
         if (wtid == 0) {
             uint32_t kv_it = 0, q_it = 0;  // K/V ring slots and Q tiles used so far (stage and phase)
-            for (int r = 0, tile = cta_tile(0); tile < n_tiles; tile = cta_tile(++r)) {
-                const Tile t = tile_at(p, tile, n_q_blocks);
+            Tile t;
+            for (int r = 0; cta_work(r, &t); ++r) {
                 const int q_row0 = t.q_row0, head = t.head, batch = t.batch, kv_head = t.kv_head, j_begin = t.j_begin, j_end = t.j_end;
                 if (j_begin >= j_end) continue;  // no key block: the consumers write zeros
                 $wait_q_empty
@@ -273,8 +279,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     $pingpong_start
     uint32_t kv_it = 0, q_it = 0;  // the producer's counters, kept in step
 
-    for (int r = 0, tile = cta_tile(0); tile < n_tiles; tile = cta_tile(++r)) {
-        const Tile t = tile_at(p, tile, n_q_blocks);
+    Tile t;
+    for (int r = 0; cta_work(r, &t); ++r) {
         const int q_row0 = t.q_row0, head = t.head, batch = t.batch, j_begin = t.j_begin, j_end = t.j_end;
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.f;
@@ -296,6 +302,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
             ++q_it;
         }
 
+        $merge_parts
         // ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> TMA stores ----
         float inv[2];
         #pragma unroll
@@ -307,6 +314,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
             if (p.lse != nullptr && $lse_writer && row < p.seq_q)
                 p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
         }
+        $store_merged
         $o_stage_decl
         #pragma unroll
         for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {
@@ -361,7 +369,22 @@ static bool make_map(CUtensorMap* map, const void* ptr, int seq, int heads, int 
                   $tma_swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// CTAs of a launch of `tiles` tiles: $grid_doc
+static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out) {
+    $grid_size
+    return 0;
+}
+
 }  // namespace $name
+
+// Scratch memory a launch with these arguments uses: `bytes` in all, of which the first `zeroed` must be
+// zero at launch (0 and 0: none). $workspace_doc
+extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
+    using namespace $name;
+    *bytes = *zeroed = 0;
+    $workspace_body
+    return 0;
+}
 
 // Launch on `stream` (a cudaStream_t). Returns a cudaError_t: cudaErrorInvalidValue for sizes the kernel
 // cannot take or strides a tensor map cannot describe (multiples of 16 bytes), cudaErrorNotSupported when
@@ -392,8 +415,10 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     }
     const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;
     if (tiles > INT32_MAX) return (int)cudaErrorInvalidValue;
-    $grid_size
-    kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(p);
+    int ctas = 0;
+    if (const int e = grid_ctas(a, tiles, &ctas)) return e;
+    $tail_setup
+    kernel<<<dim3(unsigned(ctas)), THREADS, smem, (cudaStream_t)stream>>>(p);
     return (int)cudaGetLastError();
 }
 """
@@ -455,6 +480,125 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         out += ["{", "    const int j = j_end;  // the last block's PV: its stage is the 'previous' one of j_end"]
         out += ["    " + l for l in stage_vars + steps(plan.epilogue)] + ["}"]
     return out
+
+
+def _tail_split_code(plan: HopperPlan) -> dict:
+    """The wave-tail split (``plan.tail_split``): tile choice, the partials' publish-and-merge, the
+    merged rows' stores, the launcher's rule and workspace; the plain round robin without it."""
+    whole = ["const int tile = r * int(gridDim.x) + slot;",
+             "if (tile >= n_tiles) return false;",
+             "*t = tile_at(p, tile, n_q_blocks);",
+             "t->unit = -1;",
+             "return true;"]
+    ts = plan.tail_split
+    if ts is None:
+        return dict(tail_params=[], pick_tile=whole, merge_parts=[], store_merged=[], tail_setup=[], tail_rule=[],
+                    workspace_doc="This kernel uses none.", workspace_body=["(void)a;"])
+    co = plan.gemm_O.atom.c_map
+    slot = "(i / 2) % 2"  # row half of O value i (the rescale's and the normalisation's rule)
+    pick = [
+        "const int first = r * int(gridDim.x);",
+        "if (p.tail_parts > 1 && first < n_tiles && first + int(gridDim.x) > n_tiles) {",
+        "    // the partial last round: CTA `slot` takes part slot % parts of tile first + slot / parts, the",
+        "    // key blocks [j_begin + n k / parts, j_begin + n (k + 1) / parts) (TailSplit.ranges)",
+        "    if (slot >= (n_tiles - first) * p.tail_parts) return false;",
+        "    const int tile = first + slot / p.tail_parts, part = slot % p.tail_parts;",
+        "    *t = tile_at(p, tile, n_q_blocks);",
+        "    const int jb = t->j_begin, n = t->j_end - t->j_begin;",
+        "    t->j_begin = jb + n * part / p.tail_parts;",
+        "    t->j_end = jb + n * (part + 1) / p.tail_parts;",
+        "    t->tail_tile = tile - first; t->part = part; t->unit = t->tail_tile * p.tail_parts + part;",
+        "    return true;",
+        "}",
+    ] + whole
+    merge = [
+        "if (t.unit >= 0) {",
+        "    // a part of a split tail tile: publish this warp's O, row max and row sums (fragment order), count",
+        "    // the part in; the warp counting last for these 16 rows merges every part's and writes the rows",
+        "    const uint32_t warp = 4 * cw + wtid / 32;",
+        "    float* ml = p.part_ml + (size_t(t.unit) * TAIL_WARPS + warp) * 4 * 32 + lane;",
+        "    float* po = p.part_o + (size_t(t.unit) * TAIL_WARPS + warp) * (D_HEAD / 2) * 32 + lane;",
+        "    ml[0] = row_max[0]; ml[32] = row_max[1]; ml[64] = row_sum[0]; ml[96] = row_sum[1];",
+        "    #pragma unroll",
+        "    for (uint32_t i = 0; i < D_HEAD / 2; ++i) po[32 * i] = o_acc[i];",
+        "    __threadfence();  // the partials are visible before the count says so",
+        "    __syncwarp();",
+        "    int counted = 0;",
+        "    if (lane == 0) counted = atomicAdd(p.part_count + t.tail_tile * TAIL_WARPS + warp, 1);",
+        "    if (__shfl_sync(0xffffffffu, counted, 0) != p.tail_parts - 1) continue;  // a later part merges these rows",
+        "    __threadfence();  // ... and every other part's partials are visible to the loads below",
+        "    const size_t unit0 = size_t(t.unit - t.part);",
+        "    float neg_m[2];",
+        "    #pragma unroll",
+        "    for (uint32_t h = 0; h < 2; ++h) {",
+        "        for (int k = 0; k < p.tail_parts; ++k)",
+        "            row_max[h] = fmaxf(row_max[h], __ldcg(p.part_ml + ((unit0 + k) * TAIL_WARPS + warp) * 4 * 32 + 32 * h + lane));",
+        "        neg_m[h] = row_max[h] == -INFINITY ? 0.f : -row_max[h] * scale_log2;  // the merged max (the softmax's rule)",
+        "        row_sum[h] = 0.f;",
+        "    }",
+        "    #pragma unroll",
+        "    for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;",
+        "    for (int k = 0; k < p.tail_parts; ++k) {  // parts in order, this one's read back like the others",
+        "        const float* mlk = p.part_ml + ((unit0 + k) * TAIL_WARPS + warp) * 4 * 32 + lane;",
+        "        const float* pok = p.part_o + ((unit0 + k) * TAIL_WARPS + warp) * (D_HEAD / 2) * 32 + lane;",
+        "        float c[2];",
+        "        #pragma unroll",
+        "        for (uint32_t h = 0; h < 2; ++h) {",
+        "            c[h] = ex2_approx(fmaf(__ldcg(mlk + 32 * h), scale_log2, neg_m[h]));",
+        "            row_sum[h] = fmaf(__ldcg(mlk + 64 + 32 * h), c[h], row_sum[h]);",
+        "        }",
+        "        #pragma unroll",
+        f"        for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = fmaf(__ldcg(pok + 32 * i), c[{slot}], o_acc[i]);",
+        "    }",
+        "}",
+    ]
+    store = [
+        "if (t.unit >= 0) {  // merged rows of a split tile: this warp's 16 rows straight to global memory",
+        "    elem_t* o = p.o + int64_t(batch) * p.o_batch + int64_t(head) * p.o_head;",
+        "    #pragma unroll",
+        "    for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {",
+        f"        const uint32_t r = {co.row.to_cpp(['wtid', 'i'])}, c = {co.col.to_cpp(['wtid', 'i'])};",
+        "        const int row = q_row0 + int(64 * cw + r);",
+        "        if (row < p.seq_q)",
+        f"            *reinterpret_cast<uint32_t*>(o + int64_t(row) * p.o_seq + c) = pack2(o_acc[i] * inv[{slot}], o_acc[i + 1] * inv[{slot}]);",
+        "    }",
+        "    continue;",
+        "}",
+    ]
+    params = [
+        "int tail_parts;  // > 1: the last round's tiles are split into this many key ranges (tail_rule)",
+        "int* part_count; float* part_ml; float* part_o;  // the split's workspace (counters zeroed at launch)",
+        "elem_t* o; int64_t o_batch, o_head, o_seq;  // the output: a split tile's merged rows go straight there",
+    ]
+    setup = [
+        "p.tail_parts = 1;",
+        "p.o = static_cast<elem_t*>(a->o); p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_seq = a->o_stride[2];",
+        "const int parts = tail_parts(tiles, ctas, (a->seq_k + int(B_c) - 1) / int(B_c));",
+        "if (parts > 1 && a->workspace != nullptr) {  // without the workspace: no split",
+        "    const int tail = int(tiles % ctas);",
+        "    char* ws = static_cast<char*>(a->workspace);",
+        "    p.tail_parts = parts;",
+        "    p.part_count = reinterpret_cast<int*>(ws);",
+        "    p.part_ml = reinterpret_cast<float*>(ws + tail_count_bytes(tail));",
+        "    p.part_o = reinterpret_cast<float*>(ws + tail_count_bytes(tail) + tail_ml_bytes(tail * parts));",
+        "}",
+    ]
+    body = [
+        "if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return 0;  // the launch refuses or splits nothing",
+        "const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;",
+        "int ctas = 0;",
+        "if (tiles > INT32_MAX) return 0;",
+        "if (const int e = grid_ctas(a, tiles, &ctas)) return e;",
+        "const int parts = tail_parts(tiles, ctas, (a->seq_k + int(B_c) - 1) / int(B_c));",
+        "if (parts > 1) {",
+        "    const int tail = int(tiles % ctas);",
+        "    *zeroed = tail_count_bytes(tail);",
+        "    *bytes = *zeroed + tail_ml_bytes(tail * parts) + tail_o_bytes(tail * parts);",
+        "}",
+    ]
+    return dict(tail_params=params, pick_tile=pick, merge_parts=merge, store_merged=store, tail_setup=setup,
+                tail_rule=ts.to_cpp(), workspace_doc="A persistent kernel's wave-tail split: see tail_rule.",
+                workspace_body=body)
 
 
 def _plan_lines(plan: HopperPlan) -> list[str]:
@@ -529,10 +673,11 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                 "    if (lo != hi) ctas = sms / half * half;",
                 "}",
             ]
-        grid_size += ["const dim3 grid{unsigned(ctas)};"]
+        grid_size += ["*out = ctas;"]
     else:
         tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
-        grid_size = ["const dim3 grid{unsigned(tiles)};"]
+        grid_size = ["*out = int(tiles);"]
+    tail = _tail_split_code(plan)
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
                ptx_hopper.wgmma_rs(plan.gemm_O.atom, True)]
@@ -589,6 +734,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         tma_dtype=tma_dtype,
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
         log2e=f"{LOG2E!r}f",
+        **tail,
     )
     tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
     grid = f"(min(SMs, {tiles}))" if loop_tiles else f"({tiles})"

@@ -642,6 +642,13 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
 
 $args_struct
 
+// Scratch memory a launch uses (the torch binding asks every kernel): none here.
+extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
+    (void)a;
+    *bytes = *zeroed = 0;
+    return 0;
+}
+
 // Launch on `stream` (a cudaStream_t). Returns a cudaError_t: cudaErrorInvalidValue for
 // sizes the kernel cannot take (non-positive sizes, heads not a multiple of kv_heads).
 extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
@@ -687,6 +694,7 @@ struct {name}_args {{
     float softmax_scale;
     int mask_offset;               // causal/window diagonal: 0 top-left, seq_k - seq_q bottom-right
     int window_left, window_right; // sliding-window sizes, -1 = unbounded
+    void* workspace;               // scratch of {name}_workspace's size (its zeroed part zero), or nullptr
 }};"""
 
 

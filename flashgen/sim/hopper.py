@@ -27,6 +27,10 @@ What is modelled
   run on across tiles as the emitted counters do, the next tile's Q lands only after every
   consumer warp released the previous one, and an S GEMM executing on another tile's Q is
   reported. Output rows are written by each tile's ``store_O`` step.
+* **Wave-tail split** (:func:`simulate_split_tile`): a tile's key ranges
+  (``plan.tail_split.ranges``) walked as separate CTAs, each consumer's finished row max, row
+  sums and O accumulators published, then merged per thread as the emitted counting-last warp
+  does (common max, rescale, fp32 sums in part order) and written from the accumulator map.
 * **wgmma groups**: each ``gemm`` step is one committed group; ``wgmma_wait N`` retires all
   but the ``N`` newest. A group *executes when it retires*, reading shared memory and
   registers then (the latest moment the hardware may read them), so a missing wait or an
@@ -254,6 +258,7 @@ class _Consumer:
         self.corr_from: int | None = None
         self.turns = self.passes = self.absorbed = 0
         self.fin: tuple | None = None  # (tile, 1/l) between finish_rows and store_O
+        self.partial: dict = {}  # tile -> (row_max, row_sum, o_acc) as finished, before the output steps
 
     @property
     def done(self) -> bool:
@@ -275,7 +280,7 @@ class _Tile:
 
 class _Cta:
     def __init__(self, plan: HopperPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_blocks: list[int], seq_q: int,
-                 seq_k: int, scale: float, mask_args: tuple[int, int, int]):
+                 seq_k: int, scale: float, mask_args: tuple[int, int, int], ranges: list | None = None):
         self.plan, self.cfg = plan, plan.cfg
         cfg = plan.cfg
         self.dtype = cfg.dtype
@@ -284,6 +289,8 @@ class _Cta:
         self.scale = np.float32(scale)
         self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
         self.tiles = [_Tile(qb * cfg.B_r, *plan.score_mask.block_range(qb * cfg.B_r, seq_q, seq_k, *mask_args)) for qb in q_blocks]
+        if ranges is not None:  # parts of split tiles: key-block ranges given (tail_split.ranges)
+            self.tiles = [_Tile(t.q_row0, jb, je) for t, (jb, je) in zip(self.tiles, ranges, strict=True)]
         if len(self.tiles) > 1 and "q_empty" not in plan.barriers:
             raise ValueError(f"{cfg.short_form()}: only a persistent plan (q_empty barrier) walks several tiles")
         # key blocks in the order the CTA visits them: global index g -> (tile, key block); ring stage g % stages
@@ -693,6 +700,7 @@ class _Cta:
             ok = rr < n_rows
             self.lse[ti][rr[ok]] = row_lse[writer, h][ok]
         c.fin = (ti, inv)
+        c.partial[ti] = (c.row_max.copy(), c.row_sum.copy(), c.o_acc.copy())
         c.row_max[:] = -np.inf
         c.row_sum[:] = 0
         c.max_block = None
@@ -799,6 +807,40 @@ class _Cta:
         return bad
 
 
+    # -- the wave-tail split
+    def merge_parts(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], w: int) -> tuple[np.ndarray, np.ndarray]:
+        """Consumer ``w``'s merge of a split tile's parts as the emitted counting-last warp does it (per
+        thread, fp32): max over the parts; per part in order ``c = ex2(fma(m_k, scale*log2e, -M*scale*log2e))``,
+        ``l = fma(l_k, c, l)``, ``o = fma(o_k, c, o)``; then the quad-reduced ``l``, ``1/l``, LSE and the
+        rows written straight from the accumulator map. ``parts``: ``(row_max, row_sum, o_acc)`` of
+        each part. Returns ``(o [64, d] uint16, lse [64])`` of the warpgroup's rows."""
+        f32 = np.float32
+        m = parts[0][0].copy()
+        for mk, _, _ in parts:
+            m = np.fmax(m, mk)
+        neg = np.where(m == -np.inf, f32(0), -m * self.scale_log2).astype(f32)
+        l = np.zeros_like(m)
+        o = np.zeros_like(parts[0][2])
+        for mk, lk, ok in parts:
+            c = hw.ex2_approx_ftz(hw.fma32(mk, self.scale_log2, neg))
+            l = hw.fma32(lk, c, l)
+            o = hw.fma32(ok, np.take_along_axis(c, self.o_slot, axis=1), o)
+        l = self._butterfly(l, np.add)
+        self._check_rows_agree(l, "merged row sums", f"merge of consumer {w}")
+        with np.errstate(divide="ignore"):
+            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
+            logl = np.log(l.astype(np.float64)).astype(f32)
+        lse = np.full(64, np.nan, f32)
+        writer = (np.arange(WG) % 32 & sum(self.plan.row_reduce_lanes)) == 0
+        row_lse = np.where(l > 0, hw.fma32(m, self.scale, logl), f32(-np.inf))
+        for h in range(2):
+            lse[self.s_rows[writer, h]] = row_lse[writer, h]
+        val = (o * np.take_along_axis(inv, self.o_slot, axis=1)).astype(f32)
+        out = np.zeros((64, self.cfg.d_head), np.uint16)
+        out[self.co.rows, self.co.cols] = hw.encode(val, self.dtype)
+        return out, lse
+
+
 def _text(s: Step) -> str:
     return s.op + (f" {s.arg}" if s.arg else "") + (f" {s.block}" if s.block else "")
 
@@ -836,6 +878,40 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
     cta.run()
     pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in cta.consumers}
     return cta.o, cta.lse, HopperReport(cta.hazards, cta.jb, cta.je, cta.n_groups, pp)
+
+
+def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, parts: int, q_block: int = 0,
+                        seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, HopperReport]:
+    """One wave-tail tile split into ``parts`` (``plan.tail_split``): each part a CTA walking its key
+    blocks (:meth:`TailSplit.ranges`) and publishing its consumers' row max, row sums and O
+    accumulators; then every consumer's merge (:meth:`_Cta.merge_parts`). ``(o, lse, report)`` as
+    :func:`simulate_cta`; the report joins the parts' hazards."""
+    if not isinstance(plan, HopperPlan):
+        plan = make_hopper_plan(plan)
+    if plan.tail_split is None:
+        raise ValueError(f"{plan.cfg.short_form()}: no tail split in this plan (persistent and unmasked only)")
+    cfg = plan.cfg
+    q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
+    scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
+    jb, je = plan.score_mask.block_range(q_block * cfg.B_r, seq_q, seq_k, 0, -1, -1)
+    ranges = plan.tail_split.ranges(jb, je, parts)
+    if any(b >= e for b, e in ranges):
+        raise ValueError(f"{parts} parts of key blocks [{jb}, {je}) leave a part empty (the launcher's rule never does)")
+    ctas = [_Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, (0, -1, -1), ranges=[r]) for r in ranges]
+    hazards: list[str] = []
+    for n, cta in enumerate(ctas):
+        cta.run()
+        hazards += [f"part {n}: {h}" for h in cta.hazards]
+    rows = max(0, min(cfg.B_r, seq_q - q_block * cfg.B_r))
+    o = np.zeros((cfg.B_r, cfg.d_head), np.uint16)
+    lse = np.full(cfg.B_r, np.nan, np.float32)
+    before = len(ctas[-1].hazards)
+    for w in range(cfg.consumers):
+        ow, lw = ctas[-1].merge_parts([cta.consumers[w].partial[0] for cta in ctas], w)
+        o[64 * w: 64 * w + 64], lse[64 * w: 64 * w + 64] = ow, lw
+    hazards += ctas[-1].hazards[before:]
+    return o[:rows], lse[:rows], HopperReport(hazards, jb, je, sum(c.n_groups for c in ctas))
 
 
 def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_block: int = 0,

@@ -134,7 +134,7 @@ def test_persistent_kernels_loop_over_tiles():
         assert "cudaDevAttrMultiProcessorCount" in text and "int ctas = tiles < sms ? int(tiles) : sms;" in text
     # unequal (masked) tiles: the grid is rounded to a multiple of half the query blocks where tiles differ
     assert "if (lo != hi) ctas = sms / half * half;" in masked and "ctas = sms / half" not in loop
-    assert "grid{unsigned(tiles)}" in plain
+    assert "*out = int(tiles);" in plain
     for text in (loop, masked):
         assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
         assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
@@ -149,3 +149,22 @@ def test_persistent_kernels_loop_over_tiles():
     assert list(kinds.values()) == ["static", "static", "grid"]
     for c, kind in kinds.items():
         assert emit(c).meta["grid"].startswith("(min(SMs") == (kind == "static")
+
+
+def test_wave_tail_split_is_emitted_for_persistent_unmasked_kernels_only():
+    """The split's rule is the plan's TailSplit text; the kernel publishes, counts and merges per warp;
+    the workspace function sizes it and the binding allocates it. Masked and per-tile kernels ask for none."""
+    cfg = KernelConfig.wgmma("fp16", B_c=160, persistent=True)
+    split = emit(cfg)
+    text = split.text
+    assert make_hopper_plan(cfg).tail_split.to_cpp() in text
+    assert "atomicAdd(p.part_count + t.tail_tile * TAIL_WARPS + warp, 1)" in text
+    # publish -> fence -> count; then fence -> read the other parts
+    assert text.index("po[32 * i] = o_acc[i];") < text.index("__threadfence();") < text.index("atomicAdd(p.part_count")
+    assert text.index("atomicAdd(p.part_count") < text.rindex("__threadfence();") < text.index("__ldcg(p.part_ml")
+    assert "const int parts = tail_parts(tiles, ctas, (a->seq_k + int(B_c) - 1) / int(B_c));" in text
+    assert "${" not in text and "$tail" not in text
+    assert f"extern \"C\" int {cfg.mangle()}_workspace(" in text and f"{cfg.mangle()}_workspace(&a, &ws_bytes, &ws_zeroed)" in split.binding
+    for other in (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), KernelConfig.wgmma("fp16"), default_configs()[0]):
+        t = emit(other).text
+        assert "part_count" not in t and "tail_parts" not in t and f"{other.mangle()}_workspace(" in t

@@ -89,12 +89,31 @@ def test_strided_and_transposed_inputs(built, persistent):
     assert storage[:, :, 300].isnan().all() and storage[..., 128:].isnan().all()  # nothing written outside the view
 
 
+@pytest.mark.parametrize("B_c", [128, 160])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_wave_tail_split(built, dtype, B_c):
+    """A partial last round (tiles = SMs + tail) splits its tiles' key blocks over the idle CTAs
+    (plan.tail_split): shapes from this GPU's SM count that split into 2 to 4 parts, with key
+    tails and GQA/MQA, against float64 (outputs and LSE; masked calls run unsplit for contrast)."""
+    from flashgen.dsl.hopper_plan import make_hopper_plan
+
+    cfg = KernelConfig.wgmma(dtype, B_c=B_c, persistent=True)
+    split = make_hopper_plan(cfg).tail_split
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(sms + 3, 128, 1100, 1, 1), (1, 300, 777, sms // 2, 1), (2, 200, 1000, sms // 2 + 1, sms // 2 + 1)]
+    parts = [split.parts(-(-sq // cfg.B_r) * b * hq, sms, -(-sk // B_c)) for b, sq, sk, hq, _ in shapes]
+    assert min(parts) >= 2, f"shapes {shapes} do not split on {sms} SMs: parts {parts}"
+    check_masks_tails_gqa(built[cfg], shapes, seed=B_c)
+
+
 SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-160 default with a key tail
     "grid": (KernelConfig.wgmma("fp16", mask="causal"), ["300", "1", "2", "333", "1"]),
     # 3 query blocks x 96 heads = 288 tiles of unequal length (causal), more than twice the SMs,
     # so CTAs loop (paired rounds, then the rest) and reuse Q, the K/V ring and the O staging
     "persistent": (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), ["300", "1", "96", "333", "8"]),
     "persistent-bc160": (KernelConfig.wgmma("fp16", B_c=160, persistent=True), ["300", "1", "96", "333", "8"]),
+    # 135 tiles: on 132 SMs a wave tail of 3 tiles split into 4 parts each (workspace, counters, merge)
+    "persistent-split": (KernelConfig.wgmma("fp16", persistent=True), ["300", "1", "45", "1000", "5"]),
 }
 
 

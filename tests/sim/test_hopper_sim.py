@@ -328,3 +328,36 @@ def test_tile_output_steps_out_of_place_are_reported():
     assert any("touches O registers while wgmma group O[" in x for x in h), h[:3]
     h = _hazards(_without(plan, "epilogue", _index(plan.epilogue, "gemm")))
     assert any("store_O of tile 0 before gemm O of block" in x for x in h), h[:3]
+
+
+@pytest.mark.parametrize("cfg, seq_q, seq_k, q_block, parts", [
+    (W("fp16", d_head=128, B_c=160, persistent=True), 100, 1000, 0, 3),  # the long-sequence default, a 40-key tail
+    (W("bf16", d_head=128, persistent=True), 256, 520, 1, 4),  # 5 blocks in 4 parts (1-2 blocks each)
+    (PP_INTRA.replace(persistent=True), 200, 300, 1, 2),  # d64: 72 query rows
+], ids=str)
+def test_split_tile_matches_float64_attention(cfg, seq_q, seq_k, q_block, parts):
+    """A wave-tail tile walked as ``parts`` CTAs over its key ranges and merged by each consumer
+    (plan.tail_split): float64 attention's rows, no hazard in any part. The last keys are made
+    larger, so the part holding them has the largest max and the others must be rescaled to it."""
+    q, k, v = _inputs(cfg, seq_q, seq_k, seed=3, spread=1.0)
+    kf = hw.decode(k, cfg.dtype)
+    kf[-cfg.B_c:] *= 4
+    k = hw.encode(kf, cfg.dtype)
+    o, lse, rep = hopper.simulate_split_tile(cfg, q, k, v, parts, q_block)
+    assert rep.hazards == []
+    row0 = q_block * cfg.B_r
+    rows = min(cfg.B_r, seq_q - row0)
+    cmp = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, o, lse=lse)
+    assert cmp["ok"], cmp
+    whole, whole_lse, _ = hopper.simulate_cta(cfg, q, k, v, q_block)  # same rows unsplit: only rounding differs
+    diff = np.abs(hw.decode(o, cfg.dtype) - hw.decode(whole, cfg.dtype)).max()
+    assert diff <= 4 * np.abs(hw.decode(whole, cfg.dtype)).max() * 2.0 ** -8
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-5)
+
+
+def test_split_needs_a_split_plan_and_nonempty_parts():
+    q, k, v = _inputs(PP_INTRA, 64, 128)
+    with pytest.raises(ValueError, match="no tail split"):
+        hopper.simulate_split_tile(PP_INTRA, q, k, v, 2)
+    with pytest.raises(ValueError, match="leave a part empty"):
+        hopper.simulate_split_tile(PP_INTRA.replace(persistent=True), q, k, v, 3)

@@ -1,0 +1,84 @@
+"""Splitting the last round of a persistent kernel: the wave tail's tiles shared by idle CTAs.
+
+A persistent grid of ``ctas`` CTAs takes ``tiles`` tiles in rounds; when ``tiles % ctas`` is a
+small ``tail`` the last round keeps ``tail`` CTAs busy for a whole tile while the rest idle
+(seq 2048, batch 16, 16 heads, B_r 128 on 132 SMs: 4 tiles, 3% of the run). With a split, each
+tail tile's key blocks are cut into ``parts`` contiguous ranges, one per CTA. Each part's
+consumer warps publish their unnormalised O accumulators and per-thread row max / row sums
+(fragment order, so both the writes and the reads are coalesced) and count themselves in per
+row block of 16 rows (one warp's rows); the warp that counts last merges every part's
+partials into its registers (rescaled to the common max) and writes the finished rows.
+
+This object is the one rule for the emitted launcher and kernel (:meth:`to_cpp`) and for the
+simulator (:meth:`parts`, :meth:`ranges`, :meth:`layout`).
+"""
+from __future__ import annotations
+
+import attrs
+
+#: warps per consumer warpgroup: the merge works per warp (its 16 rows of the wgmma accumulator)
+WARPS_PER_WG = 4
+LANES = 32
+#: the counters sit first in the workspace (the part the caller zeroes), padded to this
+COUNTER_ALIGN = 256
+
+
+@attrs.frozen
+class TailSplit:
+    """Split rule for a persistent plan with ``consumers`` warpgroups and ``d_head`` columns."""
+
+    max_parts: int
+    min_blocks: int  # key blocks each part gets at least
+    consumers: int
+    d_head: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_parts < 2 or self.min_blocks < 1:
+            raise ValueError(f"TailSplit: max_parts {self.max_parts} (>= 2), min_blocks {self.min_blocks} (>= 1)")
+
+    @property
+    def warps(self) -> int:
+        """Counters per tail tile: one per consumer warp (16 rows each)."""
+        return self.consumers * WARPS_PER_WG
+
+    def parts(self, tiles: int, ctas: int, n_kv: int) -> int:
+        """Parts per tail tile (1: no split): as many as the idle CTAs allow, each part at least
+        ``min_blocks`` key blocks, at most ``max_parts``; only when a last round is partial."""
+        if ctas <= 0 or tiles <= ctas or tiles % ctas == 0:
+            return 1
+        parts = min(ctas // (tiles % ctas), n_kv // self.min_blocks, self.max_parts)
+        return parts if parts >= 2 else 1
+
+    @staticmethod
+    def ranges(j_begin: int, j_end: int, parts: int) -> list[tuple[int, int]]:
+        """The key-block ranges of the parts of a tile whose blocks are ``[j_begin, j_end)``."""
+        n = j_end - j_begin
+        return [(j_begin + n * k // parts, j_begin + n * (k + 1) // parts) for k in range(parts)]
+
+    def layout(self, tail: int, parts: int) -> dict[str, tuple[int, int]]:
+        """Byte ``(offset, size)`` of the workspace's arrays: ``count`` (int32 per tail tile and
+        warp; must be zero at launch), ``ml`` (fp32 [unit][warp][max h0, max h1, sum h0, sum h1][lane])
+        and ``o`` (fp32 [unit][warp][d_head / 2 values][lane]); unit = tail tile * parts + part."""
+        units = tail * parts
+        count = tail * self.warps * 4
+        count_padded = -(-count // COUNTER_ALIGN) * COUNTER_ALIGN
+        ml = units * self.warps * 4 * LANES * 4
+        o = units * self.warps * (self.d_head // 2) * LANES * 4
+        return {"count": (0, count), "ml": (count_padded, ml), "o": (count_padded + ml, o)}
+
+    def to_cpp(self) -> str:
+        """The same rule for the launcher: ``tail_parts`` and the workspace's layout."""
+        w, half = self.warps, self.d_head // 2
+        return f"""// wave tail (flashgen.dsl.tail_split): parts per tile of a partial last round, 1 = no split
+constexpr int TAIL_MAX_PARTS = {self.max_parts}, TAIL_MIN_BLOCKS = {self.min_blocks}, TAIL_WARPS = {w};
+static int tail_parts(int64_t tiles, int ctas, int n_kv) {{
+    if (ctas <= 0 || tiles <= ctas || tiles % ctas == 0) return 1;
+    int parts = ctas / int(tiles % ctas);
+    parts = parts < n_kv / TAIL_MIN_BLOCKS ? parts : n_kv / TAIL_MIN_BLOCKS;
+    parts = parts < TAIL_MAX_PARTS ? parts : TAIL_MAX_PARTS;
+    return parts >= 2 ? parts : 1;
+}}
+// workspace bytes: counters (zeroed by the caller), then per unit and warp the row statistics and O
+static size_t tail_count_bytes(int tail) {{ return (size_t(tail) * TAIL_WARPS * 4 + {COUNTER_ALIGN - 1}) / {COUNTER_ALIGN} * {COUNTER_ALIGN}; }}
+static size_t tail_ml_bytes(int units) {{ return size_t(units) * TAIL_WARPS * 4 * {LANES} * 4; }}
+static size_t tail_o_bytes(int units) {{ return size_t(units) * TAIL_WARPS * {half} * {LANES} * 4; }}"""
