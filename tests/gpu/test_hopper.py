@@ -104,6 +104,15 @@ def test_wave_tail_split(built, dtype, B_c):
     parts = [split.parts(-(-sq // cfg.B_r) * b * hq, sms, -(-sk // B_c)) for b, sq, sk, hq, _ in shapes]
     assert min(parts) >= 2, f"shapes {shapes} do not split on {sms} SMs: parts {parts}"
     check_masks_tails_gqa(built[cfg], shapes, seed=B_c)
+    # the split really runs: its one workspace allocation per call; full last rounds allocate none
+    for (b, sq, sk, hq, hk), want in ((shapes[0], 1), ((sms, 128, 1100, 1, 1), 0)):
+        q = torch.randn(b, sq, hq, cfg.d_head, device="cuda", dtype=cfg.dtype.torch)
+        k, v = (torch.randn(b, sk, hk, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(2))
+        out = torch.empty_like(q)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        built[cfg](q, k, v, out=out)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == want, (b, sq, sk, hq, hk)
 
 
 SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-160 default with a key tail
