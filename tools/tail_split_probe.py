@@ -14,7 +14,7 @@ from flashgen.dsl.config import KernelConfig
 cfg = KernelConfig.wgmma("fp16", B_c=160, persistent=True)
 attn = flashgen.compile(cfg)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-for b, s, h, sk in [(sms + 1, 128, 1, 16384), (sms + 4, 128, 1, 8192), (16, 2048, 16, 2048), (16, 4096, 16, 4096)]:
+for b, s, h, sk in [(sms + 1, 128, 1, 16384), (sms + 4, 128, 1, 8192), (1, 128, 8, 32768), (2, 1024, 4, 8192), (16, 2048, 16, 2048), (16, 4096, 16, 4096)]:
     q = torch.randn(b, s, h, 128, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(b, sk, h, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     out = torch.empty_like(q)

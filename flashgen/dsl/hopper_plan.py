@@ -51,8 +51,8 @@ from .tail_split import TailSplit
 
 SWIZZLE = GmmaSwizzle.B128
 BOX_COLS = SWIZZLE.span_bytes // 2  # 64 16-bit columns per TMA box (one 128-byte swizzle row)
-#: parts a wave-tail tile splits into at most (measured: seq 2048 leaves 4 tiles for 132 SMs)
-TAIL_MAX_PARTS = 4
+#: parts a wave-tail tile splits into at most (each part reloads Q and refills the pipeline)
+TAIL_MAX_PARTS = 8
 SMEM_ALIGN = 1024  # the 128B swizzle pattern repeats every 1024 bytes of absolute address
 
 

@@ -1,8 +1,10 @@
 """Splitting the last round of a persistent kernel: the wave tail's tiles shared by idle CTAs.
 
-A persistent grid of ``ctas`` CTAs takes ``tiles`` tiles in rounds; when ``tiles % ctas`` is a
+A persistent grid of one CTA per SM takes ``tiles`` tiles in rounds; when ``tiles % SMs`` is a
 small ``tail`` the last round keeps ``tail`` CTAs busy for a whole tile while the rest idle
-(seq 2048, batch 16, 16 heads, B_r 128 on 132 SMs: 4 tiles, 3% of the run). With a split, each
+(seq 2048, batch 16, 16 heads, B_r 128 on 132 SMs: 4 tiles, 3% of the run; 133 tiles: half).
+Fewer tiles than SMs are one partial round: all of them are the tail, and the grid grows to
+``tiles * parts`` CTAs (long keys, few query rows). With a split, each
 tail tile's key blocks are cut into ``parts`` contiguous ranges, one per CTA. Each part's
 consumer warps publish their unnormalised O accumulators and per-thread row max / row sums
 (fragment order, so both the writes and the reads are coalesced) and count themselves in per
@@ -41,13 +43,24 @@ class TailSplit:
         """Counters per tail tile: one per consumer warp (16 rows each)."""
         return self.consumers * WARPS_PER_WG
 
-    def parts(self, tiles: int, ctas: int, n_kv: int) -> int:
-        """Parts per tail tile (1: no split): as many as the idle CTAs allow, each part at least
-        ``min_blocks`` key blocks, at most ``max_parts``; only when a last round is partial."""
-        if ctas <= 0 or tiles <= ctas or tiles % ctas == 0:
+    @staticmethod
+    def tail(tiles: int, sms: int) -> int:
+        """Tiles of the partial last round: ``tiles % sms``, all of them when fewer than SMs."""
+        return tiles if tiles < sms else tiles % sms
+
+    def parts(self, tiles: int, sms: int, n_kv: int) -> int:
+        """Parts per tail tile (1: no split): as many as the SMs left idle allow, each part at
+        least ``min_blocks`` key blocks, at most ``max_parts``; only when a last round is partial."""
+        tail = self.tail(tiles, sms) if sms > 0 and tiles > 0 else 0
+        if tail == 0:
             return 1
-        parts = min(ctas // (tiles % ctas), n_kv // self.min_blocks, self.max_parts)
+        parts = min(sms // tail, n_kv // self.min_blocks, self.max_parts)
         return parts if parts >= 2 else 1
+
+    @staticmethod
+    def ctas(tiles: int, sms: int, parts: int) -> int:
+        """The grid: one CTA per SM, or ``tiles * parts`` when fewer tiles than SMs."""
+        return sms if tiles >= sms else tiles * parts
 
     @staticmethod
     def ranges(j_begin: int, j_end: int, parts: int) -> list[tuple[int, int]]:
@@ -71,9 +84,10 @@ class TailSplit:
         w, half = self.warps, self.d_head // 2
         return f"""// wave tail (flashgen.dsl.tail_split): parts per tile of a partial last round, 1 = no split
 constexpr int TAIL_MAX_PARTS = {self.max_parts}, TAIL_MIN_BLOCKS = {self.min_blocks}, TAIL_WARPS = {w};
-static int tail_parts(int64_t tiles, int ctas, int n_kv) {{
-    if (ctas <= 0 || tiles <= ctas || tiles % ctas == 0) return 1;
-    int parts = ctas / int(tiles % ctas);
+static int tail_parts(int64_t tiles, int sms, int n_kv) {{
+    const int tail = sms <= 0 || tiles <= 0 ? 0 : tiles < sms ? int(tiles) : int(tiles % sms);
+    if (tail == 0) return 1;
+    int parts = sms / tail;
     parts = parts < n_kv / TAIL_MIN_BLOCKS ? parts : n_kv / TAIL_MIN_BLOCKS;
     parts = parts < TAIL_MAX_PARTS ? parts : TAIL_MAX_PARTS;
     return parts >= 2 ? parts : 1;

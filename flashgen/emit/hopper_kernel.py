@@ -369,8 +369,9 @@ static bool make_map(CUtensorMap* map, const void* ptr, int seq, int heads, int 
                   $tma_swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// CTAs of a launch of `tiles` tiles: $grid_doc
-static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out) {
+// CTAs of a launch of `tiles` tiles ($grid_doc) and the parts a partial last round's tiles split into
+static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out, int* parts) {
+    *parts = 1;
     $grid_size
     return 0;
 }
@@ -415,8 +416,8 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     }
     const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;
     if (tiles > INT32_MAX) return (int)cudaErrorInvalidValue;
-    int ctas = 0;
-    if (const int e = grid_ctas(a, tiles, &ctas)) return e;
+    int ctas = 0, parts = 1;
+    if (const int e = grid_ctas(a, tiles, &ctas, &parts)) return e;
     $tail_setup
     kernel<<<dim3(unsigned(ctas)), THREADS, smem, (cudaStream_t)stream>>>(p);
     return (int)cudaGetLastError();
@@ -573,9 +574,9 @@ def _tail_split_code(plan: HopperPlan) -> dict:
     setup = [
         "p.tail_parts = 1;",
         "p.o = static_cast<elem_t*>(a->o); p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_seq = a->o_stride[2];",
-        "const int parts = tail_parts(tiles, ctas, (a->seq_k + int(B_c) - 1) / int(B_c));",
-        "if (parts > 1 && a->workspace != nullptr) {  // without the workspace: no split",
-        "    const int tail = int(tiles % ctas);",
+        "if (parts > 1 && a->workspace == nullptr) ctas = int(tiles < ctas ? tiles : ctas);  // no workspace: no split",
+        "if (parts > 1 && a->workspace != nullptr) {",
+        "    const int tail = int(tiles % ctas);  // fewer tiles than SMs: all of them (ctas = tiles * parts)",
         "    char* ws = static_cast<char*>(a->workspace);",
         "    p.tail_parts = parts;",
         "    p.part_count = reinterpret_cast<int*>(ws);",
@@ -586,10 +587,9 @@ def _tail_split_code(plan: HopperPlan) -> dict:
     body = [
         "if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return 0;  // the launch refuses or splits nothing",
         "const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;",
-        "int ctas = 0;",
+        "int ctas = 0, parts = 1;",
         "if (tiles > INT32_MAX) return 0;",
-        "if (const int e = grid_ctas(a, tiles, &ctas)) return e;",
-        "const int parts = tail_parts(tiles, ctas, (a->seq_k + int(B_c) - 1) / int(B_c));",
+        "if (const int e = grid_ctas(a, tiles, &ctas, &parts)) return e;",
         "if (parts > 1) {",
         "    const int tail = int(tiles % ctas);",
         "    *zeroed = tail_count_bytes(tail);",
@@ -673,10 +673,16 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                 "    if (lo != hi) ctas = sms / half * half;",
                 "}",
             ]
+        if plan.tail_split is not None:
+            grid_size += [
+                "// a partial last round splits its tiles (tail_rule); fewer tiles than SMs: each over `parts` CTAs",
+                "*parts = tail_parts(tiles, sms, (a->seq_k + int(B_c) - 1) / int(B_c));",
+                "if (tiles < sms) ctas = int(tiles) * *parts;",
+            ]
         grid_size += ["*out = ctas;"]
     else:
         tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
-        grid_size = ["*out = int(tiles);"]
+        grid_size = ["(void)a;", "*out = int(tiles);"]
     tail = _tail_split_code(plan)
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
@@ -716,7 +722,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         pingpong_start=pingpong_start,
         pingpong_end=pingpong_end,
         tile_loop_doc=tile_loop_doc,
-        grid_doc="min(SMs, tiles) persistent CTAs" if loop_tiles else "one CTA per tile",
+        grid_doc=("min(SMs, tiles) persistent CTAs" + (", or tiles x parts when fewer tiles than SMs" if plan.tail_split else ""))
+        if loop_tiles else "one CTA per tile",
         wait_q_empty=wait_q_empty,
         o_stage_decl=o_stage_decl,
         grid_size=grid_size,
@@ -740,6 +747,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     grid = f"(min(SMs, {tiles}))" if loop_tiles else f"({tiles})"
     if loop_tiles and cfg.mask != "none":
         grid = f"(min(SMs, {tiles}); with unequal tiles, SMs rounded down to a multiple of half the query blocks)"
+    if plan.tail_split is not None:
+        grid = f"(min(SMs, {tiles}); fewer tiles than SMs: tiles x the wave-tail split's parts)"
     meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, text, binding_source(cfg, name), meta)

@@ -25,25 +25,31 @@ def test_only_persistent_unmasked_plans_split():
 
 
 @settings(max_examples=300, deadline=None)
-@given(tiles=st.integers(1, 20000), ctas=st.integers(1, 200), n_kv=st.integers(0, 200))
-def test_parts_keep_every_part_busy_and_within_the_idle_ctas(tiles, ctas, n_kv):
-    parts = SPLIT.parts(tiles, ctas, n_kv)
-    tail = tiles % ctas
-    if tiles <= ctas or tail == 0:
+@given(tiles=st.integers(1, 20000), sms=st.integers(1, 200), n_kv=st.integers(0, 200))
+def test_parts_keep_every_part_busy_and_within_the_idle_sms(tiles, sms, n_kv):
+    parts = SPLIT.parts(tiles, sms, n_kv)
+    tail = tiles % sms if tiles >= sms else tiles
+    if tail == 0:
         assert parts == 1  # no partial last round
         return
     assert 1 <= parts <= SPLIT.max_parts
     if parts > 1:
-        assert tail * parts <= ctas and parts * SPLIT.min_blocks <= n_kv
+        assert tail * parts <= sms and parts * SPLIT.min_blocks <= n_kv
     # as many as allowed: one more part would break a bound
     more = parts + 1
-    assert parts == 1 or more > SPLIT.max_parts or tail * more > ctas or more * SPLIT.min_blocks > n_kv
+    assert parts == 1 or more > SPLIT.max_parts or tail * more > sms or more * SPLIT.min_blocks > n_kv
+    ctas = TailSplit.ctas(tiles, sms, parts)
+    assert ctas <= sms and (tiles < sms or ctas == sms)
+    # the kernel's view: the last round (the only one when fewer tiles than SMs) holds the tail
+    in_last_round = tiles % ctas if tiles >= ctas else tiles
+    assert in_last_round == (tail if tiles >= sms or parts > 1 else 0)
 
 
 def test_the_measured_case_splits_in_four():
     """seq 2048, batch 16, 16 heads, B_r 128 on 132 SMs: 4096 tiles leave 4 for the last round."""
     assert SPLIT.parts(16 * 16 * 16, 132, 2048 // 160 + 1) == 4
     assert SPLIT.parts(16 * 16 * 16, 128, 16) == 1  # 32 full rounds
+    assert SPLIT.parts(8, 132, 64) == 4 and TailSplit.ctas(8, 132, 4) == 32  # few tiles, long keys: a wider grid
 
 
 @given(jb=st.integers(0, 50), n=st.integers(1, 60), parts=st.integers(1, 8))

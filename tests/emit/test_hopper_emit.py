@@ -162,7 +162,9 @@ def test_wave_tail_split_is_emitted_for_persistent_unmasked_kernels_only():
     # publish -> fence -> count; then fence -> read the other parts
     assert text.index("po[32 * i] = o_acc[i];") < text.index("__threadfence();") < text.index("atomicAdd(p.part_count")
     assert text.index("atomicAdd(p.part_count") < text.rindex("__threadfence();") < text.index("__ldcg(p.part_ml")
-    assert "const int parts = tail_parts(tiles, ctas, (a->seq_k + int(B_c) - 1) / int(B_c));" in text
+    # the grid: one CTA per SM, or tiles x parts when fewer tiles than SMs (the rule's ctas)
+    assert "*parts = tail_parts(tiles, sms, (a->seq_k + int(B_c) - 1) / int(B_c));" in text
+    assert "if (tiles < sms) ctas = int(tiles) * *parts;" in text
     assert "${" not in text and "$tail" not in text
     assert f"extern \"C\" int {cfg.mangle()}_workspace(" in text and f"{cfg.mangle()}_workspace(&a, &ws_bytes, &ws_zeroed)" in split.binding
     for other in (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), KernelConfig.wgmma("fp16"), default_configs()[0]):

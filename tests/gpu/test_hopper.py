@@ -92,20 +92,22 @@ def test_strided_and_transposed_inputs(built, persistent):
 @pytest.mark.parametrize("B_c", [128, 160])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_wave_tail_split(built, dtype, B_c):
-    """A partial last round (tiles = SMs + tail) splits its tiles' key blocks over the idle CTAs
-    (plan.tail_split): shapes from this GPU's SM count that split into 2 to 4 parts, with key
-    tails and GQA/MQA, against float64 (outputs and LSE; masked calls run unsplit for contrast)."""
+    """A partial last round (tiles = SMs + tail, or fewer tiles than SMs) splits its tiles' key
+    blocks over idle CTAs (plan.tail_split): shapes from this GPU's SM count that split into 2 to
+    8 parts, with key tails and GQA/MQA, against float64 (outputs and LSE; masked calls run
+    unsplit for contrast)."""
     from flashgen.dsl.hopper_plan import make_hopper_plan
 
     cfg = KernelConfig.wgmma(dtype, B_c=B_c, persistent=True)
     split = make_hopper_plan(cfg).tail_split
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [(sms + 3, 128, 1100, 1, 1), (1, 300, 777, sms // 2, 1), (2, 200, 1000, sms // 2 + 1, sms // 2 + 1)]
+    shapes = [(sms + 3, 128, 1100, 1, 1), (1, 300, 777, sms // 2, 1), (2, 200, 1000, sms // 2 + 1, sms // 2 + 1),
+              (1, 256, 4000, 4, 2), (1, 100, 700, 1, 1)]  # fewer tiles than SMs: a grid of tiles x parts
     parts = [split.parts(-(-sq // cfg.B_r) * b * hq, sms, -(-sk // B_c)) for b, sq, sk, hq, _ in shapes]
     assert min(parts) >= 2, f"shapes {shapes} do not split on {sms} SMs: parts {parts}"
     check_masks_tails_gqa(built[cfg], shapes, seed=B_c)
     # the split really runs: its one workspace allocation per call; full last rounds allocate none
-    for (b, sq, sk, hq, hk), want in ((shapes[0], 1), ((sms, 128, 1100, 1, 1), 0)):
+    for (b, sq, sk, hq, hk), want in ((shapes[0], 1), (shapes[3], 1), ((sms, 128, 1100, 1, 1), 0)):
         q = torch.randn(b, sq, hq, cfg.d_head, device="cuda", dtype=cfg.dtype.torch)
         k, v = (torch.randn(b, sk, hk, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(2))
         out = torch.empty_like(q)
