@@ -15,6 +15,7 @@ from ..dsl.config import WGMMA_M, KernelConfig
 from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
 from .kernel import LOG2E, KernelSource, args_struct, kernel_meta
 from .ptx import hopper as ptx_hopper, math as ptx_math, vec
+from .ptx.used import HELPERS_MARK, insert_used
 from .template import CodeTemplate
 
 
@@ -704,7 +705,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         kv_bytes=f"{plan.loads['K'].bytes}u",
         mask_fns=plan.score_mask.to_cpp(),
         elem_t=cfg.dtype.cpp,
-        ptx_helpers="\n\n".join(helpers),
+        ptx_helpers=HELPERS_MARK,
         smem_decls=smem_decls,
         barrier_init=bars,
         producer_regs=plan.producer_regs,
@@ -751,4 +752,4 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         grid = f"(min(SMs, {tiles}); fewer tiles than SMs: tiles x the wave-tail split's parts)"
     meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
-    return KernelSource(name, text, binding_source(cfg, name), meta)
+    return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)

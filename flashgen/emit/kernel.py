@@ -22,6 +22,7 @@ from ..dsl.config import KernelConfig
 from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
 from ..dsl.tiling import Partition
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, vec
+from .ptx.used import HELPERS_MARK, insert_used
 from .template import CodeTemplate
 
 LOG2E = 1.4426950408889634
@@ -770,7 +771,7 @@ def emit(cfg: KernelConfig) -> KernelSource:
         smem_bytes=cfg.smem_bytes,
         index_fns=_index_section(plan),
         elem_t=cfg.dtype.cpp,
-        ptx_helpers="\n\n".join(helpers),
+        ptx_helpers=HELPERS_MARK,
         sQ_bytes=f"{plan.tensors['sQ'].bytes}u",
         sK_bytes=f"{plan.tensors['sK'].bytes}u",
         log2e=f"{LOG2E!r}f",
@@ -807,4 +808,4 @@ def emit(cfg: KernelConfig) -> KernelSource:
         s2g_values=plan.s2g_O.partition.tv.n_values,
     )
     meta = kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes)
-    return KernelSource(name, text, binding_source(cfg, name), meta)
+    return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)

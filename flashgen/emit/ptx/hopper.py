@@ -94,12 +94,13 @@ __device__ __forceinline__ void tma_store_4d(const void* tmap, uint32_t src, int
 __device__ __forceinline__ void bulk_commit_group() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Wait until at most N of this thread's bulk groups are pending: `.read` only until their shared
-// sources were read (the bytes may be rewritten), otherwise until the writes are done.
+// Wait until at most N of this thread's bulk groups have not yet read their shared sources
+// (the bytes may be rewritten then; the global writes may still be in flight).
 template <int N>
 __device__ __forceinline__ void bulk_wait_group_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
 }
+// Wait until at most N of this thread's bulk groups are pending, their writes done.
 template <int N>
 __device__ __forceinline__ void bulk_wait_group() {
     asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
@@ -117,9 +118,11 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 def named_barrier() -> str:
     """``bar.sync`` / ``bar.arrive`` with an id and a thread count (PTX ISA "bar, barrier")."""
     return r'''// Named barriers (id 1..15; 0 is __syncthreads): `threads` arrivals complete a phase.
+// Arrive and wait for the phase to complete:
 __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// Arrive without waiting (a producer signalling a consumer):
 __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }'''
