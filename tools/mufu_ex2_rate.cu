@@ -1,7 +1,12 @@
+// Special-function (MUFU) rate of exp2 on the GPU: ex2.approx.ftz.f32 against the packed
+// ex2.approx.f16x2 / .bf16x2 forms, thread-instructions per clock per SM at the nominal clock.
+// Session 8 measured on an H100 (docs/results/mufu_ex2_h100.txt): f32 16, packed 8 (each packed
+// instruction is two MUFU.EX2.F16/BF16 in SASS), so packing halves no softmax exponentials.
+//   nvcc -arch=sm_90a -o mufu tools/mufu_ex2_rate.cu && ./mufu
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>
-// MUFU throughput: 16 independent chains per thread, N iterations.
+// 16 independent chains per thread (no latency bound), n iterations.
 template <int MODE>
 __global__ void k(uint32_t* out, int n) {
   uint32_t r[16];
