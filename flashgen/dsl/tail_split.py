@@ -11,6 +11,10 @@ consumer warps publish their unnormalised O accumulators and per-thread row max 
 row block of 16 rows (one warp's rows); the warp that counts last merges every part's
 partials into its registers (rescaled to the common max) and writes the finished rows.
 
+Masked kernels (``full_rounds`` False) split only launches of fewer tiles than SMs: their full
+rounds are already paired long with short tiles, and their tiles differ in length, so the
+caller passes the shortest tile's key blocks and every part still gets ``min_blocks``.
+
 This object is the one rule for the emitted launcher and kernel (:meth:`to_cpp`) and for the
 simulator (:meth:`parts`, :meth:`ranges`, :meth:`layout`).
 """
@@ -33,6 +37,9 @@ class TailSplit:
     min_blocks: int  # key blocks each part gets at least
     consumers: int
     d_head: int
+    #: also split the partial last round after full rounds (equal tiles); False: only launches of
+    #: fewer tiles than SMs (masked kernels)
+    full_rounds: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.max_parts < 2 or self.min_blocks < 1:
@@ -50,9 +57,10 @@ class TailSplit:
 
     def parts(self, tiles: int, sms: int, n_kv: int) -> int:
         """Parts per tail tile (1: no split): as many as the SMs left idle allow, each part at
-        least ``min_blocks`` key blocks, at most ``max_parts``; only when a last round is partial."""
+        least ``min_blocks`` key blocks (``n_kv``: the shortest tile's), at most ``max_parts``;
+        only when a last round is partial (and, without ``full_rounds``, the only round)."""
         tail = self.tail(tiles, sms) if sms > 0 and tiles > 0 else 0
-        if tail == 0:
+        if tail == 0 or (not self.full_rounds and tiles >= sms):
             return 1
         parts = min(sms // tail, n_kv // self.min_blocks, self.max_parts)
         return parts if parts >= 2 else 1
@@ -84,9 +92,11 @@ class TailSplit:
         w, half = self.warps, self.d_head // 2
         return f"""// wave tail (flashgen.dsl.tail_split): parts per tile of a partial last round, 1 = no split
 constexpr int TAIL_MAX_PARTS = {self.max_parts}, TAIL_MIN_BLOCKS = {self.min_blocks}, TAIL_WARPS = {w};
+constexpr bool TAIL_FULL_ROUNDS = {"true" if self.full_rounds else "false"};  // false: only fewer tiles than SMs split
+// n_kv: key blocks of the shortest tile
 static int tail_parts(int64_t tiles, int sms, int n_kv) {{
     const int tail = sms <= 0 || tiles <= 0 ? 0 : tiles < sms ? int(tiles) : int(tiles % sms);
-    if (tail == 0) return 1;
+    if (tail == 0 || (!TAIL_FULL_ROUNDS && tiles >= sms)) return 1;
     int parts = sms / tail;
     parts = parts < n_kv / TAIL_MIN_BLOCKS ? parts : n_kv / TAIL_MIN_BLOCKS;
     parts = parts < TAIL_MAX_PARTS ? parts : TAIL_MAX_PARTS;

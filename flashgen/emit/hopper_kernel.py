@@ -677,7 +677,19 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         if plan.tail_split is not None:
             grid_size += [
                 "// a partial last round splits its tiles (tail_rule); fewer tiles than SMs: each over `parts` CTAs",
-                "*parts = tail_parts(tiles, sms, (a->seq_k + int(B_c) - 1) / int(B_c));",
+                "int n_kv = (a->seq_k + int(B_c) - 1) / int(B_c);  // key blocks of the shortest tile",
+            ]
+            if cfg.mask != "none":  # only fewer tiles than SMs split (TAIL_FULL_ROUNDS); tiles differ in length
+                grid_size += [
+                    "if (tiles < sms)",
+                    "    for (int qb = 0; qb < n_q; ++qb) {",
+                    "        int jb, je;",
+                    "        kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
+                    "        n_kv = je - jb < n_kv ? je - jb : n_kv;",
+                    "    }",
+                ]
+            grid_size += [
+                "*parts = tail_parts(tiles, sms, n_kv);",
                 "if (tiles < sms) ctas = int(tiles) * *parts;",
             ]
         grid_size += ["*out = ctas;"]
@@ -746,10 +758,10 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     )
     tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
     grid = f"(min(SMs, {tiles}))" if loop_tiles else f"({tiles})"
-    if loop_tiles and cfg.mask != "none":
-        grid = f"(min(SMs, {tiles}); with unequal tiles, SMs rounded down to a multiple of half the query blocks)"
-    if plan.tail_split is not None:
-        grid = f"(min(SMs, {tiles}); fewer tiles than SMs: tiles x the wave-tail split's parts)"
+    if loop_tiles:
+        notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if cfg.mask != "none" else []
+        notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"] if plan.tail_split is not None else []
+        grid = f"(min(SMs, {tiles}){''.join('; ' + n for n in notes)})"
     meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)

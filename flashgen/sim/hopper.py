@@ -881,7 +881,8 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
 
 
 def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, parts: int, q_block: int = 0,
-                        seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None
+                        seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
+                        mask_offset: int = 0, window_left: int = -1, window_right: int = -1
                         ) -> tuple[np.ndarray, np.ndarray, HopperReport]:
     """One wave-tail tile split into ``parts`` (``plan.tail_split``): each part a CTA walking its key
     blocks (:meth:`TailSplit.ranges`) and publishing its consumers' row max, row sums and O
@@ -890,15 +891,16 @@ def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
     if plan.tail_split is None:
-        raise ValueError(f"{plan.cfg.short_form()}: no tail split in this plan (persistent and unmasked only)")
+        raise ValueError(f"{plan.cfg.short_form()}: no tail split in this plan (persistent plans only)")
     cfg = plan.cfg
     q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
-    jb, je = plan.score_mask.block_range(q_block * cfg.B_r, seq_q, seq_k, 0, -1, -1)
+    mask_args = (mask_offset, window_left, window_right)
+    jb, je = plan.score_mask.block_range(q_block * cfg.B_r, seq_q, seq_k, *mask_args)
     ranges = plan.tail_split.ranges(jb, je, parts)
     if any(b >= e for b, e in ranges):
         raise ValueError(f"{parts} parts of key blocks [{jb}, {je}) leave a part empty (the launcher's rule never does)")
-    ctas = [_Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, (0, -1, -1), ranges=[r]) for r in ranges]
+    ctas = [_Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, mask_args, ranges=[r]) for r in ranges]
     hazards: list[str] = []
     for n, cta in enumerate(ctas):
         cta.run()

@@ -14,14 +14,26 @@ from flashgen.dsl.hopper_plan import TAIL_MAX_PARTS, make_hopper_plan
 from flashgen.dsl.tail_split import TailSplit
 
 SPLIT = TailSplit(max_parts=4, min_blocks=2, consumers=2, d_head=128)
+FEW = TailSplit(max_parts=4, min_blocks=2, consumers=2, d_head=128, full_rounds=False)  # masked kernels' rule
 
 
-def test_only_persistent_unmasked_plans_split():
+def test_persistent_plans_split_masked_ones_only_below_the_sm_count():
     W = KernelConfig.wgmma
     assert make_hopper_plan(W("fp16", persistent=True)).tail_split == TailSplit(TAIL_MAX_PARTS, 2, 2, 128)
     assert make_hopper_plan(W("bf16", d_head=64, persistent=True)).tail_split.d_head == 64
-    for cfg in (W("fp16"), W("fp16", persistent=True, mask="causal"), W("fp16", persistent=True, mask="window")):
+    for mask in ("causal", "window"):
+        assert make_hopper_plan(W("fp16", persistent=True, mask=mask)).tail_split == TailSplit(TAIL_MAX_PARTS, 2, 2, 128, False)
+    for cfg in (W("fp16"), W("fp16", mask="causal")):  # one CTA per tile: nothing to split
         assert make_hopper_plan(cfg).tail_split is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(tiles=st.integers(1, 20000), sms=st.integers(1, 200), n_kv=st.integers(0, 200))
+def test_masked_rule_splits_only_launches_of_fewer_tiles_than_sms(tiles, sms, n_kv):
+    """Full rounds of a masked kernel pair long and short tiles: only a single, partial round splits,
+    by the same rule as the unmasked kernels'."""
+    want = SPLIT.parts(tiles, sms, n_kv) if tiles < sms else 1
+    assert FEW.parts(tiles, sms, n_kv) == want
 
 
 @settings(max_examples=300, deadline=None)
@@ -70,10 +82,11 @@ def test_workspace_layout_is_disjoint_and_sized_for_every_part():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to run the emitted C++ rule")
-def test_emitted_rule_agrees_with_python(tmp_path):
+@pytest.mark.parametrize("rule", [SPLIT, FEW], ids=["full-rounds", "few-tiles-only"])
+def test_emitted_rule_agrees_with_python(tmp_path, rule):
     cases = [(t, c, n) for t in (1, 5, 131, 133, 160, 198, 268, 4096, 8192, 4100) for c in (1, 3, 66, 114, 132) for n in (0, 1, 3, 7, 13, 16)]
     src = tmp_path / "rule.cpp"
-    src.write_text("#include <stdint.h>\n#include <stddef.h>\n#include <stdio.h>\n" + SPLIT.to_cpp() + "\nint main() {\n"
+    src.write_text("#include <stdint.h>\n#include <stddef.h>\n#include <stdio.h>\n" + rule.to_cpp() + "\nint main() {\n"
                    + "".join(f'    printf("%d %zu %zu %zu\\n", tail_parts({t}, {c}, {n}), tail_count_bytes({t % c}), '
                              f'tail_ml_bytes({t % c} * 3), tail_o_bytes({t % c} * 3));\n' for t, c, n in cases)
                    + "}\n")
@@ -81,6 +94,6 @@ def test_emitted_rule_agrees_with_python(tmp_path):
     subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-Wno-unused-function", "-o", str(exe), str(src)], check=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     for (t, c, n), line in zip(cases, got):
-        lay = SPLIT.layout(t % c, 3)
-        want = [SPLIT.parts(t, c, n), lay["ml"][0], lay["ml"][1], lay["o"][1]]
+        lay = rule.layout(t % c, 3)
+        want = [rule.parts(t, c, n), lay["ml"][0], lay["ml"][1], lay["o"][1]]
         assert [int(x) for x in line.split()] == want, (t, c, n)

@@ -151,9 +151,10 @@ def test_persistent_kernels_loop_over_tiles():
         assert emit(c).meta["grid"].startswith("(min(SMs") == (kind == "static")
 
 
-def test_wave_tail_split_is_emitted_for_persistent_unmasked_kernels_only():
+def test_wave_tail_split_is_emitted_for_persistent_kernels():
     """The split's rule is the plan's TailSplit text; the kernel publishes, counts and merges per warp;
-    the workspace function sizes it and the binding allocates it. Masked and per-tile kernels ask for none."""
+    the workspace function sizes it and the binding allocates it. Masked persistent kernels split only
+    fewer tiles than SMs, bounded by their shortest tile; per-tile kernels ask for none."""
     cfg = KernelConfig.wgmma("fp16", B_c=160, persistent=True)
     split = emit(cfg)
     text = split.text
@@ -163,10 +164,17 @@ def test_wave_tail_split_is_emitted_for_persistent_unmasked_kernels_only():
     assert text.index("po[32 * i] = o_acc[i];") < text.index("__threadfence();") < text.index("atomicAdd(p.part_count")
     assert text.index("atomicAdd(p.part_count") < text.rindex("__threadfence();") < text.index("__ldcg(p.part_ml")
     # the grid: one CTA per SM, or tiles x parts when fewer tiles than SMs (the rule's ctas)
-    assert "*parts = tail_parts(tiles, sms, (a->seq_k + int(B_c) - 1) / int(B_c));" in text
+    assert "int n_kv = (a->seq_k + int(B_c) - 1) / int(B_c);" in text and "*parts = tail_parts(tiles, sms, n_kv);" in text
     assert "if (tiles < sms) ctas = int(tiles) * *parts;" in text
+    assert "constexpr bool TAIL_FULL_ROUNDS = true;" in text and "n_kv = je - jb < n_kv" not in text
     assert "${" not in text and "$tail" not in text
     assert f"extern \"C\" int {cfg.mangle()}_workspace(" in text and f"{cfg.mangle()}_workspace(&a, &ws_bytes, &ws_zeroed)" in split.binding
-    for other in (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), KernelConfig.wgmma("fp16"), default_configs()[0]):
+    masked = KernelConfig.wgmma("fp16", persistent=True, mask="causal")
+    t = emit(masked).text
+    assert make_hopper_plan(masked).tail_split.to_cpp() in t and "constexpr bool TAIL_FULL_ROUNDS = false;" in t
+    # the parts are bounded by the shortest tile's key blocks, found only when the launch splits at all
+    assert t.index("if (tiles < sms)\n") < t.index("n_kv = je - jb < n_kv ? je - jb : n_kv;") < t.index("*parts = tail_parts(tiles, sms, n_kv);")
+    assert "atomicAdd(p.part_count" in t and "fewer tiles than SMs" in emit(masked).meta["grid"]
+    for other in (KernelConfig.wgmma("fp16", mask="causal"), KernelConfig.wgmma("fp16"), default_configs()[0]):
         t = emit(other).text
         assert "part_count" not in t and "tail_parts" not in t and f"{other.mangle()}_workspace(" in t

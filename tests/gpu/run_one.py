@@ -1,8 +1,9 @@
 """Run one config once on a small input (for compute-sanitizer and ncu); exit 1 on a wrong result.
 
-usage: python tests/gpu/run_one.py "<short form>" [seq] [batch] [heads] [seq_k] [kv_heads]
+usage: python tests/gpu/run_one.py "<short form>" [seq] [batch] [heads] [seq_k] [kv_heads] [align]
 
-The config's mask (causal/window) is applied top-left; with window the sizes are (17, 5).
+The config's mask (causal/window) is applied aligned `align` (top_left, the default, or
+bottom_right); with window the sizes are (17, 5).
 """
 import math
 import sys
@@ -19,13 +20,15 @@ def main() -> int:
     heads = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     seq_k = int(sys.argv[5]) if len(sys.argv) > 5 else seq
     kv_heads = int(sys.argv[6]) if len(sys.argv) > 6 else heads
+    align = sys.argv[7] if len(sys.argv) > 7 else "top_left"
+    offset = seq_k - seq if align == "bottom_right" else 0
     attn = flashgen.compile(cfg)
     torch.manual_seed(0)
     q = torch.randn(batch, seq, heads, cfg.d_head, device="cuda", dtype=cfg.dtype.torch)
     k, v = (torch.randn(batch, seq_k, kv_heads, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(2))
     out = torch.full_like(q, float("nan"))
     window = (17, 5) if cfg.mask == "window" else None
-    attn(q, k, v, out=out, causal=cfg.mask == "causal", window=window)
+    attn(q, k, v, out=out, causal=cfg.mask == "causal", window=window, align=align)
     torch.cuda.synchronize()
     g = heads // kv_heads
     qd = q.double().transpose(1, 2)
@@ -34,9 +37,9 @@ def main() -> int:
     i, j = torch.arange(seq, device="cuda")[:, None], torch.arange(seq_k, device="cuda")[None, :]
     keep = torch.ones(seq, seq_k, dtype=torch.bool, device="cuda")
     if cfg.mask == "causal":
-        keep = j <= i
+        keep = j <= i + offset
     elif cfg.mask == "window":
-        keep = (j <= i + 5) & (j >= i - 17)
+        keep = (j <= i + offset + 5) & (j >= i + offset - 17)
     ref = (torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0) @ vd).transpose(1, 2)
     err = (out.double() - ref).abs().max().item()
     print(f"{cfg.short_form()}: max error {err:.3e}")

@@ -94,8 +94,9 @@ def test_strided_and_transposed_inputs(built, persistent):
 def test_wave_tail_split(built, dtype, B_c):
     """A partial last round (tiles = SMs + tail, or fewer tiles than SMs) splits its tiles' key
     blocks over idle CTAs (plan.tail_split): shapes from this GPU's SM count that split into 2 to
-    8 parts, with key tails and GQA/MQA, against float64 (outputs and LSE; masked calls run
-    unsplit for contrast)."""
+    8 parts, with key tails and GQA/MQA, against float64 (outputs and LSE; the masked calls split
+    where a launch has fewer tiles than SMs with long enough tiles, e.g. causal bottom-right, and
+    run unsplit elsewhere)."""
     from flashgen.dsl.hopper_plan import make_hopper_plan
 
     cfg = KernelConfig.wgmma(dtype, B_c=B_c, persistent=True)
@@ -106,15 +107,19 @@ def test_wave_tail_split(built, dtype, B_c):
     parts = [split.parts(-(-sq // cfg.B_r) * b * hq, sms, -(-sk // B_c)) for b, sq, sk, hq, _ in shapes]
     assert min(parts) >= 2, f"shapes {shapes} do not split on {sms} SMs: parts {parts}"
     check_masks_tails_gqa(built[cfg], shapes, seed=B_c)
-    # the split really runs: its one workspace allocation per call; full last rounds allocate none
-    for (b, sq, sk, hq, hk), want in ((shapes[0], 1), (shapes[3], 1), ((sms, 128, 1100, 1, 1), 0)):
+    # the split really runs: its one workspace allocation per call; full last rounds allocate none, nor
+    # do masked launches of more tiles than SMs (their rounds pair long and short tiles)
+    cases = [(shapes[0], {}, 1), (shapes[3], {}, 1), ((sms, 128, 1100, 1, 1), {}, 0),
+             (shapes[3], {"causal": True, "align": "bottom_right"}, 1), (shapes[0], {"causal": True, "align": "bottom_right"}, 0)]
+    for (b, sq, sk, hq, hk), kwargs, want in cases:
         q = torch.randn(b, sq, hq, cfg.d_head, device="cuda", dtype=cfg.dtype.torch)
         k, v = (torch.randn(b, sk, hk, cfg.d_head, device="cuda", dtype=cfg.dtype.torch) for _ in range(2))
         out = torch.empty_like(q)
+        built[cfg](q, k, v, out=out, **kwargs)  # builds the masked variant outside the count
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        built[cfg](q, k, v, out=out)
-        assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == want, (b, sq, sk, hq, hk)
+        built[cfg](q, k, v, out=out, **kwargs)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == want, (b, sq, sk, hq, hk, kwargs)
 
 
 SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-160 default with a key tail
@@ -125,6 +130,9 @@ SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-16
     "persistent-bc160": (KernelConfig.wgmma("fp16", B_c=160, persistent=True), ["300", "1", "96", "333", "8"]),
     # 135 tiles: on 132 SMs a wave tail of 3 tiles split into 4 parts each (workspace, counters, merge)
     "persistent-split": (KernelConfig.wgmma("fp16", persistent=True), ["300", "1", "45", "1000", "5"]),
+    # causal bottom-right, 6 tiles of 2-3 query blocks' rows over 2000 keys: fewer tiles than SMs, so
+    # the masked kernel splits each (shortest tile 15 blocks -> up to 7 parts), diagonal in the last part
+    "persistent-causal-split": (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), ["300", "2", "1", "2000", "1", "bottom_right"]),
 }
 
 

@@ -330,12 +330,16 @@ def test_tile_output_steps_out_of_place_are_reported():
     assert any("store_O of tile 0 before gemm O of block" in x for x in h), h[:3]
 
 
-@pytest.mark.parametrize("cfg, seq_q, seq_k, q_block, parts", [
-    (W("fp16", d_head=128, B_c=160, persistent=True), 100, 1000, 0, 3),  # the long-sequence default, a 40-key tail
-    (W("bf16", d_head=128, persistent=True), 256, 520, 1, 4),  # 5 blocks in 4 parts (1-2 blocks each)
-    (PP_INTRA.replace(persistent=True), 200, 300, 1, 2),  # d64: 72 query rows
+@pytest.mark.parametrize("cfg, seq_q, seq_k, q_block, parts, mask_args", [
+    (W("fp16", d_head=128, B_c=160, persistent=True), 100, 1000, 0, 3, (0, -1, -1)),  # the long-sequence default, a 40-key tail
+    (W("bf16", d_head=128, persistent=True), 256, 520, 1, 4, (0, -1, -1)),  # 5 blocks in 4 parts (1-2 blocks each)
+    (PP_INTRA.replace(persistent=True), 200, 300, 1, 2, (0, -1, -1)),  # d64: 72 query rows
+    # masked: causal aligned bottom-right (rows see all but the last keys: the diagonal in the last part)
+    (W("fp16", d_head=128, persistent=True, mask="causal"), 100, 700, 0, 3, (600, -1, -1)),
+    # a window wider than a part: some rows keep no key of the first part (its max is -inf there)
+    (W("bf16", d_head=64, B_c=64, persistent=True, mask="window"), 64, 400, 0, 3, (300, 150, 0)),
 ], ids=str)
-def test_split_tile_matches_float64_attention(cfg, seq_q, seq_k, q_block, parts):
+def test_split_tile_matches_float64_attention(cfg, seq_q, seq_k, q_block, parts, mask_args):
     """A wave-tail tile walked as ``parts`` CTAs over its key ranges and merged by each consumer
     (plan.tail_split): float64 attention's rows, no hazard in any part. The last keys are made
     larger, so the part holding them has the largest max and the others must be rescaled to it."""
@@ -343,13 +347,17 @@ def test_split_tile_matches_float64_attention(cfg, seq_q, seq_k, q_block, parts)
     kf = hw.decode(k, cfg.dtype)
     kf[-cfg.B_c:] *= 4
     k = hw.encode(kf, cfg.dtype)
-    o, lse, rep = hopper.simulate_split_tile(cfg, q, k, v, parts, q_block)
+    offset, left, right = mask_args
+    kw = dict(mask_offset=offset, window_left=left, window_right=right)
+    o, lse, rep = hopper.simulate_split_tile(cfg, q, k, v, parts, q_block, **kw)
     assert rep.hazards == []
     row0 = q_block * cfg.B_r
     rows = min(cfg.B_r, seq_q - row0)
-    cmp = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, o, lse=lse)
+    sm = make_hopper_plan(cfg).score_mask
+    keep = np.array([[sm.keep(row0 + i, j, seq_k, offset, left, right) for j in range(seq_k)] for i in range(rows)], dtype=bool)
+    cmp = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, o, keep=keep, lse=lse)
     assert cmp["ok"], cmp
-    whole, whole_lse, _ = hopper.simulate_cta(cfg, q, k, v, q_block)  # same rows unsplit: only rounding differs
+    whole, whole_lse, _ = hopper.simulate_cta(cfg, q, k, v, q_block, **kw)  # same rows unsplit: only rounding differs
     diff = np.abs(hw.decode(o, cfg.dtype) - hw.decode(whole, cfg.dtype)).max()
     assert diff <= 4 * np.abs(hw.decode(whole, cfg.dtype)).max() * 2.0 ** -8
     np.testing.assert_allclose(lse, whole_lse, rtol=1e-5)
