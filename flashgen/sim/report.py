@@ -156,10 +156,12 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
 def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -> dict[str, Any]:
     """The wgmma engine's checks (:mod:`flashgen.sim.hopper`): schedule hazards over 1, 2 and 5 key
     blocks (persistent plans: two tiles back to back), and (``cta``) a functional CTA with a query
-    tail and a key tail vs float64 attention.
+    tail and a key tail vs float64 attention; with a wave-tail split (persistent plans) also one
+    tile of 5 key blocks run as 2 parts and merged (masked plans: aligned bottom-right, so the
+    tile has those blocks).
 
-    Keys: ``config``, ``name``, ``engine`` ("wgmma"), ``schedule`` ``{ok, hazards}``, ``cta``
-    ``{ok, detail, max_abs_err, bound}``, ``ok``.
+    Keys: ``config``, ``name``, ``engine`` ("wgmma"), ``schedule`` ``{ok, hazards}``, ``cta`` and
+    ``split`` ``{ok, detail, max_abs_err, bound}``, ``ok``.
     """
     from . import hopper
 
@@ -173,21 +175,30 @@ def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -
     checks = [not hazards]
     if cta:
         rng = np.random.default_rng(seed)
-        seq_q, seq_k = cfg.B_r - 27, 2 * cfg.B_c + 37  # tails on both sides
-        q = hw.encode(rng.standard_normal((seq_q, cfg.d_head)), cfg.dtype)
-        k = hw.encode(rng.standard_normal((seq_k, cfg.d_head)), cfg.dtype)
-        v = hw.encode(rng.standard_normal((seq_k, cfg.d_head)), cfg.dtype)
-        o, lse, rep = hopper.simulate_cta(plan, q, k, v)
-        keep = None
-        if cfg.mask != "none":  # default arguments: offset 0, unbounded window
-            keep = np.array([[plan.score_mask.keep(i, c, seq_k) for c in range(seq_k)] for i in range(seq_q)])
-        cmp = cta_sim.compare_with_reference(cfg, q, k, v, o[:seq_q], keep=keep, lse=lse[:seq_q])
-        detail = (f"seq_q {seq_q}, seq_k {seq_k}: max |O - O_f64| = {cmp['max_abs_err']:.3g} "
-                  f"(bound {cmp['bound']:.3g} = 2 x mixed-precision reference error {cmp['lowp_err']:.3g} + {cmp['abs_tol']:g})")
-        if rep.hazards:
-            detail += f"; {len(rep.hazards)} hazard(s)"
-        result["cta"] = {"ok": bool(cmp["ok"] and rep.ok), "detail": detail, "max_abs_err": cmp["max_abs_err"], "bound": cmp["bound"]}
-        checks.append(result["cta"]["ok"])
+
+        def forward(key: str, seq_k: int, offset: int, run) -> None:
+            seq_q = cfg.B_r - 27  # tails on both sides
+            q = hw.encode(rng.standard_normal((seq_q, cfg.d_head)), cfg.dtype)
+            k = hw.encode(rng.standard_normal((seq_k, cfg.d_head)), cfg.dtype)
+            v = hw.encode(rng.standard_normal((seq_k, cfg.d_head)), cfg.dtype)
+            o, lse, rep = run(q, k, v)
+            keep = None
+            if cfg.mask != "none":  # unbounded window: the masks differ in the offset only
+                keep = np.array([[plan.score_mask.keep(i, c, seq_k, offset) for c in range(seq_k)] for i in range(seq_q)])
+            cmp = cta_sim.compare_with_reference(cfg, q, k, v, o[:seq_q], keep=keep, lse=lse[:seq_q])
+            detail = (f"seq_q {seq_q}, seq_k {seq_k}: max |O - O_f64| = {cmp['max_abs_err']:.3g} "
+                      f"(bound {cmp['bound']:.3g} = 2 x mixed-precision reference error {cmp['lowp_err']:.3g} + {cmp['abs_tol']:g})")
+            if rep.hazards:
+                detail += f"; {len(rep.hazards)} hazard(s)"
+            result[key] = {"ok": bool(cmp["ok"] and rep.ok), "detail": detail, "max_abs_err": cmp["max_abs_err"], "bound": cmp["bound"]}
+            checks.append(result[key]["ok"])
+
+        forward("cta", 2 * cfg.B_c + 37, 0, lambda q, k, v: hopper.simulate_cta(plan, q, k, v))
+        if plan.tail_split is not None:
+            seq_k = 4 * cfg.B_c + 37  # 5 key blocks: 2 parts of at least tail_split.min_blocks
+            offset = seq_k - (cfg.B_r - 27) if cfg.mask != "none" else 0
+            forward("split", seq_k, offset,
+                    lambda q, k, v: hopper.simulate_split_tile(plan, q, k, v, 2, mask_offset=offset))
     result["ok"] = all(checks)
     return result
 
@@ -207,6 +218,8 @@ def format_report(results: list[dict[str, Any]]) -> str:
             lines += [f"    hazard: {h}" for h in res["schedule"]["hazards"][:10]]
             if "cta" in res:
                 lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")
+            if "split" in res:
+                lines.append(f"  wave-tail split (2 parts merged): {_ok(res['split']['ok'])} - {res['split']['detail']}")
             blocks.append("\n".join(lines))
             continue
         head = ("copy", "atom", "runs", "instr/warp", "wavefronts/warp", "ideal", "conflicts", "bytes/CTA", "coverage")

@@ -66,3 +66,25 @@ def test_report_without_cta_run():
 def test_every_tuning_config_simulates_clean():
     bad = [r["config"] for r in map(simulate_config, tuning_space()) if not r["ok"]]
     assert not bad, bad
+
+
+def test_hopper_report_checks_the_wave_tail_split(monkeypatch):
+    """Persistent wgmma configs (masked ones aligned bottom-right) also run one tile as two merged
+    parts against float64; per-tile configs have no split to check; a wrong merge fails the report."""
+    from flashgen.dsl.config import KernelConfig
+    from flashgen.sim import hopper
+
+    causal = KernelConfig.wgmma("bf16", persistent=True, mask="causal")
+    res = simulate_config(causal)
+    assert res["ok"] and res["split"]["ok"] and res["split"]["max_abs_err"] <= res["split"]["bound"]
+    assert "wave-tail split (2 parts merged): ok - seq_q 101, seq_k 549" in format_report([res])
+    assert "split" not in simulate_config(KernelConfig.wgmma("fp16"))
+
+    real = hopper.simulate_split_tile
+
+    def corrupted(plan, q, k, v, parts, *args, **kw):  # a merge gone wrong: every output off by a factor
+        o, lse, rep = real(plan, q, k, v, parts, *args, **kw)
+        return o ^ 0x0400, lse, rep  # one exponent bit of each 16-bit value flipped
+    monkeypatch.setattr(hopper, "simulate_split_tile", corrupted)
+    bad = simulate_config(causal)
+    assert not bad["split"]["ok"] and not bad["ok"] and "wave-tail split (2 parts merged): FAILED" in format_report([bad])
