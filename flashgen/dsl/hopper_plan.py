@@ -16,8 +16,8 @@ FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
 * ``persistent``: CTAs loop over tiles (query block, head, batch); the output is staged in
   its own tile and the consumers release Q (``q_empty``) once the last S GEMM retired, so the
   producer loads the next tile's Q and K/V while this tile's epilogue runs; a partial last
-  round's tiles are split by key blocks over the idle CTAs (``tail_split``; with a mask only
-  when there are fewer tiles than SMs);
+  round's tiles are split by key blocks over the idle CTAs (``tail_split``; with a mask, and
+  for one CTA per tile, only when there are fewer tiles than SMs);
 * the epilogue: each consumer stages its 64 output rows in shared memory (Q's swizzled
   layout) and one of its threads hands them to TMA stores (``stores``), so the warps do not
   wait for global writes; the staging bytes are rewritten only after the stores read them.
@@ -145,9 +145,9 @@ class HopperPlan:
     #: "grid": one CTA per tile; "static" (persistent): about one CTA per SM, each taking tiles in a
     #: fixed order of rounds (with a mask, the launcher sizes the grid so round pairs balance)
     tile_scheduler: str
-    #: persistent: a partial last round's tiles split over idle CTAs (masked: only launches of fewer
-    #: tiles than SMs); None for one CTA per tile
-    tail_split: "TailSplit | None"
+    #: a partial last round's tiles split over idle CTAs (persistent and unmasked); masked and
+    #: one-CTA-per-tile kernels split only launches of fewer tiles than SMs
+    tail_split: TailSplit
     score_mask: ScoreMask
     row_reduce_lanes: tuple[int, ...]
     prologue: tuple[Step, ...]
@@ -331,7 +331,9 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
         tile_scheduler="static" if cfg.persistent else "grid",
-        tail_split=TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.mask == "none") if cfg.persistent else None,
+        # persistent and unmasked: every partial last round; masked or one CTA per tile: only a launch
+        # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
+        tail_split=TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none"),
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         prologue=prologue,

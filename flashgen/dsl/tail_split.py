@@ -11,9 +11,10 @@ consumer warps publish their unnormalised O accumulators and per-thread row max 
 row block of 16 rows (one warp's rows); the warp that counts last merges every part's
 partials into its registers (rescaled to the common max) and writes the finished rows.
 
-Masked kernels (``full_rounds`` False) split only launches of fewer tiles than SMs: their full
-rounds are already paired long with short tiles, and their tiles differ in length, so the
-caller passes the shortest tile's key blocks and every part still gets ``min_blocks``.
+Masked kernels and kernels of one CTA per tile (``full_rounds`` False) split only launches of
+fewer tiles than SMs: masked full rounds are already paired long with short tiles (and their
+tiles differ in length, so the caller passes the shortest tile's key blocks and every part
+still gets ``min_blocks``); a grid of one CTA per tile has no rounds of its own to fill.
 
 This object is the one rule for the emitted launcher and kernel (:meth:`to_cpp`) and for the
 simulator (:meth:`parts`, :meth:`ranges`, :meth:`layout`).

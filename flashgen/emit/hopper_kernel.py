@@ -486,16 +486,13 @@ def _main_loop(plan: HopperPlan) -> list[str]:
 
 def _tail_split_code(plan: HopperPlan) -> dict:
     """The wave-tail split (``plan.tail_split``): tile choice, the partials' publish-and-merge, the
-    merged rows' stores, the launcher's rule and workspace; the plain round robin without it."""
+    merged rows' stores, the launcher's rule and workspace."""
     whole = ["const int tile = r * int(gridDim.x) + slot;",
              "if (tile >= n_tiles) return false;",
              "*t = tile_at(p, tile, n_q_blocks);",
              "t->unit = -1;",
              "return true;"]
     ts = plan.tail_split
-    if ts is None:
-        return dict(tail_params=[], pick_tile=whole, merge_parts=[], store_merged=[], tail_setup=[], tail_rule=[],
-                    workspace_doc="This kernel uses none.", workspace_body=["(void)a;"])
     co = plan.gemm_O.atom.c_map
     slot = "(i / 2) % 2"  # row half of O value i (the rescale's and the normalisation's rule)
     pick = [
@@ -598,7 +595,7 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "}",
     ]
     return dict(tail_params=params, pick_tile=pick, merge_parts=merge, store_merged=store, tail_setup=setup,
-                tail_rule=ts.to_cpp(), workspace_doc="A persistent kernel's wave-tail split: see tail_rule.",
+                tail_rule=ts.to_cpp(), workspace_doc="The wave-tail split: see tail_rule.",
                 workspace_body=body)
 
 
@@ -651,12 +648,12 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     else:
         wait_q_empty = []
         o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
+    sm_count = ["int dev = 0, sms = 0;",
+                "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
+                "    return (int)cudaGetLastError();"]
     if loop_tiles:  # the launch side: which tiles a CTA takes
         tile_loop_doc = "persistent: gridDim.x = min(SMs, tiles) (see the launcher), each CTA loops over rounds"
-        grid_size = ["int dev = 0, sms = 0;  // persistent: one CTA per SM (at most one per tile)",
-                     "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
-                     "    return (int)cudaGetLastError();",
-                     "int ctas = tiles < sms ? int(tiles) : sms;"]
+        grid_size = sm_count + ["int ctas = tiles < sms ? int(tiles) : sms;  // persistent: one CTA per SM (at most one per tile)"]
         if cfg.mask != "none":
             grid_size += [
                 "// unequal tiles (a mask): gridDim.x a multiple of `half` = half the query blocks of a head (all of",
@@ -674,28 +671,27 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                 "    if (lo != hi) ctas = sms / half * half;",
                 "}",
             ]
-        if plan.tail_split is not None:
-            grid_size += [
-                "// a partial last round splits its tiles (tail_rule); fewer tiles than SMs: each over `parts` CTAs",
-                "int n_kv = (a->seq_k + int(B_c) - 1) / int(B_c);  // key blocks of the shortest tile",
-            ]
-            if cfg.mask != "none":  # only fewer tiles than SMs split (TAIL_FULL_ROUNDS); tiles differ in length
-                grid_size += [
-                    "if (tiles < sms)",
-                    "    for (int qb = 0; qb < n_q; ++qb) {",
-                    "        int jb, je;",
-                    "        kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
-                    "        n_kv = je - jb < n_kv ? je - jb : n_kv;",
-                    "    }",
-                ]
-            grid_size += [
-                "*parts = tail_parts(tiles, sms, n_kv);",
-                "if (tiles < sms) ctas = int(tiles) * *parts;",
-            ]
-        grid_size += ["*out = ctas;"]
     else:
-        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round)"
-        grid_size = ["(void)a;", "*out = int(tiles);"]
+        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round; fewer tiles than SMs: tiles x the split's parts)"
+        grid_size = sm_count + ["int ctas = int(tiles);  // one CTA per tile"]
+    grid_size += [
+        "// a partial last round splits its tiles (tail_rule); fewer tiles than SMs: each over `parts` CTAs",
+        "int n_kv = (a->seq_k + int(B_c) - 1) / int(B_c);  // key blocks of the shortest tile",
+    ]
+    if cfg.mask != "none":  # tiles differ in length: the shortest bounds the parts
+        grid_size += [
+            "if (tiles < sms)",
+            "    for (int qb = 0; qb * int(B_r) < a->seq_q; ++qb) {",
+            "        int jb, je;",
+            "        kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
+            "        n_kv = je - jb < n_kv ? je - jb : n_kv;",
+            "    }",
+        ]
+    grid_size += [
+        "*parts = tail_parts(tiles, sms, n_kv);",
+        "if (tiles < sms) ctas = int(tiles) * *parts;",
+    ]
+    grid_size += ["*out = ctas;"]
     tail = _tail_split_code(plan)
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
@@ -735,8 +731,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         pingpong_start=pingpong_start,
         pingpong_end=pingpong_end,
         tile_loop_doc=tile_loop_doc,
-        grid_doc=("min(SMs, tiles) persistent CTAs" + (", or tiles x parts when fewer tiles than SMs" if plan.tail_split else ""))
-        if loop_tiles else "one CTA per tile",
+        grid_doc=("min(SMs, tiles) persistent CTAs" if loop_tiles else "one CTA per tile") + ", or tiles x parts when fewer tiles than SMs",
         wait_q_empty=wait_q_empty,
         o_stage_decl=o_stage_decl,
         grid_size=grid_size,
@@ -757,11 +752,9 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         **tail,
     )
     tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
-    grid = f"(min(SMs, {tiles}))" if loop_tiles else f"({tiles})"
-    if loop_tiles:
-        notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if cfg.mask != "none" else []
-        notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"] if plan.tail_split is not None else []
-        grid = f"(min(SMs, {tiles}){''.join('; ' + n for n in notes)})"
+    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if loop_tiles and cfg.mask != "none" else []
+    notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"]
+    grid = f"({f'min(SMs, {tiles})' if loop_tiles else tiles}{''.join('; ' + n for n in notes)})"
     meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)

@@ -890,8 +890,6 @@ def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.
     :func:`simulate_cta`; the report joins the parts' hazards."""
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
-    if plan.tail_split is None:
-        raise ValueError(f"{plan.cfg.short_form()}: no tail split in this plan (persistent plans only)")
     cfg = plan.cfg
     q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale

@@ -156,9 +156,9 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
 def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -> dict[str, Any]:
     """The wgmma engine's checks (:mod:`flashgen.sim.hopper`): schedule hazards over 1, 2 and 5 key
     blocks (persistent plans: two tiles back to back), and (``cta``) a functional CTA with a query
-    tail and a key tail vs float64 attention; with a wave-tail split (persistent plans) also one
-    tile of 5 key blocks run as 2 parts and merged (masked plans: aligned bottom-right, so the
-    tile has those blocks).
+    tail and a key tail vs float64 attention, and (``split``) one tile of 5 key blocks run as the
+    wave-tail split's 2 parts and merged (masked plans: aligned bottom-right, so the tile has
+    those blocks).
 
     Keys: ``config``, ``name``, ``engine`` ("wgmma"), ``schedule`` ``{ok, hazards}``, ``cta`` and
     ``split`` ``{ok, detail, max_abs_err, bound}``, ``ok``.
@@ -194,11 +194,10 @@ def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -
             checks.append(result[key]["ok"])
 
         forward("cta", 2 * cfg.B_c + 37, 0, lambda q, k, v: hopper.simulate_cta(plan, q, k, v))
-        if plan.tail_split is not None:
-            seq_k = 4 * cfg.B_c + 37  # 5 key blocks: 2 parts of at least tail_split.min_blocks
-            offset = seq_k - (cfg.B_r - 27) if cfg.mask != "none" else 0
-            forward("split", seq_k, offset,
-                    lambda q, k, v: hopper.simulate_split_tile(plan, q, k, v, 2, mask_offset=offset))
+        seq_k = 4 * cfg.B_c + 37  # 5 key blocks: 2 parts of at least tail_split.min_blocks
+        offset = seq_k - (cfg.B_r - 27) if cfg.mask != "none" else 0
+        forward("split", seq_k, offset,
+                lambda q, k, v: hopper.simulate_split_tile(plan, q, k, v, 2, mask_offset=offset))
     result["ok"] = all(checks)
     return result
 

@@ -17,14 +17,16 @@ SPLIT = TailSplit(max_parts=4, min_blocks=2, consumers=2, d_head=128)
 FEW = TailSplit(max_parts=4, min_blocks=2, consumers=2, d_head=128, full_rounds=False)  # masked kernels' rule
 
 
-def test_persistent_plans_split_masked_ones_only_below_the_sm_count():
+def test_only_persistent_unmasked_plans_split_partial_last_rounds():
+    """Every wgmma plan splits a launch of fewer tiles than SMs; only persistent unmasked ones also
+    split the partial last round after full rounds (masked rounds pair long and short tiles, and a
+    grid of one CTA per tile has no rounds of its own)."""
     W = KernelConfig.wgmma
     assert make_hopper_plan(W("fp16", persistent=True)).tail_split == TailSplit(TAIL_MAX_PARTS, 2, 2, 128)
     assert make_hopper_plan(W("bf16", d_head=64, persistent=True)).tail_split.d_head == 64
-    for mask in ("causal", "window"):
-        assert make_hopper_plan(W("fp16", persistent=True, mask=mask)).tail_split == TailSplit(TAIL_MAX_PARTS, 2, 2, 128, False)
-    for cfg in (W("fp16"), W("fp16", mask="causal")):  # one CTA per tile: nothing to split
-        assert make_hopper_plan(cfg).tail_split is None
+    for cfg in (W("fp16", persistent=True, mask="causal"), W("fp16", persistent=True, mask="window"), W("fp16"),
+                W("fp16", mask="causal"), W("bf16", d_head=256, B_c=64)):
+        assert make_hopper_plan(cfg).tail_split == TailSplit(TAIL_MAX_PARTS, 2, 2, cfg.d_head, full_rounds=False)
 
 
 @settings(max_examples=300, deadline=None)

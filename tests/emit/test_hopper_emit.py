@@ -125,7 +125,8 @@ def test_building_for_another_gpu_is_refused():
 
 def test_persistent_kernels_loop_over_tiles():
     """Persistent kernels (masked or not) launch min(SMs, tiles) CTAs, wait for Q's release before
-    refilling it and stage O apart from Q; plain ones launch one CTA per tile and stage O in Q."""
+    refilling it and stage O apart from Q; plain ones launch one CTA per tile (unless the wave-tail
+    split widens a launch of fewer tiles than SMs) and stage O in Q."""
     loop = emit(KernelConfig.wgmma("fp16", persistent=True)).text
     masked = emit(KernelConfig.wgmma("fp16", persistent=True, mask="causal")).text
     plain = emit(KernelConfig.wgmma("fp16")).text
@@ -134,7 +135,7 @@ def test_persistent_kernels_loop_over_tiles():
         assert "cudaDevAttrMultiProcessorCount" in text and "int ctas = tiles < sms ? int(tiles) : sms;" in text
     # unequal (masked) tiles: the grid is rounded to a multiple of half the query blocks where tiles differ
     assert "if (lo != hi) ctas = sms / half * half;" in masked and "ctas = sms / half" not in loop
-    assert "*out = int(tiles);" in plain
+    assert "int ctas = int(tiles);  // one CTA per tile" in plain and "int ctas = tiles < sms" not in plain
     for text in (loop, masked):
         assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
         assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
@@ -151,10 +152,11 @@ def test_persistent_kernels_loop_over_tiles():
         assert emit(c).meta["grid"].startswith("(min(SMs") == (kind == "static")
 
 
-def test_wave_tail_split_is_emitted_for_persistent_kernels():
+def test_wave_tail_split_is_emitted_for_wgmma_kernels():
     """The split's rule is the plan's TailSplit text; the kernel publishes, counts and merges per warp;
-    the workspace function sizes it and the binding allocates it. Masked persistent kernels split only
-    fewer tiles than SMs, bounded by their shortest tile; per-tile kernels ask for none."""
+    the workspace function sizes it and the binding allocates it. Masked kernels split only fewer tiles
+    than SMs, bounded by their shortest tile; one-CTA-per-tile kernels widen their grid the same way;
+    mma.sync kernels ask for no workspace."""
     cfg = KernelConfig.wgmma("fp16", B_c=160, persistent=True)
     split = emit(cfg)
     text = split.text
@@ -175,6 +177,11 @@ def test_wave_tail_split_is_emitted_for_persistent_kernels():
     # the parts are bounded by the shortest tile's key blocks, found only when the launch splits at all
     assert t.index("if (tiles < sms)\n") < t.index("n_kv = je - jb < n_kv ? je - jb : n_kv;") < t.index("*parts = tail_parts(tiles, sms, n_kv);")
     assert "atomicAdd(p.part_count" in t and "fewer tiles than SMs" in emit(masked).meta["grid"]
-    for other in (KernelConfig.wgmma("fp16", mask="causal"), KernelConfig.wgmma("fp16"), default_configs()[0]):
-        t = emit(other).text
-        assert "part_count" not in t and "tail_parts" not in t and f"{other.mangle()}_workspace(" in t
+    grid = KernelConfig.wgmma("fp16", mask="causal")
+    t = emit(grid).text
+    assert "constexpr bool TAIL_FULL_ROUNDS = false;" in t and "int ctas = int(tiles);  // one CTA per tile" in t
+    assert t.index("int ctas = int(tiles);") < t.index("*parts = tail_parts(tiles, sms, n_kv);") < t.index("if (tiles < sms) ctas = int(tiles) * *parts;")
+    assert emit(grid).meta["grid"] == "(ceil(seq_q / 128) * heads * batch; fewer tiles than SMs: tiles x the wave-tail split's parts)"
+    other = default_configs()[0]
+    t = emit(other).text
+    assert "part_count" not in t and "tail_parts" not in t and f"{other.mangle()}_workspace(" in t

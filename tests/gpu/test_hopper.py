@@ -122,6 +122,33 @@ def test_wave_tail_split(built, dtype, B_c):
         assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == want, (b, sq, sk, hq, hk, kwargs)
 
 
+@pytest.mark.parametrize("d_head, B_c", [(128, 128), (256, 64)])
+def test_grid_kernels_split_launches_of_few_tiles(built, d_head, B_c):
+    """One CTA per tile: a launch of fewer tiles than SMs splits like a persistent kernel's (the grid
+    grows to tiles x parts, one workspace allocation); more tiles than SMs run unsplit. Float64
+    checks (d_head 128 also with every mask and alignment; d_head 256 unmasked)."""
+    from flashgen.dsl.hopper_plan import make_hopper_plan
+
+    cfg = KernelConfig.wgmma("bf16", d_head=d_head, B_c=B_c)
+    split = make_hopper_plan(cfg).tail_split
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(1, 200, 3000, 4, 2), (1, 64, 5000, 2, 1)]  # (batch, seq_q, seq_k, heads, kv_heads): 8 and 2 tiles
+    assert min(split.parts(-(-sq // cfg.B_r) * b * hq, sms, -(-sk // B_c)) for b, sq, sk, hq, _ in shapes) >= 2
+    if d_head == 128:
+        check_masks_tails_gqa(built[cfg], shapes, seed=d_head)
+    torch.manual_seed(d_head)
+    for (b, sq, sk, hq, hk), want in ((shapes[0], 1), ((1, 128 * sms, 300, 1, 1), 0)):
+        q = torch.randn(b, sq, hq, d_head, device="cuda", dtype=cfg.dtype.torch)
+        k, v = (torch.randn(b, sk, hk, d_head, device="cuda", dtype=cfg.dtype.torch).repeat_interleave(hq // hk, 2) for _ in range(2))
+        out = torch.full_like(q, float("nan"))
+        built[cfg](q, k, v, out=out)
+        check_close(out, q, k, v, 1 / math.sqrt(d_head))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        built[cfg](q, k, v, out=out)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == want, (b, sq, sk, hq, hk)
+
+
 SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-160 default with a key tail
     "grid": (KernelConfig.wgmma("fp16", mask="causal"), ["300", "1", "2", "333", "1"]),
     # 3 query blocks x 96 heads = 288 tiles of unequal length (causal), more than twice the SMs,
@@ -133,6 +160,8 @@ SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-16
     # causal bottom-right, 6 tiles of 2-3 query blocks' rows over 2000 keys: fewer tiles than SMs, so
     # the masked kernel splits each (shortest tile 15 blocks -> up to 7 parts), diagonal in the last part
     "persistent-causal-split": (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), ["300", "2", "1", "2000", "1", "bottom_right"]),
+    # one CTA per tile: 3 tiles over 1000 keys split 4 ways (a grid of 12 CTAs)
+    "grid-split": (KernelConfig.wgmma("fp16"), ["300", "1", "1", "1000", "1"]),
 }
 
 

@@ -11,7 +11,7 @@ import attrs
 import numpy as np
 import pytest
 
-from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.hopper_plan import make_hopper_plan
 from flashgen.dsl.plan import Step
 from flashgen.sim import cta
@@ -363,9 +363,9 @@ def test_split_tile_matches_float64_attention(cfg, seq_q, seq_k, q_block, parts,
     np.testing.assert_allclose(lse, whole_lse, rtol=1e-5)
 
 
-def test_split_needs_a_split_plan_and_nonempty_parts():
+def test_split_needs_a_wgmma_plan_and_nonempty_parts():
     q, k, v = _inputs(PP_INTRA, 64, 128)
-    with pytest.raises(ValueError, match="no tail split"):
-        hopper.simulate_split_tile(PP_INTRA, q, k, v, 2)
+    with pytest.raises(ValueError, match="mma.sync config"):
+        hopper.simulate_split_tile(default_configs()[0], q, k, v, 2)
     with pytest.raises(ValueError, match="leave a part empty"):
         hopper.simulate_split_tile(PP_INTRA.replace(persistent=True), q, k, v, 3)

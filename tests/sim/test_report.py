@@ -69,8 +69,8 @@ def test_every_tuning_config_simulates_clean():
 
 
 def test_hopper_report_checks_the_wave_tail_split(monkeypatch):
-    """Persistent wgmma configs (masked ones aligned bottom-right) also run one tile as two merged
-    parts against float64; per-tile configs have no split to check; a wrong merge fails the report."""
+    """wgmma configs (masked ones aligned bottom-right) also run one tile as two merged parts against
+    float64; mma.sync configs have no split to check; a wrong merge fails the report."""
     from flashgen.dsl.config import KernelConfig
     from flashgen.sim import hopper
 
@@ -78,7 +78,8 @@ def test_hopper_report_checks_the_wave_tail_split(monkeypatch):
     res = simulate_config(causal)
     assert res["ok"] and res["split"]["ok"] and res["split"]["max_abs_err"] <= res["split"]["bound"]
     assert "wave-tail split (2 parts merged): ok - seq_q 101, seq_k 549" in format_report([res])
-    assert "split" not in simulate_config(KernelConfig.wgmma("fp16"))
+    grid = simulate_config(KernelConfig.wgmma("fp16"))  # one CTA per tile: a launch of few tiles splits too
+    assert grid["split"]["ok"] and "split" not in simulate_config(default_configs()[0])
 
     real = hopper.simulate_split_tile
 
