@@ -38,8 +38,8 @@ class TailSplit:
     min_blocks: int  # key blocks each part gets at least
     consumers: int
     d_head: int
-    #: also split the partial last round after full rounds (equal tiles); False: only launches of
-    #: fewer tiles than SMs (masked kernels)
+    #: also split the partial last round after full rounds (persistent, equal tiles); False: only
+    #: launches of fewer tiles than SMs (masked kernels and kernels of one CTA per tile)
     full_rounds: bool = True
 
     def __attrs_post_init__(self) -> None:
@@ -68,7 +68,8 @@ class TailSplit:
 
     @staticmethod
     def ctas(tiles: int, sms: int, parts: int) -> int:
-        """The grid: one CTA per SM, or ``tiles * parts`` when fewer tiles than SMs."""
+        """A persistent kernel's grid: one CTA per SM, or ``tiles * parts`` when fewer tiles than SMs
+        (a kernel of one CTA per tile launches ``tiles`` otherwise)."""
         return sms if tiles >= sms else tiles * parts
 
     @staticmethod

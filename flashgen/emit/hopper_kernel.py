@@ -690,8 +690,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     grid_size += [
         "*parts = tail_parts(tiles, sms, n_kv);",
         "if (tiles < sms) ctas = int(tiles) * *parts;",
+        "*out = ctas;",
     ]
-    grid_size += ["*out = ctas;"]
     tail = _tail_split_code(plan)
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
