@@ -171,6 +171,7 @@ $plan_lines
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <math.h>
+#include <atomic>
 #include <type_traits>
 
 namespace $name {
@@ -368,6 +369,22 @@ static bool make_map(CUtensorMap* map, const void* ptr, int seq, int heads, int 
     const cuuint32_t box[4] = {$box_cols, box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
     return encode(map, $tma_dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                   $tma_swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// SMs of the current device: asked of the driver once per device (every launch needs it)
+static int sm_count(int* sms) {
+    static std::atomic<int> known[64];  // 0: not asked yet
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return (int)cudaGetLastError();
+    if (dev < 64 && (*sms = known[dev].load(std::memory_order_relaxed)) > 0) return 0;
+    if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return (int)cudaGetLastError();
+    if (dev < 64) known[dev].store(*sms, std::memory_order_relaxed);
+    return 0;
+}
+
+// Key blocks of the shortest (`lo`) and longest (`hi`) tile of a launch
+static void tile_blocks(const ${name}_args* a, int* lo, int* hi) {
+    $tile_blocks_body
 }
 
 // CTAs of a launch of `tiles` tiles ($grid_doc) and the parts a partial last round's tiles split into
@@ -648,12 +665,23 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     else:
         wait_q_empty = []
         o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
-    sm_count = ["int dev = 0, sms = 0;",
-                "if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)",
-                "    return (int)cudaGetLastError();"]
+    if cfg.mask != "none":  # a mask makes query blocks' key ranges differ
+        tile_blocks_body = [
+            "*lo = INT32_MAX; *hi = 0;",
+            "for (int qb = 0; qb * int(B_r) < a->seq_q; ++qb) {",
+            "    int jb, je;",
+            "    kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
+            "    *lo = je - jb < *lo ? je - jb : *lo; *hi = je - jb > *hi ? je - jb : *hi;",
+            "}",
+        ]
+    else:
+        tile_blocks_body = ["*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);  // no mask: every tile takes every key block"]
+    grid_size = ["int sms = 0, lo = 0, hi = 0;  // SMs; key blocks of the shortest and longest tile",
+                 "if (const int e = sm_count(&sms)) return e;",
+                 "tile_blocks(a, &lo, &hi);"]
     if loop_tiles:  # the launch side: which tiles a CTA takes
         tile_loop_doc = "persistent: gridDim.x = min(SMs, tiles) (see the launcher), each CTA loops over rounds"
-        grid_size = sm_count + ["int ctas = tiles < sms ? int(tiles) : sms;  // persistent: one CTA per SM (at most one per tile)"]
+        grid_size += ["int ctas = tiles < sms ? int(tiles) : sms;  // persistent: one CTA per SM (at most one per tile)"]
         if cfg.mask != "none":
             grid_size += [
                 "// unequal tiles (a mask): gridDim.x a multiple of `half` = half the query blocks of a head (all of",
@@ -661,34 +689,15 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                 "// a round pair have complementary blocks (causal: n_q + 1 key blocks together). Not worth more",
                 "// than a tenth of the SMs.",
                 "const int n_q = (a->seq_q + int(B_r) - 1) / int(B_r), half = n_q % 2 ? n_q : n_q / 2;",
-                "if (tiles > sms && sms / half * half >= sms - sms / 10) {",
-                "    int lo = INT32_MAX, hi = 0;  // shortest and longest tile (key blocks)",
-                "    for (int qb = 0; qb < n_q; ++qb) {",
-                "        int jb, je;",
-                "        kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
-                "        lo = je - jb < lo ? je - jb : lo; hi = je - jb > hi ? je - jb : hi;",
-                "    }",
-                "    if (lo != hi) ctas = sms / half * half;",
-                "}",
+                "if (tiles > sms && lo != hi && sms / half * half >= sms - sms / 10) ctas = sms / half * half;",
             ]
     else:
         tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round; fewer tiles than SMs: tiles x the split's parts)"
-        grid_size = sm_count + ["int ctas = int(tiles);  // one CTA per tile"]
+        grid_size += ["int ctas = int(tiles);  // one CTA per tile"]
     grid_size += [
-        "// a partial last round splits its tiles (tail_rule); fewer tiles than SMs: each over `parts` CTAs",
-        "int n_kv = (a->seq_k + int(B_c) - 1) / int(B_c);  // key blocks of the shortest tile",
-    ]
-    if cfg.mask != "none":  # tiles differ in length: the shortest bounds the parts
-        grid_size += [
-            "if (tiles < sms)",
-            "    for (int qb = 0; qb * int(B_r) < a->seq_q; ++qb) {",
-            "        int jb, je;",
-            "        kv_block_range(qb * int(B_r), a->seq_q, a->seq_k, a->mask_offset, a->window_left, a->window_right, &jb, &je);",
-            "        n_kv = je - jb < n_kv ? je - jb : n_kv;",
-            "    }",
-        ]
-    grid_size += [
-        "*parts = tail_parts(tiles, sms, n_kv);",
+        "// a partial last round splits its tiles (tail_rule), each part at least the shortest tile's share;",
+        "// fewer tiles than SMs: each tile over `parts` CTAs",
+        "*parts = tail_parts(tiles, sms, lo);",
         "if (tiles < sms) ctas = int(tiles) * *parts;",
         "*out = ctas;",
     ]
@@ -735,6 +744,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         wait_q_empty=wait_q_empty,
         o_stage_decl=o_stage_decl,
         grid_size=grid_size,
+        tile_blocks_body=tile_blocks_body,
         main_loop=_main_loop(plan),
         sum_reduce=sum_reduce,
         c_row_h=c.row.to_cpp(["wtid", "2 * h"]),

@@ -132,9 +132,12 @@ def test_persistent_kernels_loop_over_tiles():
     plain = emit(KernelConfig.wgmma("fp16")).text
     plan = make_hopper_plan(KernelConfig.wgmma("fp16", persistent=True))
     for text in (loop, masked):
-        assert "cudaDevAttrMultiProcessorCount" in text and "int ctas = tiles < sms ? int(tiles) : sms;" in text
+        assert "int ctas = tiles < sms ? int(tiles) : sms;" in text
+    for text in (loop, masked, plain):  # the SM count is asked of the driver once per device
+        assert text.count("cudaDevAttrMultiProcessorCount") == 1 and "static std::atomic<int> known[64];" in text
+        assert text.count("sm_count(&sms)") == 1 and text.count("tile_blocks(a, &lo, &hi);") == 1
     # unequal (masked) tiles: the grid is rounded to a multiple of half the query blocks where tiles differ
-    assert "if (lo != hi) ctas = sms / half * half;" in masked and "ctas = sms / half" not in loop
+    assert "lo != hi && sms / half * half >= sms - sms / 10) ctas = sms / half * half;" in masked and "ctas = sms / half" not in loop
     assert "int ctas = int(tiles);  // one CTA per tile" in plain and "int ctas = tiles < sms" not in plain
     for text in (loop, masked):
         assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
@@ -166,21 +169,22 @@ def test_wave_tail_split_is_emitted_for_wgmma_kernels():
     assert text.index("po[32 * i] = o_acc[i];") < text.index("__threadfence();") < text.index("atomicAdd(p.part_count")
     assert text.index("atomicAdd(p.part_count") < text.rindex("__threadfence();") < text.index("__ldcg(p.part_ml")
     # the grid: one CTA per SM, or tiles x parts when fewer tiles than SMs (the rule's ctas)
-    assert "int n_kv = (a->seq_k + int(B_c) - 1) / int(B_c);" in text and "*parts = tail_parts(tiles, sms, n_kv);" in text
+    assert "*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);" in text and "*parts = tail_parts(tiles, sms, lo);" in text
     assert "if (tiles < sms) ctas = int(tiles) * *parts;" in text
-    assert "constexpr bool TAIL_FULL_ROUNDS = true;" in text and "n_kv = je - jb < n_kv" not in text
+    assert "constexpr bool TAIL_FULL_ROUNDS = true;" in text and "kv_block_range(qb" not in text
     assert "${" not in text and "$tail" not in text
     assert f"extern \"C\" int {cfg.mangle()}_workspace(" in text and f"{cfg.mangle()}_workspace(&a, &ws_bytes, &ws_zeroed)" in split.binding
     masked = KernelConfig.wgmma("fp16", persistent=True, mask="causal")
     t = emit(masked).text
     assert make_hopper_plan(masked).tail_split.to_cpp() in t and "constexpr bool TAIL_FULL_ROUNDS = false;" in t
-    # the parts are bounded by the shortest tile's key blocks, found only when the launch splits at all
-    assert t.index("if (tiles < sms)\n") < t.index("n_kv = je - jb < n_kv ? je - jb : n_kv;") < t.index("*parts = tail_parts(tiles, sms, n_kv);")
+    # the parts are bounded by the shortest tile's key blocks: one loop over the query blocks finds it
+    assert t.count("kv_block_range(qb * int(B_r)") == 1 and "*lo = je - jb < *lo ? je - jb : *lo;" in t
+    assert t.index("tile_blocks(a, &lo, &hi);") < t.index("*parts = tail_parts(tiles, sms, lo);")
     assert "atomicAdd(p.part_count" in t and "fewer tiles than SMs" in emit(masked).meta["grid"]
     grid = KernelConfig.wgmma("fp16", mask="causal")
     t = emit(grid).text
     assert "constexpr bool TAIL_FULL_ROUNDS = false;" in t and "int ctas = int(tiles);  // one CTA per tile" in t
-    assert t.index("int ctas = int(tiles);") < t.index("*parts = tail_parts(tiles, sms, n_kv);") < t.index("if (tiles < sms) ctas = int(tiles) * *parts;")
+    assert t.index("int ctas = int(tiles);") < t.index("*parts = tail_parts(tiles, sms, lo);") < t.index("if (tiles < sms) ctas = int(tiles) * *parts;")
     assert emit(grid).meta["grid"] == "(ceil(seq_q / 128) * heads * batch; fewer tiles than SMs: tiles x the wave-tail split's parts)"
     other = default_configs()[0]
     t = emit(other).text
