@@ -137,7 +137,9 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
             for causal in causal_modes:
                 todo[cd.replace(mask="causal" if causal else "none")] = None
     if not todo:
-        raise SystemExit(f"flashgen: error: no config matches dtypes {dtypes}")
+        from .cli import CommandError
+
+        raise CommandError(f"no config matches dtypes {' '.join(dtypes)}")
     log(f"building {len(todo)} kernel(s) in parallel")
     t0 = time.perf_counter()
     failures = build_many(list(todo), cap)
@@ -279,9 +281,13 @@ def plot(results: dict, path: Path) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("configs", nargs="*", help="configs: YAML files, short forms or a named set (default: defaults)")
-    p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
-    p.add_argument("--seqs", nargs="+", type=int, help="sequence lengths (default: all of BENCHMARK.md's)")
+    p.add_argument("configs", nargs="*",
+                   help="configs: YAML files, short forms or named sets (default: the mma.sync defaults and, on "
+                        "compute capability 9.0, the wgmma configs compile('auto') ships for d_head 128)")
+    p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"],
+                   help="element types (default: fp16 bf16)")
+    p.add_argument("--seqs", nargs="+", type=int,
+                   help=f"sequence lengths among {' '.join(str(s) for s, _ in SHAPES)} (default: all, BENCHMARK.md's shapes)")
     p.add_argument("--d-heads", nargs="+", type=int, default=[128], help="head dimensions (default: 128)")
     p.add_argument("--causal", choices=["no", "yes", "both"], default="no", help="non-causal, causal or both")
     p.add_argument("--rounds", type=int, default=3,
@@ -289,20 +295,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
+def default_bench_configs(capability: tuple[int, int], seqs) -> list:
+    """The configs timed when none are given: the mma.sync defaults, and on compute capability 9.0 the
+    shipped wgmma defaults of the timed lengths (unmasked and masked; d_head 128, adapted per head size)."""
+    from .dsl.config import DType, default_configs
+    from .tune import hopper_default
+
+    cfgs = default_configs()
+    if tuple(capability) == (9, 0):
+        picks = (hopper_default(dt, 128, s, m) for dt in DType for s in seqs for m in (False, True))
+        cfgs += list(picks)
+    return list(dict.fromkeys(cfgs))
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from .dsl.config import default_configs
-    from .emit.sweep import merge, resolve
+    from .cli import CommandError, resolve_configs
 
     if args.rounds < 1:
-        print(f"flashgen: error: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
-        return 2
+        raise CommandError(f"--rounds must be at least 1, got {args.rounds}")
+    known = [s for s, _ in SHAPES]
+    unknown = [s for s in args.seqs or () if s not in known]
+    if unknown:
+        raise CommandError(f"--seqs {' '.join(map(str, unknown))}: the benchmark's lengths are {' '.join(map(str, known))}")
     if not torch.cuda.is_available():
-        print("flashgen: error: bench needs a CUDA GPU", file=sys.stderr)
-        return 2
-    cfgs = list(merge(resolve(c) for c in args.configs).configs) if args.configs else default_configs()
+        raise CommandError("bench needs a CUDA GPU")
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
+    cfgs = (list(resolve_configs(args.configs).configs) if args.configs
+            else default_bench_configs(torch.cuda.get_device_capability(), [s for s, _ in shapes]))
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds)
     out = Path(args.out)

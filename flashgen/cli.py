@@ -4,7 +4,7 @@ Every subcommand that takes configs accepts, for each ``CFG``:
 
 * a YAML file: one config, a list, or a sweep (see :mod:`flashgen.emit.sweep`);
 * a short form, quoted: ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``;
-* a named set: ``defaults``, ``progression``, ``progression-all``, ``tuning-space``.
+* a named set: ``defaults``, ``progression``, ``progression-all``, ``tuning-space``, ``hopper``.
 
 Errors in the input (bad YAML, unknown keys, malformed short forms, unbuildable
 configs, unwritable folders, a missing nvcc) print ``flashgen: error: ...`` to stderr
@@ -32,23 +32,25 @@ EXIT_ERROR = 1
 _CFG_HELP = (
     "YAML file (one config, a list or a sweep), a quoted short form like "
     "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
-    "or a named set: defaults, progression, progression-all, tuning-space"
+    "or a named set: defaults, progression, progression-all, tuning-space, hopper"
 )
 
 _DESCRIPTION = """\
-flashgen: a Python DSL and CUDA code generator for FlashAttention-2 forward kernels.
+flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernels
+(the FlashAttention-2 family on mma.sync, sm_80+; TMA + wgmma + warp specialization, sm_90a).
 
   flashgen emit examples/best.yaml -o kernels_out/   write .cu files + manifest.json (CPU only)
-  flashgen check defaults                            nvcc + ptxas: registers, spills, smem
-  flashgen simulate progression                      coverage / bank-conflict report (CPU only)
+  flashgen check defaults hopper                     nvcc + ptxas: registers, spills, smem
+  flashgen simulate progression                      coverage / bank-conflict / schedule report (CPU only)
   flashgen bench / flashgen tune                     on a GPU
 """
 
 _EPILOG = """\
 CFG may be a YAML file (see examples/), a quoted short form
-"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+..." with flags async, eager,
-swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or one of the named sets
-defaults, progression, progression-all, tuning-space.
+"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+..." with mma.sync flags async,
+eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or wgmma flags wgmma,
+stages_N, pingpong, intra, persistent (either engine: causal, window), or one
+of the named sets defaults, progression, progression-all, tuning-space, hopper.
 Run 'flashgen COMMAND --help' for a command's options.
 """
 
@@ -75,7 +77,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 # ---- config arguments ---------------------------------------------------------------------
 
 
-def _resolve(specs: Sequence[str]):
+def resolve_configs(specs: Sequence[str]):
     """The SweepResult of the CFG arguments; CommandError (with the reasons) when no config is valid."""
     from .emit.sweep import merge, resolve
 
@@ -138,7 +140,7 @@ def _add_emit(sub) -> None:
 def _cmd_emit(args: argparse.Namespace) -> int:
     from .emit.writer import check_output_folder, emit_all, render, write_files
 
-    result = _resolve(args.cfg)
+    result = resolve_configs(args.cfg)
     check_output_folder(args.out, force=args.force)  # refuse a bad folder before the (slow) emission
     cfgs = list(result.configs)
     jobs = max(1, args.jobs or os.cpu_count() or 1)
@@ -194,7 +196,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if args.jobs is not None and args.jobs < 1:
         raise CommandError("--jobs must be at least 1")
-    result = _resolve(args.cfg)
+    result = resolve_configs(args.cfg)
     _print_skipped(result, sys.stderr)
     return check.run(list(result.configs), args)
 
@@ -205,10 +207,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _add_simulate(sub) -> None:
     p = sub.add_parser(
         "simulate",
-        help="CPU simulation of the plan: coverage, bank conflicts, fragments (no GPU)",
+        help="CPU simulation of the plan: coverage, bank conflicts, fragments, schedule (no GPU)",
         description=_wrap(
-            "Evaluate each config's plan with the Numba simulator (flashgen.sim) and report "
-            "copy coverage, shared-memory bank conflicts per instruction and MMA fragment checks."
+            "Evaluate each config's plan with the Numba simulator (flashgen.sim). mma.sync configs: "
+            "copy coverage, shared-memory bank conflicts per instruction and MMA fragment checks. "
+            "wgmma configs: the schedule's barrier and hazard check, one CTA with tails against "
+            "float64, and the wave-tail split's merge."
         ),
         epilog="example:\n  flashgen simulate defaults --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -220,7 +224,7 @@ def _add_simulate(sub) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     report = _import_feature("flashgen.sim.report", "simulate")
-    result = _resolve(args.cfg)
+    result = resolve_configs(args.cfg)
     _print_skipped(result, sys.stderr)
     cfgs = list(result.configs)
     reports = []

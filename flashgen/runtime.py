@@ -95,6 +95,8 @@ class Attention:
             raise InputError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA: each k/v head serves h/hk query heads)")
         if sq == 0 or k.shape[1] == 0:
             raise InputError(f"sequence lengths must be >= 1, got seq_q={sq}, seq_k={k.shape[1]}")
+        if b == 0 or h == 0:
+            raise InputError(f"batch and heads must be >= 1, got batch={b}, heads={h}")
         if out is not None and out.shape != q.shape:
             raise InputError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
 

@@ -109,6 +109,8 @@ def test_rejects_unsupported_inputs(built):
         ((good(1, 256, 2, 128, device="cpu"), q, q), "CUDA"),
         ((good(1, 256, 2, 64), q, q), "d_head"),
         ((good(1, 0, 2, 128), q, q), "sequence lengths"),
+        ((good(0, 256, 2, 128), good(0, 256, 2, 128), good(0, 256, 2, 128)), "batch and heads must be >= 1"),
+        ((good(1, 256, 0, 128), q, q), "batch and heads must be >= 1"),
         ((q, good(1, 200, 2, 128), good(1, 100, 2, 128)), "same shape"),
         ((good(1, 256, 2, 256)[..., ::2], q, q), "contiguous"),
         ((q, good(1, 256, 4, 128), good(1, 256, 4, 128)), "multiple of k/v's 4 heads"),
