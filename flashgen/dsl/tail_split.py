@@ -16,8 +16,10 @@ fewer tiles than SMs: masked full rounds are already paired long with short tile
 tiles differ in length, so the caller passes the shortest tile's key blocks and every part
 still gets ``min_blocks``); a grid of one CTA per tile has no rounds of its own to fill.
 
-This object is the one rule for the emitted launcher and kernel (:meth:`to_cpp`) and for the
-simulator (:meth:`parts`, :meth:`ranges`, :meth:`layout`).
+This object is the one rule: :meth:`parts`, :meth:`ranges` and :meth:`layout` in Python (the
+simulator splits tiles with :meth:`ranges`), and the same three as C++ for the emitted launcher
+and kernel (:meth:`to_cpp`: ``tail_parts``, ``tail_range``, the workspace sizes and indices),
+checked against each other by compiling the C++ on the host (tests/dsl/test_tail_split.py).
 """
 from __future__ import annotations
 
@@ -43,8 +45,11 @@ class TailSplit:
     full_rounds: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if self.max_parts < 2 or self.min_blocks < 1:
-            raise ValueError(f"TailSplit: max_parts {self.max_parts} (>= 2), min_blocks {self.min_blocks} (>= 1)")
+        for name, least in (("max_parts", 2), ("min_blocks", 1), ("consumers", 1), ("d_head", 2)):
+            if getattr(self, name) < least:
+                raise ValueError(f"TailSplit: {name} must be at least {least}, got {getattr(self, name)}")
+        if self.d_head % 2:
+            raise ValueError(f"TailSplit: d_head must be even (two accumulator values per column pair), got {self.d_head}")
 
     @property
     def warps(self) -> int:
@@ -67,12 +72,6 @@ class TailSplit:
         return parts if parts >= 2 else 1
 
     @staticmethod
-    def ctas(tiles: int, sms: int, parts: int) -> int:
-        """A persistent kernel's grid: one CTA per SM, or ``tiles * parts`` when fewer tiles than SMs
-        (a kernel of one CTA per tile launches ``tiles`` otherwise)."""
-        return sms if tiles >= sms else tiles * parts
-
-    @staticmethod
     def ranges(j_begin: int, j_end: int, parts: int) -> list[tuple[int, int]]:
         """The key-block ranges of the parts of a tile whose blocks are ``[j_begin, j_end)``."""
         n = j_end - j_begin
@@ -90,7 +89,8 @@ class TailSplit:
         return {"count": (0, count), "ml": (count_padded, ml), "o": (count_padded + ml, o)}
 
     def to_cpp(self) -> str:
-        """The same rule for the launcher: ``tail_parts`` and the workspace's layout."""
+        """The same rule in C++: ``tail_parts`` (launcher), ``tail_range`` (kernel: a part's key blocks),
+        the workspace's sizes (launcher) and element indices (kernel), per :meth:`layout`."""
         w, half = self.warps, self.d_head // 2
         return f"""// wave tail (flashgen.dsl.tail_split): parts per tile of a partial last round, 1 = no split
 constexpr int TAIL_MAX_PARTS = {self.max_parts}, TAIL_MIN_BLOCKS = {self.min_blocks}, TAIL_WARPS = {w};
@@ -107,4 +107,14 @@ static int tail_parts(int64_t tiles, int sms, int n_kv) {{
 // workspace bytes: counters (zeroed by the caller), then per unit and warp the row statistics and O
 static size_t tail_count_bytes(int tail) {{ return (size_t(tail) * TAIL_WARPS * 4 + {COUNTER_ALIGN - 1}) / {COUNTER_ALIGN} * {COUNTER_ALIGN}; }}
 static size_t tail_ml_bytes(int units) {{ return size_t(units) * TAIL_WARPS * 4 * {LANES} * 4; }}
-static size_t tail_o_bytes(int units) {{ return size_t(units) * TAIL_WARPS * {half} * {LANES} * 4; }}"""
+static size_t tail_o_bytes(int units) {{ return size_t(units) * TAIL_WARPS * {half} * {LANES} * 4; }}
+// part `part` of `parts` of a tile's key blocks [j_begin, j_end): [*jb, *je)
+__host__ __device__ __forceinline__ void tail_range(int j_begin, int j_end, int part, int parts, int* jb, int* je) {{
+    const int n = j_end - j_begin;
+    *jb = j_begin + n * part / parts;
+    *je = j_begin + n * (part + 1) / parts;
+}}
+// element offsets of (tail tile, warp)'s counter, and of (unit, warp)'s row statistics and O partials (lane 0)
+__host__ __device__ __forceinline__ size_t tail_count_at(int tail_tile, uint32_t warp) {{ return size_t(tail_tile) * TAIL_WARPS + warp; }}
+__host__ __device__ __forceinline__ size_t tail_ml_at(int unit, uint32_t warp) {{ return (size_t(unit) * TAIL_WARPS + warp) * 4 * {LANES}; }}
+__host__ __device__ __forceinline__ size_t tail_o_at(int unit, uint32_t warp) {{ return (size_t(unit) * TAIL_WARPS + warp) * {half} * {LANES}; }}"""

@@ -19,27 +19,33 @@ from .ptx.used import HELPERS_MARK, insert_used
 from .template import CodeTemplate
 
 
+#: What each consumer GEMM reads: its accumulator, A as the emitter stages it (Q's shared-memory
+#: descriptor or P's A fragments) and B's ring tile. The plan says where A comes from and how B is
+#: laid out; a plan asking for another A source than the one staged here is refused.
+_GEMM_OPERANDS = {"S": ("s_acc", "smem", "desc_q", "K", "desc_k"), "O": ("o_acc", "regs", "p_frag", "V", "desc_v")}
+
+
+def _wgmma_helper(g) -> str:
+    """The emitted wgmma helper a plan GEMM calls: A from shared memory or registers, B K- or MN-major."""
+    name = ptx_hopper.wgmma_helper_name if g.a_from == "smem" else ptx_hopper.wgmma_rs_helper_name
+    return name(g.atom, g.trans_b)
+
+
 def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
     """One consumer GEMM: fence, ``k_steps`` wgmma with constant descriptor offsets, commit."""
     g = plan.gemm_S if which == "S" else plan.gemm_O
+    acc, a_from, a, b_tile, desc_b = _GEMM_OPERANDS[which]
+    if g.a_from != a_from:
+        raise NotImplementedError(f"GEMM {which} with A from {g.a_from}: the emitter stages A of {which} in {a_from}")
     stage = "st_prev" if block in ("j-1", "last") else "st"
-    if which == "S":
-        helper = ptx_hopper.wgmma_helper_name(g.atom)
-        calls = [
-            f"{helper}(s_acc, desc_q + {off >> 4}u, desc_k + uint64_t({stage}) * {plan.tiles['K'].stage_bytes >> 4}u + {boff >> 4}u, {1 if t else 0});"
-            for t, (off, boff) in enumerate(zip(g.a.step_offsets, g.b.step_offsets))
-        ]
-        fence = ["wgmma_fence_operands(s_acc);"]
-        after = ["wgmma_fence_operands(s_acc);"]
-    else:
-        helper = ptx_hopper.wgmma_rs_helper_name(g.atom, True)
-        calls = [
-            f"{helper}(o_acc, p_frag[{t}], desc_v + uint64_t({stage}) * {plan.tiles['V'].stage_bytes >> 4}u + {boff >> 4}u);"
-            for t, boff in enumerate(g.b.step_offsets)
-        ]
-        fence = ["wgmma_fence_operands(o_acc);", "wgmma_fence_operands(p_frag);"]
-        after = ["wgmma_fence_operands(o_acc);"]
-    return fence + ["wgmma_fence();"] + calls + ["wgmma_commit_group();"] + after
+    b_addr = [f"{desc_b} + uint64_t({stage}) * {plan.tiles[b_tile].stage_bytes >> 4}u + {boff >> 4}u" for boff in g.b.step_offsets]
+    if g.a_from == "smem":  # the first k step starts the accumulator (scale-d 0)
+        calls = [f"{_wgmma_helper(g)}({acc}, {a} + {off >> 4}u, {b}, {1 if t else 0});"
+                 for t, (off, b) in enumerate(zip(g.a.step_offsets, b_addr))]
+    else:  # registers: accumulates onto O
+        calls = [f"{_wgmma_helper(g)}({acc}, {a}[{t}], {b});" for t, b in enumerate(b_addr)]
+    fence = [f"wgmma_fence_operands({acc});"] + ([f"wgmma_fence_operands({a});"] if g.a_from == "regs" else [])
+    return fence + ["wgmma_fence();"] + calls + ["wgmma_commit_group();", f"wgmma_fence_operands({acc});"]
 
 
 def _softmax(plan: HopperPlan, first: bool) -> list[str]:
@@ -515,14 +521,11 @@ def _tail_split_code(plan: HopperPlan) -> dict:
     pick = [
         "const int first = r * int(gridDim.x);",
         "if (p.tail_parts > 1 && first < n_tiles && first + int(gridDim.x) > n_tiles) {",
-        "    // the partial last round: CTA `slot` takes part slot % parts of tile first + slot / parts, the",
-        "    // key blocks [j_begin + n k / parts, j_begin + n (k + 1) / parts) (TailSplit.ranges)",
+        "    // the partial last round: CTA `slot` takes part slot % parts of tile first + slot / parts",
         "    if (slot >= (n_tiles - first) * p.tail_parts) return false;",
         "    const int tile = first + slot / p.tail_parts, part = slot % p.tail_parts;",
         "    *t = tile_at(p, tile, n_q_blocks);",
-        "    const int jb = t->j_begin, n = t->j_end - t->j_begin;",
-        "    t->j_begin = jb + n * part / p.tail_parts;",
-        "    t->j_end = jb + n * (part + 1) / p.tail_parts;",
+        "    tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);",
         "    t->tail_tile = tile - first; t->part = part; t->unit = t->tail_tile * p.tail_parts + part;",
         "    return true;",
         "}",
@@ -532,31 +535,31 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "    // a part of a split tail tile: publish this warp's O, row max and row sums (fragment order), count",
         "    // the part in; the warp counting last for these 16 rows merges every part's and writes the rows",
         "    const uint32_t warp = 4 * cw + wtid / 32;",
-        "    float* ml = p.part_ml + (size_t(t.unit) * TAIL_WARPS + warp) * 4 * 32 + lane;",
-        "    float* po = p.part_o + (size_t(t.unit) * TAIL_WARPS + warp) * (D_HEAD / 2) * 32 + lane;",
+        "    float* ml = p.part_ml + tail_ml_at(t.unit, warp) + lane;",
+        "    float* po = p.part_o + tail_o_at(t.unit, warp) + lane;",
         "    ml[0] = row_max[0]; ml[32] = row_max[1]; ml[64] = row_sum[0]; ml[96] = row_sum[1];",
         "    #pragma unroll",
         "    for (uint32_t i = 0; i < D_HEAD / 2; ++i) po[32 * i] = o_acc[i];",
         "    __threadfence();  // the partials are visible before the count says so",
         "    __syncwarp();",
         "    int counted = 0;",
-        "    if (lane == 0) counted = atomicAdd(p.part_count + t.tail_tile * TAIL_WARPS + warp, 1);",
+        "    if (lane == 0) counted = atomicAdd(p.part_count + tail_count_at(t.tail_tile, warp), 1);",
         "    if (__shfl_sync(0xffffffffu, counted, 0) != p.tail_parts - 1) continue;  // a later part merges these rows",
         "    __threadfence();  // ... and every other part's partials are visible to the loads below",
-        "    const size_t unit0 = size_t(t.unit - t.part);",
+        "    const int unit0 = t.unit - t.part;",
         "    float neg_m[2];",
         "    #pragma unroll",
         "    for (uint32_t h = 0; h < 2; ++h) {",
         "        for (int k = 0; k < p.tail_parts; ++k)",
-        "            row_max[h] = fmaxf(row_max[h], __ldcg(p.part_ml + ((unit0 + k) * TAIL_WARPS + warp) * 4 * 32 + 32 * h + lane));",
+        "            row_max[h] = fmaxf(row_max[h], __ldcg(p.part_ml + tail_ml_at(unit0 + k, warp) + 32 * h + lane));",
         "        neg_m[h] = row_max[h] == -INFINITY ? 0.f : -row_max[h] * scale_log2;  // the merged max (the softmax's rule)",
         "        row_sum[h] = 0.f;",
         "    }",
         "    #pragma unroll",
         "    for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;",
         "    for (int k = 0; k < p.tail_parts; ++k) {  // parts in order, this one's read back like the others",
-        "        const float* mlk = p.part_ml + ((unit0 + k) * TAIL_WARPS + warp) * 4 * 32 + lane;",
-        "        const float* pok = p.part_o + ((unit0 + k) * TAIL_WARPS + warp) * (D_HEAD / 2) * 32 + lane;",
+        "        const float* mlk = p.part_ml + tail_ml_at(unit0 + k, warp) + lane;",
+        "        const float* pok = p.part_o + tail_o_at(unit0 + k, warp) + lane;",
         "        float c[2];",
         "        #pragma unroll",
         "        for (uint32_t h = 0; h < 2; ++h) {",
@@ -703,8 +706,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     ]
     tail = _tail_split_code(plan)
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
-    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers((plan.gemm_S.atom,)),
-               ptx_hopper.wgmma_rs(plan.gemm_O.atom, True)]
+    wgmma_fns = [(ptx_hopper.wgmma if g.a_from == "smem" else ptx_hopper.wgmma_rs)(g.atom, g.trans_b) for g in (plan.gemm_S, plan.gemm_O)]
+    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
     tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
     text = _KERNEL.substitute(
         name=name,

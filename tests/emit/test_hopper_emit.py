@@ -164,7 +164,10 @@ def test_wave_tail_split_is_emitted_for_wgmma_kernels():
     split = emit(cfg)
     text = split.text
     assert make_hopper_plan(cfg).tail_split.to_cpp() in text
-    assert "atomicAdd(p.part_count + t.tail_tile * TAIL_WARPS + warp, 1)" in text
+    # the kernel splits and indexes by the rule's own helpers (tail_range, tail_*_at), not by a copy
+    assert "atomicAdd(p.part_count + tail_count_at(t.tail_tile, warp), 1)" in text
+    assert "tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);" in text
+    assert "TAIL_WARPS" not in text.split(make_hopper_plan(cfg).tail_split.to_cpp())[1]
     # publish -> fence -> count; then fence -> read the other parts
     assert text.index("po[32 * i] = o_acc[i];") < text.index("__threadfence();") < text.index("atomicAdd(p.part_count")
     assert text.index("atomicAdd(p.part_count") < text.rindex("__threadfence();") < text.index("__ldcg(p.part_ml")
@@ -189,3 +192,27 @@ def test_wave_tail_split_is_emitted_for_wgmma_kernels():
     other = default_configs()[0]
     t = emit(other).text
     assert "part_count" not in t and "tail_parts" not in t and f"{other.mangle()}_workspace(" in t
+
+
+def test_gemm_calls_follow_the_plans_operand_sources(monkeypatch):
+    """The wgmma helpers come from the plan's GEMMs (A source, B major-ness), not from the emitter:
+    flipping the plan's trans_b changes the emitted call and helper; an A source the emitter does not
+    stage is refused."""
+    import attrs
+
+    from flashgen.emit import hopper_kernel
+
+    cfg = KernelConfig.wgmma("fp16")
+    real = make_hopper_plan(cfg)
+    assert (real.gemm_S.a_from, real.gemm_S.trans_b, real.gemm_O.a_from, real.gemm_O.trans_b) == ("smem", False, "regs", True)
+    text = emit(cfg).text
+    assert "wgmma_m64n128k16_f16_rs_tb(o_acc, p_frag[0]," in text and "wgmma_m64n128k16_f16_ss(s_acc, desc_q + 0u," in text
+    flipped = attrs.evolve(real, gemm_O=attrs.evolve(real.gemm_O, trans_b=False))
+    monkeypatch.setattr(hopper_kernel, "make_hopper_plan", lambda c: flipped)
+    text = emit(cfg).text
+    assert "_rs_tb" not in text and "wgmma_m64n128k16_f16_rs(o_acc, p_frag[0]," in text
+    assert "void wgmma_m64n128k16_f16_rs(float (&d)[64]" in text  # its helper, emitted once
+    p_in_smem = attrs.evolve(real, gemm_O=attrs.evolve(real.gemm_O, a_from="smem"))
+    monkeypatch.setattr(hopper_kernel, "make_hopper_plan", lambda c: p_in_smem)
+    with pytest.raises(NotImplementedError, match="GEMM O with A from smem"):
+        emit(cfg)
