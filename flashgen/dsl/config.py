@@ -52,6 +52,10 @@ WGMMA_FIXED: dict[str, Any] = {
     "optimized_softmax": True,
 }
 WARPGROUP = 128  # threads of one warpgroup (wgmma's unit)
+WARPS_PER_WG = WARPGROUP // 32
+#: log2(e): the softmax runs on exp2 with the scale folded in (scale * LOG2E, rounded to fp32),
+#: one literal for the emitted kernels and the simulators
+LOG2E = 1.4426950408889634
 WGMMA_M = 64  # query rows per consumer warpgroup (wgmma m64)
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # m16n8k16

@@ -134,7 +134,7 @@ class WarpgroupGemm:
 @attrs.frozen
 class HopperPlan:
     cfg: KernelConfig
-    tiles: dict  # Q, K, V, O (O stages the output in Q's space, per consumer rows)
+    tiles: dict  # Q, K, V, O (O stages the output per consumer rows: in Q's space, or after the ring when persistent)
     loads: dict  # Q, K, V -> TmaTile
     stores: dict  # O -> TmaTile: each consumer stores its 64 staged rows (TmaStore boxes of 64 rows)
     barriers: dict  # name -> (Mbarrier, offset, count per stage)

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import attrs
 
-#: warps per consumer warpgroup: the merge works per warp (its 16 rows of the wgmma accumulator)
-WARPS_PER_WG = 4
+# the merge works per warp (its 16 rows of the wgmma accumulator)
+from .config import WARPS_PER_WG
+
 LANES = 32
 #: the counters sit first in the workspace (the part the caller zeroes), padded to this
 COUNTER_ALIGN = 256

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 
-from ..dsl.config import WGMMA_M, KernelConfig
+from ..dsl.config import LOG2E, WGMMA_M, KernelConfig
 from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
-from .kernel import LOG2E, KernelSource, args_struct, kernel_meta
+from .kernel import KernelSource, args_struct, kernel_meta
 from .ptx import hopper as ptx_hopper, math as ptx_math, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .template import CodeTemplate
@@ -165,8 +165,9 @@ _KERNEL = CodeTemplate(
 //
 // $short_form
 // knobs: $knobs_json
-// grid: $grid_doc, block: $threads threads (warpgroup 0: TMA producer,
-// warpgroups 1..$consumers: consumers of 64 query rows each), dynamic shared memory: $smem_bytes bytes
+// grid: $grid_doc
+// block: $threads threads (warpgroup 0: TMA producer, warpgroups 1..$consumers: consumers of 64 query
+// rows each), dynamic shared memory: $smem_bytes bytes
 // build: -gencode=arch=compute_90a,code=sm_90a
 //
 // plan:
@@ -393,7 +394,7 @@ static void tile_blocks(const ${name}_args* a, int* lo, int* hi) {
     $tile_blocks_body
 }
 
-// CTAs of a launch of `tiles` tiles ($grid_doc) and the parts a partial last round's tiles split into
+// CTAs of a launch of `tiles` tiles (see "grid:" at the top) and the parts a partial last round's tiles split into
 static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out, int* parts) {
     *parts = 1;
     $grid_size
@@ -683,7 +684,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                  "if (const int e = sm_count(&sms)) return e;",
                  "tile_blocks(a, &lo, &hi);"]
     if loop_tiles:  # the launch side: which tiles a CTA takes
-        tile_loop_doc = "persistent: gridDim.x = min(SMs, tiles) (see the launcher), each CTA loops over rounds"
+        tile_loop_doc = "persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds"
         grid_size += ["int ctas = tiles < sms ? int(tiles) : sms;  // persistent: one CTA per SM (at most one per tile)"]
         if cfg.mask != "none":
             grid_size += [
@@ -695,7 +696,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                 "if (tiles > sms && lo != hi && sms / half * half >= sms - sms / 10) ctas = sms / half * half;",
             ]
     else:
-        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round; fewer tiles than SMs: tiles x the split's parts)"
+        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)"
         grid_size += ["int ctas = int(tiles);  // one CTA per tile"]
     grid_size += [
         "// a partial last round splits its tiles (tail_rule), each part at least the shortest tile's share;",
@@ -705,6 +706,11 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         "*out = ctas;",
     ]
     tail = _tail_split_code(plan)
+    # the launch shape in words, for the kernel's comments and the manifest (grid_ctas is the rule)
+    tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
+    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if loop_tiles and cfg.mask != "none" else []
+    notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"]
+    grid_doc = f"{f'min(SMs, {tiles})' if loop_tiles else tiles}{''.join('; ' + n for n in notes)}"
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     wgmma_fns = [(ptx_hopper.wgmma if g.a_from == "smem" else ptx_hopper.wgmma_rs)(g.atom, g.trans_b) for g in (plan.gemm_S, plan.gemm_O)]
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
@@ -743,7 +749,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         pingpong_start=pingpong_start,
         pingpong_end=pingpong_end,
         tile_loop_doc=tile_loop_doc,
-        grid_doc=("min(SMs, tiles) persistent CTAs" if loop_tiles else "one CTA per tile") + ", or tiles x parts when fewer tiles than SMs",
+        grid_doc=grid_doc,
         wait_q_empty=wait_q_empty,
         o_stage_decl=o_stage_decl,
         grid_size=grid_size,
@@ -764,10 +770,6 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         log2e=f"{LOG2E!r}f",
         **tail,
     )
-    tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
-    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if loop_tiles and cfg.mask != "none" else []
-    notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"]
-    grid = f"({f'min(SMs, {tiles})' if loop_tiles else tiles}{''.join('; ' + n for n in notes)})"
-    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=grid, gpu="compute capability 9.0 (sm_90a)",
+    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"({grid_doc})", gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)

@@ -18,14 +18,13 @@ import attrs
 
 from ..dsl.addressing import OffsetSplit, split_offsets
 from ..dsl.atoms.mma import accumulator_as_a_operand
-from ..dsl.config import KernelConfig
+from ..dsl.config import LOG2E, KernelConfig
 from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
 from ..dsl.tiling import Partition
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .template import CodeTemplate
 
-LOG2E = 1.4426950408889634
 
 
 @attrs.frozen

@@ -42,13 +42,11 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.config import LOG2E, KernelConfig
 from flashgen.dsl.plan import KernelPlan, Step, make_plan
 from flashgen.sim import fragments as fr
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import CopyTrace, VEC_ELEMS, trace_plan
-
-LOG2E = 1.4426950408889634  # the emitter's literal, rounded to fp32 in the kernel
 
 # ---- guards ------------------------------------------------------------------------------------
 

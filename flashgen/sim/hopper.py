@@ -59,6 +59,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from flashgen.dsl.config import LOG2E, WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
 from flashgen.dsl.plan import Step
@@ -66,10 +67,7 @@ from flashgen.sim import hardware as hw
 from flashgen.sim.cta import eval_guard
 from flashgen.sim.layout_eval import offsets
 
-LOG2E = 1.4426950408889634  # the emitter's literal
 SWIZZLE_SPAN = 128  # bytes of one 128B-swizzle row: 64 16-bit columns per TMA box
-WARPS_PER_WG = 4
-WG = 128
 # the emitter's fixed code around the plan's steps, walked as steps: a tile with key blocks first
 # waits for its Q; every tile ends by writing its rows (row sums, 1/l and LSE, then O / l staged
 # and stored; the statistics and O start over for the next tile)
@@ -677,8 +675,23 @@ class _Cta:
 
     # -- a tile's output
     def _last(self, ti: int) -> int | None:
-        t = self.tiles[ti]
-        return self.first_g[ti] + t.n - 1 if t.n else None
+        return self._block(Step("finish_rows", block="last"), ti, self.tiles[ti].jb)
+
+    def _finish(self, row_max: np.ndarray, row_sum: np.ndarray, what: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """The emitted rows' finish: row sums quad-reduced (checked to agree), ``1/l`` (0 for a row
+        without keys) and each row's LSE (-inf there), per thread and row half."""
+        f32 = np.float32
+        l = self._butterfly(row_sum.copy(), np.add)
+        self._check_rows_agree(l, what, where)
+        with np.errstate(divide="ignore"):
+            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
+            logl = np.log(l.astype(np.float64)).astype(f32)
+        return inv, np.where(l > 0, hw.fma32(row_max, self.scale, logl), f32(-np.inf))
+
+    def _lse_rows(self, row_lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The LSE the writer threads store (one lane per quad): (rows within the warpgroup, values)."""
+        writer = (np.arange(WG) % 32 & sum(self.plan.row_reduce_lanes)) == 0
+        return self.s_rows[writer].ravel(), row_lse[writer].ravel()
 
     def finish_rows(self, c: _Consumer, ti: int, where: str) -> None:
         """Row sums quad-reduced, 1/l kept for store_O, lse written; row statistics reset for the next tile."""
@@ -687,18 +700,11 @@ class _Cta:
             self.flag(where, f"consumer {c.w}: finish_rows of tile {ti} with the statistics of block "
                              f"{self.name(c.max_block)}, not of its last block {self.name(self._last(ti))}")
         self.count(c, "finish_rows", ti)
-        l = self._butterfly(c.row_sum.copy(), np.add)
-        self._check_rows_agree(l, "row sums", where)
-        with np.errstate(divide="ignore"):
-            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
-            logl = np.log(l.astype(np.float64)).astype(f32)
-        row_lse = np.where(l > 0, hw.fma32(c.row_max, self.scale, logl), f32(-np.inf))
-        writer = (np.arange(WG) % 32 & sum(self.plan.row_reduce_lanes)) == 0
-        n_rows = self.lse[ti].size
-        for h in range(2):
-            rr = 64 * c.w + self.s_rows[writer, h]
-            ok = rr < n_rows
-            self.lse[ti][rr[ok]] = row_lse[writer, h][ok]
+        inv, row_lse = self._finish(c.row_max, c.row_sum, "row sums", where)
+        rows, vals = self._lse_rows(row_lse)
+        rr = 64 * c.w + rows
+        ok = rr < self.lse[ti].size
+        self.lse[ti][rr[ok]] = vals[ok]
         c.fin = (ti, inv)
         c.partial[ti] = (c.row_max.copy(), c.row_sum.copy(), c.o_acc.copy())
         c.row_max[:] = -np.inf
@@ -825,16 +831,10 @@ class _Cta:
             c = hw.ex2_approx_ftz(hw.fma32(mk, self.scale_log2, neg))
             l = hw.fma32(lk, c, l)
             o = hw.fma32(ok, np.take_along_axis(c, self.o_slot, axis=1), o)
-        l = self._butterfly(l, np.add)
-        self._check_rows_agree(l, "merged row sums", f"merge of consumer {w}")
-        with np.errstate(divide="ignore"):
-            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
-            logl = np.log(l.astype(np.float64)).astype(f32)
+        inv, row_lse = self._finish(m, l, "merged row sums", f"merge of consumer {w}")
         lse = np.full(64, np.nan, f32)
-        writer = (np.arange(WG) % 32 & sum(self.plan.row_reduce_lanes)) == 0
-        row_lse = np.where(l > 0, hw.fma32(m, self.scale, logl), f32(-np.inf))
-        for h in range(2):
-            lse[self.s_rows[writer, h]] = row_lse[writer, h]
+        rows, vals = self._lse_rows(row_lse)
+        lse[rows] = vals
         val = (o * np.take_along_axis(inv, self.o_slot, axis=1)).astype(f32)
         out = np.zeros((64, self.cfg.d_head), np.uint16)
         out[self.co.rows, self.co.cols] = hw.encode(val, self.dtype)
@@ -858,6 +858,12 @@ def _encode_inputs(plan: HopperPlan, q, k, v, seq_q, seq_k):
     return q[:seq_q], k[:seq_k], v[:seq_k], seq_q, seq_k
 
 
+def _check_q_blocks(plan: HopperPlan, q_blocks, seq_q: int) -> None:
+    for qb in q_blocks:
+        if not 0 <= qb * plan.cfg.B_r < seq_q:
+            raise ValueError(f"q_block {qb} starts at row {qb * plan.cfg.B_r}, outside seq_q={seq_q}")
+
+
 def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_blocks: list[int],
                    seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
                    mask_offset: int = 0, window_left: int = -1, window_right: int = -1
@@ -870,9 +876,7 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
         plan = make_hopper_plan(plan)
     cfg = plan.cfg
     q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
-    for qb in q_blocks:
-        if not 0 <= qb * cfg.B_r < seq_q:
-            raise ValueError(f"q_block {qb} starts at row {qb * cfg.B_r}, outside seq_q={seq_q}")
+    _check_q_blocks(plan, q_blocks, seq_q)
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     cta = _Cta(plan, q, k, v, list(q_blocks), seq_q, seq_k, scale, (mask_offset, window_left, window_right))
     cta.run()
@@ -892,6 +896,9 @@ def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.
         plan = make_hopper_plan(plan)
     cfg = plan.cfg
     q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
+    _check_q_blocks(plan, [q_block], seq_q)
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     mask_args = (mask_offset, window_left, window_right)
     jb, je = plan.score_mask.block_range(q_block * cfg.B_r, seq_q, seq_k, *mask_args)

@@ -369,3 +369,8 @@ def test_split_needs_a_wgmma_plan_and_nonempty_parts():
         hopper.simulate_split_tile(default_configs()[0], q, k, v, 2)
     with pytest.raises(ValueError, match="leave a part empty"):
         hopper.simulate_split_tile(PP_INTRA.replace(persistent=True), q, k, v, 3)
+    with pytest.raises(ValueError, match="parts must be at least 1, got 0"):
+        hopper.simulate_split_tile(PP_INTRA.replace(persistent=True), q, k, v, 0)
+    # a tile outside the query rows is refused, as simulate_cta / simulate_tiles refuse it
+    with pytest.raises(ValueError, match="q_block 5 starts at row 640, outside seq_q=64"):
+        hopper.simulate_split_tile(PP_INTRA.replace(persistent=True), q, k, v, 2, q_block=5)
