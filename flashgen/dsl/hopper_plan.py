@@ -9,8 +9,8 @@ FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
   ``S = Q K_j^T`` (wgmma, A and B from shared memory, K-major), online softmax on the
   accumulator registers, ``O += P V_j`` (wgmma, A = P from registers, B = V MN-major),
   releasing each stage with one arrival per warp on its "empty" barrier;
-* ``pingpong``: two consumers take turns issuing GEMMs (named barriers), so one's
-  softmax runs under the other's tensor-core work; ``intra_overlap``: S_j and
+* ``pingpong``: the consumers take turns issuing GEMMs (a ring of named barriers), so one's
+  softmax runs under the others' tensor-core work; ``intra_overlap``: S_j and
   O += P_{j-1} V_{j-1} are issued back to back and the softmax of S_j runs while PV is
   in flight;
 * ``persistent``: CTAs loop over tiles (query block, head, batch); the output is staged in
@@ -212,7 +212,7 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
     # persistent: Q is free for the next tile once the last block's S GEMM retired
     rel_q = (S("release", "Q", guard="j + 1 == j_end", why="last S retired: the producer may load the next tile's Q"),) if cfg.persistent else ()
     turn = (S("turn", why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
-    pas = (S("pass", why="pingpong: hand the tensor cores to the other warpgroup"),) if cfg.pingpong else ()
+    pas = (S("pass", why="pingpong: hand the tensor cores to the next warpgroup"),) if cfg.pingpong else ()
     if cfg.intra_overlap:
         prologue = (
             S("wait_full", "K", "j", why="K_j landed (TMA transaction bytes complete)"),

@@ -151,7 +151,7 @@ def _step(plan: HopperPlan, step: Step) -> list[str]:
     elif op == "turn":
         code = ["named_bar_sync(1 + cw, 2 * 128);"]
     elif op == "pass":
-        code = ["named_bar_arrive(1 + (cw ^ 1), 2 * 128);"]
+        code = ["named_bar_arrive(1 + (cw + 1) % CONSUMERS, 2 * 128);"]
     else:
         raise ValueError(f"no code for consumer step {step}")
     if step.guard:
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
             st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
         }
         fence_proxy_async();  // the TMA unit (async proxy) reads what these st.shared wrote
-        named_bar_sync(3 + cw, 128);  // this warpgroup's rows are staged
+        named_bar_sync(1 + CONSUMERS + cw, 128);  // this warpgroup's rows are staged
         if (wtid == 0) {  // one thread stores them; the warpgroup goes on without waiting for global writes
             $store_o
             bulk_commit_group();
@@ -652,9 +652,9 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
     sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
     if cfg.pingpong:
-        pingpong_start = ["// pingpong: consumer 0 issues first; consumer 1 hands it the first turn",
-                          "if (cw == 1) named_bar_arrive(1 + 0, 2 * 128);"]
-        pingpong_end = ["// consumer 1 passed once more than consumer 0 took turns (its initial pass): take it, so every",
+        pingpong_start = ["// pingpong: consumers take turns in a ring (0, 1, ...); the last hands consumer 0 the first turn",
+                          "if (cw == CONSUMERS - 1) named_bar_arrive(1 + 0, 2 * 128);"]
+        pingpong_end = ["// the last consumer passed once more than consumer 0 took turns (its initial pass): take it, so every",
                         "// named-barrier phase completes before exit",
                         "if (cw == 0) named_bar_sync(1 + 0, 2 * 128);"]
     else:
@@ -665,7 +665,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
         o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
                         "if (wtid == 0) bulk_wait_group_read<0>();  // the previous tile's TMA stores have read the staged rows",
-                        "named_bar_sync(3 + cw, 128);  // ... before this warpgroup writes them again"]
+                        "named_bar_sync(1 + CONSUMERS + cw, 128);  // ... before this warpgroup writes them again"]
     else:
         wait_q_empty = []
         o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]

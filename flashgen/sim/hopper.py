@@ -20,8 +20,9 @@ What is modelled
   output (``finish_rows``, ``store_O``: the emitter's fixed epilogue code, walked as steps so
   their placement is checked too); round-robin one step at a
   time, a step that must wait (``wait_full`` before the data landed, ``turn`` before the
-  other warpgroup's ``pass``) blocks. Pingpong follows the emitted rule: consumer 1 gives
-  consumer 0 one initial pass, and consumer 0 takes the one pass left over before exit.
+  previous warpgroup's ``pass``) blocks. Pingpong follows the emitted rule: a ring, each
+  consumer passing to the next; the last gives consumer 0 one initial pass, and consumer 0
+  takes the one pass left over before exit.
   Steps with a ``guard`` (``release Q`` in the last block of a persistent plan) run where it holds.
 * **Persistent plans** walk several tiles (:func:`simulate_tiles`, one head): the ring stages
   run on across tiles as the emitted counters do, the next tile's Q lands only after every
@@ -418,10 +419,10 @@ class _Cta:
     # -- the walk
     def run(self) -> None:
         if self.cfg.pingpong:
-            if self.cfg.consumers != 2:
-                self.flag("start", f"pingpong needs 2 consumer warpgroups, the plan has {self.cfg.consumers}")
+            if self.cfg.consumers < 2:
+                self.flag("start", f"pingpong needs 2 or more consumer warpgroups, the plan has {self.cfg.consumers}")
             else:
-                self.pending[0] += 1  # consumer 1 hands consumer 0 the first turn (before the tile loop)
+                self.pending[0] += 1  # the last consumer hands consumer 0 the first turn (before the tile loop)
         self.produce()
         while not all(c.done for c in self.consumers):
             progressed = False
@@ -460,7 +461,7 @@ class _Cta:
             if not self.cfg.pingpong:
                 self.flag(where, "pass step in a plan without pingpong")
             else:
-                other = c.w ^ 1
+                other = (c.w + 1) % self.cfg.consumers  # the ring's next consumer
                 self.pending[other] += 1
                 c.passes += 1
                 if self.pending[other] > 1:
@@ -783,8 +784,8 @@ class _Cta:
             t, x = self.prod_ops[self.prod_pc]
             what = f"the Q of tile {x}: Q was" if t == "Q" else f"{t}_{self.name(x)}: its stage was"
             self.flag("producer", f"never issues {what} not released by every consumer warp")
-        if self.cfg.pingpong and self.cfg.consumers == 2:
-            # before exit consumer 0 takes the pass consumer 1 gave last (or its initial one)
+        if self.cfg.pingpong and self.cfg.consumers >= 2:
+            # before exit consumer 0 takes the pass the last consumer gave last (or its initial one)
             if self.pending[0]:
                 self.pending[0] -= 1
                 self.consumers[0].absorbed += 1

@@ -27,6 +27,7 @@ CONFIGS = [
     KernelConfig.wgmma("fp16", d_head=256, B_c=64, intra_overlap=False, mask="window"),
     KernelConfig.wgmma("bf16", persistent=True),
     KernelConfig.wgmma("fp16", B_c=160, persistent=True),  # the long-sequence default: shared memory nearly full
+    KernelConfig.wgmma("bf16", B_r=192, B_c=64, persistent=True),  # three consumers passing turns in a ring
 ]
 
 
