@@ -33,7 +33,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs 
 REPO = Path(__file__).resolve().parents[2]
 # the d_head-128 set (default + ablations) and the default of every other head size the engine takes
 CONFIGS = list(dict.fromkeys(hopper_configs() + [KernelConfig.wgmma(dt, d_head=d, B_c=bc) for d, bc in HOPPER_B_C.items() for dt in ("fp16", "bf16")]
-                             + [hopper_default(KernelConfig.wgmma(dt).dtype, d) for d in HOPPER_B_C for dt in ("fp16", "bf16")]))
+                             + [hopper_default(KernelConfig.wgmma(dt).dtype, d) for d in HOPPER_B_C for dt in ("fp16", "bf16")]
+                             # three consumer warpgroups passing pingpong turns in a ring
+                             + [KernelConfig.wgmma("bf16", B_r=192, B_c=64, persistent=True), KernelConfig.wgmma("fp16", B_r=192, B_c=64)]))
 SHAPES = [(2, 1024, 4), (1, 640, 3), (3, 384, 2)]  # (batch, seq, heads)
 MANY_TILES = (1, 2048, 10)  # 160 tiles: more than an H100/H200 has SMs, so persistent CTAs loop
 FEATURE_BLOCKS = [(64, 128), (128, 128), (128, 160)]  # (d_head, B_c): B_c 160 has a key tail at most lengths
@@ -162,6 +164,8 @@ SANITIZED = {  # the causal grid and persistent kernels, and the unmasked B_c-16
     "persistent-causal-split": (KernelConfig.wgmma("fp16", persistent=True, mask="causal"), ["300", "2", "1", "2000", "1", "bottom_right"]),
     # one CTA per tile: 3 tiles over 1000 keys split 4 ways (a grid of 12 CTAs)
     "grid-split": (KernelConfig.wgmma("fp16"), ["300", "1", "1", "1000", "1"]),
+    # three consumers in a pingpong ring (named barriers 1-3, staging barriers 4-6), looping over 288 causal tiles (3 query blocks x 96 heads)
+    "persistent-3-consumers": (KernelConfig.wgmma("bf16", B_r=192, B_c=64, persistent=True, mask="causal"), ["400", "1", "96", "400", "8"]),
 }
 
 
