@@ -154,6 +154,24 @@ class KernelConfig:
         """wgmma: consumer warpgroups (64 query rows each)."""
         return self.B_r // WGMMA_M
 
+    @property
+    def fragment_regs(self) -> int:
+        """wgmma: 32-bit registers a consumer thread holds for the O and S accumulators and P's A fragments."""
+        return self.d_head // 2 + self.B_c // 2 + self.B_c // 4
+
+    @property
+    def register_budget(self) -> int:
+        """wgmma: registers a consumer thread may give to fragments (setmaxnreg's share less room for
+        addresses, loop state and softmax temporaries)."""
+        return consumer_regs(self.consumers) - REGISTER_MARGIN
+
+    @property
+    def q_in_registers(self) -> bool:
+        """wgmma: Q's A fragments (d_head / 4 registers) are loaded once per tile (ldmatrix) and S = Q K^T
+        reads A from registers, when they fit the budget: Q is then not re-read from shared memory for
+        every key block (1-2% on an H100 at B_c 128, docs/results/q_registers_h100.txt)."""
+        return self.fragment_regs + self.d_head // 4 <= self.register_budget
+
     def __attrs_post_init__(self) -> None:
         for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax",
                      "pingpong", "intra_overlap", "persistent"):
@@ -430,6 +448,9 @@ _RULES = (_rule_mma_sync_only, _rule_sizes, _rule_eager, _rule_tile_counts, _rul
 
 #: Registers a producer warpgroup keeps after ``setmaxnreg.dec`` (it only issues TMA copies).
 PRODUCER_REGS = 24
+#: Registers of a consumer thread kept for addresses, loop state and softmax temporaries (the rest may
+#: hold fragments; past it ptxas spills or serializes wgmma).
+REGISTER_MARGIN = 40
 
 
 def consumer_regs(consumers: int) -> int:
@@ -463,8 +484,7 @@ def _wgmma_rule_sizes(c: KernelConfig) -> None:
         raise ConfigError(f"stages={c.stages}: the K/V ring takes 1 to 4 stages")
     if c.pingpong and c.consumers < 2:
         raise ConfigError(f"pingpong=true passes the tensor cores between consumer warpgroups; B_r={c.B_r} has one")
-    regs = c.d_head // 2 + c.B_c // 2 + c.B_c // 4  # O and S accumulators, P fragments (32-bit each)
-    budget = consumer_regs(c.consumers) - 40
+    regs, budget = c.fragment_regs, c.register_budget  # O and S accumulators, P fragments (32-bit each)
     if regs > budget:
         raise ConfigError(
             f"d_head={c.d_head}, B_c={c.B_c}: O ({c.d_head // 2}) + S ({c.B_c // 2}) + P ({c.B_c // 4}) = {regs} registers per "

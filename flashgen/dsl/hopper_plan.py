@@ -46,7 +46,9 @@ from .atoms.hopper import (
 )
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
 from .layout import Layout
+from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .plan import ScoreMask, Step, _row_reduce_lanes
+from .tiling import Loop, Partition
 from .swizzle import ComposedLayout, Swizzle
 from .tail_split import TailSplit
 
@@ -116,6 +118,19 @@ class OperandDesc:
 
 
 @attrs.frozen
+class RegisterLoad:
+    """A shared-memory tile's rows -> a consumer's A fragments: ``atom`` (ldmatrix.x4) per warp and k16
+    step, lanes pointing where ``partition`` says (rows relative to the consumer's first row; warp w
+    adds ``partition.warp_row_step`` rows, k16 step ``kk`` 16 columns). Register i of step ``kk``
+    is A register i of that step's wgmma (``atom.a_map`` of the GEMM it feeds)."""
+
+    name: str
+    tile: str  # "Q"
+    atom: CopyAtom
+    partition: Partition
+
+
+@attrs.frozen
 class WarpgroupGemm:
     """One consumer GEMM: ``k_steps`` wgmma of ``atom``; A from shared memory or registers."""
 
@@ -140,6 +155,8 @@ class HopperPlan:
     barriers: dict  # name -> (Mbarrier, offset, count per stage)
     gemm_S: WarpgroupGemm
     gemm_O: WarpgroupGemm
+    #: Q's A fragments loaded once per tile when S reads A from registers (``cfg.q_in_registers``), else None
+    q_load: "RegisterLoad | None"
     p_from_s: tuple[tuple[tuple[int, int], ...], ...]  # [k16 step][A reg] -> (S value lo, S value hi)
     o_stage: ComposedLayout  # (CTA row, col) of the output tile -> element offset (Q's layout)
     #: "grid": one CTA per tile; "static" (persistent): about one CTA per SM, each taking tiles in a
@@ -309,7 +326,12 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
     b_k = OperandDesc("K", "K", kd[0].leading_byte_offset, kd[0].stride_byte_offset, SWIZZLE, tuple(x.start_address for x in kd))
     b_v = OperandDesc("V", "MN", vd[0].leading_byte_offset, vd[0].stride_byte_offset, SWIZZLE, tuple(x.start_address for x in vd))
     atom_s, atom_o = WGMMA_64xNx16(cfg.dtype, B_c), WGMMA_64xNx16(cfg.dtype, d)
-    gemm_s = WarpgroupGemm("S", atom_s, "smem", a_q, b_k, trans_b=False)
+    if cfg.q_in_registers:  # Q read from shared memory once per tile instead of once per key block
+        q_load = RegisterLoad("ldsm_Q", "Q", SM2RF(4), Partition(ldmatrix_x4_rows_then_cols("ldsm_Q"), (Loop("kk", d // 16, 0, 16),),
+                                                             warp_row_step=16))
+        gemm_s = WarpgroupGemm("S", atom_s, "regs", None, b_k, trans_b=False)
+    else:
+        q_load, gemm_s = None, WarpgroupGemm("S", atom_s, "smem", a_q, b_k, trans_b=False)
     gemm_o = WarpgroupGemm("O", atom_o, "regs", None, b_v, trans_b=True)
     # output staging: consumer w writes its O rows 64w.. in Q's layout, i.e. (non-persistent) exactly
     # the bytes of its own Q rows (only its S GEMMs read those, and they are done); the 128B swizzle
@@ -328,6 +350,7 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         barriers=barriers,
         gemm_S=gemm_s,
         gemm_O=gemm_o,
+        q_load=q_load,
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
         tile_scheduler="static" if cfg.persistent else "grid",

@@ -14,15 +14,17 @@ import json
 from ..dsl.config import LOG2E, WGMMA_M, KernelConfig
 from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
 from .kernel import KernelSource, args_struct, kernel_meta
-from .ptx import hopper as ptx_hopper, math as ptx_math, vec
+from .ptx import hopper as ptx_hopper, ldmatrix, math as ptx_math, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .template import CodeTemplate
 
 
-#: What each consumer GEMM reads: its accumulator, A as the emitter stages it (Q's shared-memory
-#: descriptor or P's A fragments) and B's ring tile. The plan says where A comes from and how B is
-#: laid out; a plan asking for another A source than the one staged here is refused.
-_GEMM_OPERANDS = {"S": ("s_acc", "smem", "desc_q", "K", "desc_k"), "O": ("o_acc", "regs", "p_frag", "V", "desc_v")}
+#: What each consumer GEMM reads: its accumulator, where the emitter can stage A (Q: its shared-memory
+#: descriptor, or its A fragments when the plan loads them; P: only the fragments converted from S),
+#: and B's ring tile. The plan says where A comes from and how B is laid out; a plan asking for an A
+#: source not staged here is refused.
+_GEMM_OPERANDS = {"S": ("s_acc", {"smem": "desc_q", "regs": "q_frag"}, "K", "desc_k"),
+                  "O": ("o_acc", {"regs": "p_frag"}, "V", "desc_v")}
 
 
 def _wgmma_helper(g) -> str:
@@ -34,16 +36,19 @@ def _wgmma_helper(g) -> str:
 def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
     """One consumer GEMM: fence, ``k_steps`` wgmma with constant descriptor offsets, commit."""
     g = plan.gemm_S if which == "S" else plan.gemm_O
-    acc, a_from, a, b_tile, desc_b = _GEMM_OPERANDS[which]
-    if g.a_from != a_from:
-        raise NotImplementedError(f"GEMM {which} with A from {g.a_from}: the emitter stages A of {which} in {a_from}")
+    acc, sources, b_tile, desc_b = _GEMM_OPERANDS[which]
+    if g.a_from not in sources or (which == "S" and (g.a_from == "regs") != (plan.q_load is not None)):
+        raise NotImplementedError(f"GEMM {which} with A from {g.a_from}: the emitter stages A of {which} in {' or '.join(sources)}"
+                                  + (" (registers: with the plan's Q fragment load)" if which == "S" else ""))
+    a = sources[g.a_from]
     stage = "st_prev" if block in ("j-1", "last") else "st"
     b_addr = [f"{desc_b} + uint64_t({stage}) * {plan.tiles[b_tile].stage_bytes >> 4}u + {boff >> 4}u" for boff in g.b.step_offsets]
-    if g.a_from == "smem":  # the first k step starts the accumulator (scale-d 0)
-        calls = [f"{_wgmma_helper(g)}({acc}, {a} + {off >> 4}u, {b}, {1 if t else 0});"
-                 for t, (off, b) in enumerate(zip(g.a.step_offsets, b_addr))]
-    else:  # registers: accumulates onto O
-        calls = [f"{_wgmma_helper(g)}({acc}, {a}[{t}], {b});" for t, b in enumerate(b_addr)]
+    # S starts its accumulator at the first k step (scale-d 0); O accumulates onto the rescaled O
+    scale = [0 if which == "S" and t == 0 else 1 for t in range(len(b_addr))]
+    if g.a_from == "smem":
+        calls = [f"{_wgmma_helper(g)}({acc}, {a} + {off >> 4}u, {b}, {sc});" for off, b, sc in zip(g.a.step_offsets, b_addr, scale)]
+    else:
+        calls = [f"{_wgmma_helper(g)}({acc}, {a}[{t}], {b}, {sc});" for t, (b, sc) in enumerate(zip(b_addr, scale))]
     fence = [f"wgmma_fence_operands({acc});"] + ([f"wgmma_fence_operands({a});"] if g.a_from == "regs" else [])
     return fence + ["wgmma_fence();"] + calls + ["wgmma_commit_group();", f"wgmma_fence_operands({acc});"]
 
@@ -280,8 +285,9 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const float scale_log2 = p.scale_log2;
     float o_acc[D_HEAD / 2], s_acc[B_c / 2];
     uint32_t p_frag[B_c / 16][4];
+    $q_frag_decl
     float row_max[2], row_sum[2], corr[2] = {1.f, 1.f};
-    const uint64_t desc_q = smem_desc(sQ + cw * $q_row_block_bytes, $q_lbo, $q_sbo, $swizzle_code);
+    $desc_q_decl
     const uint64_t desc_k = smem_desc(sK, $k_lbo, $k_sbo, $swizzle_code);
     const uint64_t desc_v = smem_desc(sV, $v_lbo, $v_sbo, $swizzle_code);
     (void)corr;
@@ -306,6 +312,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
 
         if (j_begin < j_end) {
             mbar_wait(bar_q_full, q_it & 1u);
+            $load_q_frags
             $main_loop
             kv_it += uint32_t(j_end - j_begin);
             ++q_it;
@@ -449,6 +456,40 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
 }
 """
 )
+
+
+def _desc_q_decl(plan: HopperPlan) -> list[str]:
+    a = plan.gemm_S.a
+    if plan.gemm_S.a_from != "smem":
+        return ["// S reads Q's A fragments from registers (q_frag): no descriptor for Q"]
+    return [f"const uint64_t desc_q = smem_desc(sQ + cw * {a.row_block_offset}u, {a.lbo}u, {a.sbo}u, {a.swizzle.desc_code}u);"]
+
+
+def _q_frag_decl(plan: HopperPlan) -> list[str]:
+    if plan.q_load is None:
+        return []
+    return [f"uint32_t q_frag[{len(plan.gemm_S.b.step_offsets)}][4];  // Q's A fragments, one x4 per k16 step ({plan.q_load.name})"]
+
+
+def _load_q_frags(plan: HopperPlan) -> list[str]:
+    """Once Q landed: this consumer's A fragments of Q for every k16 step, read through the Q tile's
+    layout at the rows and columns ``plan.q_load`` points each lane at."""
+    ld = plan.q_load
+    if ld is None:
+        return []
+    (kk,) = ld.partition.loops
+    row, col = ld.partition.coord_cpp("lane", "0", warp="(wtid / 32)")
+    tile = plan.tiles[ld.tile]
+    return [
+        f"// {ld.name}: {ld.atom.name} per k16 step; {ld.partition.tv}, warp w +{ld.partition.warp_row_step} rows, "
+        f"step {kk.name} +{kk.col_step} columns; {tile.name}: {tile.layout}",
+        "#pragma unroll",
+        f"for (uint32_t {kk.name} = 0; {kk.name} < {kk.extent}; ++{kk.name}) {{",
+        f"    const uint32_t row = {WGMMA_M} * cw + {row}, col = {col};",
+        f"    {ldmatrix.helper_name(ld.atom)}(q_frag[{kk.name}], s{ld.tile} + 2u * ({tile.layout.to_cpp(['row', 'col'])}));",
+        "}",
+        "wgmma_fence_operands(q_frag);  // the S GEMMs read them asynchronously",
+    ]
 
 
 def _tma_calls(plan: HopperPlan, op: str) -> list[str]:
@@ -714,6 +755,8 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
     wgmma_fns = [(ptx_hopper.wgmma if g.a_from == "smem" else ptx_hopper.wgmma_rs)(g.atom, g.trans_b) for g in (plan.gemm_S, plan.gemm_O)]
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
+    if plan.q_load is not None:
+        helpers.append(ldmatrix.helper(plan.q_load.atom))
     tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
     text = _KERNEL.substitute(
         name=name,
@@ -739,11 +782,12 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         load_q=_tma_calls(plan, "Q"),
         load_k=_tma_calls(plan, "K"),
         load_v=_tma_calls(plan, "V"),
-        q_row_block_bytes=f"{a.row_block_offset}u",
-        q_lbo=f"{a.lbo}u", q_sbo=f"{a.sbo}u",
+        q_frag_decl=_q_frag_decl(plan),
+        desc_q_decl=_desc_q_decl(plan),
+        load_q_frags=_load_q_frags(plan),
         k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u",
         v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u",
-        swizzle_code=f"{a.swizzle.desc_code}u",
+        swizzle_code=f"{bk.swizzle.desc_code}u",
         softmax_first=_softmax(plan, True),
         softmax_next=_softmax(plan, False),
         pingpong_start=pingpong_start,

@@ -186,6 +186,31 @@ def _a_map(atom: WGMMA_64xNx16) -> _TV:
     return _eval_tv(atom.a_map)
 
 
+@functools.lru_cache(maxsize=None)
+def _register_load_map(load, a_atom: WGMMA_64xNx16) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What ``load`` (ldmatrix.x4 per warp and k16 step) puts where the wgmma reads A.
+
+    For step ``kk``, thread ``t`` = 32 warp + lane and A value ``v`` = 2 register + half: the tile
+    (row, col) the value comes from (row relative to the consumer's first) and the (row, col) of the
+    64x16 A tile the atom's ``a_map`` assigns that value. ldmatrix: matrix m's rows are addressed by
+    lanes 8m..8m+7; lane l's register m holds row l/4 of matrix m, columns 2 (l % 4) + {0, 1}.
+    """
+    part, (kk,) = load.partition, load.partition.loops
+    a = _a_map(a_atom)
+    src_r = np.zeros((kk.extent, WG, 8), np.int64)
+    src_c = np.zeros_like(src_r)
+    for k in range(kk.extent):
+        for warp in range(WARPS_PER_WG):
+            addr = [part.coord(lane, 0, warp=warp, **{kk.name: k}) for lane in range(32)]
+            for lane in range(32):
+                for m in range(4):
+                    r, c0 = addr[8 * m + lane // 4]
+                    for half in range(2):
+                        src_r[k, 32 * warp + lane, 2 * m + half] = r
+                        src_c[k, 32 * warp + lane, 2 * m + half] = c0 + 2 * (lane % 4) + half
+    return src_r, src_c, a.rows, a.cols
+
+
 def _row_slots(c: _TV) -> tuple[np.ndarray, np.ndarray]:
     """Per thread its distinct accumulator rows ``[128, 2]`` and each value's slot ``[128, n]``.
 
@@ -244,6 +269,7 @@ class _Consumer:
         self.s_acc = np.zeros((WG, n_s), np.float32)
         self.o_acc = np.zeros((WG, n_o), np.float32)
         self.p_frag = np.zeros((WG, k_steps, 4, 2), np.uint16)
+        self.q_frag: tuple | None = None  # (tile, [k16 step, thread, A value] float64) when S reads A from registers
         self.row_max = np.full((WG, 2), -np.inf, np.float32)
         self.row_sum = np.zeros((WG, 2), np.float32)
         self.corr = np.ones((WG, 2), np.float32)
@@ -449,6 +475,8 @@ class _Cta:
             elif key not in self.loaded:
                 return False
             c.full_seen.add(key)
+            if s.arg == "Q" and self.plan.q_load is not None:
+                c.q_frag = (ti, self.load_q_frags(c))
         elif op == "turn":
             if not self.cfg.pingpong:
                 self.flag(where, "turn step in a plan without pingpong")
@@ -504,9 +532,11 @@ class _Cta:
         if f"{t.lower()}_empty" not in self.plan.barriers:
             self.flag(where, f"consumer {c.w} releases {t} but the plan has no {t.lower()}_empty barrier")
             return
-        if t == "Q":  # Q has one slot, read by every S GEMM of the tile
+        if t == "Q":  # Q has one slot, read by every S GEMM of the tile (or once, into the fragments, at its wait)
             key, what = ("Q", ti), "Q"
-            for g in c.groups:
+            if ("Q", ti) not in c.full_seen:
+                self.flag(where, f"consumer {c.w} releases Q it never waited for")
+            for g in c.groups if self.plan.gemm_S.a_from == "smem" else ():
                 if g.what.startswith("S"):
                     self.flag(where, f"consumer {c.w} releases Q while wgmma group {g.what} still reads it")
         else:
@@ -539,7 +569,8 @@ class _Cta:
             self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{self.name(b)} without its wait_full")
         if (t, b) in c.released:
             self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{self.name(b)} after releasing it")
-        if which == "S" and ("Q", ti) in c.released:
+        q_smem = which == "S" and self.plan.gemm_S.a_from == "smem"  # else S reads the fragments loaded at the Q wait
+        if q_smem and ("Q", ti) in c.released:
             self.flag(where, f"consumer {c.w}: gemm S reads Q after releasing it (the producer may load the next tile's)")
         if which == "S" and ("Q", ti) not in c.full_seen:
             self.flag(where, f"consumer {c.w}: gemm S reads Q without its wait_full")
@@ -563,15 +594,36 @@ class _Cta:
         self._check_stage(c, g.smem[0], g.smem[1], f"{where} (retiring {g.what})", "executed on")
         g.run()
 
+    def load_q_frags(self, c: _Consumer) -> np.ndarray:
+        """Consumer ``c``'s Q fragments as the plan's ldmatrix load reads them from the image now."""
+        ld = self.plan.q_load
+        tile = self.plan.tiles[ld.tile]
+        src_r, src_c, _, _ = _register_load_map(ld, self.plan.gemm_S.atom)
+        table = offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> element offset (colex)
+        rows = 64 * c.w + src_r
+        inside = (rows < tile.rows) & (src_c < tile.cols)
+        addr = tile.offset + 2 * table[np.where(inside, rows, 0), np.where(inside, src_c, 0)]
+        return np.where(inside, _read16(self.smem, addr, self.dtype), np.nan)
+
     def exec_s(self, c: _Consumer, b: int, ti: int, st: int, where: str) -> None:
-        """S = Q K_b^T: ``k_steps`` wgmma; step 0 has scale-d 0 (fresh accumulator)."""
-        if self.q_tile != ti:
-            self.flag(where, f"consumer {c.w}: S[{self.name(b)}] of tile {ti} executes on the Q of tile {self.q_tile}")
+        """S = Q K_b^T: ``k_steps`` wgmma; step 0 has scale-d 0 (fresh accumulator). A is Q's tile in
+        shared memory (descriptors) or, with ``plan.q_load``, the fragments loaded at the tile's Q wait."""
         g, dt = self.plan.gemm_S, self.dtype
+        if g.a_from == "regs":
+            if c.q_frag is None or c.q_frag[0] != ti:
+                self.flag(where, f"consumer {c.w}: S[{self.name(b)}] of tile {ti} reads Q fragments of tile "
+                                 f"{None if c.q_frag is None else c.q_frag[0]}")
+        elif self.q_tile != ti:
+            self.flag(where, f"consumer {c.w}: S[{self.name(b)}] of tile {ti} executes on the Q of tile {self.q_tile}")
         q_base, k_base = self.plan.tiles["Q"].offset, self.plan.tiles["K"].stage_offset(st)
         acc = np.zeros(c.s_acc.shape, np.float64)
         for s in range(g.k_steps):
-            a = _read16(self.smem, descriptor_addresses(g.a.descriptor(q_base, s, c.w), 64, 16, dt), dt)
+            if g.a_from == "regs":
+                _, _, a_rows, a_cols = _register_load_map(self.plan.q_load, g.atom)
+                a = np.full((64, 16), np.nan)
+                a[a_rows, a_cols] = c.q_frag[1][s] if c.q_frag is not None else np.nan
+            else:
+                a = _read16(self.smem, descriptor_addresses(g.a.descriptor(q_base, s, c.w), 64, 16, dt), dt)
             bm = _read16(self.smem, descriptor_addresses(g.b.descriptor(k_base, s), g.atom.N, 16, dt), dt)
             d = a @ bm.T
             acc = (acc + d[self.cs.rows, self.cs.cols]).astype(np.float32).astype(np.float64)

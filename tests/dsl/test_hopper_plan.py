@@ -140,21 +140,25 @@ def test_tma_boxes_and_transaction_bytes(cfg):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_gemm_S_descriptors_read_their_tile_slices(cfg):
-    """A = Q rows 64w.. (consumer w), B = all of K_stage; k16 step s covers columns 16s..16s+15."""
+    """A = Q rows 64w.. (consumer w), B = all of K_stage; k16 step s covers columns 16s..16s+15.
+    With Q's fragments in registers A has no descriptor (the fragment map is checked in the simulator's tests)."""
     plan = make_hopper_plan(cfg)
     g, dt = plan.gemm_S, cfg.dtype
-    assert (g.a_from, g.trans_b, g.atom.N, g.k_steps) == ("smem", False, cfg.B_c, cfg.d_head // 16)
-    q = plan.tiles["Q"]
-    q_bytes = q.offset + 2 * _layout_elems(q.layout)
-    seen = np.zeros(q_bytes.shape, int)
-    for w in range(cfg.consumers):
-        for s in range(g.k_steps):
-            d = g.a.descriptor(q.offset, s, w)
-            assert SmemDescriptor.decode(d.encode()) == d
-            want = q_bytes[64 * w: 64 * (w + 1), 16 * s: 16 * (s + 1)]
-            np.testing.assert_array_equal(descriptor_addresses(d, 64, 16, dt), want, err_msg=f"Q w={w} s={s}")
-            seen[64 * w: 64 * (w + 1), 16 * s: 16 * (s + 1)] += 1
-    assert (seen == 1).all()
+    a_from = "regs" if cfg.q_in_registers else "smem"
+    assert (g.a_from, g.trans_b, g.atom.N, g.k_steps) == (a_from, False, cfg.B_c, cfg.d_head // 16)
+    assert (plan.q_load is not None, g.a is None) == (a_from == "regs",) * 2
+    if a_from == "smem":
+        q = plan.tiles["Q"]
+        q_bytes = q.offset + 2 * _layout_elems(q.layout)
+        seen = np.zeros(q_bytes.shape, int)
+        for w in range(cfg.consumers):
+            for s in range(g.k_steps):
+                d = g.a.descriptor(q.offset, s, w)
+                assert SmemDescriptor.decode(d.encode()) == d
+                want = q_bytes[64 * w: 64 * (w + 1), 16 * s: 16 * (s + 1)]
+                np.testing.assert_array_equal(descriptor_addresses(d, 64, 16, dt), want, err_msg=f"Q w={w} s={s}")
+                seen[64 * w: 64 * (w + 1), 16 * s: 16 * (s + 1)] += 1
+        assert (seen == 1).all()
     k = plan.tiles["K"]
     for st in range(k.stages):
         k_bytes = k.stage_offset(st) + 2 * _layout_elems(k.layout)
@@ -163,6 +167,15 @@ def test_gemm_S_descriptors_read_their_tile_slices(cfg):
             assert SmemDescriptor.decode(d.encode()) == d
             np.testing.assert_array_equal(descriptor_addresses(d, cfg.B_c, 16, dt), k_bytes[:, 16 * s: 16 * (s + 1)],
                                           err_msg=f"K stage {st} s={s}")
+
+
+def test_q_goes_to_registers_where_the_fragments_fit():
+    """Q's A fragments (d_head / 4 registers) join O, S and P where all fit a consumer's register budget."""
+    for cfg in CONFIGS:
+        need = cfg.fragment_regs + cfg.d_head // 4
+        assert cfg.q_in_registers == (need <= cfg.register_budget), cfg
+    assert W("fp16").q_in_registers and not W("fp16", B_c=160).q_in_registers  # d128: B_c 128 yes, 160 no
+    assert not W("fp16", B_r=192, B_c=64).q_in_registers  # three consumers share the registers
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)

@@ -83,7 +83,11 @@ def test_emitted_source_renders_the_plan():
     for t, (qoff, koff) in enumerate(zip(plan.gemm_S.a.step_offsets, plan.gemm_S.b.step_offsets)):
         assert f"(s_acc, desc_q + {qoff >> 4}u, desc_k + uint64_t(st) * {kst}u + {koff >> 4}u, {int(t > 0)});" in text
     for t, voff in enumerate(plan.gemm_O.b.step_offsets):  # intra overlap: PV reads the previous block's stage
-        assert f"(o_acc, p_frag[{t}], desc_v + uint64_t(st_prev) * {vst}u + {voff >> 4}u);" in text
+        assert f"(o_acc, p_frag[{t}], desc_v + uint64_t(st_prev) * {vst}u + {voff >> 4}u, 1);" in text  # accumulates
+    regs = KernelConfig.wgmma("bf16")  # B_c 128: Q's fragments in registers, S starts its accumulator at k step 0
+    rplan, rtext = make_hopper_plan(regs), emit(regs).text
+    for t, koff in enumerate(rplan.gemm_S.b.step_offsets):
+        assert f"(s_acc, q_frag[{t}], desc_k + uint64_t(st) * {rplan.tiles['K'].stage_bytes >> 4}u + {koff >> 4}u, {int(t > 0)});" in rtext
     assert f"smem_desc(sV, {plan.gemm_O.b.lbo}u, {plan.gemm_O.b.sbo}u, 1u)" in text  # V: MN-major, 128B swizzle
     for name, (bar, off, stages) in plan.barriers.items():
         assert f"bar_{name} = smem + {off}u" in text and f"mbar_init(bar_{name} + 8 * s, {bar.arrive_count})" in text
@@ -203,11 +207,16 @@ def test_gemm_calls_follow_the_plans_operand_sources(monkeypatch):
 
     from flashgen.emit import hopper_kernel
 
+    in_smem = KernelConfig.wgmma("fp16", B_c=160)  # Q's fragments do not fit beside S: A of S from shared memory
+    assert make_hopper_plan(in_smem).gemm_S.a_from == "smem"
+    text = emit(in_smem).text
+    assert "wgmma_m64n160k16_f16_ss(s_acc, desc_q + 0u," in text and "q_frag" not in text and "ldsm_x4" not in text
     cfg = KernelConfig.wgmma("fp16")
     real = make_hopper_plan(cfg)
-    assert (real.gemm_S.a_from, real.gemm_S.trans_b, real.gemm_O.a_from, real.gemm_O.trans_b) == ("smem", False, "regs", True)
+    assert (real.gemm_S.a_from, real.gemm_S.trans_b, real.gemm_O.a_from, real.gemm_O.trans_b) == ("regs", False, "regs", True)
     text = emit(cfg).text
-    assert "wgmma_m64n128k16_f16_rs_tb(o_acc, p_frag[0]," in text and "wgmma_m64n128k16_f16_ss(s_acc, desc_q + 0u," in text
+    assert "wgmma_m64n128k16_f16_rs_tb(o_acc, p_frag[0]," in text and "wgmma_m64n128k16_f16_rs(s_acc, q_frag[0], desc_k" in text
+    assert "desc_q" not in text and text.count("ldsm_x4(q_frag[kk]") == 1  # Q's fragments loaded once per tile
     flipped = attrs.evolve(real, gemm_O=attrs.evolve(real.gemm_O, trans_b=False))
     monkeypatch.setattr(hopper_kernel, "make_hopper_plan", lambda c: flipped)
     text = emit(cfg).text

@@ -291,10 +291,15 @@ def test_tma_fill_refuses_misaligned_base():
         hopper.tma_fill(np.zeros(plan.smem_bytes, np.uint8), plan.loads["K"], 512, np.zeros((64, 64), np.uint16))
 
 
-@pytest.mark.parametrize("cfg", [PP_INTRA.replace(persistent=True), PLAIN.replace(persistent=True)], ids=str)
+# Q's A fragments do not fit beside S at B_c 224 (d_head 64): S reads Q's tile in shared memory
+Q_IN_SMEM = [PP_INTRA.replace(B_c=224, persistent=True), PLAIN.replace(B_c=224, persistent=True)]
+
+
+@pytest.mark.parametrize("cfg", Q_IN_SMEM, ids=str)
 def test_persistent_q_release_before_the_last_S_retires_is_reported(cfg):
     """Releasing Q lets the producer load the next tile's Q over it: only after the wait that retires the last S."""
     plan = make_hopper_plan(cfg)
+    assert plan.gemm_S.a_from == "smem"
     i = next(i for i, s in enumerate(plan.body) if s.op == "release" and s.arg == "Q")
     wait = max(k for k in range(i) if plan.body[k].op == "wgmma_wait")
     h = _hazards(_move(plan, "body", i, wait))
@@ -312,14 +317,26 @@ def test_q_release_needs_a_q_empty_barrier():
     assert any("has no q_empty barrier" in x for x in h), h[:3]
 
 
+def _release_q_early(plan):
+    return attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard="j == j_begin") if s.arg == "Q" and s.op == "release" else s
+                                             for s in getattr(plan, part)) for part in ("prologue", "body")})
+
+
 def test_next_tiles_q_over_a_running_S_gives_the_wrong_tile():
-    """Q released after the first S GEMM instead of the last: the producer loads the next tile's
-    Q while the later S GEMMs still have to execute on the old one."""
-    plan = make_hopper_plan(PP_INTRA.replace(persistent=True))
-    early = attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard="j == j_begin") if s.arg == "Q" and s.op == "release" else s
-                                              for s in getattr(plan, part)) for part in ("prologue", "body")})
-    h = _hazards(early, n_blocks=3, tiles=3)
+    """Q (read from shared memory by every S GEMM) released after the first S GEMM instead of the
+    last: the producer loads the next tile's Q while the later S GEMMs still have to execute on the old one."""
+    plan = make_hopper_plan(Q_IN_SMEM[0])
+    assert plan.gemm_S.a_from == "smem"
+    h = _hazards(_release_q_early(plan), n_blocks=3, tiles=3)
     assert any("executes on the Q of tile" in x for x in h), h[:3]
+
+
+def test_q_fragments_outlive_their_shared_memory_tile():
+    """With Q's A fragments loaded at the tile's Q wait, S no longer reads Q's tile: the same early
+    release is harmless, and every S GEMM still computes on its own tile's Q."""
+    plan = make_hopper_plan(PP_INTRA.replace(persistent=True))
+    assert plan.gemm_S.a_from == "regs"
+    assert _hazards(_release_q_early(plan), n_blocks=3, tiles=3) == []
 
 
 def test_tile_output_steps_out_of_place_are_reported():
@@ -376,3 +393,34 @@ def test_split_needs_a_wgmma_plan_and_nonempty_parts():
     # a tile outside the query rows is refused, as simulate_cta / simulate_tiles refuse it
     with pytest.raises(ValueError, match="q_block 5 starts at row 640, outside seq_q=64"):
         hopper.simulate_split_tile(PP_INTRA.replace(persistent=True), q, k, v, 2, q_block=5)
+
+
+# ---------------------------------------------------------------------- Q's A fragments in registers
+
+
+def test_q_fragment_load_matches_the_wgmma_a_map():
+    """Every A value of every k16 step comes from the Q element the A map asks for, exactly once:
+    ldmatrix's delivery (lanes 8m.. address matrix m) composed with the plan's lane addresses."""
+    plan = make_hopper_plan(W("fp16"))
+    assert plan.gemm_S.a_from == "regs" and plan.q_load is not None
+    src_r, src_c, a_rows, a_cols = hopper._register_load_map(plan.q_load, plan.gemm_S.atom)
+    for kk in range(src_r.shape[0]):
+        assert np.array_equal(src_r[kk], a_rows) and np.array_equal(src_c[kk], a_cols + 16 * kk)
+    hit = np.zeros((64, 16), int)
+    np.add.at(hit, (a_rows, a_cols), 1)
+    assert np.all(hit == 1)
+
+
+def test_a_wrong_q_fragment_map_fails_the_float64_check():
+    """The B-operand ldmatrix order (matrices (r0,c0) (r0,c8) (r8,c0) ..) for Q swaps A's quarters:
+    the simulated S is wrong and the CTA's output misses float64 attention."""
+    from flashgen.dsl.atoms.copy import ldmatrix_x4_cols_then_rows
+
+    cfg = W("fp16", d_head=64, B_c=64)
+    plan = make_hopper_plan(cfg)
+    bad = attrs.evolve(plan, q_load=attrs.evolve(plan.q_load, partition=attrs.evolve(plan.q_load.partition,
+                                                                                 tv=ldmatrix_x4_cols_then_rows("ldsm_Q"))))
+    q, k, v = _inputs(cfg, 128, 128)
+    o, lse, rep = hopper.simulate_cta(bad, q, k, v, 0)
+    assert not cta.compare_with_reference(cfg, q, k, v, o, lse=lse)["ok"]
+    _check(cfg, 128, 128, plan=plan)  # the plan's own map passes

@@ -230,20 +230,21 @@ def wgmma_rs_helper_name(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
 
 
 def wgmma_rs(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
-    """``wgmma.mma_async`` with A from registers (4 x 32-bit, ``atom.a_map``) and B by descriptor; ``d += A*B``."""
+    """``wgmma.mma_async`` with A from registers (4 x 32-bit, ``atom.a_map``) and B by descriptor;
+    ``d = A*B + (scale_d ? d : 0)``."""
     n = atom.c_regs
     d_ops = ", ".join(f"%{i}" for i in range(n))
     d_cons = ",\n          ".join(", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, n))) for j in range(0, n, 8))
     return f'''// {atom.name.replace("_SS", "_RS")}: D(64x{atom.n}, f32) += A(64x16, registers) * B(16x{atom.n}, smem desc{", MN-major" if trans_b else ""}).
-__device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)[{n}], const uint32_t (&a)[4], uint64_t desc_b) {{
+__device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)[{n}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{
     asm volatile(
         "{{\\n"
         ".reg .pred p;\\n"
-        "setp.ne.b32 p, %{n + 5}, 0;\\n"  // scale-d is a predicate operand: always 1 (accumulate)
+        "setp.ne.b32 p, %{n + 5}, 0;\\n"  // scale-d is a predicate operand: 0 overwrites d
         "{atom.ptx} {{{d_ops}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, {1 if trans_b else 0};\\n"
         "}}\\n"
         : {d_cons}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
         : "memory");
 }}'''
 
