@@ -6,7 +6,8 @@ FlashAttention-3-style forward, one CTA per ``B_r`` query rows of one head:
   (Q once, then K_j and V_j into a ``stages``-deep ring), each completing on a "full"
   mbarrier with transaction bytes, after waiting on the stage's "empty" mbarrier;
 * warpgroups 1.. are **consumers** of 64 query rows each (``setmaxnreg.inc``):
-  ``S = Q K_j^T`` (wgmma, A and B from shared memory, K-major), online softmax on the
+  ``S = Q K_j^T`` (wgmma, B from shared memory K-major; A = Q's fragments, loaded once per tile
+  by ldmatrix where they fit the register budget, else Q's tile by descriptor), online softmax on the
   accumulator registers, ``O += P V_j`` (wgmma, A = P from registers, B = V MN-major),
   releasing each stage with one arrival per warp on its "empty" barrier;
 * ``pingpong``: the consumers take turns issuing GEMMs (a ring of named barriers), so one's

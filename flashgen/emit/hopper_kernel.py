@@ -670,6 +670,9 @@ def _plan_lines(plan: HopperPlan) -> list[str]:
     for g in (plan.gemm_S, plan.gemm_O):
         a = f"A {g.a.operand} {g.a.major}-major smem" if g.a else "A from registers"
         out.append(f"//   gemm {g.name}: {g.k_steps} x {g.atom.ptx}, {a}, B {g.b.operand} {g.b.major}-major (LBO {g.b.lbo}, SBO {g.b.sbo})")
+    if plan.q_load is not None:
+        ld = plan.q_load
+        out.append(f"//   {ld.name}: {ld.tile} -> A fragments of gemm S once per tile, {ld.atom.name} per warp and k16 step")
     out.append(f"//   registers: producer {plan.producer_regs}, consumers {plan.consumer_regs} (setmaxnreg)")
     for sec in ("prologue", "body", "epilogue"):
         steps = getattr(plan, sec)

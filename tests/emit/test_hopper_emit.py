@@ -49,6 +49,7 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
     # setmaxnreg needs a register cap at entry: __launch_bounds__(threads, 1) -> 65536 / threads, rounded down to 8
     assert s.registers == min(255, 65536 // (128 * (1 + cfg.consumers)) // 8 * 8)
     assert "C7508" not in r.log and "C7510" not in r.log, f"ptxas ignored setmaxnreg or serialized wgmma:\n{r.log}"
+    assert "instructions are serialized" not in r.log, f"ptxas serialized wgmma (C751x: registers, operands or calls):\n{r.log}"
 
 
 @pytest.mark.nvcc
