@@ -471,6 +471,14 @@ def _q_frag_decl(plan: HopperPlan) -> list[str]:
     return [f"uint32_t q_frag[{len(plan.gemm_S.b.step_offsets)}][4];  // Q's A fragments, one x4 per k16 step ({plan.q_load.name})"]
 
 
+def q_load_cpp(plan: HopperPlan) -> tuple[str, str, str]:
+    """C++ of the Q fragment load's lane address: (tile row, tile column) in ``cw``, ``wtid``, ``lane`` and
+    the step ``kk``, and the element offset of (``row``, ``col``) in Q's tile (host-tested against the plan)."""
+    ld = plan.q_load
+    row, col = ld.partition.coord_cpp("lane", "0", warp="(wtid / 32)")
+    return f"{WGMMA_M} * cw + {row}", col, plan.tiles[ld.tile].layout.to_cpp(["row", "col"])
+
+
 def _load_q_frags(plan: HopperPlan) -> list[str]:
     """Once Q landed: this consumer's A fragments of Q for every k16 step, read through the Q tile's
     layout at the rows and columns ``plan.q_load`` points each lane at."""
@@ -478,15 +486,15 @@ def _load_q_frags(plan: HopperPlan) -> list[str]:
     if ld is None:
         return []
     (kk,) = ld.partition.loops
-    row, col = ld.partition.coord_cpp("lane", "0", warp="(wtid / 32)")
     tile = plan.tiles[ld.tile]
+    row, col, off = q_load_cpp(plan)
     return [
         f"// {ld.name}: {ld.atom.name} per k16 step; {ld.partition.tv}, warp w +{ld.partition.warp_row_step} rows, "
         f"step {kk.name} +{kk.col_step} columns; {tile.name}: {tile.layout}",
         "#pragma unroll",
         f"for (uint32_t {kk.name} = 0; {kk.name} < {kk.extent}; ++{kk.name}) {{",
-        f"    const uint32_t row = {WGMMA_M} * cw + {row}, col = {col};",
-        f"    {ldmatrix.helper_name(ld.atom)}(q_frag[{kk.name}], s{ld.tile} + 2u * ({tile.layout.to_cpp(['row', 'col'])}));",
+        f"    const uint32_t row = {row}, col = {col};",
+        f"    {ldmatrix.helper_name(ld.atom)}(q_frag[{kk.name}], s{ld.tile} + 2u * ({off}));",
         "}",
         "wgmma_fence_operands(q_frag);  // the S GEMMs read them asynchronously",
     ]

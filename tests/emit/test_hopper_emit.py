@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from flashgen.check import check_configs, failure_report, ptx_command
@@ -227,3 +229,41 @@ def test_gemm_calls_follow_the_plans_operand_sources(monkeypatch):
     monkeypatch.setattr(hopper_kernel, "make_hopper_plan", lambda c: p_in_smem)
     with pytest.raises(NotImplementedError, match="GEMM O with A from smem"):
         emit(cfg)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found on PATH")
+@pytest.mark.parametrize("cfg", [KernelConfig.wgmma("fp16"), KernelConfig.wgmma("bf16", d_head=64, persistent=True)], ids=KernelConfig.mangle)
+def test_q_fragment_addresses_equal_the_plans_evaluation(cfg, tmp_path):
+    """The emitted Q fragment load's lane addresses, compiled for the host, against the plan's own
+    objects evaluated in Python: the partition's coordinates and the Q tile layout's offsets (Numba)."""
+    from flashgen.emit.hopper_kernel import q_load_cpp
+    from flashgen.sim.layout_eval import offsets
+
+    plan = make_hopper_plan(cfg)
+    row, col, off = q_load_cpp(plan)
+    (kk,) = plan.q_load.partition.loops
+    prog = tmp_path / "q.cpp"
+    prog.write_text(f"""#include <cstdint>
+#include <cstdio>
+int main() {{
+    for (uint32_t cw = 0; cw < {cfg.consumers}; ++cw)
+        for (uint32_t wtid = 0; wtid < 128; ++wtid)
+            for (uint32_t {kk.name} = 0; {kk.name} < {kk.extent}; ++{kk.name}) {{
+                const uint32_t lane = wtid % 32;
+                const uint32_t row = {row}, col = {col};
+                std::printf("%u %u %u\\n", row, col, (uint32_t)({off}));
+            }}
+}}
+""")
+    exe = tmp_path / "q"
+    subprocess.run(["g++", "-std=c++17", "-O0", str(prog), "-o", str(exe)], check=True)
+    got = np.loadtxt(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines(), dtype=np.int64)
+    tile = plan.tiles["Q"]
+    table = offsets(tile.layout).reshape(tile.cols, tile.rows).T
+    want = []
+    for cw in range(cfg.consumers):
+        for wtid in range(128):
+            for k in range(kk.extent):
+                r, c = plan.q_load.partition.coord(wtid % 32, 0, warp=wtid // 32, **{kk.name: k})
+                want.append((64 * cw + r, c, table[64 * cw + r, c]))
+    np.testing.assert_array_equal(got, np.array(want))
