@@ -45,13 +45,13 @@ from .atoms.hopper import (
     wgmma_kmajor_descriptors,
     wgmma_mnmajor_descriptors,
 )
+from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
 from .layout import Layout
-from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .plan import ScoreMask, Step, _row_reduce_lanes
-from .tiling import Loop, Partition
 from .swizzle import ComposedLayout, Swizzle
 from .tail_split import TailSplit
+from .tiling import Loop, Partition
 
 SWIZZLE = GmmaSwizzle.B128
 BOX_COLS = SWIZZLE.span_bytes // 2  # 64 16-bit columns per TMA box (one 128-byte swizzle row)

@@ -468,7 +468,7 @@ def _desc_q_decl(plan: HopperPlan) -> list[str]:
 def _q_frag_decl(plan: HopperPlan) -> list[str]:
     if plan.q_load is None:
         return []
-    return [f"uint32_t q_frag[{len(plan.gemm_S.b.step_offsets)}][4];  // Q's A fragments, one x4 per k16 step ({plan.q_load.name})"]
+    return [f"uint32_t q_frag[{plan.gemm_S.k_steps}][4];  // Q's A fragments, one x4 per k16 step ({plan.q_load.name})"]
 
 
 def q_load_cpp(plan: HopperPlan) -> tuple[str, str, str]:

@@ -358,6 +358,7 @@ class _Cta:
         # element index of (CTA row, col) in the image; flat layout index = row + B_r * col (colex)
         self.o_stage = plan.tiles["O"].offset // 2 + offsets(plan.o_stage).reshape(cfg.d_head, cfg.B_r).T
         self._foreign: dict[int, np.ndarray] = {}  # consumer -> elements its output staging must not touch
+        self._q_frag_addr: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # consumer -> (byte addresses, inside the tile)
         self.consumers = [self._consumer(w) for w in range(cfg.consumers)]
 
     # -- setup
@@ -596,13 +597,15 @@ class _Cta:
 
     def load_q_frags(self, c: _Consumer) -> np.ndarray:
         """Consumer ``c``'s Q fragments as the plan's ldmatrix load reads them from the image now."""
-        ld = self.plan.q_load
-        tile = self.plan.tiles[ld.tile]
-        src_r, src_c, _, _ = _register_load_map(ld, self.plan.gemm_S.atom)
-        table = offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> element offset (colex)
-        rows = 64 * c.w + src_r
-        inside = (rows < tile.rows) & (src_c < tile.cols)
-        addr = tile.offset + 2 * table[np.where(inside, rows, 0), np.where(inside, src_c, 0)]
+        if c.w not in self._q_frag_addr:  # the addresses are the same every tile
+            ld = self.plan.q_load
+            tile = self.plan.tiles[ld.tile]
+            src_r, src_c, _, _ = _register_load_map(ld, self.plan.gemm_S.atom)
+            table = offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> element offset (colex)
+            rows = 64 * c.w + src_r
+            inside = (rows < tile.rows) & (src_c < tile.cols)
+            self._q_frag_addr[c.w] = (tile.offset + 2 * table[np.where(inside, rows, 0), np.where(inside, src_c, 0)], inside)
+        addr, inside = self._q_frag_addr[c.w]
         return np.where(inside, _read16(self.smem, addr, self.dtype), np.nan)
 
     def exec_s(self, c: _Consumer, b: int, ti: int, st: int, where: str) -> None:
@@ -617,9 +620,10 @@ class _Cta:
             self.flag(where, f"consumer {c.w}: S[{self.name(b)}] of tile {ti} executes on the Q of tile {self.q_tile}")
         q_base, k_base = self.plan.tiles["Q"].offset, self.plan.tiles["K"].stage_offset(st)
         acc = np.zeros(c.s_acc.shape, np.float64)
+        if g.a_from == "regs":
+            _, _, a_rows, a_cols = _register_load_map(self.plan.q_load, g.atom)
         for s in range(g.k_steps):
             if g.a_from == "regs":
-                _, _, a_rows, a_cols = _register_load_map(self.plan.q_load, g.atom)
                 a = np.full((64, 16), np.nan)
                 a[a_rows, a_cols] = c.q_frag[1][s] if c.q_frag is not None else np.nan
             else:
