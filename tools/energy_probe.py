@@ -6,8 +6,9 @@ docs/results/kv_traffic_h100.txt):
 
     for r in 1 2; do for v in main noload; do TAG=$v$r PYTHONPATH=$PWD/.probe/$v:/tmp/site python tools/energy_probe.py; done; done
 
-Cases: fp16, d_head 128, 16 heads; persistent B_c 128 / 160 at seq 4096 (batch 16) non-causal,
-B_c 128 at seq 2048 causal. Prints do_bench medians and, after a 2 s warm loop, the mean of 20
+Cases: fp16, d_head 128; persistent kernels (env BLOCKS, default "128:2 160:2" = B_c:stages) on the
+non-causal shapes of env SHAPES (default "4096:16:16 2048:16:16" = seq:batch:heads), the first
+kernel also at seq 2048 causal (batch 16, 16 heads). Prints do_bench medians and, after a 2 s warm loop, the mean of 20
 back-to-back launches with the median SM clock and power sampled meanwhile.
 """
 import os
@@ -22,9 +23,13 @@ import flashgen
 
 tag = os.environ.get("TAG", "?")
 torch.manual_seed(0)
-CASES = [("bc128 full 4096", 128, 4096, 16, False), ("bc160 full 4096", 160, 4096, 16, False), ("bc128 full 2048", 128, 2048, 16, False),
-         ("bc160 full 2048", 160, 2048, 16, False), ("bc128 causal 2048", 128, 2048, 16, True)]
-built = {bc: flashgen.compile(f"(FP16, 128, 128, {bc}, 12): wgmma+stages_2+pingpong+intra+persistent") for bc in (128, 160)}
+# BLOCKS: "B_c:stages ..." of the persistent configs to time (default: B_c 128 and 160, two stages)
+BLOCKS = [tuple(int(x) for x in b.split(":")) for b in os.environ.get("BLOCKS", "128:2 160:2").split()]
+# SHAPES: "seq:batch:heads ..." of the non-causal cases (default: the benchmark's 4096 and 2048, 16 heads)
+SHAPES = [tuple(int(x) for x in sh.split(":")) for sh in os.environ.get("SHAPES", "4096:16:16 2048:16:16").split()]
+CASES = ([(f"bc{bc} full {seq}x{batch}x{heads}", bc, seq, batch, heads, False) for seq, batch, heads in SHAPES for bc, _ in BLOCKS]
+         + [(f"bc{BLOCKS[0][0]} causal 2048", BLOCKS[0][0], 2048, 16, 16, True)])
+built = {bc: flashgen.compile(f"(FP16, 128, 128, {bc}, 12): wgmma+stages_{st}+pingpong+intra+persistent") for bc, st in BLOCKS}
 
 
 def smi() -> tuple[float, float]:
@@ -52,13 +57,13 @@ def check(bc: int, b: int, sq: int, h: int, sk: int, causal: bool) -> float:
 
 
 # more tiles than SMs (CTAs loop), key tails, causal: every version must pass before it is timed
-worst = max(check(bc, *shape) for bc in (128, 160) for shape in ((2, 2048, 12, 2048, False), (1, 4096, 8, 3000, False), (2, 1024, 20, 1024, True)))
+worst = max(check(bc, *shape) for bc in built for shape in ((2, 2048, 12, 2048, False), (1, 4096, 8, 3000, False), (2, 1024, 20, 1024, True)))
 print(f"{tag}: correct, worst rel err {worst:.2e}", flush=True)
 
-for name, bc, seq, batch, causal in CASES:
-    q, k, v = (torch.randn(batch, seq, 16, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+for name, bc, seq, batch, heads, causal in CASES:
+    q, k, v = (torch.randn(batch, seq, heads, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     fn = lambda: built[bc](q, k, v, causal=causal)  # noqa: E731
-    flops = 4 * batch * 16 * seq * seq * 128 / (2 if causal else 1)
+    flops = 4 * batch * heads * seq * seq * 128 / (2 if causal else 1)
     bench_ms = do_bench(fn, warmup=50, rep=200, return_mode="median")
     t0 = time.time()
     while time.time() - t0 < 2.0:
