@@ -10,7 +10,9 @@ to JSON and a PNG; a ratio table is printed last.
 Shared GPUs drift (clocks, neighbours) by a few percent over seconds, which would tilt
 a ratio of two timings taken one after the other. So every kernel of a shape (the peers
 and the configs) is timed in ``rounds`` interleaved rounds (A B C, A B C, ...) and each
-reports the median of its rounds; the JSON keeps every round.
+reports the median of its rounds; the JSON keeps every round. nvidia-smi samples the
+board's SM clock, power and throttle reasons meanwhile (:mod:`flashgen.gpu_monitor`): per
+row in the JSON, for the run under the table.
 """
 from __future__ import annotations
 
@@ -121,6 +123,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .build import build_many
+    from .gpu_monitor import GpuMonitor, nvidia_smi_id
     from .runtime import compile as fg_compile
 
     cap = torch.cuda.get_device_capability()
@@ -156,7 +159,12 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
         "d_heads": list(d_heads),
         "rows": [],
         "matmul_tflops": {},
+        "gpu_state": None,
     }
+    monitor = GpuMonitor(nvidia_smi_id(torch.cuda.current_device()))
+    if not monitor.start():
+        log("nvidia-smi not found: no clock / power record")
+    run_t0 = time.monotonic()
     for dt_name in dtypes:
         dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt_name]
         results["matmul_tflops"][dt_name] = matmul_ceiling(dt)
@@ -185,7 +193,10 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
                     outs = {c: torch.empty_like(q) for c in mine}
                     for c in mine:
                         fns[c.short_form()] = lambda attn=attns[c], out=outs[c]: attn(q, k, v, out=out, causal=causal)
+                    t0 = time.monotonic()
                     times = interleaved(fns, rounds)
+                    state = monitor.window(t0, time.monotonic())
+                    row["gpu_state"] = state.to_dict() if state else None
                     for peer in peers:
                         if peer in times:
                             row["peers"][peer] = flops / median(times[peer]) / 1e9
@@ -208,7 +219,11 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
                         log(
                             f"{dt_name} d{d_head}{' causal' if causal else ''} seq {seq}: best {best[1]['tflops']:.0f} TFLOP/s "
                             f"({best[0]}), sdpa flash {fa or float('nan'):.0f}"
+                            + (f"; board {state.describe()}" if state else "")
                         )
+    whole = monitor.window(run_t0, time.monotonic())
+    monitor.stop()
+    results["gpu_state"] = whole.to_dict() if whole else None
     return results
 
 
@@ -241,6 +256,10 @@ def format_table(results: dict) -> str:
         )
     for dt, tf in results.get("matmul_tflops", {}).items():
         lines.append(f"dense {dt} 8192^3 matmul (practical ceiling): {tf:.0f} TFLOP/s")
+    if results.get("gpu_state"):
+        from .gpu_monitor import GpuState
+
+        lines.append(f"board while timing (nvidia-smi; per row in the JSON): {GpuState(**results['gpu_state']).describe()}")
     return "\n".join(lines)
 
 

@@ -95,3 +95,12 @@ def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
     assert fields[6:9] == ["300", "500", "-"] and fields[9:11] == ["1.833", "1.100"]
     assert line.endswith(cfg) and " yes " in line
     assert "median of 3 interleaved round(s)" in bench.format_table(res)
+
+
+def test_table_ends_with_the_boards_state_when_it_was_sampled():
+    res = {"gpu": "GPU", "torch": "t", "cuda": "c", "heads": 16, "rounds": 1, "rows": [], "matmul_tflops": {}}
+    assert "board while timing" not in bench.format_table(res)
+    res["gpu_state"] = {"samples": 40, "clock_mhz": 1620.0, "power_w": 692.4, "power_capped": 0.775, "thermal": 0.0}
+    last = bench.format_table(res).splitlines()[-1]
+    assert last.startswith("board while timing") and "median 692 W" in last and "SM clock 1620 MHz" in last
+    assert "power-capped in 78% of samples" in last and "(40 samples)" in last and "thermal" not in last
