@@ -17,6 +17,10 @@ def main(path: str) -> None:
         for name, r in row["flashgen"].items():
             tag = "" if r["correct"] else " WRONG"
             cells.append(f"{name} {r['tflops']:.0f} ({r['tflops'] / (fa or 1):.3f}, {r['tflops'] / (cu or 1):.3f}){tag}")
+        g = row.get("gpu_state")  # nvidia-smi's record while the row was timed (benches since session 10)
+        if g and g.get("power_w") is not None and g.get("clock_mhz") is not None:
+            capped = f" capped {g['power_capped']:.0%}" if g.get("power_capped") is not None else ""
+            cells.append(f"board {g['power_w']:.0f} W {g['clock_mhz']:.0f} MHz{capped}")
         print(head + " | " + " | ".join(cells))
     print("dense matmul:", {k: round(v) for k, v in res["matmul_tflops"].items()})
 
