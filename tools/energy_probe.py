@@ -57,8 +57,10 @@ def check(bc: int, b: int, sq: int, h: int, sk: int, causal: bool) -> float:
 
 
 # more tiles than SMs (CTAs loop), key tails, causal: every version must pass before it is timed
-worst = max(check(bc, *shape) for bc in built for shape in ((2, 2048, 12, 2048, False), (1, 4096, 8, 3000, False), (2, 1024, 20, 1024, True)))
-print(f"{tag}: correct, worst rel err {worst:.2e}", flush=True)
+# (NOCHECK=1: diagnostic builds whose output is wrong by design skip it)
+if not os.environ.get("NOCHECK"):
+    worst = max(check(bc, *shape) for bc in built for shape in ((2, 2048, 12, 2048, False), (1, 4096, 8, 3000, False), (2, 1024, 20, 1024, True)))
+    print(f"{tag}: correct, worst rel err {worst:.2e}", flush=True)
 
 for name, bc, seq, batch, heads, causal in CASES:
     q, k, v = (torch.randn(batch, seq, heads, 128, device="cuda", dtype=torch.float16) for _ in range(3))
