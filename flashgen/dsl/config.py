@@ -453,10 +453,25 @@ PRODUCER_REGS = 24
 REGISTER_MARGIN = 40
 
 
+#: registers are allocated to threads (and moved by setmaxnreg) in multiples of this
+REG_ALLOC_UNIT = 8
+
+
+def launch_regs(threads: int) -> int:
+    """Registers per thread a one-CTA-per-SM kernel of ``threads`` threads launches with: ptxas caps it
+    at REGS_PER_SM / threads in allocation units (384 threads: 168, so the CTA holds 64,512 of 65,536)."""
+    return min(256, REGS_PER_SM // threads // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
+
+
 def consumer_regs(consumers: int) -> int:
-    """Registers per consumer thread after ``setmaxnreg.inc``: what the producer gives back, split evenly."""
-    per = (REGS_PER_SM - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
-    return min(256, per // 8 * 8)
+    """Registers per consumer thread after ``setmaxnreg.inc``: the CTA's launch allocation less what the
+    producer keeps, split evenly. The pool is the launch allocation, not the SM's register file:
+    ``setmaxnreg.inc`` waits until the pool holds what it asks for, so asking for more never returns
+    (with two consumers a 32-register producer would leave 236, not 240)."""
+    threads = WARPGROUP * (1 + consumers)
+    pool = launch_regs(threads) * threads
+    per = (pool - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
+    return min(256, per // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
 
 
 def _wgmma_rule_knobs(c: KernelConfig) -> None:

@@ -425,3 +425,27 @@ def test_persistent_schedule_releases_q_once_after_the_last_S(cfg):
 def test_make_hopper_plan_refuses_mma_sync_configs():
     with pytest.raises(ValueError, match="mma.sync"):
         make_hopper_plan(default_configs()[0])
+
+
+@pytest.mark.parametrize("producer", [24, 32, 40])
+@pytest.mark.parametrize("consumers", [1, 2, 3])
+def test_setmaxnreg_split_fits_the_ctas_launch_allocation(monkeypatch, consumers, producer):
+    """setmaxnreg.inc waits until the CTA's pool holds what it asks for, and the pool is what the CTA
+    launched with (ptxas: 168 registers x 384 threads for two consumers), not the SM's 65,536: a split
+    past it hangs (a 32-register producer with 240-register consumers did, on an H100)."""
+    from flashgen.dsl import config
+
+    monkeypatch.setattr(config, "PRODUCER_REGS", producer)
+    threads = 128 * (1 + consumers)
+    per = config.consumer_regs(consumers)
+    assert per % 8 == 0 and 24 <= per <= 256
+    assert 128 * producer + 128 * consumers * per <= config.launch_regs(threads) * threads
+    assert 128 * producer + 128 * consumers * (per + 8) > config.launch_regs(threads) * threads or per == 256
+
+
+def test_shipped_register_split():
+    """24 registers for the producer give two consumers 240 (the d_head-128 kernels' budget) and three 160."""
+    from flashgen.dsl.config import PRODUCER_REGS, consumer_regs, launch_regs
+
+    assert PRODUCER_REGS == 24 and launch_regs(384) == 168 and launch_regs(512) == 128
+    assert (consumer_regs(2), consumer_regs(3)) == (240, 160)
