@@ -6,15 +6,14 @@
 Cases: fp16 d_head 128, 16 heads; persistent B_c 128 / 160, the grid kernel and SDPA cuDNN at seq 4096
 (batch 16) and 16384 (batch 4), non-causal.
 """
-import subprocess
 import sys
-import threading
 import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
+from flashgen.gpu_monitor import GpuMonitor, GpuState, nvidia_smi_id
 
 CFG = {"pers128": "(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent",
        "pers160": "(FP16, 128, 128, 160, 12): wgmma+stages_2+pingpong+intra+persistent",
@@ -51,36 +50,25 @@ fns = {n: case(n) for n in NAMES}
 for fn in fns.values():
     fn()
 torch.cuda.synchronize()
-for name, fn in fns.items():
-    samples = []
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout.strip()
-            samples.append(out)
-            time.sleep(0.2)
-    th = threading.Thread(target=sample)
-    t0 = time.time()
-    n = 0
-    th.start()
-    while time.time() - t0 < 3.0:
-        for _ in range(5):
+with GpuMonitor(nvidia_smi_id(torch.cuda.current_device())) as mon:
+    for name, fn in fns.items():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        for _ in range(10):
             fn()
-        n += 5
+        ev1.record()
         torch.cuda.synchronize()
-    stop.set()
-    th.join()
-    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ev0.record()
-    for _ in range(10):
-        fn()
-    ev1.record()
-    torch.cuda.synchronize()
-    mid = samples[len(samples) // 3:]  # past the ramp
-    clocks = [float(s.split(",")[0]) for s in mid]
-    power = [float(s.split(",")[1]) for s in mid]
-    reasons = sorted({s.split(",")[3].strip() for s in mid})
-    print(f"{name:14s} {ev0.elapsed_time(ev1) / 10 * 1000:9.1f} us  sm clock {min(clocks):.0f}-{max(clocks):.0f} MHz "
-          f"(median {sorted(clocks)[len(clocks) // 2]:.0f})  power {sorted(power)[len(power) // 2]:.0f} W  reasons {reasons}", flush=True)
+        t1 = time.monotonic()
+        mid = [x for t, x in mon.samples if t0 + 1.0 <= t <= t1]  # past the ramp
+        state = GpuState.of(mid)
+        clocks = [x.clock_mhz for x in mid if x.clock_mhz is not None]
+        reasons = sorted({f"0x{x.reasons:016x}" for x in mid if x.reasons is not None})
+        rng = f"{min(clocks):.0f}-{max(clocks):.0f} MHz" if clocks else "? MHz"
+        print(f"{name:14s} {ev0.elapsed_time(ev1) / 10 * 1000:9.1f} us  sm clock {rng} "
+              f"(median {state.clock_mhz if state and state.clock_mhz else float('nan'):.0f})  "
+              f"power {state.power_w if state and state.power_w else float('nan'):.0f} W  reasons {reasons}", flush=True)

@@ -12,14 +12,13 @@ kernel also at seq 2048 causal (batch 16, 16 heads). Prints do_bench medians and
 back-to-back launches with the median SM clock and power sampled meanwhile.
 """
 import os
-import subprocess
-import threading
 import time
 
 import torch
 from triton.testing import do_bench
 
 import flashgen
+from flashgen.gpu_monitor import GpuMonitor, nvidia_smi_id
 
 tag = os.environ.get("TAG", "?")
 torch.manual_seed(0)
@@ -30,14 +29,6 @@ SHAPES = [tuple(int(x) for x in sh.split(":")) for sh in os.environ.get("SHAPES"
 CASES = ([(f"bc{bc} full {seq}x{batch}x{heads}", bc, seq, batch, heads, False) for seq, batch, heads in SHAPES for bc, _ in BLOCKS]
          + [(f"bc{BLOCKS[0][0]} causal 2048", BLOCKS[0][0], 2048, 16, 16, True)])
 built = {bc: flashgen.compile(f"(FP16, 128, 128, {bc}, 12): wgmma+stages_{st}+pingpong+intra+persistent") for bc, st in BLOCKS}
-
-
-def smi() -> tuple[float, float]:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout.split(",")
-    return float(out[0]), float(out[1])
-
-
 
 
 def check(bc: int, b: int, sq: int, h: int, sk: int, causal: bool) -> float:
@@ -62,6 +53,8 @@ if not os.environ.get("NOCHECK"):
     worst = max(check(bc, *shape) for bc in built for shape in ((2, 2048, 12, 2048, False), (1, 4096, 8, 3000, False), (2, 1024, 20, 1024, True)))
     print(f"{tag}: correct, worst rel err {worst:.2e}", flush=True)
 
+monitor = GpuMonitor(nvidia_smi_id(torch.cuda.current_device()), interval_ms=100)
+monitor.start()
 for name, bc, seq, batch, heads, causal in CASES:
     q, k, v = (torch.randn(batch, seq, heads, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     fn = lambda: built[bc](q, k, v, causal=causal)  # noqa: E731
@@ -71,24 +64,17 @@ for name, bc, seq, batch, heads, causal in CASES:
     while time.time() - t0 < 2.0:
         fn()
         torch.cuda.synchronize()
-    samples, stop = [], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            samples.append(smi())
-            time.sleep(0.1)
-    th = threading.Thread(target=sample)
-    th.start()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t1 = time.monotonic()
     e0.record()
     for _ in range(20):
         fn()
     e1.record()
     torch.cuda.synchronize()
-    stop.set()
-    th.join()
+    state = monitor.window(t1, time.monotonic())
     b2b_ms = e0.elapsed_time(e1) / 20
-    clk = sorted(s[0] for s in samples)[len(samples) // 2] if samples else float("nan")
-    pw = sorted(s[1] for s in samples)[len(samples) // 2] if samples else float("nan")
+    clk = state.clock_mhz if state and state.clock_mhz is not None else float("nan")
+    pw = state.power_w if state and state.power_w is not None else float("nan")
     print(f"{tag:8s} {name:18s} do_bench {bench_ms * 1000:8.1f} us {flops / bench_ms / 1e9:5.0f} TFLOP/s | "
           f"back to back {b2b_ms * 1000:8.1f} us {flops / b2b_ms / 1e9:5.0f} TFLOP/s at {clk:.0f} MHz {pw:.0f} W", flush=True)
+monitor.stop()
