@@ -8,8 +8,8 @@ docs/results/kv_traffic_h100.txt):
 
 Cases: fp16, d_head 128; persistent kernels (env BLOCKS, default "128:2 160:2" = B_c:stages) on the
 non-causal shapes of env SHAPES (default "4096:16:16 2048:16:16" = seq:batch:heads), the first
-kernel also at seq 2048 causal (batch 16, 16 heads). Prints do_bench medians and, after a 2 s warm loop, the mean of 20
-back-to-back launches with the median SM clock and power sampled meanwhile.
+kernel also at seq 2048 causal (batch 16, 16 heads). Prints do_bench medians and, after a 2 s warm loop, the mean of
+>= 0.5 s of back-to-back launches (at least 20) with the median SM clock and power sampled meanwhile.
 """
 import os
 import time
@@ -64,15 +64,18 @@ for name, bc, seq, batch, heads, causal in CASES:
     while time.time() - t0 < 2.0:
         fn()
         torch.cuda.synchronize()
+    # enough launches for >= 0.5 s, so the 100 ms sampler lands several samples in the window (20
+    # launches of a 0.5 ms kernel fall between two samples)
+    n = max(20, int(0.5e3 / bench_ms))
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t1 = time.monotonic()
     e0.record()
-    for _ in range(20):
+    for _ in range(n):
         fn()
     e1.record()
     torch.cuda.synchronize()
     state = monitor.window(t1, time.monotonic())
-    b2b_ms = e0.elapsed_time(e1) / 20
+    b2b_ms = e0.elapsed_time(e1) / n
     clk = state.clock_mhz if state and state.clock_mhz is not None else float("nan")
     pw = state.power_w if state and state.power_w is not None else float("nan")
     print(f"{tag:8s} {name:18s} do_bench {bench_ms * 1000:8.1f} us {flops / bench_ms / 1e9:5.0f} TFLOP/s | "
