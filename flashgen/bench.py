@@ -9,8 +9,11 @@ to JSON and a PNG; a ratio table is printed last.
 
 Shared GPUs drift (clocks, neighbours) by a few percent over seconds, which would tilt
 a ratio of two timings taken one after the other. So every kernel of a shape (the peers
-and the configs) is timed in ``rounds`` interleaved rounds (A B C, A B C, ...) and each
-reports the median of its rounds; the JSON keeps every round. nvidia-smi samples the
+and the configs) is timed in ``rounds`` interleaved rounds and each reports the median of its
+rounds; the JSON keeps every round. The rounds' orders follow a Williams design (a Latin square
+balanced for the predecessor): at the power cap a kernel's timing moves with what ran just before
+it (a hot kernel or a cool one) and with its place in the round, so no kernel keeps one place or
+one predecessor. nvidia-smi samples the
 board's SM clock, power and throttle reasons meanwhile (:mod:`flashgen.gpu_monitor`): per
 row in the JSON, for the run under the table.
 """
@@ -57,15 +60,34 @@ def time_ms(fn: Callable[[], Any]) -> float:
 
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, timer: Callable[[Callable[[], Any]], float] = time_ms
                 ) -> dict[str, list[float]]:
-    """Time each of ``fns`` once per round, in the same order every round: ``{name: [ms per round]}``.
-    A kernel that fails (e.g. a backend that rejects the input) raises out of the first round."""
+    """Time each of ``fns`` once per round, round r in the order ``round_order(len(fns), r)``:
+    ``{name: [ms per round]}``. A kernel that fails (e.g. a backend that rejects the input) raises
+    out of the first round, whose order is ``fns``'s own."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(timer(fn))
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for i in round_order(len(names), r):
+            times[names[i]].append(timer(fns[names[i]]))
     return times
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """The order of round ``r`` of ``n`` kernels: row ``r`` of a Williams design. Over any ``n``
+    consecutive rounds from round 0 (``2n`` when ``n`` is odd) every kernel takes every place in a
+    round equally often and follows every other kernel equally often. Row 0 is ``0 .. n-1``."""
+    # the classic first row 0, 1, n-1, 2, n-2, ... (its successive differences are all distinct
+    # mod n), each later row adding r; odd n needs each row's mirror too, so it cycles in 2n rounds
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    row = [(x + r // (2 if n % 2 else 1)) % n for x in first]
+    if n % 2 and r % 2:
+        row.reverse()
+    # relabel so that round 0 is the identity (fns's order), keeping the design's balance
+    label = {x: i for i, x in enumerate(first)}
+    return [label[x] for x in row]
 
 
 def pick_fastest(fns: dict[str, Callable[[], Any]], rounds: int = 3, finalists: int = 4,

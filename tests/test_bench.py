@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 import pytest
 
 from flashgen import bench
 
 
-def test_interleaved_times_every_kernel_once_per_round_in_the_same_order():
+def test_interleaved_times_every_kernel_once_per_round_in_the_designs_orders():
     calls = []
     clock = iter(range(100))
 
@@ -17,9 +18,28 @@ def test_interleaved_times_every_kernel_once_per_round_in_the_same_order():
         return float(next(clock))
 
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": lambda: calls.append("c")}
-    times = bench.interleaved(fns, 3, timer)
-    assert calls == ["a", "b", "c"] * 3
-    assert times == {"a": [0.0, 3.0, 6.0], "b": [1.0, 4.0, 7.0], "c": [2.0, 5.0, 8.0]}
+    times = bench.interleaved(fns, 4, timer)
+    assert calls[:3] == ["a", "b", "c"]  # round 0 in the caller's order (a failing kernel raises early)
+    assert sorted(calls) == ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    # each kernel's timings in round order, wherever it ran in its round
+    for name in fns:
+        assert times[name] == [float(i) for i, c in enumerate(calls) if c == name]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_round_orders_balance_places_and_predecessors(n):
+    """Over one cycle of the design (n rounds, 2n for odd n) every kernel takes every place equally
+    often and, inside the rounds, follows every other kernel equally often."""
+    cycle = n if n % 2 == 0 else 2 * n
+    rows = [bench.round_order(n, r) for r in range(cycle)]
+    assert rows[0] == list(range(n))
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    places = Counter((place, k) for row in rows for place, k in enumerate(row))
+    assert set(places.values()) == {cycle // n}  # every (place, kernel) once per n rounds
+    if n > 1:
+        follows = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+    assert [bench.round_order(n, r) for r in range(cycle, 2 * cycle)] == rows  # then it repeats
 
 
 def test_medians_of_rounds_keep_a_transient_slowdown_out_of_the_ratio():
