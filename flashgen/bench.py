@@ -11,9 +11,11 @@ Shared GPUs drift (clocks, neighbours) by a few percent over seconds, which woul
 a ratio of two timings taken one after the other. So every kernel of a shape (the peers
 and the configs) is timed in ``rounds`` interleaved rounds and each reports the median of its
 rounds; the JSON keeps every round. The rounds' orders follow a Williams design (a Latin square
-balanced for the predecessor): at the power cap a kernel's timing moves with what ran just before
-it (a hot kernel or a cool one) and with its place in the round, so no kernel keeps one place or
-one predecessor. nvidia-smi samples the
+balanced for the predecessor), and before each timing the kernel itself runs back to back for
+``settle_s`` seconds: at the power cap a kernel timed right after a cool one (idle, SDPA flash)
+rides the clock boost the cool one left (1980 MHz for ~0.25 s, then ~1550), and one timed after a
+hot kernel does not; settling first times every kernel at its own steady clock
+(docs/results/order_effects_h100.txt). nvidia-smi samples the
 board's SM clock, power and throttle reasons meanwhile (:mod:`flashgen.gpu_monitor`): per
 row in the JSON, for the run under the table.
 """
@@ -36,15 +38,39 @@ def log(msg: str) -> None:
     print(f"[flashgen bench] {msg}", file=sys.stderr, flush=True)
 
 
-def time_ms(fn: Callable[[], Any]) -> float:
-    """Median milliseconds of ``fn`` after warm-up (triton's do_bench when available)."""
+#: seconds of back-to-back calls before each timing: the board leaves a predecessor's clock within ~0.25 s
+SETTLE_S = 0.3
+
+
+def settle(fn: Callable[[], Any], seconds: float, sync: Callable[[], Any], clock: Callable[[], float] = time.monotonic,
+           every: int = 4) -> int:
+    """Call ``fn`` back to back until ``seconds`` have passed on ``clock``, waiting for the device
+    (``sync``) every ``every`` calls so the host does not queue far ahead of the clock it reads, and
+    once at the end. Returns the number of calls (at least one)."""
+    t0, n = clock(), 0
+    while True:
+        fn()
+        n += 1
+        if n % every == 0:
+            sync()
+        if clock() - t0 >= seconds:
+            break
+    sync()
+    return n
+
+
+def time_ms(fn: Callable[[], Any], settle_s: float = SETTLE_S) -> float:
+    """Median milliseconds of ``fn`` after ``settle_s`` seconds of back-to-back calls (its own clock
+    at the power cap) and warm-up (triton's do_bench when available)."""
+    import torch
+
+    if settle_s > 0:
+        settle(fn, settle_s, torch.cuda.synchronize)
     try:
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
     except ImportError:
-        import torch
-
         for _ in range(10):
             fn()
         times = []
@@ -137,9 +163,10 @@ def matmul_ceiling(dtype) -> float:
 
 
 def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS,
-              rounds: int = 3) -> dict:
+              rounds: int = 3, settle_s: float = SETTLE_S) -> dict:
     """Time every (dtype, d_head, causal) x shape: the given configs (d_head adapted) and the SDPA
-    peers, in ``rounds`` interleaved rounds (medians reported)."""
+    peers, in ``rounds`` interleaved rounds (medians reported), each timing after ``settle_s``
+    seconds of the kernel itself."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -178,6 +205,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
         "cuda": torch.version.cuda,
         "heads": heads,
         "rounds": rounds,
+        "settle_s": settle_s,
         "d_heads": list(d_heads),
         "rows": [],
         "matmul_tflops": {},
@@ -217,7 +245,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
                         for c in mine:
                             fns[c.short_form()] = lambda attn=attns[c], out=outs[c]: attn(q, k, v, out=out, causal=causal)
                         t0 = time.monotonic()
-                        times = interleaved(fns, rounds)
+                        times = interleaved(fns, rounds, lambda fn: time_ms(fn, settle_s))
                         state = monitor.window(t0, time.monotonic())
                         row["gpu_state"] = state.to_dict() if state else None
                         for peer in peers:
@@ -252,8 +280,9 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
 def format_table(results: dict) -> str:
     lines = [
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
-        f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s) "
-        "(causal counts half the FLOPs; ratio = flashgen / peer)",
+        f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s)"
+        + (f", each timing after {results['settle_s']:g} s of the kernel itself" if results.get("settle_s") else "")
+        + " (causal counts half the FLOPs; ratio = flashgen / peer)",
         f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
     ]
     for row in results["rows"]:
@@ -333,6 +362,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", choices=["no", "yes", "both"], default="no", help="non-causal, causal or both")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved timing rounds per shape; each kernel reports its median (default: 3)")
+    p.add_argument("--settle", type=float, default=SETTLE_S,
+                   help="seconds each kernel runs back to back before each of its timings, so it is timed at its own "
+                        f"steady clock, not the one its predecessor left (default: {SETTLE_S}; 0: none)")
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
@@ -356,6 +388,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise CommandError(f"--rounds must be at least 1, got {args.rounds}")
+    if not 0 <= args.settle <= 10:
+        raise CommandError(f"--settle must be between 0 and 10 seconds, got {args.settle}")
     known = [s for s, _ in SHAPES]
     unknown = [s for s in args.seqs or () if s not in known]
     if unknown:
@@ -366,7 +400,8 @@ def main(args: argparse.Namespace) -> int:
     cfgs = (list(resolve_configs(args.configs).configs) if args.configs
             else default_bench_configs(torch.cuda.get_device_capability(), [s for s, _ in shapes]))
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
-    results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds)
+    results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds,
+                        settle_s=args.settle)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True))

@@ -67,8 +67,36 @@ def test_median_and_round_count_checks():
         bench.interleaved({"a": lambda: None}, 0, lambda fn: 1.0)
 
 
+def test_settle_runs_the_kernel_until_the_time_is_up_and_waits_for_the_device():
+    """A fake clock advancing 0.1 s per call: 0.35 s of settling takes 4 calls (0.1 .. 0.4); the
+    device is waited on every 2 calls and at the end, so the last call has finished on return."""
+    now = {"t": 0.0}
+    events = []
+
+    def fn():
+        now["t"] += 0.1
+        events.append("call")
+
+    n = bench.settle(fn, 0.35, lambda: events.append("sync"), clock=lambda: now["t"], every=2)
+    assert n == 4
+    assert events == ["call", "call", "sync", "call", "call", "sync", "sync"]
+    # a kernel longer than the whole settle time still runs once, and is waited for
+    events.clear()
+    assert bench.settle(lambda: (now.__setitem__("t", now["t"] + 5.0), events.append("call")), 0.3,
+                        lambda: events.append("sync"), clock=lambda: now["t"]) == 1
+    assert events == ["call", "sync"]
+
+
+def test_table_header_says_how_long_kernels_settled():
+    res = {"gpu": "GPU", "torch": "t", "cuda": "c", "heads": 16, "rounds": 6, "rows": [], "matmul_tflops": {}}
+    assert "settle" not in bench.format_table(res) and "itself" not in bench.format_table(res)
+    res["settle_s"] = 0.3
+    assert "median of 6 interleaved round(s), each timing after 0.3 s of the kernel itself" in bench.format_table(res)
+
+
 @pytest.mark.parametrize("command, argv, message", [
     ("bench", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("bench", ["--settle", "-1"], "--settle must be between 0 and 10 seconds, got -1.0"),
     ("tune", ["--finalists", "0"], "--finalists must be at least 1, got 0"),
 ])
 def test_timing_commands_refuse_zero_rounds_before_touching_the_gpu(command, argv, message):
