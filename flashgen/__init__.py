@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .dsl.config import ConfigError, KernelConfig, load_config
 from .dsl.dtypes import DType
+from . import emit  # the package is callable: flashgen.emit(cfg) -> KernelSource (see flashgen/emit/__init__.py)
 
 __all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_hopper_plan", "make_plan"]
 __version__ = "0.1.0"
@@ -22,13 +23,6 @@ def compile(cfg, verbose: bool = False):  # noqa: A001
     from .runtime import compile as _compile
 
     return _compile(cfg, verbose=verbose)
-
-
-def emit(cfg):
-    """The CUDA source (:class:`flashgen.emit.kernel.KernelSource`) of a config."""
-    from .emit.kernel import emit as _emit
-
-    return _emit(load_config(cfg))
 
 
 def make_plan(cfg):

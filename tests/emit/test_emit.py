@@ -334,3 +334,21 @@ def test_ptx_instructions(cfg, ptx, source):
         assert ex2 == libm == n * calls  # every ex2 is one expf call of the source
     # the swizzle's XOR: address arithmetic has xor only when swizzled
     assert (_count(text, "xor.b32") > 0) == cfg.swizzled
+
+
+def test_public_emit_stays_callable_once_the_emit_modules_are_imported():
+    """``flashgen.emit(cfg)`` is the package itself: importing its modules (as compile() does)
+    cannot shadow it, and every config form gives the text ``flashgen.emit.kernel.emit`` does."""
+    import flashgen
+    import flashgen.emit.sweep  # noqa: F401  (any module of the package)
+
+    expected = emit(BASE).text
+    for form in (BASE, BASE.short_form(), BASE.to_dict()):
+        assert flashgen.emit(form).text == expected
+    # a fresh interpreter: the first call imports the modules, the second must still work
+    code = ("import flashgen; c = %r; a = flashgen.emit(c); import flashgen.build; "
+            "b = flashgen.emit(c); assert a.text == b.text; print(len(b.text))") % BASE.short_form()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == len(expected)
+
