@@ -277,13 +277,23 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
     return results
 
 
+def paired_ratio_range(mine: list[float] | None, peer: list[float] | None) -> str:
+    """"lo-hi" of mine[i] / peer[i] over the rounds (round i timed both in one pass of the design, so
+    each ratio pairs timings taken close together): how far one round's ratio strays from the
+    medians' ratio. "-" without two rounds of both."""
+    if not mine or not peer or len(mine) != len(peer) or len(mine) < 2:
+        return "-"
+    ratios = [a / b for a, b in zip(mine, peer)]
+    return f"{min(ratios):.3f}-{max(ratios):.3f}"
+
+
 def format_table(results: dict) -> str:
     lines = [
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
         f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s)"
         + (f", each timing after {results['settle_s']:g} s of the kernel itself" if results.get("settle_s") else "")
         + " (causal counts half the FLOPs; ratio = flashgen / peer)",
-        f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9}  ok  best config",
+        f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9} {'x cudnn by round':>16}  ok  best config",
     ]
     for row in results["rows"]:
         if not row["best"]:
@@ -300,10 +310,11 @@ def format_table(results: dict) -> str:
         # (max - min) / median of the best config's rounds: how far one timing could have moved its ratios
         r = fg.get("rounds_tflops") or []
         spread = f"{(max(r) - min(r)) / median(r):6.1%}" if len(r) > 1 else "     -"
+        by_round = f"{paired_ratio_range(r, row.get('peer_rounds_tflops', {}).get('CUDNN_ATTENTION')):>16}"
         lines.append(
             f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6} {fg['tflops']:9.0f} {spread} {num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} "
             f"{num(p.get('EFFICIENT_ATTENTION'))} {ratio(p.get('FLASH_ATTENTION'), 8)} {ratio(p.get('CUDNN_ATTENTION'), 8)} "
-            f"{ratio(p.get('EFFICIENT_ATTENTION'), 9)}  {'yes' if fg['correct'] else 'NO '} {row['best']}"
+            f"{ratio(p.get('EFFICIENT_ATTENTION'), 9)} {by_round}  {'yes' if fg['correct'] else 'NO '} {row['best']}"
         )
     for dt, tf in results.get("matmul_tflops", {}).items():
         lines.append(f"dense {dt} 8192^3 matmul (practical ceiling): {tf:.0f} TFLOP/s")

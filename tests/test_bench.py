@@ -141,8 +141,21 @@ def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
     fields = line.split()
     assert fields[:6] == ["fp16", "128", "-", "2048", "550", "4.0%"]  # (562 - 540) / 550
     assert fields[6:9] == ["300", "500", "-"] and fields[9:11] == ["1.833", "1.100"]
+    assert fields[12] == "-"  # no per-round cuDNN timings in this row
     assert line.endswith(cfg) and " yes " in line
+    # with cuDNN's rounds: each round's ratio pairs the two kernels' timings of that round
+    row["peer_rounds_tflops"] = {"CUDNN_ATTENTION": [540.0, 500.0, 480.0]}
+    fields = bench.format_table(res).splitlines()[2].split()
+    assert fields[12] == "1.000-1.171"  # 540 / 540, 550 / 500, 562 / 480
+    assert "x cudnn by round" in bench.format_table(res).splitlines()[1]
     assert "median of 3 interleaved round(s)" in bench.format_table(res)
+
+
+def test_paired_ratio_range_needs_two_rounds_of_both():
+    assert bench.paired_ratio_range([600.0, 580.0], [550.0, 560.0]) == "1.036-1.091"
+    assert bench.paired_ratio_range([600.0], [550.0]) == "-"
+    assert bench.paired_ratio_range([600.0, 580.0], None) == "-"
+    assert bench.paired_ratio_range([600.0, 580.0], [550.0, 560.0, 570.0]) == "-"  # rounds do not pair
 
 
 def test_table_ends_with_the_boards_state_when_it_was_sampled():
