@@ -168,8 +168,6 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
     peers, in ``rounds`` interleaved rounds (medians reported), each timing after ``settle_s``
     seconds of the kernel itself."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .build import build_many
     from .gpu_monitor import GpuMonitor, nvidia_smi_id
@@ -222,59 +220,76 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
             log(f"dense {dt_name} 8192^3 matmul: {results['matmul_tflops'][dt_name]:.0f} TFLOP/s")
             for d_head in d_heads:
                 for causal in causal_modes:
+                    mine = {c: attns[c] for c in attns if c.dtype.value == dt_name and c.d_head == d_head and (c.mask == "causal") == causal}
                     for seq, batch in shapes:
-                        torch.manual_seed(seq)
-                        q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dt) for _ in range(3))
-                        scale = 1 / math.sqrt(d_head)
-                        flops = attention_flops(batch, heads, seq, seq, d_head, causal)
-                        row: dict[str, Any] = {"dtype": dt_name, "d_head": d_head, "causal": causal, "seq": seq, "batch": batch, "flashgen": {}, "peers": {}}
-                        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                        fns: dict[str, Callable[[], Any]] = {}
-                        for peer in peers:
-                            def run_peer(backend=getattr(SDPBackend, peer)):
-                                with sdpa_kernel(backend):
-                                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                            try:
-                                run_peer()
-                                fns[peer] = run_peer
-                            except RuntimeError as exc:  # backend not available for this input
-                                row["peers"][peer] = None
-                                log(f"{peer} unavailable at seq {seq}: {str(exc).splitlines()[0]}")
-                        mine = [c for c in attns if c.dtype.value == dt_name and c.d_head == d_head and (c.mask == "causal") == causal]
-                        outs = {c: torch.empty_like(q) for c in mine}
-                        for c in mine:
-                            fns[c.short_form()] = lambda attn=attns[c], out=outs[c]: attn(q, k, v, out=out, causal=causal)
-                        t0 = time.monotonic()
-                        times = interleaved(fns, rounds, lambda fn: time_ms(fn, settle_s))
-                        state = monitor.window(t0, time.monotonic())
-                        row["gpu_state"] = state.to_dict() if state else None
-                        for peer in peers:
-                            if peer in times:
-                                row["peers"][peer] = flops / median(times[peer]) / 1e9
-                        row["peer_rounds_tflops"] = {n: [flops / ms / 1e9 for ms in t] for n, t in times.items() if n in peers}
-                        for cfg in mine:
-                            out = outs[cfg]
-                            out.fill_(float("nan"))
-                            attns[cfg](q, k, v, out=out, causal=causal)
-                            err, err_t = reference_error(out, q, k, v, scale, causal)
-                            ok = bool(err <= 2 * err_t + 1e-5) and not bool(torch.isnan(out).any())
-                            key = cfg.replace(mask="none").short_form()
-                            ms = times[cfg.short_form()]
-                            row["flashgen"][key] = {"tflops": flops / median(ms) / 1e9, "rounds_tflops": [flops / t / 1e9 for t in ms],
-                                                    "max_err": err, "torch_err": err_t, "correct": ok}
-                        best = max(row["flashgen"].items(), key=lambda kv: kv[1]["tflops"], default=None)
-                        row["best"] = best[0] if best else None
-                        results["rows"].append(row)
-                        fa = row["peers"].get("FLASH_ATTENTION")
-                        if best:
-                            log(
-                                f"{dt_name} d{d_head}{' causal' if causal else ''} seq {seq}: best {best[1]['tflops']:.0f} TFLOP/s "
-                                f"({best[0]}), sdpa flash {fa or float('nan'):.0f}"
-                                + (f"; board {state.describe()}" if state else "")
-                            )
+                        results["rows"].append(_bench_row(mine, dt, dt_name, d_head, causal, seq, batch, heads, peers, rounds, settle_s, monitor))
         whole = monitor.window(run_t0, time.monotonic())
     results["gpu_state"] = whole.to_dict() if whole else None
     return results
+
+
+def sdpa_peer(backend: str, q, k, v, causal: bool) -> Callable[[], Any]:
+    """A call of PyTorch's SDPA forced onto ``backend`` (an SDPBackend name) for (batch, seq, heads,
+    d_head) tensors, which SDPA takes as (batch, heads, seq, d_head) views."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    chosen = getattr(SDPBackend, backend)
+
+    def run():
+        with sdpa_kernel(chosen):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    return run
+
+
+def _bench_row(mine: dict, dt, dt_name: str, d_head: int, causal: bool, seq: int, batch: int, heads: int, peers,
+               rounds: int, settle_s: float, monitor) -> dict:
+    """One table row: the peers and ``mine`` ({config: Attention}) timed in interleaved rounds on fresh
+    random inputs, then each config checked against float64 on a NaN-poisoned output."""
+    import torch
+
+    torch.manual_seed(seq)
+    q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dt) for _ in range(3))
+    flops = attention_flops(batch, heads, seq, seq, d_head, causal)
+    row: dict[str, Any] = {"dtype": dt_name, "d_head": d_head, "causal": causal, "seq": seq, "batch": batch, "flashgen": {}, "peers": {}}
+    fns: dict[str, Callable[[], Any]] = {}
+    for peer in peers:
+        run_peer = sdpa_peer(peer, q, k, v, causal)
+        try:
+            run_peer()
+            fns[peer] = run_peer
+        except RuntimeError as exc:  # backend not available for this input
+            row["peers"][peer] = None
+            log(f"{peer} unavailable at seq {seq}: {str(exc).splitlines()[0]}")
+    outs = {c: torch.empty_like(q) for c in mine}
+    for c, attn in mine.items():
+        fns[c.short_form()] = lambda attn=attn, out=outs[c]: attn(q, k, v, out=out, causal=causal)
+    t0 = time.monotonic()
+    times = interleaved(fns, rounds, lambda fn: time_ms(fn, settle_s))
+    state = monitor.window(t0, time.monotonic())
+    row["gpu_state"] = state.to_dict() if state else None
+    for peer in peers:
+        if peer in times:
+            row["peers"][peer] = flops / median(times[peer]) / 1e9
+    row["peer_rounds_tflops"] = {n: [flops / ms / 1e9 for ms in t] for n, t in times.items() if n in peers}
+    for cfg, attn in mine.items():
+        out = outs[cfg]
+        out.fill_(float("nan"))
+        attn(q, k, v, out=out, causal=causal)
+        err, err_t = reference_error(out, q, k, v, 1 / math.sqrt(d_head), causal)
+        ok = bool(err <= 2 * err_t + 1e-5) and not bool(torch.isnan(out).any())
+        ms = times[cfg.short_form()]
+        row["flashgen"][cfg.replace(mask="none").short_form()] = {
+            "tflops": flops / median(ms) / 1e9, "rounds_tflops": [flops / t / 1e9 for t in ms],
+            "max_err": err, "torch_err": err_t, "correct": ok}
+    best = max(row["flashgen"].items(), key=lambda kv: kv[1]["tflops"], default=None)
+    row["best"] = best[0] if best else None
+    if best:
+        fa = row["peers"].get("FLASH_ATTENTION")
+        log(f"{dt_name} d{d_head}{' causal' if causal else ''} seq {seq}: best {best[1]['tflops']:.0f} TFLOP/s "
+            f"({best[0]}), sdpa flash {fa or float('nan'):.0f}" + (f"; board {state.describe()}" if state else ""))
+    return row
 
 
 def paired_ratio_range(mine: list[float] | None, peer: list[float] | None) -> str:

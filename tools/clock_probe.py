@@ -10,10 +10,10 @@ import sys
 import time
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
-from flashgen.gpu_monitor import GpuMonitor, GpuState, nvidia_smi_id
+from flashgen.bench import sdpa_peer
+from flashgen.gpu_monitor import GpuMonitor, nvidia_smi_id
 
 CFG = {"pers128": "(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent",
        "pers160": "(FP16, 128, 128, 160, 12): wgmma+stages_2+pingpong+intra+persistent",
@@ -26,12 +26,7 @@ def case(name: str):
     b = {4096: 16, 16384: 4}[seq]
     q, k, v = (torch.randn(b, seq, 16, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     if kind == "cudnn":
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-        def run():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
-        return run
+        return sdpa_peer("CUDNN_ATTENTION", q, k, v, causal=False)
     attn = flashgen.compile(CFG[kind])
     return lambda: attn(q, k, v)
 
@@ -65,10 +60,9 @@ with GpuMonitor(nvidia_smi_id(torch.cuda.current_device())) as mon:
         torch.cuda.synchronize()
         t1 = time.monotonic()
         mid = [x for t, x in mon.samples if t0 + 1.0 <= t <= t1]  # past the ramp
-        state = GpuState.of(mid)
+        clk, pw = mon.clock_and_power(t0 + 1.0, t1)
         clocks = [x.clock_mhz for x in mid if x.clock_mhz is not None]
         reasons = sorted({f"0x{x.reasons:016x}" for x in mid if x.reasons is not None})
         rng = f"{min(clocks):.0f}-{max(clocks):.0f} MHz" if clocks else "? MHz"
         print(f"{name:14s} {ev0.elapsed_time(ev1) / 10 * 1000:9.1f} us  sm clock {rng} "
-              f"(median {state.clock_mhz if state and state.clock_mhz else float('nan'):.0f})  "
-              f"power {state.power_w if state and state.power_w else float('nan'):.0f} W  reasons {reasons}", flush=True)
+              f"(median {clk:.0f})  power {pw:.0f} W  reasons {reasons}", flush=True)

@@ -74,10 +74,8 @@ for name, bc, seq, batch, heads, causal in CASES:
         fn()
     e1.record()
     torch.cuda.synchronize()
-    state = monitor.window(t1, time.monotonic())
+    clk, pw = monitor.clock_and_power(t1, time.monotonic())
     b2b_ms = e0.elapsed_time(e1) / n
-    clk = state.clock_mhz if state and state.clock_mhz is not None else float("nan")
-    pw = state.power_w if state and state.power_w is not None else float("nan")
     print(f"{tag:8s} {name:18s} do_bench {bench_ms * 1000:8.1f} us {flops / bench_ms / 1e9:5.0f} TFLOP/s | "
           f"back to back {b2b_ms * 1000:8.1f} us {flops / b2b_ms / 1e9:5.0f} TFLOP/s at {clk:.0f} MHz {pw:.0f} W", flush=True)
 monitor.stop()

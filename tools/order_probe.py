@@ -14,11 +14,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
-from flashgen.bench import attention_flops, time_ms
+from flashgen.bench import PEERS, attention_flops, sdpa_peer, time_ms
 from flashgen.gpu_monitor import GpuMonitor, nvidia_smi_id
 
 REPS = int(os.environ.get("REPS", "4"))
@@ -34,14 +32,8 @@ for seq in SEQS:
     for causal in (False, True):
         torch.manual_seed(seq)
         q, k, v = (torch.randn(16, seq, 16, 128, device="cuda", dtype=torch.float16) for _ in range(3))
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         out = torch.empty_like(q)
-        fns = {}
-        for peer in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-            def run(backend=getattr(SDPBackend, peer)):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            fns[peer.split("_")[0].lower()] = run
+        fns = {peer.split("_")[0].lower(): sdpa_peer(peer, q, k, v, causal) for peer in PEERS}
         for name, attn in built.items():
             fns[name] = lambda attn=attn: attn(q, k, v, out=out, causal=causal)
         for fn in fns.values():
@@ -67,8 +59,7 @@ for seq in SEQS:
                         time_ms(fns[pred])
                     t1 = time.monotonic()
                     ms = time_ms(fns[target])
-                    state = monitor.window(t1, time.monotonic())
-                    clk = state.clock_mhz if state and state.clock_mhz is not None else float("nan")
+                    clk, _ = monitor.clock_and_power(t1, time.monotonic())
                     got[pred].append((flops / ms / 1e9, clk))
             line = " | ".join(f"{p} {statistics.median(t for t, _ in v):.0f} ({statistics.median(c for _, c in v):.0f} MHz)"
                               for p, v in got.items())

@@ -11,15 +11,17 @@ import statistics
 import sys
 from pathlib import Path
 
+from flashgen.dsl.notation import parse_config
+
 BAR = 1.05
 
 
 def kind(short_form: str) -> str:
     """A short name for the config families the benchmarks time."""
-    if "wgmma" not in short_form:
+    cfg = parse_config(short_form)
+    if not cfg.is_wgmma:
         return "mma.sync"
-    bc = short_form.split(",")[3].strip()
-    return f"{'persistent' if 'persistent' in short_form else 'grid'} B_c {bc}"
+    return f"{'persistent' if cfg.persistent else 'grid'} B_c {cfg.B_c}"
 
 
 def main(paths: list[str]) -> None:

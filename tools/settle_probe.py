@@ -12,27 +12,17 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
-from flashgen.bench import attention_flops
+from flashgen.bench import attention_flops, sdpa_peer
 from flashgen.gpu_monitor import GpuMonitor, nvidia_smi_id
 
 SEQ = int(os.environ.get("SEQ", "2048"))
 CAUSAL = bool(os.environ.get("CAUSAL"))
 attn = flashgen.compile("(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent")
 q, k, v = (torch.randn(16, SEQ, 16, 128, device="cuda", dtype=torch.float16) for _ in range(3))
-qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 out = torch.empty_like(q)
-
-
-def cudnn():
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=CAUSAL)
-
-
-fns = {"cudnn": cudnn, "p128": lambda: attn(q, k, v, out=out, causal=CAUSAL)}
+fns = {"cudnn": sdpa_peer("CUDNN_ATTENTION", q, k, v, CAUSAL), "p128": lambda: attn(q, k, v, out=out, causal=CAUSAL)}
 flops = attention_flops(16, 16, SEQ, SEQ, 128, CAUSAL)
 monitor = GpuMonitor(nvidia_smi_id(torch.cuda.current_device()), interval_ms=50)
 monitor.start()
@@ -52,8 +42,7 @@ def run_for(fn, seconds: float) -> list[tuple[float, float, float]]:
                 torch.cuda.synchronize()
         e1.record()
         torch.cuda.synchronize()
-        state = monitor.window(t0, time.monotonic())
-        clk = state.clock_mhz if state and state.clock_mhz is not None else float("nan")
+        clk, _ = monitor.clock_and_power(t0, time.monotonic())
         out.append((t0 - t_start, flops * n / e0.elapsed_time(e1) / 1e9, clk))
     return out
 

@@ -147,7 +147,7 @@ def patch(text: str) -> str:
 
 def applies(cfg) -> bool:
     return (cfg.is_wgmma and cfg.persistent and cfg.mask == "none" and cfg.pingpong and cfg.intra_overlap
-            and cfg.B_c <= 128 and cfg.d_head == 128)
+            and cfg.q_in_registers and cfg.d_head == 128)
 
 
 def install() -> None:
