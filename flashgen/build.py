@@ -1,147 +1,213 @@
-"""The build stage: emitted source -> torch extension, cached on disk by content hash.
+"""The build stage: config -> kernel library in the cache, without torch's headers.
 
-Stages (each inspectable on the returned :class:`Built`): ``emit`` (the .cu and the
-binding .cpp, written under the cache entry), ``compile`` (nvcc + host compiler via
-``torch.utils.cpp_extension.load``), ``load`` (the torch operator library). The cache key
-hashes the source, the binding, the flags, torch and CUDA versions and the target
-arch, so a second process finds the finished build and only imports it. torch's
-build lock makes two processes building the same key at once safe.
+Stages, each inspectable in the cache entry: ``emit`` (``<name>.cu``), ``compile`` (nvcc
+to a shared library ``<name>.so`` holding the device code and the C launcher of
+:mod:`flashgen.emit.abi`; the exact command is kept in the entry as a repro). The
+library is loaded by the one launcher of :mod:`flashgen.launcher`, built once.
+
+The cache key is computed *without emitting*: the canonical config, a fingerprint
+of the generator's own source (the ``flashgen.dsl`` and ``flashgen.emit`` packages),
+the nvcc flags and the nvcc installation, and the target arch. A change to the
+emitter changes every key; nothing outside the generator does. A cache hit reads
+one small record and loads the library: no emitter, no compiler.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 
+from . import cache
 from .dsl.config import KernelConfig
-from .emit.kernel import KernelSource, emit
+from .toolchain import find_nvcc, nvcc_identity
 
 #: Flags every compile of an emitted kernel uses (flashgen check too); builds add line info for profilers.
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
 BUILD_FLAGS = NVCC_FLAGS + ("-lineinfo",)
+#: A shared library with the CUDA runtime linked in statically: it needs neither torch nor a libcudart on the path.
+LIBRARY_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "--cudart", "static")
+#: The packages whose source determines the emitted text (the emitter imports nothing else of flashgen).
+GENERATOR_PACKAGES = ("dsl", "emit")
 
 
 class BuildError(RuntimeError):
-    """nvcc or the host compiler failed; the message holds the source path and a repro command."""
+    """nvcc failed, or the config cannot be built for the GPU; the message holds the source path and a repro command."""
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FLASHGEN_CACHE", Path.home() / ".cache" / "flashgen"))
+    return cache.root()
 
 
 def arch_flags(capability: tuple[int, int]) -> tuple[str, str]:
-    """(TORCH_CUDA_ARCH_LIST entry, nvcc -gencode flag) for a compute capability."""
+    """(arch name, nvcc -gencode flag) for a compute capability."""
     major, minor = capability
     suffix = "a" if (major, minor) == (9, 0) else ""  # sm_90a: the Hopper-only instructions
     return f"{major}.{minor}{suffix}", f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"
 
 
 def nvcc_command(cu_path: Path, capability: tuple[int, int], out: str = "kernel.o") -> str:
-    """The nvcc command that compiles the kernel translation unit alone (to reproduce failures)."""
+    """The nvcc command that compiles the kernel translation unit alone, with the register report."""
     _, gencode = arch_flags(capability)
     return shlex.join(["nvcc", *BUILD_FLAGS, gencode, "-Xptxas", "-v", "-c", str(cu_path), "-o", out])
 
 
+def library_command(name: str, capability: tuple[int, int]) -> list[str]:
+    """The nvcc command, run in the entry's folder, that builds ``name``'s library (the build stage's ``compile``).
+    Relative paths: the line info of the library names ``<name>.cu`` wherever the entry lies."""
+    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, arch_flags(capability)[1], f"{name}.cu", "-o", f"{name}.so"]
+
+
+def repro(folder: Path, name: str, capability: tuple[int, int]) -> str:
+    """A shell command that rebuilds ``name``'s library in ``folder``."""
+    return f"cd {shlex.quote(str(folder))} && {shlex.join(library_command(name, capability))}"
+
+
+def required_capability(cfg: KernelConfig) -> tuple[tuple[int, int], bool]:
+    """(compute capability, exact?) a kernel runs on: wgmma kernels exactly 9.0 (sm_90a), others 8.0 and up."""
+    return ((9, 0), True) if cfg.is_wgmma else ((8, 0), False)
+
+
+def check_capability(cfg: KernelConfig, capability: tuple[int, int]) -> None:
+    """BuildError when ``cfg`` cannot run on a GPU of ``capability``."""
+    need, exact = required_capability(cfg)
+    capability = tuple(capability)
+    if exact and capability != need:
+        raise BuildError(
+            f"{cfg.short_form()} is a wgmma-engine (Hopper) kernel: it needs compute capability 9.0 (sm_90a), "
+            f"not {capability[0]}.{capability[1]}; use an engine=mma_sync config on this GPU"
+        )
+    if capability < need:
+        raise BuildError(f"{cfg.short_form()} needs compute capability {need[0]}.{need[1]} or newer "
+                         f"(mma.sync, cp.async), not {capability[0]}.{capability[1]}")
+
+
+def _nvcc() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found on PATH (set FLASHGEN_NVCC or CUDA_HOME to point at a CUDA toolkit): "
+                         "building a kernel needs the CUDA compiler")
+    return nvcc
+
+
+@functools.lru_cache(maxsize=None)
+def generator_fingerprint() -> str:
+    """A hash of the generator's source files (every file of the ``dsl`` and ``emit`` packages)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for package in GENERATOR_PACKAGES:
+        for path in sorted((here / package).rglob("*")):
+            if path.is_file() and path.suffix in (".py", ".lark"):
+                h.update(str(path.relative_to(here)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_key(cfg: KernelConfig, capability: tuple[int, int]) -> str:
+    """The cache entry of ``cfg`` built for ``capability``, computed without emitting."""
+    nvcc = find_nvcc()
+    parts = (json.dumps(cfg.to_dict(), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS),
+             nvcc_identity(nvcc) if nvcc else "no nvcc", arch_flags(tuple(capability))[0])
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
 @attrs.define
 class Built:
+    """A kernel library in the cache (``directory``): its source, library and build record."""
+
     cfg: KernelConfig
-    source: KernelSource
+    name: str
     key: str
     directory: Path
-    library: Any  # the path of the loaded operator library
+    capability: tuple[int, int]
     compile_seconds: float
     cache_hit: bool
 
     @property
     def cu_path(self) -> Path:
-        return self.directory / f"{self.source.name}.cu"
+        return self.directory / f"{self.name}.cu"
 
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
 
-def _key(source: KernelSource, capability: tuple[int, int]) -> str:
-    import torch
+    @property
+    def command(self) -> str:
+        """The nvcc command that built the library (run it in ``directory`` to reproduce the build)."""
+        return repro(self.directory, self.name, self.capability)
 
-    h = hashlib.sha256()
-    for part in (source.text, source.binding, " ".join(BUILD_FLAGS), torch.__version__, str(torch.version.cuda), arch_flags(capability)[0]):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:20]
+    def source(self) -> str:
+        """The emitted CUDA source, as compiled."""
+        return self.cu_path.read_text()
 
 
 def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose: bool = False) -> Built:
-    """Build (or find in the cache) the extension for ``cfg`` on ``capability`` (default: current GPU)."""
-    import torch
-    from torch.utils import cpp_extension
-
-    if capability is None:
-        if not torch.cuda.is_available():
-            raise BuildError("no CUDA device: pass capability=(major, minor) to build for a GPU that is not here")
-        capability = torch.cuda.get_device_capability()
-    if cfg.is_wgmma and tuple(capability) != (9, 0):
-        raise BuildError(
-            f"{cfg.short_form()} is a wgmma-engine (Hopper) kernel: it needs compute capability 9.0 (sm_90a), "
-            f"not {capability[0]}.{capability[1]}; use an engine=mma_sync config on this GPU"
-        )
-    source = emit(cfg)
-    key = _key(source, capability)
-    directory = cache_root() / key
-    directory.mkdir(parents=True, exist_ok=True)
-    cu = directory / f"{source.name}.cu"
-    cpp = directory / "binding.cpp"
-    for path, text in ((cu, source.text), (cpp, source.binding)):
-        if not path.exists() or path.read_text() != text:
-            tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-            tmp.write_text(text)
-            os.replace(tmp, path)  # atomic: a concurrent builder never sees half a file
-    done_marker = directory / "BUILT"
-    cache_hit = done_marker.exists()
-    arch_list, gencode = arch_flags(capability)
-    old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
-    t0 = time.perf_counter()
-    if verbose and not cache_hit:
-        print(f"[flashgen] building {cfg.short_form()} -> {directory}", file=sys.stderr, flush=True)
-    try:
-        module = cpp_extension.load(
-            name=f"flashgen_{key}",
-            sources=[str(cu), str(cpp)],
-            extra_cuda_cflags=list(BUILD_FLAGS),
-            extra_cflags=["-O2"],
-            build_directory=str(directory),
-            verbose=False,
-            is_python_module=False,  # a library of torch operators (torch.ops.flashgen.<name>)
-        )
-    except (RuntimeError, OSError, ImportError) as exc:
-        raise BuildError(
-            f"building {cfg.short_form()} failed.\n  source: {cu}\n  reproduce: {nvcc_command(cu, capability)}\n"
-            f"  build dir: {directory}\n{exc}"
-        ) from exc
-    finally:
-        if old_arch is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
-    seconds = time.perf_counter() - t0
-    done_marker.write_text(f"{seconds:.2f}\n")
+    """Find ``cfg``'s kernel library in the cache, or build it, for ``capability`` (default: the current GPU)."""
+    capability = tuple(capability) if capability is not None else _current_capability()
+    check_capability(cfg, capability)
+    key = cache_key(cfg, capability)
+    name = cfg.mangle()
+    entry = cache.root() / key
+    record = cache.read_entry(entry, (f"{name}.so", f"{name}.cu"))
+    if record is not None:
+        return Built(cfg, name, key, entry, capability, record["seconds"], True)
     if verbose:
-        what = "loaded from cache" if cache_hit else "compiled"
-        print(f"[flashgen] {what} {source.name} in {seconds:.1f} s", file=sys.stderr, flush=True)
-    return Built(cfg, source, key, directory, module, seconds, cache_hit)
+        cache.warn(f"building {cfg.short_form()} -> {entry}")
+    t0 = time.perf_counter()
+    with cache.staging(entry) as tmp:
+        _compile(cfg, name, capability, tmp, final=entry)
+        seconds = round(time.perf_counter() - t0, 2)
+        cache.write_record(tmp, {"config": cfg.to_dict(), "short_form": cfg.short_form(), "name": name,
+                                 "arch": arch_flags(capability)[0], "seconds": seconds,
+                                 "command": repro(entry, name, capability)},
+                           (f"{name}.so", f"{name}.cu"))
+    if verbose:
+        cache.warn(f"compiled {name} in {seconds:.1f} s")
+    return Built(cfg, name, key, entry, capability, seconds, False)
 
 
-def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, str]:
+def _current_capability() -> tuple[int, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BuildError("no CUDA device here: to build ahead of time for another GPU, run "
+                         "'flashgen build CFG --arch sm_90a' (or call flashgen.build.build(cfg, capability=(9, 0)))")
+    return tuple(torch.cuda.get_device_capability())
+
+
+def _compile(cfg: KernelConfig, name: str, capability: tuple[int, int], folder: Path, final: Path) -> None:
+    """Emit ``cfg`` into ``folder`` and compile its library there; BuildError with a repro command on failure."""
+    from .emit.kernel import emit
+
+    cu = folder / f"{name}.cu"
+    cu.write_text(emit(cfg).text)
+    proc = subprocess.run(library_command(name, capability), capture_output=True, text=True, cwd=folder)
+    if proc.returncode != 0:
+        kept = final.with_name(f"{final.name}.failed")  # the staged source, kept for the repro command
+        cache.remove(kept)
+        shutil.copytree(folder, kept)
+        raise BuildError(f"building {cfg.short_form()} failed (nvcc exit {proc.returncode}).\n  source: {kept / cu.name}\n"
+                         f"  reproduce: {repro(kept, name, capability)}\n{(proc.stderr or proc.stdout).strip()}")
+
+
+def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool, str]:
     cfg_dict, capability = args
     cfg = KernelConfig.from_dict(cfg_dict)
     try:
         built = build(cfg, capability)
-        return cfg.short_form(), built.compile_seconds, ""
-    except BuildError as exc:
-        return cfg.short_form(), 0.0, str(exc)
+        return cfg.short_form(), built.compile_seconds, built.cache_hit, ""
+    except (BuildError, cache.CacheError) as exc:
+        return cfg.short_form(), 0.0, False, str(exc)
 
 
 def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int | None = None, progress: bool = True) -> dict[str, str]:
@@ -149,17 +215,16 @@ def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int 
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = jobs or max(1, min(len(cfgs), (os.cpu_count() or 2) // 2))
-    os.environ.setdefault("MAX_JOBS", "2")  # each build compiles 2 files; keep the total near the core count
+    jobs = jobs or max(1, min(len(cfgs), os.cpu_count() or 1))
     failures: dict[str, str] = {}
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_build_worker, (c.to_dict(), capability)) for c in cfgs]
+        futures = [pool.submit(_build_worker, (c.to_dict(), tuple(capability))) for c in cfgs]
         for i, fut in enumerate(cf.as_completed(futures), 1):
-            name, seconds, err = fut.result()
+            name, seconds, hit, err = fut.result()
             if err:
                 failures[name] = err
             if progress:
-                status = "FAILED" if err else f"{seconds:.0f} s"
+                status = "FAILED" if err else ("cached" if hit else f"{seconds:.1f} s")
                 print(f"[flashgen] built {i}/{len(cfgs)}: {name} ({status})", file=sys.stderr, flush=True)
     return failures

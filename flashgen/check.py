@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ import attrs
 from .build import NVCC_FLAGS, arch_flags
 from .dsl.config import KernelConfig
 from .emit.kernel import KernelSource, emit
+from .toolchain import find_nvcc
 
 #: Target name -> nvcc ``-gencode`` flag (the build stage's rule, so check compiles what compile() builds).
 ARCHS: dict[str, str] = {"sm_80": arch_flags((8, 0))[1], "sm_90a": arch_flags((9, 0))[1]}
@@ -51,20 +51,6 @@ class CheckError(RuntimeError):
 
 
 # ---- nvcc ------------------------------------------------------------------------------
-
-
-def find_nvcc() -> str | None:
-    """``$FLASHGEN_NVCC``, else ``nvcc`` on PATH, else ``$CUDA_HOME/bin/nvcc``; None if none."""
-    env = os.environ.get("FLASHGEN_NVCC")
-    if env:
-        return env if Path(env).exists() else None
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return None
 
 
 def _nvcc() -> str:

@@ -2,17 +2,22 @@
 
 Inputs are ``(batch, seq, heads, d_head)`` tensors (any strides with a contiguous,
 16-byte aligned ``d_head``; a ``(batch, heads, seq, d)`` tensor passes as its
-``.transpose(1, 2)`` view). Every unsupported input is refused before launch.
+``.transpose(1, 2)`` view). Every unsupported input is refused before launch: the
+launcher's operator checks each call in C++ (no per-call Python checks), and a
+refused call is explained by :meth:`Attention.check` as an :class:`InputError`.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import weakref
 from typing import Any
 
 import torch
 
-from .build import Built, build
+from . import launcher
+from .build import BuildError, Built, build, required_capability
 from .dsl.config import KernelConfig, load_config
 
 
@@ -20,35 +25,59 @@ class InputError(ValueError):
     """An input the kernel cannot take; the message says what is supported."""
 
 
-_FAKES: set[str] = set()
-
-
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    """Compute capability per device, asked once (the checks run on every call)."""
-    return torch.cuda.get_device_capability(device_index)
+def device_facts(index: int) -> tuple[str, tuple[int, int]]:
+    """(name, compute capability) of a CUDA device, asked once per device."""
+    return torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index))
 
 
-def _ops(built: Built):
-    """The kernel's torch operators; a fake (meta) implementation makes them traceable by torch.compile."""
-    name = built.source.name
-    if name not in _FAKES:
-        @torch.library.register_fake(f"flashgen::{name}")
-        def _(q, k, v, lse, softmax_scale, mask_offset, window_left, window_right):
-            return torch.empty_like(q)
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
-        _FAKES.add(name)
-    ns = torch.ops.flashgen
-    return getattr(ns, name), getattr(ns, f"{name}_out")
+
+_attention = torch.ops.flashgen.attention.default
+_attention_out = torch.ops.flashgen.attention_out.default
+#: What a refused call raises from the operator (the C++ checks, a non-tensor argument, a missing attribute).
+_CALL_ERRORS = (RuntimeError, ValueError, TypeError, AttributeError, IndexError)
+
+
+def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, int, int]:
+    """The kernel's score mask and its (left, right) window for a call's ``causal`` / ``window``."""
+    if window is None:
+        return ("causal", -1, 0) if causal else ("none", -1, -1)
+    if causal:
+        raise InputError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
+    left, right = (int(x) for x in window)
+    return "window", left, right
+
+
+def _load(built: Built, verbose: bool) -> int:
+    """The launcher handle of a built kernel; an entry whose library does not load is rebuilt once."""
+    cfg = built.cfg
+    try:
+        return launcher.load_kernel(built.library, built.name, cfg.short_form(), cfg.dtype.torch, cfg.d_head)
+    except RuntimeError as exc:
+        if not built.cache_hit:
+            raise BuildError(f"the freshly built library {built.library} does not load: {exc}") from exc
+        from . import cache
+
+        cache.discard(built.directory, f"damaged cache entry {built.directory} (its library does not load: {exc}): rebuilding it")
+        built = build(cfg, built.capability, verbose=verbose)
+        return launcher.load_kernel(built.library, built.name, cfg.short_form(), cfg.dtype.torch, cfg.d_head)
 
 
 class Attention:
-    """A compiled kernel: ``attn(q, k, v, out=None, softmax_scale=None) -> o``."""
+    """A compiled kernel: ``attn(q, k, v, out=None, softmax_scale=None, causal=False, window=None, ...) -> o``."""
 
-    def __init__(self, built: Built) -> None:
+    def __init__(self, built: Built, verbose: bool = False) -> None:
         self.built = built
         self.cfg: KernelConfig = built.cfg
-        self._op, self._op_out = _ops(built)
+        self.verbose = verbose
+        self._handle = _load(built, verbose)
+        self._mask = self.cfg.mask
+        self._scale = 1.0 / math.sqrt(self.cfg.d_head)
+        self._dtype = self.cfg.dtype.torch
+        self._devices_ok: set[torch.device] = set()  # devices whose compute capability was checked
         self._variants: dict[str, Attention] = {}
 
     @property
@@ -59,54 +88,30 @@ class Attention:
         return f"flashgen.Attention({self.cfg.short_form()!r})"
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> None:
-        """Raise :class:`InputError` for anything the kernel does not support."""
-        cfg = self.cfg
-        want = cfg.dtype.torch
+        """Raise :class:`InputError` for anything the kernel does not support (every eager call runs this)."""
         for name, t in (("q", q), ("k", k), ("v", v)) + ((("out", out),) if out is not None else ()):
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if not t.is_cuda:
-                raise InputError(f"{name} is on {t.device}; flashgen kernels run on CUDA devices")
-            if t.dtype != want:
-                raise InputError(f"{name} has dtype {t.dtype}, this kernel was built for {want} ({cfg.short_form()})")
-            if t.dim() != 4:
-                raise InputError(f"{name} must be 4-D (batch, seq, heads, d_head), got shape {tuple(t.shape)}")
-            if t.shape[3] != cfg.d_head:
-                raise InputError(f"{name} has d_head={t.shape[3]}, this kernel was built for d_head={cfg.d_head}")
-            if t.stride(3) != 1:
-                raise InputError(f"{name}: the last (d_head) dimension must be contiguous, got stride {t.stride(3)}")
-            if any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-                raise InputError(f"{name}: rows must be 16-byte aligned (strides {t.stride()} in elements must be multiples of 8)")
-            if t.device != q.device:
-                raise InputError(f"{name} is on {t.device} but q is on {q.device}")
-        major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        if cfg.is_wgmma and (major, minor) != (9, 0):
-            raise InputError(f"{torch.cuda.get_device_name(q.device)} has compute capability {major}.{minor}; "
-                             "wgmma-engine kernels are built for sm_90a (H100/H200)")
-        if major < 8:
-            raise InputError(f"{torch.cuda.get_device_name(q.device)} has compute capability < 8.0; mma.sync/cp.async need sm_80+")
-        b, sq, h, _ = q.shape
-        if k.shape != v.shape:
-            raise InputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-        if k.shape[0] != b:
-            raise InputError(f"k/v batch {k.shape[0]} must match q's {b}")
-        hk = k.shape[2]
-        if hk == 0 or h % hk:
-            raise InputError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA: each k/v head serves h/hk query heads)")
-        if sq == 0 or k.shape[1] == 0:
-            raise InputError(f"sequence lengths must be >= 1, got seq_q={sq}, seq_k={k.shape[1]}")
-        if b == 0 or h == 0:
-            raise InputError(f"batch and heads must be >= 1, got batch={b}, heads={h}")
-        if out is not None and out.shape != q.shape:
-            raise InputError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+            _check_tensor(name, t, q, self._dtype, self.cfg)
+        if q.device not in self._devices_ok:
+            self._check_capability(q.device)
+            self._devices_ok.add(q.device)
+        _check_shapes(q, k, v, out)
+
+    def _check_capability(self, device: torch.device) -> None:
+        name, (major, minor) = device_facts(_device_index(device))
+        (need_major, need_minor), exact = required_capability(self.cfg)
+        if exact and (major, minor) != (need_major, need_minor):
+            raise InputError(f"{name} has compute capability {major}.{minor}; "
+                             f"wgmma-engine kernels are built for sm_90a (H100/H200)")
+        if (major, minor) < (need_major, need_minor):
+            raise InputError(f"{name} has compute capability {major}.{minor} < 8.0; mma.sync/cp.async need sm_80+")
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""
-        if mask == self.cfg.mask:
-            return self
-        if mask not in self._variants:
-            self._variants[mask] = Attention(build(self.cfg.replace(mask=mask)))
-        return self._variants[mask]
+        attn = self._variants.get(mask)
+        if attn is None:
+            attn = self._variants[mask] = Attention(build(self.cfg.replace(mask=mask), self.built.capability,
+                                                          verbose=self.verbose), self.verbose)
+        return attn
 
     def __call__(
         self,
@@ -129,64 +134,154 @@ class Attention:
         ``return_lse``: also return the fp32 log-sum-exp of the scaled scores, (batch, heads, seq_q);
         rows without any kept key give o = 0 and lse = -inf.
         """
-        if not torch.compiler.is_compiling():  # traced calls are checked when the graph's inputs are built eagerly
-            self.check(q, k, v, out)
-        if align not in ("top_left", "bottom_right"):
-            raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
         mask, left, right = _score_mask(causal, window)
-        attn = self._variant(mask)
-        offset = 0 if align == "top_left" else int(k.shape[1]) - int(q.shape[1])
-        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(self.cfg.d_head)
-        b, sq, h, _ = q.shape
-        lse = torch.empty((b, h, sq) if return_lse else (0,), device=q.device, dtype=torch.float32)
-        if out is None:
-            out = attn._op(q, k, v, lse, scale, offset, left, right)
-        else:
-            attn._op_out(q, k, v, out, lse, scale, offset, left, right)
-        return (out, lse) if return_lse else out
+        attn = self if mask == self._mask else self._variant(mask)
+        return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
+
+    def _launch(self, q, k, v, out, softmax_scale, left: int, right: int, align: str, return_lse: bool):
+        """Run this kernel (its mask is the call's) after checking the call; traced calls are checked by the
+        operator when the graph runs."""
+        if not torch.compiler.is_compiling():
+            self.check(q, k, v, out)
+        return _launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
 
 
-def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, int, int]:
-    """The kernel's score mask and its (left, right) window for a call's ``causal`` / ``window``."""
-    if window is None:
-        return ("causal" if causal else "none"), -1, (0 if causal else -1)
-    if causal:
-        raise InputError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
-    left, right = (int(x) for x in window)
-    return "window", left, right
+def _launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,
+            return_lse: bool):
+    """One call of the operator: kernel ``handle`` on the call's tensors and mask window."""
+    scale = default_scale if softmax_scale is None else float(softmax_scale)
+    if align == "top_left":
+        offset = 0
+    elif align == "bottom_right":
+        offset = k.shape[1] - q.shape[1]
+    else:
+        raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
+    if out is None:
+        out, lse = _attention(q, k, v, handle, scale, offset, left, right, return_lse)
+    else:
+        lse = _attention_out(q, k, v, out, handle, scale, offset, left, right, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _check_tensor(name: str, t: Any, q: torch.Tensor, want: torch.dtype, cfg: KernelConfig) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise InputError(f"{name} is on {t.device}; flashgen kernels run on CUDA devices")
+    if t.dtype != want:
+        raise InputError(f"{name} has dtype {t.dtype}, this kernel was built for {want} ({cfg.short_form()})")
+    if t.dim() != 4:
+        raise InputError(f"{name} must be 4-D (batch, seq, heads, d_head), got shape {tuple(t.shape)}")
+    if t.shape[3] != cfg.d_head:
+        raise InputError(f"{name} has d_head={t.shape[3]}, this kernel was built for d_head={cfg.d_head}")
+    if t.stride(3) != 1:
+        raise InputError(f"{name}: the last (d_head) dimension must be contiguous, got stride {t.stride(3)}")
+    if any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+        raise InputError(f"{name}: rows must be 16-byte aligned (strides {t.stride()} in elements must be multiples of 8)")
+    if t.device != q.device:
+        raise InputError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:
+    b, sq, h, _ = q.shape
+    if k.shape != v.shape:
+        raise InputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != b:
+        raise InputError(f"k/v batch {k.shape[0]} must match q's {b}")
+    hk = k.shape[2]
+    if hk == 0 or h % hk:
+        raise InputError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA: each k/v head serves h/hk query heads)")
+    if sq == 0 or k.shape[1] == 0:
+        raise InputError(f"sequence lengths must be >= 1, got seq_q={sq}, seq_k={k.shape[1]}")
+    if b == 0 or h == 0:
+        raise InputError(f"batch and heads must be >= 1, got batch={b}, heads={h}")
+    if out is not None and out.shape != q.shape:
+        raise InputError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+
+
+#: Distinct (device, dtype, d_head, seq_q, mask) keys an AutoAttention remembers before it starts afresh.
+_MAX_DISPATCH = 4096
+#: Every AutoAttention by a number, so a traced call can name its own as a constant.
+_AUTOS: "weakref.WeakValueDictionary[int, AutoAttention]" = weakref.WeakValueDictionary()
+_AUTO_IDS = itertools.count()
 
 
 class AutoAttention:
-    """``compile("auto")``: picks the tuned config per (GPU, dtype, d_head, sequence bucket) at call time.
+    """``compile("auto")``: the tuned config per (GPU, dtype, d_head, sequence bucket, mask), picked per call.
 
-    Buckets without a ``flashgen tune`` result use the shipped defaults. Each picked
-    config is built once and kept.
+    Buckets without a ``flashgen tune`` result use the shipped defaults. A call's
+    (device, dtype, d_head, seq_q, mask) is looked up in a dispatch table first: a hit
+    asks the device nothing and reads no tuning table. A miss picks the config (asking
+    the device its name and capability once per device), builds it with the call's
+    mask (a causal call builds only the causal kernel) and remembers it. Under
+    ``torch.compile`` the pick happens once, while tracing.
     """
 
     def __init__(self, verbose: bool = False) -> None:
         self.verbose = verbose
+        self._dispatch: dict[tuple, Attention] = {}
         self._built: dict[KernelConfig, Attention] = {}
+        self._id = next(_AUTO_IDS)
+        _AUTOS[self._id] = self
 
     def select(self, q: torch.Tensor, masked: bool = False) -> KernelConfig:
-        """The config for ``q``'s shape (``masked``: the call applies a causal or window mask)."""
-        from .dsl.dtypes import DType
-        from .tune import lookup
-
-        try:
-            dtype = DType.parse(str(q.dtype))
-        except ValueError:
-            raise InputError(f"q has dtype {q.dtype}; flashgen kernels take float16 or bfloat16") from None
+        """The config for ``q``'s shape (``masked``: the call applies a causal or window mask), without its mask."""
+        if not isinstance(q, torch.Tensor):
+            raise InputError(f"q must be a torch.Tensor, got {type(q).__name__}")
         if q.dim() != 4:
             raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
-        return lookup(torch.cuda.get_device_name(q.device), dtype, int(q.shape[3]), int(q.shape[1]),
-                      capability=torch.cuda.get_device_capability(q.device), masked=masked)
+        return _select(q.device, q.dtype, q.shape[3], q.shape[1], masked)
 
-    def __call__(self, q, k, v, **kwargs):
-        cfg = self.select(q, masked=_score_mask(kwargs.get("causal", False), kwargs.get("window"))[0] != "none")
+    def __call__(self, q, k, v, out=None, softmax_scale=None, causal=False, window=None, align="top_left",
+                 return_lse=False):
+        """As :meth:`Attention.__call__`, with the kernel picked for the call's shape and mask."""
+        mask, left, right = _score_mask(causal, window)
+        if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
+            from .tracing import traced_pick
+            from .tune import seq_bucket  # guards on the length's bucket, not its value
+
+            handle = traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
+            return _launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
+        try:
+            attn = self._dispatch.get((q.device, q.dtype, q.shape[3], q.shape[1], mask))
+        except _CALL_ERRORS:
+            attn = None
+        if attn is None:
+            self.select(q)  # an InputError for a q that cannot be looked up
+            attn = self.pick(q.device, q.dtype, q.shape[3], q.shape[1], mask)
+        return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
+
+    def pick(self, device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, mask: str) -> Attention:
+        """The kernel for a call's (device, dtype, d_head, seq_q, mask), built on first use."""
+        key = (device, dtype, d_head, seq_q, mask)
+        attn = self._dispatch.get(key)
+        if attn is not None:
+            return attn
+        cfg = _select(device, dtype, d_head, seq_q, mask != "none")
+        cfg = cfg if cfg.mask == mask else cfg.replace(mask=mask)
         attn = self._built.get(cfg)
         if attn is None:
-            attn = self._built[cfg] = Attention(build(cfg, verbose=self.verbose))
-        return attn(q, k, v, **kwargs)
+            capability = device_facts(_device_index(device))[1]
+            attn = self._built[cfg] = Attention(build(cfg, capability, verbose=self.verbose), self.verbose)
+        if len(self._dispatch) >= _MAX_DISPATCH:
+            self._dispatch.clear()
+        self._dispatch[key] = attn
+        return attn
+
+
+def _select(device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, masked: bool) -> KernelConfig:
+    """The tuned or default config for a call's shape on ``device``."""
+    from .dsl.dtypes import DType
+    from .tune import lookup
+
+    if device.type != "cuda":
+        raise InputError(f"q is on {device}; flashgen kernels run on CUDA devices")
+    try:
+        fg_dtype = DType.parse(str(dtype))
+    except ValueError:
+        raise InputError(f"q has dtype {dtype}; flashgen kernels take float16 or bfloat16") from None
+    name, capability = device_facts(_device_index(device))
+    return lookup(name, fg_dtype, int(d_head), int(seq_q), capability=capability, masked=masked)
 
 
 def compile(cfg: Any, verbose: bool = False) -> "Attention | AutoAttention":  # noqa: A001 - the public name users expect
@@ -197,4 +292,4 @@ def compile(cfg: Any, verbose: bool = False) -> "Attention | AutoAttention":  # 
     if isinstance(cfg, str) and cfg.strip() == "auto":
         return AutoAttention(verbose)
     config = load_config(cfg)
-    return Attention(build(config, verbose=verbose))
+    return Attention(build(config, verbose=verbose), verbose)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -32,11 +31,14 @@ def tune_cache_path() -> Path:
 
 
 def seq_bucket(seq: int) -> int:
-    """The tuned bucket a sequence length falls into (nearest power of two, clamped)."""
-    if seq <= BUCKETS[0]:
-        return BUCKETS[0]
-    b = 2 ** round(math.log2(seq))
-    return min(max(b, BUCKETS[0]), BUCKETS[-1])
+    """The tuned bucket a sequence length falls into: the nearest power of two on a log scale, clamped.
+
+    Comparisons only (seq < b * sqrt(2), in integers), so a traced call with a symbolic length picks
+    its bucket under guards instead of breaking the graph."""
+    for b in BUCKETS[:-1]:
+        if seq * seq < 2 * b * b:
+            return b
+    return BUCKETS[-1]
 
 
 def bucket_key(seq: int, masked: bool = False) -> str:
@@ -74,7 +76,7 @@ def save_cache(data: dict, path: Path | None = None) -> None:
 #: Key block size of the default wgmma-engine kernel per d_head (registers: O + S + P per consumer;
 #: shared memory: Q + 2 stages of K and V).
 HOPPER_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
-#: Unmasked sequences of ``lo`` to ``hi`` keys take the larger key block ``B_c`` (d_head -> (lo, hi, B_c)):
+#: Unmasked sequences in the buckets ``lo`` to ``hi`` take the larger key block ``B_c`` (d_head -> (lo, hi, B_c)):
 #: the per-block fixed cost (row max, barrier turns, O rescale) spreads over more keys. d_head 128
 #: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
 #: on an H100 and +1 to +5% on an H200, about even at 8192, 0-5% slower at 16384 on the H200; shorter
@@ -90,7 +92,7 @@ def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False
         return None
     B_c = HOPPER_B_C[d_head]
     lo, hi, long_b_c = HOPPER_LONG_B_C.get(d_head, (0, 0, B_c))
-    if lo <= seq <= hi and not masked:
+    if seq and lo <= seq_bucket(seq) <= hi and not masked:
         B_c = long_b_c
     cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c)
     try:  # persistent where the separate output tile fits in shared memory (d_head 64 and 128)

@@ -263,6 +263,7 @@ _PARSER = Lark.open(
     parser="lalr",
     start=list(_FORMS),
     propagate_positions=True,
+    cache=True,  # lark keeps the built tables in a temp file keyed by the grammar: a fresh process starts fast
 )
 _TO_OBJECTS = _ToObjects()
 

@@ -23,6 +23,7 @@ from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
 from ..dsl.tiling import Partition
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, vec
 from .ptx.used import HELPERS_MARK, insert_used
+from .abi import args_struct
 from .template import CodeTemplate
 
 
@@ -677,25 +678,6 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
 #endif  // FLASHGEN_INDEX_ONLY
 """
 )
-
-
-def args_struct(name: str) -> str:
-    """The C launcher's argument struct; the kernel TU and the torch binding both embed this text."""
-    return f"""// Arguments of {name}_launch. Strides are in elements; d_head is contiguous and rows
-// 16-byte aligned. Tensors are (batch, seq, heads, d_head) or any strided view of one.
-struct {name}_args {{
-    const void* q; const void* k; const void* v; void* o;
-    float* lse;                    // optional fp32 log-sum-exp, (batch, heads, seq_q), or nullptr
-    int64_t q_stride[3];           // (batch, head, seq)
-    int64_t k_stride[3], v_stride[3], o_stride[3];
-    int64_t lse_stride[2];         // (batch, head); seq is contiguous
-    int batch, heads, kv_heads;    // heads % kv_heads == 0 (GQA/MQA)
-    int seq_q, seq_k;              // any lengths >= 1 (seq_k may be 0)
-    float softmax_scale;
-    int mask_offset;               // causal/window diagonal: 0 top-left, seq_k - seq_q bottom-right
-    int window_left, window_right; // sliding-window sizes, -1 = unbounded
-    void* workspace;               // scratch of {name}_workspace's size (its zeroed part zero), or nullptr
-}};"""
 
 
 def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, grid: str = "", **extra: Any) -> dict:

@@ -6,6 +6,8 @@ instructions the plan asks for (wgmma, TMA, mbarrier, setmaxnreg, named barriers
 """
 from __future__ import annotations
 
+import math
+
 import os
 import re
 import shutil
@@ -110,11 +112,14 @@ def test_sm90_defaults_to_the_wgmma_engine():
     for dtype in (DType.FP16, DType.BF16):
         hopper = lookup("NVIDIA H200", dtype, 128, 4096, cache={}, capability=(9, 0))
         assert hopper.is_wgmma and hopper.persistent and hopper == hopper_default(dtype, 128, 4096)
-        # the larger key block only for unmasked sequences in the range listed for the head size
+        # the larger key block only for unmasked sequences in the buckets listed for the head size; a bucket
+        # spans lengths from b / sqrt(2) to b * sqrt(2), so every length of a bucket gets the same kernel
         lo, hi, long_b_c = HOPPER_LONG_B_C[128]
-        for seq, masked in ((lo, False), (hi, False), (lo - 1, False), (hi + 1, False), (lo, True), (hi, True), (512, False)):
+        first, last = math.ceil(lo / math.sqrt(2)), math.floor(hi * math.sqrt(2))
+        for seq, masked in ((first, False), (last, False), (first - 1, False), (last + 1, False), (lo, True), (hi, True),
+                            (512, False)):
             cfg = lookup("NVIDIA H200", dtype, 128, seq, cache={}, capability=(9, 0), masked=masked)
-            assert cfg.B_c == (long_b_c if lo <= seq <= hi and not masked else HOPPER_B_C[128]), (seq, masked)
+            assert cfg.B_c == (long_b_c if first <= seq <= last and not masked else HOPPER_B_C[128]), (seq, masked)
             assert cfg.persistent and cfg.replace(B_c=HOPPER_B_C[128]) == hopper_default(dtype, 128)
         assert hopper_default(dtype, 64, 16384).B_c == HOPPER_B_C[64]
         ampere = lookup("NVIDIA A100", dtype, 128, 4096, cache={}, capability=(8, 0))

@@ -1,0 +1,31 @@
+"""The C ABI between an emitted kernel library and the launcher (:mod:`flashgen.launcher`).
+
+Every kernel translation unit exports, with C linkage,
+
+* ``int <name>_workspace(const <name>_args*, size_t* bytes, size_t* zeroed)``: the scratch
+  memory a launch with these arguments needs (the first ``zeroed`` bytes zero at launch);
+* ``int <name>_launch(const <name>_args*, void* stream)``: launch on a ``cudaStream_t``;
+
+both returning a ``cudaError_t``. The argument struct below is the same for every kernel
+(only its name differs), so one launcher calls them all.
+"""
+from __future__ import annotations
+
+
+def args_struct(name: str) -> str:
+    """The argument struct of `name`'s launcher; every kernel TU and the launcher embed this text."""
+    return f"""// Arguments of {name}_launch. Strides are in elements; d_head is contiguous and rows
+// 16-byte aligned. Tensors are (batch, seq, heads, d_head) or any strided view of one.
+struct {name}_args {{
+    const void* q; const void* k; const void* v; void* o;
+    float* lse;                    // optional fp32 log-sum-exp, (batch, heads, seq_q), or nullptr
+    int64_t q_stride[3];           // (batch, head, seq)
+    int64_t k_stride[3], v_stride[3], o_stride[3];
+    int64_t lse_stride[2];         // (batch, head); seq is contiguous
+    int batch, heads, kv_heads;    // heads % kv_heads == 0 (GQA/MQA)
+    int seq_q, seq_k;              // any lengths >= 1 (seq_k may be 0)
+    float softmax_scale;
+    int mask_offset;               // causal/window diagonal: 0 top-left, seq_k - seq_q bottom-right
+    int window_left, window_right; // sliding-window sizes, -1 = unbounded
+    void* workspace;               // scratch of {name}_workspace's size (its zeroed part zero), or nullptr
+}};"""
