@@ -3,6 +3,7 @@
 ``flashgen.dsl`` (layouts, swizzles, tensors, copy/MMA atoms, configs, plans),
 ``flashgen.emit`` (plan -> CUDA C++ with inline PTX) and ``flashgen.sim`` (Numba
 simulation) import without torch or a GPU; ``flashgen.compile`` builds a torch op.
+``flashgen.verify`` proves, once per config, what the emitter takes from the plan on trust.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from .dsl.config import ConfigError, KernelConfig, load_config
 from .dsl.dtypes import DType
 from . import emit  # the package is callable: flashgen.emit(cfg) -> KernelSource (see flashgen/emit/__init__.py)
 
-__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_hopper_plan", "make_plan"]
+__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_hopper_plan", "make_plan", "verify"]
 __version__ = "0.1.0"
 
 
@@ -37,3 +38,12 @@ def make_hopper_plan(cfg):
     from .dsl.hopper_plan import make_hopper_plan as _make_hopper_plan
 
     return _make_hopper_plan(load_config(cfg))
+
+
+def verify(cfg):
+    """Prove what the plan of ``cfg`` derived and the emitter relies on (address splits, fragment
+    maps, register tables); cached per config. Returns the :class:`flashgen.sim.verify.Verification`,
+    raises :class:`flashgen.sim.verify.VerificationError` naming every failing check."""
+    from .sim.verify import verify as _verify
+
+    return _verify(load_config(cfg))

@@ -6,17 +6,22 @@ where ``i`` enumerates the compile-time indices (the copy's value index and loop
 ``X[i]`` only touches the swizzle's bits and ``A[i]`` lies above them. The kernel
 then keeps one register per distinct ``X`` and folds ``A`` into the instruction's
 immediate offset — the seed's "fewer integer instructions in address math" step,
-derived instead of hand-written. Every split is verified here for every thread and
-every index; a copy that does not split falls back to the full expression.
+derived instead of hand-written.
+
+Deriving a split reads one thread (thread 0 of warp 0) over every compile-time index;
+that the split then holds for *every* thread and warp is a proof obligation, discharged
+by :func:`split_problems` in the cached verification step (:mod:`flashgen.sim.verify`),
+not on every emit.
 """
 from __future__ import annotations
 
-import itertools
+import functools
 
 import attrs
 import numpy as np
 
-from .plan import TiledCopy
+from .config import KernelConfig
+from .plan import KernelPlan, TiledCopy, make_plan
 from .swizzle import ComposedLayout
 
 
@@ -25,8 +30,8 @@ class OffsetSplit:
     """``offset(thread, idx) = (base(thread) ^ xor[idx]) + add[idx]``, and the coordinate deltas.
 
     ``index_names``/``extents`` describe the compile-time index space (value index
-    ``v`` first, then the partition's loops); tables are flat, colexicographic... no:
-    row-major over ``extents`` (last index fastest), matching C array nesting.
+    ``v`` first, then the partition's loops); tables are row-major over ``extents``
+    (last index fastest), matching C array nesting.
     """
 
     copy_name: str
@@ -40,22 +45,6 @@ class OffsetSplit:
     @property
     def distinct_xor(self) -> int:
         return len(set(self.xor))
-
-
-def _offset_table(layout) -> np.ndarray:
-    """``table[col, row] = layout((row, col))`` for every coordinate of a rank-2 tile (Numba evaluation)."""
-    from ..sim.layout_eval import offsets
-
-    rows = layout.shape[0] if isinstance(layout.shape[0], int) else int(np.prod(layout.shape[0]))
-    flat = offsets(layout)  # 1-D colexicographic: index = row + rows * col
-    return flat.reshape(-1, rows)
-
-
-def _tv_table(lay) -> np.ndarray:
-    """``table[value, thread]`` of a TVMap component Layout over (thread, value)."""
-    from ..sim.layout_eval import offsets
-
-    return offsets(lay).reshape(lay[1].size, lay[0].size)
 
 
 def thread_domain(copy: TiledCopy, n_warps: int) -> list[tuple[int, int]]:
@@ -72,46 +61,74 @@ def index_space(copy: TiledCopy) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return names, extents
 
 
-def split_offsets(copy: TiledCopy, n_warps: int) -> OffsetSplit | None:
-    """The verified base/xor/add split of ``copy``'s shared-memory offsets, or None.
-
-    Evaluates the plan's objects over every (thread, warp) and every compile-time index at
-    once: the TVMap's Layouts and the tile's (swizzled) layout through the Numba evaluator.
-    """
-    part = copy.partition
+def _swizzle_low_mask(copy: TiledCopy) -> int:
+    """The offset bits a swizzle may change (below its highest source/target bit); 0 without one."""
     layout = copy.smem.layout
-    names, extents = index_space(copy)
     swz = layout.swizzle if isinstance(layout, ComposedLayout) else None
-    high = 0
-    if swz is not None and not swz.is_identity:
-        high = max(swz.yyy_mask, swz.zzz_mask).bit_length()
-    low_mask = (1 << high) - 1
-    threads = np.array(thread_domain(copy, n_warps))  # (n, 2): thread, warp
-    t, w = threads[:, 0], threads[:, 1]
-    rows_tv, cols_tv = _tv_table(part.tv.row), _tv_table(part.tv.col)
-    table = _offset_table(layout)
-    points = list(itertools.product(*(range(e) for e in extents)))
-    xs, adds, drs, dcs = [], [], [], []
-    base = r0 = c0 = None
-    for p in points:
-        r = rows_tv[p[0], t] + w * part.warp_row_step
-        c = cols_tv[p[0], t].copy()
-        for loop, i in zip(part.loops, p[1:]):
-            r = r + i * loop.row_step
-            c = c + i * loop.col_step
-        if base is None:
-            r0, c0 = r, c
-            base = table[c0, r0]
-        dr, dc = r - r0, c - c0
-        if np.any(dr != dr[0]) or np.any(dc != dc[0]):
-            return None
-        off = table[c, r]
-        x = int((off[0] ^ base[0]) & low_mask)
-        a = int((off[0] & ~low_mask) - (base[0] & ~low_mask))
-        if not np.array_equal((base ^ x) + a, off):
-            return None
-        xs.append(x)
-        adds.append(a)
-        drs.append(int(dr[0]))
-        dcs.append(int(dc[0]))
-    return OffsetSplit(copy.name, names, extents, tuple(xs), tuple(adds), tuple(drs), tuple(dcs))
+    if swz is None or swz.is_identity:
+        return 0
+    return (1 << max(swz.yyy_mask, swz.zzz_mask).bit_length()) - 1
+
+
+def copy_offsets(copy: TiledCopy, domain: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rows, cols, smem offsets)`` of ``copy`` for each (thread, warp) of ``domain``, each
+    ``[len(domain), n_indices]`` with the compile-time indices row-major over :func:`index_space`."""
+    pairs = np.array(domain, dtype=np.int64).reshape(-1, 2)
+    rows, cols = copy.partition.coords(pairs[:, 0], pairs[:, 1])
+    rows, cols = rows.reshape(len(pairs), -1), cols.reshape(len(pairs), -1)
+    return rows, cols, copy.smem.layout.offsets_at(rows, cols)
+
+
+def split_offsets(copy: TiledCopy) -> OffsetSplit:
+    """The base/xor/add split of ``copy``'s shared-memory offsets, read off thread 0 of warp 0.
+
+    ``xor[i]`` is the change of the swizzle's bits from index 0 to index ``i``, ``add[i]``
+    the change above them; at thread 0 the split is exact by construction, at every other
+    thread :func:`split_problems` proves it.
+    """
+    names, extents = index_space(copy)
+    low = _swizzle_low_mask(copy)
+    rows, cols, off = (a[0] for a in copy_offsets(copy, [(0, 0)]))
+    base = off[0]
+    xor = (off ^ base) & low
+    add = (off & ~low) - (base & ~low)
+    return OffsetSplit(copy.name, names, extents, _ints(xor), _ints(add), _ints(rows - rows[0]), _ints(cols - cols[0]))
+
+
+def _ints(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(x) for x in a)
+
+
+def split_problems(copy: TiledCopy, split: OffsetSplit, n_warps: int, limit: int = 3) -> list[str]:
+    """Where ``split`` differs from ``copy``'s own offsets and coordinates, over every thread, warp
+    and compile-time index (empty: the split is exact everywhere)."""
+    domain = thread_domain(copy, n_warps)
+    rows, cols, off = copy_offsets(copy, domain)
+    want = {
+        "offset": (off[:, :1] ^ np.array(split.xor)) + np.array(split.add),
+        "row": rows[:, :1] + np.array(split.d_row),
+        "col": cols[:, :1] + np.array(split.d_col),
+    }
+    got = {"offset": off, "row": rows, "col": cols}
+    problems = []
+    for what, w in want.items():
+        for d, i in np.argwhere(got[what] != w)[:limit]:
+            (t, warp), idx = domain[d], np.unravel_index(i, split.extents)
+            at = ", ".join(f"{n}={int(x)}" for n, x in zip(split.index_names, idx))
+            problems.append(f"{copy.name} thread {t} warp {warp} ({at}): {what} {int(got[what][d, i])}, split gives {int(w[d, i])}")
+    return problems
+
+
+def smem_copies(plan: KernelPlan) -> list[TiledCopy]:
+    """Every shared-memory copy of the plan, in the emitter's order."""
+    return [plan.g2s[o] for o in "QKV"] + [plan.s2r[o].copy for o in "QKV"] + [plan.r2s_O, plan.s2g_O]
+
+
+def plan_splits(plan: KernelPlan) -> dict[str, OffsetSplit]:
+    """Offset splits of every shared-memory copy of the plan, keyed by copy name (cached per config)."""
+    return _splits_for(plan.cfg)
+
+
+@functools.lru_cache(maxsize=64)
+def _splits_for(cfg: KernelConfig) -> dict[str, OffsetSplit]:
+    return {c.name: split_offsets(c) for c in smem_copies(make_plan(cfg))}

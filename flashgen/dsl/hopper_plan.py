@@ -187,32 +187,25 @@ class HopperPlan:
 def _p_from_s(atom_s: WGMMA_64xNx16, atom_o: WGMMA_64xNx16, k_steps: int) -> tuple:
     """For each k16 step of P V and each 32-bit A register: the two S accumulator values it packs.
 
-    Derived by matching maps: A value ``(thread, v)`` of step ``t`` needs ``P[row, 16 t + col]``;
-    it must be held by the same thread in the S accumulator (``c_map``), which the search
-    asserts -- the "accumulator reused as A operand" rule, proven rather than assumed.
+    Derived by matching maps: A value ``v`` of step ``t`` needs ``P[row, 16 t + col]`` at
+    ``a_map(thread, v)``; the table names the S accumulator value (``c_map``) holding that
+    element in thread 0 -- the "accumulator reused as A operand" rule. That every thread holds
+    its element at the same index is proven in the verification step
+    (:func:`flashgen.sim.verify.p_from_s_problems`), not here.
     """
-    c, a = atom_s.c_map, atom_o.a_map
-    where = {}
-    for thread in range(WARPGROUP):
-        for i in range(c.n_values):
-            where[(thread,) + c(thread, i)] = i
+    c_rows, c_cols = atom_s.c_map.tables()
+    a_rows, a_cols = atom_o.a_map.tables()
+    where = {(int(r), int(c)): i for i, (r, c) in enumerate(zip(c_rows[0], c_cols[0]))}
     out = []
     for t in range(k_steps):
         regs = []
         for r in range(4):
             pair = []
-            for half in range(2):
-                v = 2 * r + half
-                for thread in range(WARPGROUP):
-                    row, col = a(thread, v)
-                    i = where.get((thread, row, 16 * t + col))
-                    if i is None:
-                        raise AssertionError(f"P[{row}, {16 * t + col}] is not in thread {thread}'s S accumulator")
-                    if thread == 0:
-                        first = i
-                    elif i != first:  # the same register index in every thread
-                        raise AssertionError("A register sources differ between threads")
-                pair.append(first)
+            for v in (2 * r, 2 * r + 1):
+                row, col = int(a_rows[0, v]), 16 * t + int(a_cols[0, v])
+                if (row, col) not in where:
+                    raise AssertionError(f"P[{row}, {col}] is not in thread 0's S accumulator")
+                pair.append(where[(row, col)])
             regs.append(tuple(pair))
         out.append(tuple(regs))
     return tuple(out)

@@ -12,12 +12,14 @@ Conventions (those of CuTe, ``include/cute/layout.hpp``):
   relies on this: ``A.composition(B)(i) == A(B(i))`` even where ``B(i) >= A.size``.
 * Negative strides are not supported (the algebra here assumes offsets >= 0).
 
-The module imports neither torch nor numba; ``flashgen.sim.layout_eval`` evaluates the
-same objects with Numba.
+The module imports neither torch nor numba. ``Layout.offsets`` evaluates every coordinate
+at once with numpy (imported on first use), running the very function ``__call__`` runs on
+one int (``_colex_eval``) on an array, so a table and a single evaluation cannot disagree.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -154,13 +156,17 @@ def _cpp_coord_text(x: object) -> str:
 # ------------------------------------------------------------------------------- layout
 
 
-def _colex_eval(c: int, shape: IntTuple, stride: IntTuple) -> int:
-    """Offset of int coordinate ``c`` in a (possibly nested) mode; last leaf extends."""
+def _colex_eval(c, shape: IntTuple, stride: IntTuple):
+    """Offset of int coordinate ``c`` in a (possibly nested) mode; last leaf extends.
+
+    ``c`` is an int or a numpy int64 array of coordinates (``%``, ``//`` on non-negative
+    int64 equal Python's), giving an int or an array of offsets.
+    """
     shapes, strides = flatten(shape), flatten(stride)
     off = 0
     for s, d in zip(shapes[:-1], strides[:-1]):
-        off += (c % s) * d
-        c //= s
+        off = off + (c % s) * d
+        c = c // s  # not in place: an array argument stays the caller's
     return off + c * strides[-1]
 
 
@@ -324,6 +330,22 @@ class Layout:
         if isinstance(self.shape, int) and isinstance(coord, (tuple, list)) and len(coord) == 1:
             return _coord_eval(coord[0], self.shape, self.stride, coord)
         return _coord_eval(coord, self.shape, self.stride, coord)
+
+    def offsets(self):
+        """``out[i] == self(i)`` for every 1-D coordinate ``i < size``: a read-only int64 numpy array.
+
+        Memoized per layout (layouts are values), so repeated tables of one plan cost nothing.
+        """
+        return _offsets(self)
+
+    def offsets_at(self, *coords):
+        """Offsets of in-range coordinate arrays, one per top-level mode (broadcast together).
+
+        ``offsets_at(rows, cols)[k] == self((rows[k], cols[k]))``: the 1-D index of a coordinate
+        is its colexicographic position over the top-level modes, looked up in :meth:`offsets`.
+        IndexError when a component is outside its mode (as ``__call__``).
+        """
+        return table_at(self, self.offsets(), coords)
 
     def flat_modes(self) -> tuple[_Mode, ...]:
         """The (shape, stride) leaves, left to right."""
@@ -503,6 +525,34 @@ class Layout:
         if self.rank != 2:
             raise ValueError(f"table() needs a rank-2 layout; {self} has rank {self.rank}")
         return format_table(str(self), self[0].size, self[1].size, lambda r, c: self((r, c)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets(layout: Layout):
+    import numpy as np  # on first use: importing the algebra stays free of numpy
+
+    out = _colex_eval(np.arange(layout.size, dtype=np.int64), layout.shape, layout.stride)
+    out.setflags(write=False)
+    return out
+
+
+def table_at(layout: "Layout", table, coords: tuple):
+    """``table[i]`` at the 1-D index ``i`` of per-mode coordinate arrays of ``layout``.
+
+    ``table`` is indexed like ``layout``'s 1-D coordinates (its offsets, or a swizzle of them).
+    """
+    import numpy as np
+
+    if len(coords) != layout.rank:
+        raise ValueError(f"offsets_at: {len(coords)} coordinate arrays for rank-{layout.rank} layout {layout}")
+    index, radix = 0, 1
+    for c, mode in zip(coords, layout.modes()):
+        c = np.asarray(c, dtype=np.int64)
+        if c.size and (c.min() < 0 or c.max() >= mode.size):
+            raise IndexError(f"offsets_at: coordinates outside mode {int_tuple_str(mode.shape)} of {layout}")
+        index = index + c * radix
+        radix *= mode.size
+    return table[index]
 
 
 def make_layout(*layouts: Layout) -> Layout:

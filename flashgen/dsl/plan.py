@@ -10,6 +10,7 @@ Coordinates: shared-memory tiles are ``(row, col)`` with ``col`` along d_head
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from .atoms.copy import (
     GM2SM,
@@ -259,11 +260,9 @@ class ScoreMask:
 
 def _row_reduce_lanes(c_map: TVMap) -> tuple[int, ...]:
     """Lane xor masks whose partners hold the same accumulator rows (derived from the C map)."""
-    masks = []
-    for bit in range(5):
-        if all(c_map.row((lane, v)) == c_map.row((lane ^ (1 << bit), v)) for lane in range(32) for v in range(c_map.n_values)):
-            masks.append(1 << bit)
-    return tuple(masks)
+    rows, _ = c_map.tables()  # [lane, value]
+    lanes = np.arange(32)
+    return tuple(1 << bit for bit in range(5) if np.array_equal(rows[lanes], rows[lanes ^ (1 << bit)]))
 
 
 def _schedule(cfg: KernelConfig) -> Schedule:

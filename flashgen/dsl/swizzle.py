@@ -17,12 +17,13 @@ left by ``|S|`` into the high field.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from flashgen.dsl.layout import CppCoord, Layout, is_int, cpp_parenthesize, format_table
+from flashgen.dsl.layout import CppCoord, Layout, cpp_parenthesize, format_table, is_int, table_at
 
 
 def _int_field(x: object) -> int:
@@ -82,7 +83,19 @@ class Swizzle:
         """Swizzled offset of a non-negative int ``offset``."""
         if not is_int(offset) or offset < 0:
             raise ValueError(f"{self}: offset must be an int >= 0; got {offset!r}")
-        x = int(offset)
+        return self._bits(int(offset))
+
+    def apply(self, offsets):
+        """The swizzle of every element of a numpy int array of non-negative offsets (an int64 array)."""
+        import numpy as np  # on first use, as Layout.offsets
+
+        x = np.asarray(offsets, dtype=np.int64)
+        if x.size and x.min() < 0:
+            raise ValueError(f"{self}: offsets must be >= 0")
+        return self._bits(x)
+
+    def _bits(self, x):
+        """The bit function on an int or an int64 array (the same operators on both)."""
         y = x & self.yyy_mask
         return x ^ (y >> self.S if self.S >= 0 else y << -self.S)
 
@@ -127,14 +140,22 @@ class ComposedLayout:
 
     @property
     def cosize(self) -> int:
-        """Largest swizzled offset + 1, exact (evaluates every coordinate; O(size))."""
+        """Largest swizzled offset + 1, exact (from the table of every coordinate)."""
         if self.swizzle.is_identity:
             return self.layout.cosize
-        return max(self.swizzle(self.layout(i)) for i in range(self.layout.size)) + 1
+        return int(self.offsets().max()) + 1
 
     def __call__(self, coord: object) -> int:
         """Swizzled offset; ``coord`` as accepted by ``Layout.__call__``."""
         return self.swizzle(self.layout(coord))
+
+    def offsets(self):
+        """``out[i] == self(i)`` for every 1-D coordinate ``i < size`` (read-only int64 array, memoized)."""
+        return _swizzled_offsets(self)
+
+    def offsets_at(self, *coords):
+        """Swizzled offsets of in-range per-mode coordinate arrays (see ``Layout.offsets_at``)."""
+        return table_at(self.layout, self.offsets(), coords)
 
     def to_cpp(self, coord_exprs: CppCoord) -> str:
         """The swizzle applied to ``layout.to_cpp(coord_exprs)``."""
@@ -149,3 +170,10 @@ class ComposedLayout:
             raise ValueError(f"table() needs a rank-2 layout; {self} has rank {self.rank}")
         cell: Callable[[int, int], int] = lambda r, c: self((r, c))
         return format_table(str(self), self.layout[0].size, self.layout[1].size, cell)
+
+
+@functools.lru_cache(maxsize=1024)
+def _swizzled_offsets(layout: ComposedLayout):
+    out = layout.swizzle.apply(layout.layout.offsets())
+    out.setflags(write=False)
+    return out

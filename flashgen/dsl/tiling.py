@@ -35,6 +35,14 @@ class TVMap:
     def __call__(self, thread: int, value: int) -> tuple[int, int]:
         return self.row((thread, value)), self.col((thread, value))
 
+    def tables(self):
+        """``(rows, cols)``, each a read-only ``[thread, value]`` int64 array: the map at every coordinate.
+
+        The layouts' offsets in bulk (1-D coordinate ``thread + n_threads * value``).
+        """
+        shape = (self.n_values, self.n_threads)
+        return self.row.offsets().reshape(shape).T, self.col.offsets().reshape(shape).T
+
     def to_cpp(self, thread: str, value: str) -> tuple[str, str]:
         return self.row.to_cpp([thread, value]), self.col.to_cpp([thread, value])
 
@@ -72,6 +80,27 @@ class Partition:
             r += i * loop.row_step
             c += i * loop.col_step
         return r, c
+
+    def coords(self, threads, warps):
+        """:meth:`coord` at every value and loop index of each (thread, warp) pair, in bulk.
+
+        ``threads``, ``warps``: int arrays of one length ``n``. Returns ``(rows, cols)`` of shape
+        ``(n, n_values, *loop extents)``: the value index first, then the loops, as the emitted
+        C arrays nest them.
+        """
+        import numpy as np
+
+        t = np.asarray(threads, dtype=np.int64)
+        extra = (1,) * len(self.loops)
+        tv_rows, tv_cols = self.tv.tables()
+        rows = tv_rows[t].reshape(t.shape + (self.tv.n_values,) + extra)
+        cols = tv_cols[t].reshape(t.shape + (self.tv.n_values,) + extra)
+        rows = rows + (np.asarray(warps, dtype=np.int64) * self.warp_row_step).reshape(t.shape + (1,) + extra)
+        for k, loop in enumerate(self.loops):
+            i = np.arange(loop.extent).reshape((1, 1) + tuple(-1 if j == k else 1 for j in range(len(self.loops))))
+            rows = rows + i * loop.row_step
+            cols = cols + i * loop.col_step
+        return rows, cols
 
     def coord_cpp(self, thread: str, value: str, warp: str = "warp", extra: Sequence[str] = ()) -> tuple[str, str]:
         """C++ expressions for (row, col); loop indices are the loops' own names."""

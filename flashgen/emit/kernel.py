@@ -10,13 +10,12 @@ Layout of the emitted file:
 """
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
 import attrs
 
-from ..dsl.addressing import OffsetSplit, split_offsets
+from ..dsl.addressing import OffsetSplit, plan_splits
 from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.config import LOG2E, KernelConfig
 from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
@@ -139,37 +138,16 @@ def _row_walk_step(split: OffsetSplit) -> int | None:
     return None
 
 
-def _smem_addr(plan: KernelPlan, copy: TiledCopy, idx: list[str], thread_args: list[str]) -> str:
+def _smem_addr(copy: TiledCopy, idx: list[str]) -> str:
     """Byte address in shared memory of ``copy`` at compile-time index ``idx`` = (v, loops...)."""
-    base_addr = f"{copy.smem.name}_addr"
-    split = plan_splits(plan).get(copy.name)
-    if split is None:  # no verified split: the full layout expression
-        names = ["v"] + [l.name for l in copy.partition.loops]
-        args = dict(zip(names, idx))
-        call = ", ".join(thread_args[:1] + [args["v"]] + thread_args[1:] + [args[l.name] for l in copy.partition.loops])
-        return f"{base_addr} + 2u * {copy.name}_smem({call})"
     sub = "".join(f"[{i}]" for i in idx)
-    return f"{base_addr} + 2u * ({copy.name}_base ^ {copy.name}_xor{sub}) + 2u * {copy.name}_add{sub}"
+    return f"{copy.smem.name}_addr + 2u * ({copy.name}_base ^ {copy.name}_xor{sub}) + 2u * {copy.name}_add{sub}"
 
 
-def _base_decl(plan: KernelPlan, copy: TiledCopy, thread_args: list[str]) -> str:
-    if plan_splits(plan).get(copy.name) is None:
-        return f"// {copy.name}: addresses from the full layout expression (no verified split)"
+def _base_decl(copy: TiledCopy, thread_args: list[str]) -> str:
     zeros = ["0"] * (1 + len(copy.partition.loops))
     call = ", ".join(thread_args[:1] + zeros[:1] + thread_args[1:] + zeros[1:])
     return f"const uint32_t {copy.name}_base = {copy.name}_smem({call});"
-
-
-def plan_splits(plan: KernelPlan) -> dict:
-    """Verified offset splits of every shared-memory copy of the plan (cached per config)."""
-    return _splits_for(plan.cfg)
-
-
-@functools.lru_cache(maxsize=64)
-def _splits_for(cfg: KernelConfig) -> dict:
-    plan = make_plan(cfg)
-    copies = [plan.g2s[o] for o in "QKV"] + [plan.s2r[o].copy for o in "QKV"] + [plan.r2s_O, plan.s2g_O]
-    return {c.name: split_offsets(c, cfg.n_warps) for c in copies}
 
 
 # ---- kernel body pieces ----------------------------------------------------------------
@@ -181,26 +159,21 @@ def _g2s_lambda(plan: KernelPlan, op: str) -> str:
     copy = plan.g2s[op]
     n = copy.partition.tv.n_values
     split = plan_splits(plan)[copy.name]
-    dst = _smem_addr(plan, copy, ["v"], ["tid"])
-    if split is not None:
-        row = f"(row0 + {copy.name}_drow[v])"
-        col = f"(col0 + {copy.name}_dcol[v])"
-        first = (
-            f"    {_base_decl(plan, copy, ['tid'])}\n"
-            f"    const uint32_t row0 = g2s_{op}_row(tid, 0), col0 = g2s_{op}_col(tid, 0);\n"
-            f"    const elem_t* g = src + int64_t(row0) * ld + col0;\n"
-        )
-        src = f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]"
-        step = _row_walk_step(split)
-        if step is not None:
-            # value v is `step` rows below value v-1: walk one pointer instead of n 64-bit offsets
-            first += f"    const int64_t step_ld = {step} * ld;\n"
-            src = "g + int64_t(v) * step_ld"
-            row, col = f"(row0 + v * {step}u)", "col0"
-    else:
-        row, col = f"g2s_{op}_row(tid, v)", f"g2s_{op}_col(tid, v)"
-        first = "    const elem_t* g = src;\n"
-        src = f"src + int64_t({row}) * ld + {col}"
+    dst = _smem_addr(copy, ["v"])
+    row = f"(row0 + {copy.name}_drow[v])"
+    col = f"(col0 + {copy.name}_dcol[v])"
+    first = (
+        f"    {_base_decl(copy, ['tid'])}\n"
+        f"    const uint32_t row0 = g2s_{op}_row(tid, 0), col0 = g2s_{op}_col(tid, 0);\n"
+        f"    const elem_t* g = src + int64_t(row0) * ld + col0;\n"
+    )
+    src = f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]"
+    step = _row_walk_step(split)
+    if step is not None:
+        # value v is `step` rows below value v-1: walk one pointer instead of n 64-bit offsets
+        first += f"    const int64_t step_ld = {step} * ld;\n"
+        src = "g + int64_t(v) * step_ld"
+        row, col = f"(row0 + v * {step}u)", "col0"
     partial_cols = plan.valid_cols < plan.cfg.d_smem
     col_ok = f" && {col} < {plan.valid_cols}u" if partial_cols else ""
     ok = f"{row} < (uint32_t)rows_valid{col_ok}"
@@ -249,7 +222,7 @@ def _operand_loader(plan: KernelPlan, load: OperandLoad) -> str:
             f"auto load_Q = [&](uint32_t (&dst)[MT][{kk_per_step}][4], uint32_t step) {{\n"
             f"    #pragma unroll\n    for (uint32_t mi = 0; mi < MT; ++mi)\n"
             f"        #pragma unroll\n        for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
-            f"            {fn}(dst[mi][k], {_smem_addr(plan, copy, ['0', 'mi', f'step * {kk_per_step} + k'], ['lane', 'warp'])});\n"
+            f"            {fn}(dst[mi][k], {_smem_addr(copy, ['0', 'mi', f'step * {kk_per_step} + k'])});\n"
             f"}};"
         )
     if op == "K":
@@ -258,7 +231,7 @@ def _operand_loader(plan: KernelPlan, load: OperandLoad) -> str:
             f"auto load_K = [&](uint32_t (&dst)[B_c / 16][{kk_per_step}][4], uint32_t step) {{\n"
             f"    #pragma unroll\n    for (uint32_t nn = 0; nn < B_c / 16; ++nn)\n"
             f"        #pragma unroll\n        for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
-            f"            {fn}(dst[nn][k], {_smem_addr(plan, copy, ['0', 'nn', f'step * {kk_per_step} + k'], ['lane'])});\n"
+            f"            {fn}(dst[nn][k], {_smem_addr(copy, ['0', 'nn', f'step * {kk_per_step} + k'])});\n"
             f"}};"
         )
     return (
@@ -266,7 +239,7 @@ def _operand_loader(plan: KernelPlan, load: OperandLoad) -> str:
         f"auto load_V = [&](uint32_t (&dst)[{kk_per_step}][D_MMA / 16][4], uint32_t step) {{\n"
         f"    #pragma unroll\n    for (uint32_t k = 0; k < {kk_per_step}; ++k)\n"
         f"        #pragma unroll\n        for (uint32_t nn = 0; nn < D_MMA / 16; ++nn)\n"
-        f"            {fn}(dst[k][nn], {_smem_addr(plan, copy, ['0', f'step * {kk_per_step} + k', 'nn'], ['lane'])});\n"
+        f"            {fn}(dst[k][nn], {_smem_addr(copy, ['0', f'step * {kk_per_step} + k', 'nn'])});\n"
         f"}};"
     )
 
@@ -362,13 +335,8 @@ def _softmax(plan: KernelPlan) -> list[str]:
     cfg = plan.cfg
     shfl = lambda var, op: [f"{var} = {op}({var}, __shfl_xor_sync(0xffffffffu, {var}, {m}));" for m in plan.row_reduce_lanes]
     c_map = plan.mma.c_map
-    # values 2h and 2h+1 of a lane sit in one row, in neighbouring columns (checked here on the
-    # plan's C map), so one kept-column range per row and lane covers both
-    for lane in range(32):
-        for h in range(2):
-            r, c = c_map(lane, 2 * h)
-            if c_map(lane, 2 * h + 1) != (r, c + 1) or c != c_map(lane, 0)[1]:
-                raise ValueError(f"C fragment map {c_map}: values {2 * h}, {2 * h + 1} of lane {lane} are not a row pair")
+    # values 2h and 2h+1 of a lane sit in one row, in neighbouring columns (proven on the plan's
+    # C map by flashgen.sim.verify), so one kept-column range per row and lane covers both
     row, col = c_map.row.to_cpp(["lane", "2 * h"]), c_map.col.to_cpp(["lane", "0"])
     lines = [
         f"// {plan.score_mask.kind} score mask + key tail, only in blocks that need it. Row/col of accumulator",
@@ -779,11 +747,11 @@ def emit(cfg: KernelConfig) -> KernelSource:
         lse_writer_lane=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
         lse_max="row_max[mi][h] * scale" if cfg.optimized_softmax else "row_max[mi][h]",
         args_struct=args_struct(name),
-        split_tables=[_split_tables(sp) for sp in plan_splits(plan).values() if sp is not None],
-        bases=[_base_decl(plan, plan.s2r["Q"].copy, ["lane", "warp"]), _base_decl(plan, plan.s2r["K"].copy, ["lane"]), _base_decl(plan, plan.s2r["V"].copy, ["lane"])],
-        epilogue_bases=[_base_decl(plan, plan.r2s_O, ["lane", "warp"]), _base_decl(plan, plan.s2g_O, ["lane", "warp"])],
-        r2s_addr=_smem_addr(plan, plan.r2s_O, ["2 * h", "mi", "nt"], ["lane", "warp"]),
-        s2g_addr=_smem_addr(plan, plan.s2g_O, ["v"], ["lane", "warp"]),
+        split_tables=[_split_tables(sp) for sp in plan_splits(plan).values()],
+        bases=[_base_decl(plan.s2r["Q"].copy, ["lane", "warp"]), _base_decl(plan.s2r["K"].copy, ["lane"]), _base_decl(plan.s2r["V"].copy, ["lane"])],
+        epilogue_bases=[_base_decl(plan.r2s_O, ["lane", "warp"]), _base_decl(plan.s2g_O, ["lane", "warp"])],
+        r2s_addr=_smem_addr(plan.r2s_O, ["2 * h", "mi", "nt"]),
+        s2g_addr=_smem_addr(plan.s2g_O, ["v"]),
         r2s_comment=f"{plan.r2s_O.name}: {plan.r2s_O.atom.name} of packed pairs into {plan.r2s_O.dst.name}",
         s2g_comment=f"{plan.s2g_O.name}: {plan.s2g_O.atom.name}, this warp's rows",
         s2g_values=plan.s2g_O.partition.tv.n_values,

@@ -2,7 +2,8 @@
 
 Layers, each using only the ones above it:
 
-* ``layout_eval``  -- Layout / Swizzle objects evaluated over every coordinate;
+* ``layout_eval``  -- Layout / Swizzle objects evaluated over every coordinate (their own numpy
+  evaluation, as writable copies);
 * ``hardware``     -- instruction semantics written from the PTX ISA alone (ldmatrix,
   mma.m16n8k16 fragments and numerics, shared-memory banks, fp32 helpers);
 * ``copies``       -- a plan's copies evaluated for every thread/warp/value/loop index:
@@ -10,6 +11,8 @@ Layers, each using only the ones above it:
 * ``fragments``    -- g2s -> ldmatrix -> mma of the plan, bit-exact against numpy;
 * ``cta``          -- one CTA's forward pass through ``plan.schedule``, with the async
   copy / barrier hazard tracker;
+* ``verify``       -- the cached verification step (``flashgen.verify``): proofs of what the plan
+  derived and the emitters rely on (address splits, fragment-map patterns, P-from-S registers);
 * ``report``       -- ``simulate_config(cfg) -> dict`` and ``format_report(results)``,
-  what ``flashgen simulate`` prints.
+  what ``flashgen simulate`` prints (the verification included).
 """

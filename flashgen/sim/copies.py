@@ -3,8 +3,8 @@
 A :class:`CopyTrace` is one :class:`~flashgen.dsl.plan.TiledCopy` evaluated over its
 whole domain: for each warp, each instruction the warp issues and each lane, the
 tile coordinate(s), the shared-memory element offset and the byte address. The
-coordinates come from the plan's ``Partition`` / ``TVMap`` Layouts (evaluated with
-Numba through :mod:`flashgen.sim.layout_eval`), the offsets from the smem tensor's
+coordinates come from the plan's ``Partition`` / ``TVMap`` Layouts (evaluated in bulk
+through :mod:`flashgen.sim.layout_eval`), the offsets from the smem tensor's
 (swizzled) Layout; what an instruction does with an address comes from
 :mod:`flashgen.sim.hardware`.
 
@@ -153,11 +153,6 @@ def values_per_instruction(copy: TiledCopy) -> int:
     return copy.atom.elems if copy.atom.family == "st_shared_b32" else 1
 
 
-def _tv_table(layout, n_threads: int, n_values: int) -> np.ndarray:
-    """``[thread, value]`` table of a TVMap component layout (1-D index t + n_threads * v)."""
-    return offsets(layout).reshape(n_values, n_threads).T
-
-
 def trace_copy(plan: KernelPlan, kind: str, copy: TiledCopy) -> CopyTrace:
     """Evaluate ``copy`` for every warp, instruction and lane of one CTA."""
     if kind not in KINDS:
@@ -185,8 +180,7 @@ def trace_copy(plan: KernelPlan, kind: str, copy: TiledCopy) -> CopyTrace:
     ranges = [range(0, tv.n_values, vpi)] + [range(l.extent) for l in part.loops]
     index = np.array(list(itertools.product(*ranges)), dtype=np.int64).reshape(-1, len(names))
 
-    row_tab = _tv_table(tv.row, tv.n_threads, tv.n_values)
-    col_tab = _tv_table(tv.col, tv.n_threads, tv.n_values)
+    row_tab, col_tab = tv.tables()
     v = index[:, 0][:, None] + np.arange(vpi)[None, :]  # [I, vpi]
     row_step = np.array([l.row_step for l in part.loops], dtype=np.int64)
     col_step = np.array([l.col_step for l in part.loops], dtype=np.int64)

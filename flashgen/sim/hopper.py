@@ -170,10 +170,8 @@ class _TV:
 
 
 def _eval_tv(tv) -> _TV:
-    n_t, n_v = tv.n_threads, tv.n_values
-    rows = offsets(tv.row).reshape(n_v, n_t).T.copy()  # flat index = thread + n_t * value (colex)
-    cols = offsets(tv.col).reshape(n_v, n_t).T.copy()
-    return _TV(rows, cols)
+    rows, cols = tv.tables()
+    return _TV(rows.copy(), cols.copy())
 
 
 @functools.lru_cache(maxsize=None)

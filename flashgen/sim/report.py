@@ -17,6 +17,7 @@ from flashgen.sim import cta as cta_sim
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import CopyTrace, coverage, trace_plan, wavefronts
 from flashgen.sim.fragments import check_fragments
+from flashgen.sim.verify import verify_config
 
 #: (j_begin, n_blocks) the schedule is walked with: one block (first == last), three (a
 #: middle one); with a ScoreMask also a masked start and an empty key range.
@@ -115,7 +116,8 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
     warps), ``bytes_per_cta`` (per execution), ``coverage`` ``{ok, detail}``;
     ``coverage_ok``; ``fragments`` ``{ok, S: {ok, detail}, O: {ok, detail}}``;
     ``schedule`` ``{ok, walks, hazards, redundant_barriers}`` (``walks``: the key-block
-    ranges ``[j_begin, n_blocks)`` walked); with ``cta``,
+    ranges ``[j_begin, n_blocks)`` walked); ``verification`` ``{ok, checks}`` (the proofs of
+    :mod:`flashgen.sim.verify`, each check's problems); with ``cta``,
     ``cta`` ``{ok, detail, max_abs_err, bound}`` (a functional run vs float64);
     ``ok``: everything passed.
     """
@@ -144,8 +146,9 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
             "hazards": hazards,
             "redundant_barriers": redundant_barriers(plan, traces) if not hazards else [],
         },
+        "verification": verify_config(cfg).to_dict(),
     }
-    checks = [result["coverage_ok"], result["fragments"]["ok"], result["schedule"]["ok"]]
+    checks = [result["coverage_ok"], result["fragments"]["ok"], result["schedule"]["ok"], result["verification"]["ok"]]
     if cta:
         result["cta"] = check_cta(plan, traces) if result["coverage_ok"] else {"ok": False, "detail": "skipped: coverage failed"}
         checks.append(result["cta"]["ok"])
@@ -160,8 +163,9 @@ def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -
     wave-tail split's 2 parts and merged (masked plans: aligned bottom-right, so the tile has
     those blocks).
 
-    Keys: ``config``, ``name``, ``engine`` ("wgmma"), ``schedule`` ``{ok, hazards}``, ``cta`` and
-    ``split`` ``{ok, detail, max_abs_err, bound}``, ``ok``.
+    Keys: ``config``, ``name``, ``engine`` ("wgmma"), ``schedule`` ``{ok, hazards}``, ``verification``
+    ``{ok, checks}`` (:mod:`flashgen.sim.verify`), ``cta`` and ``split`` ``{ok, detail, max_abs_err,
+    bound}``, ``ok``.
     """
     from . import hopper
 
@@ -171,8 +175,9 @@ def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -
     for n in (1, 2, 5):
         hazards += [f"{n} block(s): {h}" for h in hopper.check_schedule(plan, n_blocks=n, seed=seed, tiles=tiles)]
     result: dict[str, Any] = {"config": cfg.short_form(), "name": cfg.mangle(), "engine": "wgmma",
-                              "schedule": {"ok": not hazards, "hazards": hazards, "tiles": tiles}}
-    checks = [not hazards]
+                              "schedule": {"ok": not hazards, "hazards": hazards, "tiles": tiles},
+                              "verification": verify_config(cfg).to_dict()}
+    checks = [not hazards, result["verification"]["ok"]]
     if cta:
         rng = np.random.default_rng(seed)
 
@@ -206,6 +211,15 @@ def _ok(flag: bool) -> str:
     return "ok" if flag else "FAILED"
 
 
+def _verification_lines(res: dict[str, Any]) -> list[str]:
+    """The proofs' verdict and every failing check's problems (reports of other tools may lack it)."""
+    ver = res.get("verification")
+    if ver is None:
+        return []
+    lines = [f"  verification ({len(ver['checks'])} proofs, flashgen.sim.verify): {_ok(ver['ok'])}"]
+    return lines + [f"    {name}: {p}" for name, problems in ver["checks"].items() for p in problems]
+
+
 def format_report(results: list[dict[str, Any]]) -> str:
     """A readable table per config (the output of :func:`simulate_config`)."""
     blocks = []
@@ -215,6 +229,7 @@ def format_report(results: list[dict[str, Any]]) -> str:
             walk = "1, 2 and 5 key blocks" + (f", {res['schedule']['tiles']} tiles" if res["schedule"].get("tiles", 1) > 1 else "")
             lines.append(f"  schedule ({walk}; TMA ring, wgmma groups, pingpong turns): {_ok(res['schedule']['ok'])}")
             lines += [f"    hazard: {h}" for h in res["schedule"]["hazards"][:10]]
+            lines += _verification_lines(res)
             if "cta" in res:
                 lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")
             if "split" in res:
@@ -256,6 +271,7 @@ def format_report(results: list[dict[str, Any]]) -> str:
             lines.append(f"    ... {len(sc['hazards']) - 10} more")
         for b in sc["redundant_barriers"]:
             lines.append(f"    note: redundant {b}")
+        lines += _verification_lines(res)
         if "cta" in res:
             lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")
         blocks.append("\n".join(lines))

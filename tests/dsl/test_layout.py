@@ -169,6 +169,35 @@ def test_eval_matches_independent_formula(a):
 
 @FAST
 @given(layouts())
+def test_bulk_offsets_match_independent_formula(a):
+    """Layout.offsets (every coordinate at once, numpy) against the Fortran-order oracle."""
+    out = a.offsets()
+    assert out.dtype == np.int64 and out.tolist() == colex_oracle(a)
+    assert not out.flags.writeable  # memoized: callers must not change a shared table
+
+
+@FAST
+@given(layouts(), st.data())
+def test_offsets_at_matches_tuple_coordinates(a, data):
+    idx = np.array(data.draw(st.lists(st.integers(0, a.size - 1), min_size=1, max_size=20)))
+    coords = [mode_coords(a, int(i)) for i in idx]
+    per_mode = [np.array([c[k] for c in coords]) for k in range(a.rank)]
+    assert a.offsets_at(*per_mode).tolist() == [a(c) for c in coords]
+
+
+def test_offsets_at_rejects_out_of_range_and_wrong_rank():
+    a = Layout((4, 8), (8, 1))
+    assert a.offsets_at(np.array([3]), np.array([7])).tolist() == [a((3, 7))]
+    with pytest.raises(IndexError, match="outside mode 8"):
+        a.offsets_at(np.array([0]), np.array([8]))
+    with pytest.raises(IndexError, match="outside mode 4"):
+        a.offsets_at(np.array([-1]), np.array([0]))
+    with pytest.raises(ValueError, match="1 coordinate arrays for rank-2"):
+        a.offsets_at(np.array([0]))
+
+
+@FAST
+@given(layouts())
 def test_tuple_coordinates_agree_with_1d(a):
     for i in range(a.size):
         assert a(nested_coord(a.shape, i)) == a(i)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,6 +61,23 @@ def test_bijection_and_involution(sw):
     assert all(sw(sw(x)) == x for x in range(2 * sw.period))
     # only zzz bits change
     assert all((sw(x) ^ x) & ~sw.zzz_mask == 0 for x in range(sw.period))
+
+
+@settings(max_examples=60, deadline=None)
+@given(swizzles())
+def test_apply_matches_call(sw):
+    """The array form runs the same bit function as one offset at a time."""
+    x = np.concatenate([np.arange(3 * sw.period), np.random.default_rng(0).integers(0, 1 << 20, 200)])
+    assert sw.apply(x).tolist() == [sw(int(v)) for v in x]
+    with pytest.raises(ValueError, match="offsets must be >= 0"):
+        sw.apply(np.array([1, -1]))
+
+
+def test_composed_offsets_and_offsets_at():
+    c = ComposedLayout(SW333, Layout((16, 64), (64, 1)))
+    assert c.offsets().tolist() == [c(i) for i in range(c.size)]
+    rows, cols = np.array([0, 1, 9, 15]), np.array([0, 8, 17, 63])
+    assert c.offsets_at(rows, cols).tolist() == [c((int(r), int(k))) for r, k in zip(rows, cols)]
 
 
 def test_identity():

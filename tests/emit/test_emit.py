@@ -352,3 +352,15 @@ def test_public_emit_stays_callable_once_the_emit_modules_are_imported():
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) == len(expected)
 
+
+
+def test_emitting_leaves_the_proofs_and_the_simulator_alone():
+    """A fresh interpreter emitting both engines' kernels imports neither the verification step
+    (flashgen.sim: proofs run in flashgen.verify, cached per config), nor Numba, nor torch."""
+    wgmma = KernelConfig.wgmma("bf16")
+    code = ("import sys, flashgen; flashgen.emit(sys.argv[1]); flashgen.emit(flashgen.KernelConfig.from_dict(%r)); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'torch') or m.startswith('flashgen.sim')))"
+            ) % wgmma.to_dict()
+    done = subprocess.run([sys.executable, "-c", code, BASE.short_form()], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -29,7 +29,7 @@ def test_seed_sets_are_nonempty():
 
 @pytest.mark.parametrize("cfg", [FIRST, parse_config("(BF16, 128, 128, 32, 8): async+eager+swizzled+load_2_2_2_tiles+buffer")], ids=str)
 def test_trace_agrees_with_partition_and_layout_objects(cfg):
-    """The vectorised (Numba) evaluation equals Partition.coord and the smem Layout, point by point."""
+    """The vectorised evaluation equals Partition.coord and the smem Layout, point by point."""
     plan = make_plan(cfg)
     rng = np.random.default_rng(0)
     for name, tr in trace_plan(plan).items():

@@ -29,6 +29,7 @@ def test_result_shape_and_json(results):
     assert first["fragments"]["S"]["ok"] and first["fragments"]["O"]["ok"]
     assert first["schedule"]["ok"] and first["schedule"]["hazards"] == []
     assert first["cta"]["ok"]
+    assert first["verification"]["ok"] and "address split s2r_K" in first["verification"]["checks"]
 
 
 def test_numbers(results):
@@ -52,7 +53,8 @@ def test_redundant_barrier_note(results):
 
 def test_format_report(results):
     text = format_report(results)
-    for needle in ("g2s_Q", "s2r_V", "8.00x", "1.00x", "fragments: ok", "schedule", "CTA forward pass: ok", str(default_configs()[0])):
+    for needle in ("g2s_Q", "s2r_V", "8.00x", "1.00x", "fragments: ok", "schedule", "CTA forward pass: ok", str(default_configs()[0]),
+                   "verification (9 proofs, flashgen.sim.verify): ok"):
         assert needle in text
     assert "FAILED" not in text
 
@@ -60,6 +62,21 @@ def test_format_report(results):
 def test_report_without_cta_run():
     res = simulate_config(str(default_configs()[3]), cta=False)
     assert "cta" not in res and res["ok"]
+
+
+def test_a_failed_proof_fails_the_report(monkeypatch):
+    """Both engines' reports carry the verification step's verdict and name the failing check."""
+    from flashgen.dsl.config import KernelConfig
+    from flashgen.sim import report
+    from flashgen.sim.verify import Check, Verification
+
+    failing = Verification("cfg", (Check("p_from_s", ("thread 3 step 0 A register 1 half 0: wrong",)),))
+    monkeypatch.setattr(report, "verify_config", lambda cfg: failing)
+    for cfg in (default_configs()[0], KernelConfig.wgmma("fp16", B_c=64)):
+        res = simulate_config(cfg, cta=False)
+        assert not res["ok"] and res["verification"] == failing.to_dict()
+        text = format_report([res])
+        assert "FAILED" in text and "p_from_s: thread 3 step 0 A register 1 half 0: wrong" in text
 
 
 @pytest.mark.slow

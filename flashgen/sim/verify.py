@@ -1,0 +1,152 @@
+"""The verification step: proofs of what a plan derived, run once per config instead of on every emit.
+
+The emitters render the plan's derived tables and rely on properties of its maps without
+re-checking them (so that emitting stays fast); this module proves those properties for one
+config, over every thread, warp and index, and caches the result per config:
+
+* mma.sync: every shared-memory copy's address split (``base ^ xor[i] + add[i]``, derived from
+  thread 0 by :mod:`flashgen.dsl.addressing`) is exact at every thread, warp and compile-time
+  index; the MMA's C fragment map holds values ``(2h, 2h+1)`` of a lane in one row, neighbouring
+  columns (the softmax masks and reduces them as a pair);
+* wgmma: the P-from-S register table (derived from thread 0) names, in every thread, the S
+  accumulator value holding the P element each A register needs; the accumulator maps of both
+  GEMMs follow the ``(chunk, half, e)`` pattern the softmax, rescale and epilogue index by; the
+  output's TMA store boxes are where each consumer staged its rows.
+
+:func:`verify` is what tests and ``flashgen simulate`` call: a :class:`Verification` (every
+check with its problems), raising :class:`VerificationError` when a proof fails.
+"""
+from __future__ import annotations
+
+import functools
+
+import attrs
+import numpy as np
+
+from flashgen.dsl.addressing import plan_splits, smem_copies, split_problems
+from flashgen.dsl.config import WGMMA_M, KernelConfig
+from flashgen.dsl.hopper_plan import HopperPlan, make_hopper_plan
+from flashgen.dsl.plan import KernelPlan, make_plan
+from flashgen.dsl.tiling import TVMap
+
+#: problems reported per check (the first ones; one is enough to fail)
+SHOWN = 3
+
+
+class VerificationError(AssertionError):
+    """A property the emitted kernel relies on does not hold for the config's plan."""
+
+
+@attrs.frozen
+class Check:
+    """One proof: ``problems`` says where it fails (empty: it holds)."""
+
+    name: str
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@attrs.frozen
+class Verification:
+    """Every check of one config's plan."""
+
+    config: str
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "checks": {c.name: list(c.problems) for c in self.checks}}
+
+    def raise_if_failed(self) -> "Verification":
+        bad = [f"{c.name}: {p}" for c in self.checks for p in c.problems]
+        if bad:
+            raise VerificationError(f"{self.config}: the plan fails verification:\n  " + "\n  ".join(bad))
+        return self
+
+
+def verify(cfg: KernelConfig) -> Verification:
+    """The cached verification of ``cfg``; VerificationError names every failing check."""
+    return verify_config(cfg).raise_if_failed()
+
+
+@functools.lru_cache(maxsize=None)
+def verify_config(cfg: KernelConfig) -> Verification:
+    """Every check of ``cfg``'s plan (memoized: a config is verified once per process)."""
+    return verify_plan(make_hopper_plan(cfg) if cfg.is_wgmma else make_plan(cfg))
+
+
+def verify_plan(plan: "KernelPlan | HopperPlan") -> Verification:
+    """Every check of one plan (not cached: tests hand it altered plans)."""
+    if isinstance(plan, HopperPlan):
+        checks = (
+            Check("p_from_s", tuple(p_from_s_problems(plan))),
+            Check("S accumulator pattern", tuple(c_chunk_problems(plan.gemm_S.atom.c_map))),
+            Check("O accumulator pattern", tuple(c_chunk_problems(plan.gemm_O.atom.c_map))),
+            Check("O store boxes", tuple(o_store_problems(plan))),
+        )
+    else:
+        splits = plan_splits(plan)
+        checks = tuple(
+            Check(f"address split {c.name}", tuple(split_problems(c, splits[c.name], plan.cfg.n_warps, SHOWN)))
+            for c in smem_copies(plan)
+        ) + (Check("C fragment row pairs", tuple(c_row_pair_problems(plan.mma.c_map))),)
+    return Verification(plan.cfg.short_form(), checks)
+
+
+def _mismatches(what: str, got: np.ndarray, want: np.ndarray, where) -> list[str]:
+    """One line per differing element (the first :data:`SHOWN`); ``where(index)`` names it."""
+    return [f"{where(tuple(int(x) for x in i))}: {what} {got[tuple(i)]}, expected {want[tuple(i)]}"
+            for i in np.argwhere(got != want)[:SHOWN]]
+
+
+def c_row_pair_problems(c_map: TVMap) -> list[str]:
+    """mma.sync C map: values ``2h`` and ``2h+1`` of a lane are ``(row, col)`` and ``(row, col + 1)``,
+    and ``col`` is the lane's column of value 0 (one kept-column range per row covers both)."""
+    rows, cols = c_map.tables()
+    where = lambda i: f"C map {c_map}: lane {i[0]} value {2 * i[1] + 1}"  # noqa: E731
+    even, odd = np.arange(0, c_map.n_values, 2), np.arange(1, c_map.n_values, 2)
+    out = _mismatches("row", rows[:, odd], rows[:, even], where)
+    out += _mismatches("column", cols[:, odd], cols[:, even] + 1, where)
+    out += _mismatches("column of the pair", cols[:, even], np.repeat(cols[:, :1], len(even), axis=1),
+                       lambda i: f"C map {c_map}: lane {i[0]} value {2 * i[1]}")
+    return out
+
+
+def c_chunk_problems(c_map: TVMap) -> list[str]:
+    """wgmma accumulator map: value ``i = 4 chunk + 2 h + e`` of a thread is in row half ``h`` (the
+    row of value ``2h``) and column ``col(thread, 0) + 8 chunk + e``."""
+    rows, cols = c_map.tables()
+    i = np.arange(c_map.n_values)
+    where = lambda k: f"accumulator map {c_map}: thread {k[0]} value {k[1]}"  # noqa: E731
+    out = _mismatches("row", rows, rows[:, 2 * ((i // 2) % 2)], where)
+    return out + _mismatches("column", cols, cols[:, :1] + 8 * (i // 4) + i % 2, where)
+
+
+def p_from_s_problems(plan: HopperPlan) -> list[str]:
+    """In every thread, S value ``p_from_s[t][r][half]`` is P's element that A value ``2r + half`` of
+    k16 step ``t`` needs: row ``a_row``, column ``16 t + a_col`` (the same register in all threads)."""
+    table = np.array(plan.p_from_s, dtype=np.int64).reshape(len(plan.p_from_s), 8)  # [step, A value]
+    s_rows, s_cols = plan.gemm_S.atom.c_map.tables()
+    a_rows, a_cols = plan.gemm_O.atom.a_map.tables()
+    steps = np.arange(table.shape[0])[None, :, None]
+    where = lambda k: f"thread {k[0]} step {k[1]} A register {k[2] // 2} half {k[2] % 2} <- S value {table[k[1], k[2]]}"  # noqa: E731
+    out = _mismatches("P row", s_rows[:, table], np.broadcast_to(a_rows[:, None, :], (len(a_rows),) + table.shape), where)
+    return out + _mismatches("P column", s_cols[:, table], 16 * steps + a_cols[:, None, :], where)
+
+
+def o_store_problems(plan: HopperPlan) -> list[str]:
+    """The O store boxes are ``WGMMA_M`` rows (one consumer's) and row block ``i`` of a column block
+    sits ``i`` boxes after row block 0 (consumer ``cw`` stores from ``sO + cw * box bytes``)."""
+    st = plan.stores["O"]
+    rows = st.tma.box_rows
+    if rows != WGMMA_M:
+        return [f"O store boxes of {rows} rows: a consumer owns {WGMMA_M}"]
+    first = {b.col0: b.smem_offset for b in st.boxes if b.row0 == 0}
+    return [f"O store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it"
+            for b in st.boxes if b.smem_offset != first[b.col0] + (b.row0 // rows) * st.tma.bytes][:SHOWN]
