@@ -186,9 +186,15 @@ def _current_capability() -> tuple[int, int]:
 
 
 def _compile(cfg: KernelConfig, name: str, capability: tuple[int, int], folder: Path, final: Path) -> None:
-    """Emit ``cfg`` into ``folder`` and compile its library there; BuildError with a repro command on failure."""
+    """Verify ``cfg``'s plan (the proofs the emitter relies on), emit it into ``folder`` and compile its library
+    there; BuildError with a repro command on failure."""
     from .emit.kernel import emit
+    from .sim.verify import VerificationError, verify
 
+    try:
+        verify(cfg)
+    except VerificationError as exc:
+        raise BuildError(f"{cfg.short_form()} failed verification, so it is not built:\n{exc}") from None
     cu = folder / f"{name}.cu"
     cu.write_text(emit(cfg).text)
     proc = subprocess.run(library_command(name, capability), capture_output=True, text=True, cwd=folder)
