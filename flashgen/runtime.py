@@ -226,10 +226,7 @@ class AutoAttention:
 
     def select(self, q: torch.Tensor, masked: bool = False) -> KernelConfig:
         """The config for ``q``'s shape (``masked``: the call applies a causal or window mask), without its mask."""
-        if not isinstance(q, torch.Tensor):
-            raise InputError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        if q.dim() != 4:
-            raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
+        _check_lookup(q)
         return _select(q.device, q.dtype, q.shape[3], q.shape[1], masked)
 
     def __call__(self, q, k, v, out=None, softmax_scale=None, causal=False, window=None, align="top_left",
@@ -247,7 +244,7 @@ class AutoAttention:
         except _CALL_ERRORS:
             attn = None
         if attn is None:
-            self.select(q)  # an InputError for a q that cannot be looked up
+            _check_lookup(q)
             attn = self.pick(q.device, q.dtype, q.shape[3], q.shape[1], mask)
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
 
@@ -269,17 +266,25 @@ class AutoAttention:
         return attn
 
 
+def _check_lookup(q: Any) -> None:
+    """InputError for a ``q`` whose shape cannot be looked up."""
+    if not isinstance(q, torch.Tensor):
+        raise InputError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise InputError(f"q must be 4-D (batch, seq, heads, d_head), got shape {tuple(q.shape)}")
+
+
 def _select(device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, masked: bool) -> KernelConfig:
     """The tuned or default config for a call's shape on ``device``."""
     from .dsl.dtypes import DType
     from .tune import lookup
 
-    if device.type != "cuda":
-        raise InputError(f"q is on {device}; flashgen kernels run on CUDA devices")
     try:
         fg_dtype = DType.parse(str(dtype))
     except ValueError:
         raise InputError(f"q has dtype {dtype}; flashgen kernels take float16 or bfloat16") from None
+    if device.type != "cuda":
+        raise InputError(f"q is on {device}; flashgen kernels run on CUDA devices")
     name, capability = device_facts(_device_index(device))
     return lookup(name, fg_dtype, int(d_head), int(seq_q), capability=capability, masked=masked)
 

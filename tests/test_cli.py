@@ -99,7 +99,7 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
     assert rc == 0, err
     cfgs = sweep_configs()
     names = [c.mangle() for c in cfgs]
-    assert set(tree(out)) == {f"{n}.cu" for n in names} | {f"{n}.binding.cpp" for n in names} | {"manifest.json"}
+    assert set(tree(out)) == {f"{n}.cu" for n in names} | {"manifest.json"}
     doc = json.loads((out / "manifest.json").read_text())
     assert [k["name"] for k in doc["kernels"]] == names
     for cfg, k in zip(cfgs, doc["kernels"]):
@@ -107,7 +107,7 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
         assert k["short_form"] == cfg.short_form() and k["hash"] == cfg.content_hash()
         assert k["threads"] == cfg.threads and k["smem_bytes"] == cfg.smem_bytes
         assert k["grid"] == "(ceil(seq_q / 64), heads, batch)"
-        assert k["files"] == {"kernel": f"{cfg.mangle()}.cu", "binding": f"{cfg.mangle()}.binding.cpp"}
+        assert k["files"] == {"kernel": f"{cfg.mangle()}.cu"}
         text = (out / k["files"]["kernel"]).read_text()
         assert f'extern "C" int {k["launcher"]}(' in text and cfg.short_form() in text
     # what was written and what was skipped, with the reason
@@ -143,7 +143,7 @@ def test_emit_a_short_form_replaces_the_previous_emit(tmp_path, capsys):
     other = parse_config(SMALL).replace(swizzled=True)
     rc, stdout, _ = run_cli(capsys, "emit", other.short_form(), "-o", out, "-j", "1")
     assert rc == 0
-    assert set(tree(out)) == {f"{other.mangle()}.cu", f"{other.mangle()}.binding.cpp", "manifest.json"}
+    assert set(tree(out)) == {f"{other.mangle()}.cu", "manifest.json"}
     assert f"removed {out / parse_config(SMALL).mangle()}.cu" in stdout
 
 

@@ -1,5 +1,5 @@
 """Plan -> CUDA C++ text: ``kernel`` (mma.sync engine), ``hopper_kernel`` (wgmma engine), ``ptx``
-(one builder per PTX family), ``binding`` (torch glue), ``sweep`` and ``writer`` (config files ->
+(one builder per PTX family), ``abi`` (the C launcher every kernel exports), ``sweep`` and ``writer`` (config files ->
 kernels_out/).
 
 The package is also the public function: ``flashgen.emit(cfg)`` returns the

@@ -1,8 +1,8 @@
 """HopperPlan -> standalone CUDA C++ (sm_90a): TMA producer, wgmma consumers, named-barrier pingpong.
 
 Same file shape as :mod:`flashgen.emit.kernel` (header with the plan, PTX helpers, the
-kernel, an ``extern "C"`` launcher taking the same argument struct, so the torch binding
-is shared). The launcher builds the three TMA tensor maps per call
+kernel, an ``extern "C"`` launcher taking the same argument struct (:mod:`flashgen.emit.abi`), so one
+launcher calls both engines' kernels). The launcher builds the three TMA tensor maps per call
 (``cuTensorMapEncodeTiled`` through the runtime's driver entry point: no -lcuda).
 Every shared-memory address, descriptor field, barrier count and the step order come
 from :func:`flashgen.dsl.hopper_plan.make_hopper_plan`.
@@ -685,7 +685,6 @@ def _plan_lines(plan: HopperPlan) -> list[str]:
 
 def emit_hopper(cfg: KernelConfig) -> KernelSource:
     """The CUDA source of one wgmma-engine config. Pure and deterministic."""
-    from .binding import binding_source
 
     plan = make_hopper_plan(cfg)
     name = cfg.mangle()
@@ -821,4 +820,4 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     )
     meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"({grid_doc})", gpu="compute capability 9.0 (sm_90a)",
                        strides="multiples of 8 elements (16 bytes)")
-    return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)
+    return KernelSource(name, insert_used(text, helpers), meta)

@@ -29,11 +29,10 @@ from .template import CodeTemplate
 
 @attrs.frozen
 class KernelSource:
-    """The emitted kernel: ``text`` (.cu), ``binding`` (torch C++ glue) and ``meta`` (JSON-able)."""
+    """The emitted kernel: ``text`` (.cu, with the C launcher of :mod:`flashgen.emit.abi`) and ``meta`` (JSON-able)."""
 
     name: str
     text: str
-    binding: str
     meta: dict
 
     @property
@@ -611,7 +610,7 @@ __global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params
 
 $args_struct
 
-// Scratch memory a launch uses (the torch binding asks every kernel): none here.
+// Scratch memory a launch uses (the launcher asks every kernel): none here.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     (void)a;
     *bytes = *zeroed = 0;
@@ -685,7 +684,6 @@ def _plan_lines(plan: KernelPlan) -> list[str]:
 
 def emit(cfg: KernelConfig) -> KernelSource:
     """The CUDA source of one config. Pure and deterministic."""
-    from .binding import binding_source
 
     if cfg.is_wgmma:
         from .hopper_kernel import emit_hopper
@@ -757,4 +755,4 @@ def emit(cfg: KernelConfig) -> KernelSource:
         s2g_values=plan.s2g_O.partition.tv.n_values,
     )
     meta = kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes)
-    return KernelSource(name, insert_used(text, helpers), binding_source(cfg, name), meta)
+    return KernelSource(name, insert_used(text, helpers), meta)

@@ -1,4 +1,4 @@
-"""Writing emitted kernels to a folder: ``<name>.cu``, ``<name>.binding.cpp``, ``manifest.json``.
+"""Writing emitted kernels to a folder: ``<name>.cu``, ``manifest.json``.
 
 ``<name>`` is :meth:`KernelConfig.mangle`. ``manifest.json`` lists every kernel of the
 folder in emission order (fields: :func:`manifest_entry`), JSON with sorted keys, so
@@ -45,8 +45,8 @@ class WriteError(OSError):
 
 
 def kernel_files(src: KernelSource) -> dict[str, str]:
-    """File name -> text of one kernel: the translation unit and its torch binding."""
-    return {f"{src.name}.cu": src.text, f"{src.name}.binding.cpp": src.binding}
+    """File name -> text of one kernel: its translation unit (kernel + C launcher, see flashgen.emit.abi)."""
+    return {f"{src.name}.cu": src.text}
 
 
 def _sha256(text: str) -> str:
@@ -58,12 +58,12 @@ def manifest_entry(src: KernelSource) -> dict:
 
     Fields: name, short_form, config (the knobs), hash (of the config), threads,
     smem_bytes (dynamic), grid (rule), launcher (C symbol), requires (shape rules),
-    files {kernel, binding}, sha256 {file name: digest of its text}.
+    files {kernel}, sha256 {file name: digest of its text}.
     """
     files = kernel_files(src)
-    cu, binding = list(files)
+    (cu,) = files
     entry = dict(src.meta)
-    entry["files"] = {"kernel": cu, "binding": binding}
+    entry["files"] = {"kernel": cu}
     entry["sha256"] = {name: _sha256(text) for name, text in files.items()}
     return entry
 

@@ -73,7 +73,6 @@ def main_loop(text: str) -> str:
 def test_emit_twice_gives_identical_bytes():
     a, b = emit(BASE), emit(BASE)
     assert a.text.encode() == b.text.encode()
-    assert a.binding == b.binding
     assert json.dumps(a.meta, sort_keys=True) == json.dumps(b.meta, sort_keys=True)
 
 
@@ -91,10 +90,10 @@ def test_emission_does_not_depend_on_the_process(source):
     code = (
         "import hashlib, sys; from flashgen.emit.kernel import emit; from flashgen.dsl.notation import parse_config;"
         "src = emit(parse_config(sys.argv[1])); "
-        "print(hashlib.sha256((src.text + src.binding).encode()).hexdigest())"
+        "print(hashlib.sha256(src.text.encode()).hexdigest())"
     )
     cfg = ASYNC_LAZY
-    want = hashlib.sha256((source(cfg).text + source(cfg).binding).encode()).hexdigest()
+    want = hashlib.sha256(source(cfg).text.encode()).hexdigest()
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code, cfg.short_form()], cwd=REPO, env=env,
                          capture_output=True, text=True, check=True)
@@ -123,7 +122,6 @@ def test_meta(source):
     assert m["threads"] == 128 and m["smem_bytes"] == BASE.smem_bytes == (128 + 2 * 64) * 128 * 2
     assert m["launcher"] == f"{BASE.mangle()}_launch" == src.launcher
     assert f'extern "C" int {src.launcher}(' in src.text
-    assert f"{src.launcher}(" in src.binding
 
 
 # ---- every knob -------------------------------------------------------------------------------

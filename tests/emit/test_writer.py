@@ -19,7 +19,7 @@ from flashgen.emit.writer import MANIFEST, WriteError, check_output_folder, rend
 def fake(name: str, body: str = "") -> KernelSource:
     meta = {"name": name, "short_form": f"({name})", "config": {"dtype": "fp16"}, "hash": "0" * 16, "threads": 128,
             "smem_bytes": 1024, "grid": "(seq_q / 64, heads, batch)", "launcher": f"{name}_launch", "requires": {}}
-    return KernelSource(name, f"// {name} kernel {body}\n", f"// {name} binding\n", meta)
+    return KernelSource(name, f"// {name} kernel {body}\n", meta)
 
 
 def tree(d: Path) -> dict[str, bytes]:
@@ -28,11 +28,11 @@ def tree(d: Path) -> dict[str, bytes]:
 
 def test_render_names_and_manifest():
     files = render([fake("k1"), fake("k0")])
-    assert list(files) == ["k1.cu", "k1.binding.cpp", "k0.cu", "k0.binding.cpp", MANIFEST]
+    assert list(files) == ["k1.cu", "k0.cu", MANIFEST]
     doc = json.loads(files[MANIFEST])
     assert [k["name"] for k in doc["kernels"]] == ["k1", "k0"]  # emission order, not sorted
     k1 = doc["kernels"][0]
-    assert k1["files"] == {"kernel": "k1.cu", "binding": "k1.binding.cpp"}
+    assert k1["files"] == {"kernel": "k1.cu"}
     for field in ("short_form", "config", "hash", "threads", "smem_bytes", "grid", "launcher"):
         assert field in k1
     import hashlib
@@ -45,7 +45,7 @@ def test_render_names_and_manifest():
 def test_write_new_folder(tmp_path):
     out = tmp_path / "a" / "kernels"
     rep = write_files(render([fake("k0")]), out)
-    assert tree(out).keys() == {"k0.cu", "k0.binding.cpp", MANIFEST}
+    assert tree(out).keys() == {"k0.cu", MANIFEST}
     assert set(rep.written) == set(tree(out)) and rep.unchanged == rep.removed == ()
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["kernels"]  # no temporary folder left
 
@@ -64,10 +64,12 @@ def test_a_new_emit_replaces_the_previous_one(tmp_path):
     write_files(render([fake("k0"), fake("k1")]), out)
     (out / "README.md").write_text("kept")
     rep = write_files(render([fake("k1", "v2"), fake("k2")]), out)
-    assert set(rep.removed) == {"k0.cu", "k0.binding.cpp"}
-    assert tree(out).keys() == {"k1.cu", "k1.binding.cpp", "k2.cu", "k2.binding.cpp", MANIFEST, "README.md"}
+    assert set(rep.removed) == {"k0.cu"}
+    assert tree(out).keys() == {"k1.cu", "k2.cu", MANIFEST, "README.md"}
     assert b"v2" in (out / "k1.cu").read_bytes()
-    assert "k1.cu" in rep.written and "k1.binding.cpp" in rep.unchanged
+    assert {"k1.cu", "k2.cu"} <= set(rep.written)
+    again = write_files(render([fake("k1", "v2"), fake("k2")]), out)
+    assert not again.written and {"k1.cu", "k2.cu", MANIFEST} <= set(again.unchanged)
 
 
 def test_foreign_files_need_force(tmp_path):

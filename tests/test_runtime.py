@@ -1,0 +1,144 @@
+"""The call path of ``compile("auto")`` on the CPU: dispatch, what a hit may not do, masks, torch.compile.
+
+The kernel side is replaced by doubles: building returns a record without compiling,
+loading hands out launcher handles, and a CPU implementation of ``flashgen::attention``
+records which handle each call reached and returns ``q + handle`` (so a test can tell
+kernels apart by the output). Everything between the user's call and the operator is
+the real code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen import runtime  # noqa: E402
+from flashgen.build import Built  # noqa: E402
+from flashgen.dsl.dtypes import DType  # noqa: E402
+from flashgen.tune import lookup  # noqa: E402
+
+REAL_SELECT = runtime._select
+
+
+class Kernels:
+    """Doubles for the build, the load and the device, with a log of what each was asked."""
+
+    def __init__(self):
+        self.built: list = []  # configs built, in order
+        self.selects: list = []  # (device, dtype, d_head, seq, masked) looked up
+        self.launched: list[int] = []  # handles the operator ran
+
+    def build(self, cfg, capability=None, verbose=False):
+        self.built.append(cfg)
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), tuple(capability), 0.0, True)
+
+    def load(self, built, verbose):
+        return len(self.built) - 1  # the handle of the kernel just built
+
+    def select(self, device, dtype, d_head, seq_q, masked):
+        self.selects.append((device, dtype, d_head, seq_q, masked))
+        return lookup("NVIDIA H100", DType.parse(str(dtype)), int(d_head), int(seq_q), cache={}, capability=(9, 0),
+                      masked=masked)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    k = Kernels()
+    monkeypatch.setattr(runtime, "build", k.build)
+    monkeypatch.setattr(runtime, "_load", k.load)
+    monkeypatch.setattr(runtime, "_select", k.select)
+    monkeypatch.setattr(runtime, "device_facts", lambda index: ("NVIDIA H100", (9, 0)))
+    monkeypatch.setattr(runtime, "_device_index", lambda device: 0)
+    monkeypatch.setattr(runtime.Attention, "check", lambda self, q, k_, v, out=None: None)  # CPU tensors pass
+
+    def attention(q, k_, v, kernel, scale, offset, left, right, return_lse):
+        k.launched.append(kernel)
+        return q + kernel, q.new_empty((0,), dtype=torch.float32)
+
+    lib = torch.library.Library("flashgen", "IMPL")
+    lib.impl("attention", attention, "CPU")
+    yield k
+    lib._destroy()
+
+
+def qkv(seq=64, d=128, dtype=torch.float16):
+    q = torch.zeros(2, seq, 4, d, dtype=dtype)
+    return q, q, q
+
+
+def no_device(*args, **kwargs):
+    raise AssertionError("the dispatch hit path asked the device")
+
+
+def test_a_hit_asks_the_device_nothing_and_reads_no_tuning_table(kernels, monkeypatch):
+    auto = runtime.compile("auto")
+    auto(*qkv())
+    assert len(kernels.selects) == 1 and len(kernels.built) == 1
+    for name in ("get_device_name", "get_device_capability", "get_device_properties", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, no_device)
+    monkeypatch.setattr(runtime, "device_facts", no_device)
+    monkeypatch.setattr(runtime, "_select", no_device)
+    for _ in range(3):
+        auto(*qkv())
+    assert kernels.launched == [0, 0, 0, 0]
+
+
+def test_the_first_masked_call_builds_only_the_masked_kernel(kernels):
+    auto = runtime.compile("auto")
+    o = auto(*qkv(), causal=True)
+    assert [c.mask for c in kernels.built] == ["causal"] and kernels.selects[0][-1] is True
+    assert torch.equal(o, qkv()[0] + 0)
+    auto(*qkv(), window=(8, 0))
+    assert [c.mask for c in kernels.built] == ["causal", "window"]
+    auto(*qkv())
+    assert [c.mask for c in kernels.built] == ["causal", "window", "none"]
+
+
+def test_lengths_of_one_bucket_share_a_kernel_and_other_buckets_may_not(kernels):
+    auto = runtime.compile("auto")
+    for seq in (2048, 2000, 2500):  # bucket 2048: the default takes the larger key block
+        auto(*qkv(seq))
+    auto(*qkv(512))
+    assert len(kernels.built) == 2 and kernels.built[0].B_c != kernels.built[1].B_c
+    assert kernels.launched == [0, 0, 0, 1]
+
+
+def test_calls_that_cannot_be_dispatched_raise_input_errors(kernels, monkeypatch):
+    monkeypatch.setattr(runtime, "_select", REAL_SELECT)  # the real checks of what can be looked up
+    auto = runtime.compile("auto")
+    with pytest.raises(runtime.InputError, match="q is on cpu; flashgen kernels run on CUDA devices"):
+        auto(*qkv())
+    with pytest.raises(runtime.InputError, match="float16 or bfloat16"):
+        auto(*qkv(dtype=torch.float32))
+    with pytest.raises(runtime.InputError, match="4-D"):
+        auto(torch.zeros(3, 4), torch.zeros(3, 4), torch.zeros(3, 4))
+    with pytest.raises(runtime.InputError, match="must be a torch.Tensor"):
+        auto([1], [1], [1])
+    with pytest.raises(runtime.InputError, match="either causal=True or window"):
+        auto(*qkv(), causal=True, window=(1, 1))
+    assert not kernels.built
+
+
+def test_torch_compile_fullgraph_picks_the_kernel_while_tracing(kernels):
+    auto = runtime.compile("auto")
+
+    def f(q, k, v):
+        return auto(q, k, v, causal=True) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(*qkv(64)), f(*qkv(64)))
+    assert torch.equal(compiled(*qkv(3000)), f(*qkv(3000)))  # another bucket: traced again (or guarded)
+    unmasked = torch.compile(lambda q, k, v: auto(q, k, v), fullgraph=True, backend="eager")
+    assert torch.equal(unmasked(*qkv(2048)), auto(*qkv(2048)))
+    assert unmasked(*qkv(2048))[0, 0, 0, 0] != compiled(*qkv(64))[0, 0, 0, 0] / 2  # not the causal kernel
+
+
+def test_an_attention_refuses_a_bad_align_and_builds_mask_variants_once(kernels):
+    attn = runtime.Attention(kernels.build(lookup("H100", DType.FP16, 128, 64, cache={}, capability=(9, 0)), (9, 0)))
+    with pytest.raises(runtime.InputError, match="align="):
+        attn(*qkv(), align="center")
+    attn(*qkv(), causal=True)
+    attn(*qkv(), causal=True)
+    assert [c.mask for c in kernels.built] == ["none", "causal"]
