@@ -1,0 +1,61 @@
+"""The real thing without a GPU: nvcc builds a kernel library, the launcher (g++ against torch's headers)
+loads it, and the operator checks a call before launching. Each case runs in a fresh interpreter
+(a launcher library can be loaded once per process) with its own cache folder.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.nvcc]
+
+_PRELUDE = """
+import sys, torch
+from flashgen import runtime
+from flashgen.build import build
+from flashgen.dsl.config import KernelConfig
+cfg = KernelConfig.from_dict({"dtype": "fp16", "d_head": 64, "B_r": 64, "B_c": 32, "n_warps": 4})
+"""
+
+
+def run(code: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLASHGEN_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-c", _PRELUDE + code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_kernel_library_loads_and_the_operator_checks_its_inputs(tmp_path, nvcc):
+    proc = run("""
+built = build(cfg, (8, 0))
+handle = runtime._load(built, False)
+q = torch.zeros(1, 8, 1, 64, dtype=torch.float16)
+for args, words in (((q, q, q, handle), "q is on cpu"), ((q, q, q, handle + 1), "no kernel with handle")):
+    try:
+        torch.ops.flashgen.attention(*args, 0.125, 0, -1, -1, False)
+        print("no error for", words)
+    except (ValueError, RuntimeError) as exc:
+        print(type(exc).__name__, exc)
+""", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("ValueError") and "q is on cpu; flashgen kernels run on CUDA devices" in lines[0]
+    assert lines[1].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[1]
+
+
+def test_a_library_that_does_not_load_is_rebuilt(tmp_path, nvcc):
+    first = run("built = build(cfg, (8, 0)); print(built.library)", tmp_path)
+    assert first.returncode == 0, first.stderr
+    library = Path(first.stdout.split()[-1])
+    size = library.stat().st_size
+    library.write_bytes(b"\0" * size)  # same size, not a library: only loading it tells
+    second = run("built = build(cfg, (8, 0)); print(runtime._load(built, False))", tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "does not load" in second.stderr and "rebuilding" in second.stderr
+    assert second.stdout.split()[-1] == "0" and library.read_bytes()[:4] == b"\x7fELF"
