@@ -54,6 +54,11 @@ def arch_flags(capability: tuple[int, int]) -> tuple[str, str]:
     return f"{major}.{minor}{suffix}", f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"
 
 
+def arch_name(capability: tuple[int, int]) -> str:
+    """The name nvcc and ``--arch`` use for a compute capability: sm_80, sm_90a."""
+    return "sm_" + arch_flags(capability)[0].replace(".", "")
+
+
 def nvcc_command(cu_path: Path, capability: tuple[int, int], out: str = "kernel.o") -> str:
     """The nvcc command that compiles the kernel translation unit alone, with the register report."""
     _, gencode = arch_flags(capability)
@@ -180,7 +185,7 @@ def _current_capability() -> tuple[int, int]:
     import torch
 
     if not torch.cuda.is_available():
-        raise BuildError("no CUDA device here: to build ahead of time for another GPU, run "
+        raise BuildError("no CUDA device here: to build ahead of time for a GPU that is not here, run "
                          "'flashgen build CFG --arch sm_90a' (or call flashgen.build.build(cfg, capability=(9, 0)))")
     return tuple(torch.cuda.get_device_capability())
 
@@ -216,21 +221,95 @@ def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool,
         return cfg.short_form(), 0.0, False, str(exc)
 
 
-def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int | None = None, progress: bool = True) -> dict[str, str]:
-    """Build many configs in parallel processes (warming the cache); returns {short form: error} for failures."""
+def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | None = None,
+               progress: bool = True) -> dict[str, str]:
+    """Build (config, capability) pairs in parallel processes, a progress line per kernel; {label: error} of failures."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = jobs or max(1, min(len(cfgs), os.cpu_count() or 1))
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     failures: dict[str, str] = {}
-    ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_build_worker, (c.to_dict(), tuple(capability))) for c in cfgs]
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(_build_worker, (c.to_dict(), tuple(cap))): (c, cap) for c, cap in jobs}
         for i, fut in enumerate(cf.as_completed(futures), 1):
             name, seconds, hit, err = fut.result()
+            arch = arch_name(futures[fut][1])
             if err:
-                failures[name] = err
+                failures[f"{name} for {arch}"] = err
             if progress:
-                status = "FAILED" if err else ("cached" if hit else f"{seconds:.1f} s")
-                print(f"[flashgen] built {i}/{len(cfgs)}: {name} ({status})", file=sys.stderr, flush=True)
+                status = "FAILED" if err else ("in the cache" if hit else f"{seconds:.1f} s")
+                print(f"[flashgen] [{i}/{len(jobs)}] {name} for {arch}: {status}", file=sys.stderr, flush=True)
     return failures
+
+
+def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int | None = None,
+               progress: bool = True) -> dict[str, str]:
+    """Build many configs for one GPU in parallel processes (warming the cache); {short form: error} of failures."""
+    failures = build_jobs([(c, tuple(capability)) for c in cfgs], jobs, progress)
+    return {label.rsplit(" for ", 1)[0]: err for label, err in failures.items()}
+
+
+# ---- flashgen build ---------------------------------------------------------------------------
+
+#: --arch names: the compute capabilities flashgen builds for (sm_90a: Hopper with wgmma/TMA).
+ARCH_NAMES = {arch_name(c): c for c in ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))}
+
+
+def add_arguments(p) -> None:
+    p.description = ("Build kernels into the cache ahead of time (FLASHGEN_CACHE, default ~/.cache/flashgen), so "
+                     "later flashgen.compile() calls of these configs only load them. Prints a line per kernel.")
+    p.add_argument("configs", nargs="+", metavar="CFG",
+                   help="YAML file, quoted short form, or named set (e.g. hopper, defaults)")
+    p.add_argument("--arch", action="append", choices=sorted(ARCH_NAMES),
+                   help="target GPU architecture; repeat for several (default: this machine's GPU). "
+                        "wgmma configs build only for sm_90a")
+    p.add_argument("-j", "--jobs", type=_positive_int, default=None,
+                   help="kernels built at once (default: the number of CPU cores)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def main(args) -> int:
+    from .cli import CommandError, resolve_configs
+
+    capabilities = [ARCH_NAMES[a] for a in args.arch] if args.arch else [_native_capability(CommandError)]
+    jobs, skipped = [], []
+    for cfg in resolve_configs(args.configs).configs:
+        for cap in capabilities:
+            try:
+                check_capability(cfg, cap)
+                jobs.append((cfg, cap))
+            except BuildError as exc:
+                skipped.append(str(exc))
+    if not jobs:
+        raise CommandError("nothing to build for " + ", ".join(arch_name(c) for c in capabilities) + ": "
+                           + (skipped[0] if skipped else "no config"))
+    if skipped and not args.quiet:
+        cache.warn(f"skipped {len(skipped)} (config, arch) pair(s) the arch cannot run, e.g. {skipped[0]}")
+    try:
+        cache.writable_root()
+    except cache.CacheError as exc:
+        raise CommandError(str(exc)) from None
+    failures = build_jobs(jobs, args.jobs, progress=not args.quiet)
+    for label, err in failures.items():
+        print(f"flashgen: FAILED {label}:\n{err}", file=sys.stderr)
+    print(f"{len(jobs) - len(failures)} of {len(jobs)} kernel(s) in the cache {cache.root()}")
+    return 1 if failures else 0
+
+
+def _native_capability(error: type[Exception]) -> tuple[int, int]:
+    try:
+        return _current_capability()
+    except BuildError:
+        raise error("no CUDA device here: name the target with --arch (" + ", ".join(sorted(ARCH_NAMES)) + ")") from None

@@ -56,6 +56,7 @@ Run 'flashgen COMMAND --help' for a command's options.
 
 # Subcommands whose options and implementation live in another module.
 _DELEGATED = {
+    "build": ("flashgen.build", "build kernels into the cache ahead of time (needs nvcc; a GPU or --arch)"),
     "bench": ("flashgen.bench", "time emitted kernels against PyTorch's SDPA backends (needs a CUDA GPU)"),
     "tune": ("flashgen.tune", "pick the fastest config per sequence length (needs a CUDA GPU)"),
 }
@@ -323,4 +324,7 @@ def _message(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # run the package's module, not this __main__ copy: subcommands raise flashgen.cli's own error types
+    from flashgen.cli import main as _main
+
+    sys.exit(_main())

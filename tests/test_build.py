@@ -147,3 +147,37 @@ def test_a_wgmma_kernel_is_refused_for_other_gpus():
         build_mod.build(KernelConfig.wgmma("bf16"), (8, 0))
     with pytest.raises(build_mod.BuildError, match="8.0 or newer"):
         build_mod.build(CFG, (7, 5))
+
+
+# ---- flashgen build ---------------------------------------------------------------------------
+
+
+def test_build_command_refuses_what_it_cannot_build(capsys, monkeypatch, tmp_path):
+    from flashgen.cli import main
+
+    monkeypatch.setenv("FLASHGEN_CACHE", str(tmp_path / "cache"))
+    assert main(["build", "hopper", "--arch", "sm_80"]) == 1
+    assert "nothing to build for sm_80" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["build", "defaults", "--arch", "sm_80", "-j", "0"])
+    assert exit_.value.code == 2 and "positive integer" in capsys.readouterr().err
+    monkeypatch.setattr(build_mod, "_current_capability", lambda: (_ for _ in ()).throw(build_mod.BuildError("no GPU")))
+    assert main(["build", "defaults"]) == 1
+    assert "name the target with --arch" in capsys.readouterr().err
+
+
+@pytest.mark.nvcc
+def test_build_command_fills_the_cache_ahead_of_time(capsys, monkeypatch, tmp_path, nvcc):
+    from flashgen.cli import main
+
+    monkeypatch.setenv("FLASHGEN_CACHE", str(tmp_path / "cache"))
+    cfgs = default_configs()[:2]
+    short = [c.short_form() for c in cfgs]
+    assert main(["build", *short, "hopper", "--arch", "sm_80", "-j", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped" in err and err.count("for sm_80: ") == 2  # the hopper set is not for sm_80: said once
+    for cfg in cfgs:
+        built = build_mod.build(cfg, (8, 0))
+        assert built.cache_hit and built.library.read_bytes()[:4] == b"\x7fELF"
+    assert main(["build", *short, "--arch", "sm_80", "-q"]) == 0
+    assert capsys.readouterr().err == ""
