@@ -144,6 +144,31 @@ def test_torch_compile_and_cuda_graph(built):
     check_close(static_out, q, k, v, 1 / math.sqrt(128))
 
 
+def test_auto_under_torch_compile_and_cuda_graph_capture():
+    """compile("auto") traces with fullgraph=True (the pick is a constant of the graph, sequence lengths of
+    another bucket retrace) and captures into a CUDA graph; a CPU tensor gets flashgen's InputError."""
+    import flashgen
+    from flashgen.runtime import InputError
+
+    auto = flashgen.compile("auto")
+    compiled = torch.compile(lambda q, k, v: auto(q, k, v, causal=True) * 2, fullgraph=True)
+    for seq in (200, 1000, 3000):
+        q, k, v = (torch.randn(1, seq, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        assert torch.equal(compiled(q, k, v), auto(q, k, v, causal=True) * 2)
+    out = torch.empty_like(q)
+    auto(q, k, v, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        auto(q, k, v, out=out)
+    out.fill_(float("nan"))
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    torch.cuda.synchronize()
+    check_close(out, q, k, v, 1 / math.sqrt(128))
+    with pytest.raises(InputError, match="flashgen kernels run on CUDA devices"):
+        auto(q.cpu(), k.cpu(), v.cpu())
+
+
 def test_second_process_hits_cache(built):
     cfg = default_configs()[0]
     code = (
