@@ -7,8 +7,9 @@ For each (config, arch) the kernel translation unit is compiled alone::
 
 and ptxas's ``-v`` report is parsed (:func:`parse_ptxas`) into registers, spill
 stores/loads, stack frame and static shared memory; the table adds the config's
-dynamic shared memory. Compiles run in a thread pool (each thread waits on one
-nvcc process). A failing compile reports the ``.cu`` path and the exact command.
+dynamic shared memory. Compiles run in worker processes (:func:`flashgen.workers.run_parallel`:
+Ctrl-C and SIGTERM end them and their nvcc at once). A failing compile reports the
+``.cu`` path and the exact command.
 
 Work folders live under ``$FLASHGEN_CACHE/check`` (default ``~/.cache/flashgen/check``),
 one per kernel text and compiler: ``<name>-<key>/`` with the ``.cu``, the objects and
@@ -18,9 +19,9 @@ successful result found there is reused (``use_cache=False`` recompiles).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -38,6 +39,7 @@ import attrs
 from .build import NVCC_FLAGS, arch_flags
 from .dsl.config import KernelConfig
 from .emit.kernel import KernelSource, emit
+from .workers import run_parallel
 
 #: Target name -> nvcc ``-gencode`` flag (the build stage's rule, so check compiles what compile() builds).
 ARCHS: dict[str, str] = {"sm_80": arch_flags((8, 0))[1], "sm_90a": arch_flags((9, 0))[1]}
@@ -242,18 +244,9 @@ def source_of(cfg: KernelConfig) -> KernelSource:
     return emit(cfg)
 
 
-class _Sources:
-    """Emit each config once, even when several threads ask for it at the same time."""
-
-    def __init__(self) -> None:
-        self._locks: dict[KernelConfig, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def get(self, cfg: KernelConfig) -> KernelSource:
-        with self._guard:
-            lock = self._locks.setdefault(cfg, threading.Lock())
-        with lock:
-            return source_of(cfg)
+def _private(path: Path) -> Path:
+    """A temporary name next to ``path`` that no other process or thread writes (then os.replace)."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
 def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
@@ -265,14 +258,15 @@ def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cu = d / f"{src.name}.cu"
     if not cu.exists() or cu.read_text() != src.text:
-        tmp = cu.with_name(f"{cu.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = _private(cu)
         tmp.write_text(src.text)
         os.replace(tmp, cu)  # atomic: a concurrent checker never sees half a file
     return d
 
 
-def _compile_one(cfg: KernelConfig, arch: str, nvcc: str, workdir: Path, sources: _Sources, use_cache: bool) -> CheckResult:
-    src = sources.get(cfg)
+def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult:  # worker of run_parallel
+    cfg, arch, nvcc, workdir, use_cache = task
+    src = source_of(cfg)
     d = _kernel_dir(workdir, src, nvcc, "check")
     cu = d / f"{src.name}.cu"
     obj = d / f"{src.name}.{arch}.o"
@@ -298,7 +292,7 @@ def _compile_one(cfg: KernelConfig, arch: str, nvcc: str, workdir: Path, sources
         ok = False
         log += "\nflashgen: ptxas printed no resource report for the kernel (is -Xptxas -v honoured?)"
     if ok:
-        tmp = log_path.with_name(f"{log_path.name}.{threading.get_ident()}.tmp")
+        tmp = _private(log_path)
         tmp.write_text(log)
         os.replace(tmp, log_path)
     else:
@@ -314,7 +308,7 @@ def check_configs(
     use_cache: bool = True,
     progress: Callable[[CheckResult, int, int], None] | None = None,
 ) -> list[CheckResult]:
-    """Compile every (config, arch) with nvcc in ``jobs`` parallel threads (default: cpu count).
+    """Compile every (config, arch) with nvcc in ``jobs`` processes (default: cpu count).
 
     Returns the results in (config, arch) order. Raises CheckError when nvcc is missing
     or an arch is unknown; a failing compile is a result with ``ok=False``.
@@ -331,19 +325,15 @@ def check_configs(
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckError(f"cannot create the work folder {workdir}: {exc.strerror or exc}") from None
-    jobs = max(1, jobs or os.cpu_count() or 1)
-    sources = _Sources()
     # wgmma-engine kernels exist for sm_90a only; the other archs skip them
     tasks = [(cfg, arch) for cfg in cfgs for arch in archs if not (cfg.is_wgmma and arch != "sm_90a")]
-    results: list[CheckResult | None] = [None] * len(tasks)
-    with cf.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_compile_one, cfg, arch, nvcc, workdir, sources, use_cache): i for i, (cfg, arch) in enumerate(tasks)}
-        for done, fut in enumerate(cf.as_completed(futures), 1):
-            res = fut.result()
-            results[futures[fut]] = res
-            if progress:
-                progress(res, done, len(tasks))
-    return results  # type: ignore[return-value]
+    done = itertools.count(1)
+
+    def report(i: int, res: CheckResult) -> None:
+        progress(res, next(done), len(tasks))  # type: ignore[misc]
+
+    work = [(cfg, arch, nvcc, workdir, use_cache) for cfg, arch in tasks]
+    return run_parallel(_compile_one, work, jobs, report if progress else None)
 
 
 def ptx_text(cfg: KernelConfig, arch: str = "sm_90a", workdir: "str | Path | None" = None) -> str:
@@ -356,7 +346,7 @@ def ptx_text(cfg: KernelConfig, arch: str = "sm_90a", workdir: "str | Path | Non
     out = d / f"{src.name}.{arch}.ptx"
     if out.exists():
         return out.read_text()
-    argv = ptx_command(nvcc, cu, arch, out.with_name(out.name + f".{threading.get_ident()}.tmp"))
+    argv = ptx_command(nvcc, cu, arch, _private(out))
     res = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     if res.returncode != 0:
         raise CheckError(

@@ -9,8 +9,10 @@ Every subcommand that takes configs accepts, for each ``CFG``:
 Errors in the input (bad YAML, unknown keys, malformed short forms, unbuildable
 configs, unwritable folders, a missing nvcc) print ``flashgen: error: ...`` to stderr
 and exit with status 1, without a traceback (set ``FLASHGEN_DEBUG=1`` to get one).
-Results go to stdout; progress to stderr. ``bench`` and ``tune`` are delegated to
-:mod:`flashgen.bench` and :mod:`flashgen.tune`, imported only when used.
+Results go to stdout; progress to stderr. Ctrl-C and SIGTERM stop the command at
+once, workers included, with one line on stderr and the exit status 130 or 143.
+``bench`` and ``tune`` are delegated to :mod:`flashgen.bench` and :mod:`flashgen.tune`,
+imported only when used.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -26,8 +29,11 @@ from typing import Sequence
 import yaml
 
 from .dsl.config import ConfigError
+from .workers import Terminated, sigterm_raises
 
 EXIT_ERROR = 1
+#: exit status of a command stopped by a signal: 128 + its number (the shells' convention)
+EXIT_SIGNAL_BASE = 128
 
 _CFG_HELP = (
     "YAML file (one config, a list or a sweep), a quoted short form like "
@@ -299,21 +305,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     errors = _input_errors()
     try:
-        delegated = {}
-        cmd = _command_of(argv)
-        if cmd in _DELEGATED:
-            delegated[cmd] = _import_feature(_DELEGATED[cmd][0], cmd)
-        parser = build_parser(delegated)
-        args = parser.parse_args(argv)
-        return int(args.run(args) or 0)
+        with sigterm_raises():
+            return _run(argv)
     except errors as exc:
         if os.environ.get("FLASHGEN_DEBUG"):
             raise
         print(f"flashgen: error: {_message(exc)}", file=sys.stderr)
         return EXIT_ERROR
+    # the workers are gone already (flashgen.workers.run_parallel)
+    except Terminated:
+        print("flashgen: terminated", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + signal.SIGTERM
     except KeyboardInterrupt:
         print("flashgen: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGNAL_BASE + signal.SIGINT
+
+
+def _run(argv: list[str]) -> int:
+    delegated = {}
+    cmd = _command_of(argv)
+    if cmd in _DELEGATED:
+        delegated[cmd] = _import_feature(_DELEGATED[cmd][0], cmd)
+    args = build_parser(delegated).parse_args(argv)
+    return int(args.run(args) or 0)
 
 
 def _message(exc: BaseException) -> str:

@@ -4,13 +4,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
 import pytest
+from procs import children, needs_proc, running, wait_for
 
 from flashgen.cli import main
 from flashgen.dsl.config import KernelConfig
@@ -221,6 +225,49 @@ def test_emit_refuses_a_foreign_folder_without_force(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "emit", SMALL, "-o", out)
     assert_clean_error(rc, err, "notes.txt", "--force")
     assert tree(out) == {"notes.txt": b"mine"}
+
+
+def _first_line_with(stream, text: str) -> str:
+    for line in stream:
+        if text in line:
+            return line
+    raise AssertionError(f"the command ended without printing {text!r}")
+
+
+@needs_proc
+@pytest.mark.parametrize("how, status, word", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+def test_a_signal_stops_a_parallel_emit_at_once(how, status, word, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's whole process group) or SIGTERM (to flashgen alone) in the
+    middle of a 192-kernel emit (~20 s in 2 processes): flashgen ends within a few seconds, with
+    one line and no traceback, writes nothing and leaves no process behind."""
+    sweep = tmp_path / "big.yaml"
+    sweep.write_text((REPO / "examples" / "tuning_space.yaml").read_text().replace("prune: seed", "prune: none"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "flashgen.cli", "emit", str(sweep), "-j", "2", "-o", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    watchdog = threading.Timer(60, proc.kill)  # the test fails rather than hangs
+    watchdog.start()
+    try:
+        _first_line_with(proc.stderr, "] emitted ")  # the workers run
+        workers = children(proc.pid)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert took < 3, f"took {took:.1f} s"
+    assert proc.returncode == status
+    assert err == f"flashgen: {word}\n"  # nothing from the workers either
+    assert len(workers) >= 2
+    assert wait_for(lambda: not any(running(p) for p in workers), timeout=2)
+    assert not out.exists()
 
 
 # ---- check -----------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""run_parallel: results in input order, and Ctrl-C, SIGTERM or a failing item end every worker
+and every process a worker started, at once."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from procs import needs_proc, running, wait_for
+
+from flashgen.workers import Terminated, run_parallel
+
+WAIT_S = 20  # generous bound for workers to start on a busy 2-core machine; passing runs take ~1 s
+
+
+# ---- worker functions: top level, so spawned workers can import them ---------------------------
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail_on_three(x: int) -> int:
+    if x == 3:
+        raise ValueError("three is not allowed")
+    time.sleep(0.2)
+    return x
+
+
+def quick_or_hang(folder: str | None) -> None:
+    """Return at once for None; else start a child process, note both pids in ``folder`` and hang."""
+    if folder is None:
+        return
+    child = subprocess.Popen(["sleep", "60"])
+    Path(folder, f"{os.getpid()}-{child.pid}").touch()
+    time.sleep(60)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def noted_pids(folder: Path) -> list[int]:
+    return [int(p) for f in folder.iterdir() for p in f.name.split("-")]
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_results_come_in_input_order(jobs):
+    seen = []
+    assert run_parallel(square, range(7), jobs, lambda i, r: seen.append((i, r))) == [x * x for x in range(7)]
+    assert sorted(seen) == [(x, x * x) for x in range(7)]  # once each, as they arrive
+
+
+def test_jobs_must_be_positive():
+    with pytest.raises(ValueError, match="jobs must be at least 1, got 0"):
+        run_parallel(square, [1, 2], 0)
+
+
+def test_a_failing_item_stops_the_rest():
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="three is not allowed"):
+        run_parallel(fail_on_three, [3] + [0] * 60, 2)  # the others would take 6 s
+    assert time.monotonic() - t0 < 5
+
+
+def raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+def send_sigterm_to_self():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises before this ends
+
+
+@needs_proc
+@pytest.mark.parametrize("stop, error", [(raise_keyboard_interrupt, KeyboardInterrupt),
+                                         (send_sigterm_to_self, Terminated)])
+def test_a_stop_ends_the_workers_and_their_children_at_once(stop, error, tmp_path):
+    """The quick item's result stops the run while two workers hang, each with a child process."""
+    before = signal.getsignal(signal.SIGTERM)
+    t0 = None
+
+    def on_result(i: int, result) -> None:
+        nonlocal t0
+        assert wait_for(lambda: len(list(tmp_path.iterdir())) == 2, WAIT_S), "the workers did not start"
+        t0 = time.monotonic()
+        stop()
+
+    with pytest.raises(error):
+        run_parallel(quick_or_hang, [None, str(tmp_path), str(tmp_path)], 3, on_result)
+    assert time.monotonic() - t0 < 3
+    pids = noted_pids(tmp_path)
+    assert len(pids) == 4
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=2), [p for p in pids if running(p)]
+    assert signal.getsignal(signal.SIGTERM) is before  # the SIGTERM handler was put back
