@@ -4,7 +4,7 @@ Every subcommand that takes configs accepts, for each ``CFG``:
 
 * a YAML file: one config, a list, or a sweep (see :mod:`flashgen.emit.sweep`);
 * a short form, quoted: ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``;
-* a named set: ``defaults``, ``progression``, ``progression-all``, ``tuning-space``, ``hopper``.
+* a named set (:data:`flashgen.dsl.sets.NAMED_SETS`, listed by ``flashgen --help``).
 
 Errors in the input (bad YAML, unknown keys, malformed short forms, unbuildable
 configs, unwritable folders, a missing nvcc) print ``flashgen: error: ...`` to stderr
@@ -28,6 +28,7 @@ from typing import Sequence
 
 import yaml
 
+from .dsl import sets
 from .dsl.config import ConfigError
 from .workers import Terminated, sigterm_raises
 
@@ -35,11 +36,13 @@ EXIT_ERROR = 1
 #: exit status of a command stopped by a signal: 128 + its number (the shells' convention)
 EXIT_SIGNAL_BASE = 128
 
-_CFG_HELP = (
-    "YAML file (one config, a list or a sweep), a quoted short form like "
-    "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
-    "or a named set: defaults, progression, progression-all, tuning-space, hopper"
-)
+def _cfg_help() -> str:
+    return (
+        "YAML file (one config, a list or a sweep), a quoted short form like "
+        "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
+        f"or a named set: {sets.listing()}"
+    )
+
 
 _DESCRIPTION = """\
 flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernels
@@ -51,14 +54,15 @@ flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernel
   flashgen bench / flashgen tune                     on a GPU
 """
 
-_EPILOG = """\
-CFG may be a YAML file (see examples/), a quoted short form
-"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+..." with mma.sync flags async,
-eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or wgmma flags wgmma,
-stages_N, pingpong, intra, persistent (either engine: causal, window), or one
-of the named sets defaults, progression, progression-all, tuning-space, hopper.
-Run 'flashgen COMMAND --help' for a command's options.
-"""
+def _epilog() -> str:
+    return textwrap.fill(
+        "CFG may be a YAML file (see examples/), a quoted short form "
+        "\"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+...\" with mma.sync flags async, "
+        "eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or wgmma flags wgmma, "
+        "stages_N, pingpong, intra, persistent (either engine: causal or window), or one "
+        f"of the named sets {sets.listing()}.", width=79,
+    ) + "\nRun 'flashgen COMMAND --help' for a command's options.\n"
+
 
 # Subcommands whose options and implementation live in another module.
 _DELEGATED = {
@@ -132,7 +136,7 @@ def _add_emit(sub) -> None:
         "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
     p.add_argument("-o", "--out", type=Path, default=Path("kernels_out"), metavar="DIR",
                    help="output folder (default: kernels_out/)")
     p.add_argument("--force", action="store_true",
@@ -192,7 +196,7 @@ def _add_check(sub) -> None:
         epilog="examples:\n  flashgen check defaults\n  flashgen check examples/progression.yaml --arch sm_90a -j 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
     check.add_arguments(p)
     p.set_defaults(run=_cmd_check)
 
@@ -223,7 +227,7 @@ def _add_simulate(sub) -> None:
         epilog="example:\n  flashgen simulate defaults --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(run=_cmd_simulate)
 
@@ -279,7 +283,7 @@ def build_parser(delegated: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashgen",
         description=_DESCRIPTION,
-        epilog=_EPILOG,
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"flashgen {__version__}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -22,6 +23,7 @@ from flashgen.dsl.notation import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = "(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles"
+COMMANDS = ("emit", "check", "simulate", "bench", "tune")
 
 SWEEP = """\
 # 4 combinations: Q=2 with K=0 is invalid, 3 kernels remain
@@ -70,7 +72,7 @@ def test_top_level_help(capsys):
     assert "defaults, progression, progression-all, tuning-space" in out
 
 
-@pytest.mark.parametrize("cmd", ["emit", "check", "simulate", "bench", "tune"])
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_subcommand_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
@@ -83,6 +85,29 @@ def test_subcommand_help(cmd, capsys):
         assert "--force" in out and "kernels_out" in out
     if cmd == "check":
         assert "--arch" in out and "sm_90a" in out and "--json" in out and "-j N" in out
+
+
+def _help(capsys, *argv: str) -> str:
+    """What ``flashgen ARGV --help`` prints, with argparse's line breaks undone."""
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # a break may follow a hyphen
+
+
+@pytest.mark.parametrize("argv", [(), ("emit",), ("check",), ("simulate",)])
+def test_help_lists_the_named_sets_of_the_registry(argv, capsys, monkeypatch):
+    from flashgen.dsl import sets
+
+    monkeypatch.setitem(sets.NAMED_SETS, "my-new-set", lambda: [])
+    assert "defaults, progression, progression-all, tuning-space, hopper, my-new-set" in _help(capsys, *argv)
+
+
+def test_help_names_only_files_that_exist(capsys):
+    text = " ".join(_help(capsys, *argv) for argv in [(), *((c,) for c in COMMANDS)])
+    named = set(re.findall(r"[\w./-]+\.md\b|examples/[\w.-]+", text))  # documents, examples
+    assert "examples/tuning_space.yaml" in named
+    assert [f for f in named if not (REPO / f).exists()] == []
 
 
 def test_no_command_is_a_usage_error(capsys):
@@ -225,6 +250,13 @@ def test_emit_refuses_a_foreign_folder_without_force(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "emit", SMALL, "-o", out)
     assert_clean_error(rc, err, "notes.txt", "--force")
     assert tree(out) == {"notes.txt": b"mine"}
+
+
+@pytest.mark.parametrize("arg, close", [("default", "'defaults'"), ("hopper.yaml", "'hopper'")])
+def test_a_near_miss_of_a_named_set_gets_a_suggestion(arg, close, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, "emit", arg)
+    assert_clean_error(rc, err, f"did you mean {close}?")
 
 
 def _first_line_with(stream, text: str) -> str:

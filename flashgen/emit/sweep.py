@@ -319,7 +319,7 @@ def resolve(spec: "str | Path") -> SweepResult:
     malformed raises NotationError; one naming an unbuildable kernel raises ConfigError
     (a single explicit config is not a sweep to skip from).
     """
-    from ..dsl.sets import NAMED_SETS
+    from ..dsl.sets import NAMED_SETS, did_you_mean, listing
 
     text = str(spec).strip()
     if text in NAMED_SETS:
@@ -329,11 +329,13 @@ def resolve(spec: "str | Path") -> SweepResult:
 
         return SweepResult((parse_config(text),))
     path = Path(text)
-    if path.exists() or path.suffix in (".yaml", ".yml"):
+    if path.exists():
         return load_sweep(path)
+    if path.suffix in (".yaml", ".yml"):
+        raise SweepError(f"{path}: no such config file{did_you_mean(text)}")
     raise SweepError(
         f"{text!r} is not a config file, a short form like '(FP16, 128, 128, 64, 4): async+eager+swizzled+"
-        f"load_2_2_2_tiles+buffer+opt_softmax', or a named set ({', '.join(NAMED_SETS)})"
+        f"load_2_2_2_tiles+buffer+opt_softmax', or a named set ({listing()}){did_you_mean(text)}"
     )
 
 

@@ -127,8 +127,20 @@ def test_resolve_named_sets_short_forms_and_files(tmp_path):
     f = tmp_path / "one.yaml"
     f.write_text("dtype: bf16\n")
     assert resolve(str(f)).configs == (KernelConfig(dtype="bf16"),)
-    with pytest.raises(SweepError, match="named set"):
+    with pytest.raises(SweepError, match="named set") as e:
         resolve("no-such-set")
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, close",
+    [("default", "'defaults'"), ("tuning_space", "'tuning-space'"), ("Hopper", "'hopper'"),
+     ("progresion", "'progression' or 'progression-all'"), ("hopper.yaml", "'hopper'")],
+)
+def test_resolve_suggests_close_named_sets(text, close, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no file of that name
+    with pytest.raises(SweepError, match=f"did you mean {close}\\?$"):
+        resolve(text)
     with pytest.raises(NotationError):
         resolve("(FP16, 128, 64, 4): nope")
     with pytest.raises(ConfigError, match="needs async_copy"):
