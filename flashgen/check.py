@@ -402,7 +402,9 @@ def failure_report(r: CheckResult) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=list(ARCHS), metavar="ARCH",
                    help=f"targets to compile for (default: {' '.join(DEFAULT_ARCHS)}; choices: {', '.join(ARCHS)})")
-    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+    from .cli import positive_int
+
+    p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="parallel nvcc processes (default: the number of CPUs)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",

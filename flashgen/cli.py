@@ -116,6 +116,17 @@ def _progress(msg: str) -> None:
     print(f"flashgen: {msg}", file=sys.stderr, flush=True)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of counts like ``-j``: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 # ---- emit ---------------------------------------------------------------------------------
 
 
@@ -141,7 +152,7 @@ def _add_emit(sub) -> None:
                    help="output folder (default: kernels_out/)")
     p.add_argument("--force", action="store_true",
                    help="write even into a folder holding files that flashgen did not write (they are left alone)")
-    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+    p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="emit in N processes (default: the number of CPUs)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line (and errors)")
     p.set_defaults(run=_cmd_emit)
@@ -153,7 +164,7 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     result = resolve_configs(args.cfg)
     check_output_folder(args.out, force=args.force)  # refuse a bad folder before the (slow) emission
     cfgs = list(result.configs)
-    jobs = max(1, args.jobs or os.cpu_count() or 1)
+    jobs = args.jobs or os.cpu_count() or 1
     _progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
     files = render(emit_all(cfgs, jobs, None if args.quiet else _progress))
     report = write_files(files, args.out, force=args.force)
@@ -204,8 +215,6 @@ def _add_check(sub) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import check
 
-    if args.jobs is not None and args.jobs < 1:
-        raise CommandError("--jobs must be at least 1")
     result = resolve_configs(args.cfg)
     _print_skipped(result, sys.stderr)
     return check.run(list(result.configs), args)

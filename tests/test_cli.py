@@ -252,6 +252,18 @@ def test_emit_refuses_a_foreign_folder_without_force(tmp_path, capsys):
     assert tree(out) == {"notes.txt": b"mine"}
 
 
+@pytest.mark.parametrize("cmd", ["emit", "check"])
+@pytest.mark.parametrize("jobs, words", [("0", "must be at least 1, got 0"), ("-3", "must be at least 1, got -3"),
+                                         ("two", "expected a positive whole number, got 'two'")])
+def test_jobs_must_be_a_positive_number(cmd, jobs, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, SMALL, "-o" if cmd == "emit" else "--workdir", str(tmp_path / "out"), "-j", jobs])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"flashgen {cmd}: error: argument -j/--jobs: {words}" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("arg, close", [("default", "'defaults'"), ("hopper.yaml", "'hopper'")])
 def test_a_near_miss_of_a_named_set_gets_a_suggestion(arg, close, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
