@@ -415,7 +415,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
-    """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr)."""
+    """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr).
+
+    Progress goes to stderr unless ``args.quiet``.
+    """
+    from .cli import progress_of
+
+    note = progress_of(args) or (lambda msg: None)
     total = len(cfgs) * len(set(args.arch))
 
     def progress(r: CheckResult, done: int, n: int) -> None:
@@ -424,10 +430,10 @@ def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
             what += " (cached)" if r.cached else f" ({r.seconds:.1f} s)"
         else:
             what = "FAILED"
-        print(f"flashgen: [{done}/{n}] {r.arch} {r.cfg.mangle()}: {what}", file=sys.stderr, flush=True)
+        note(f"[{done}/{n}] {r.arch} {r.cfg.mangle()}: {what}")
 
-    print(f"flashgen: compiling {len(cfgs)} config(s) x {len(set(args.arch))} arch(s) = {total} kernel(s) "
-          f"with {args.jobs or os.cpu_count()} job(s)", file=sys.stderr, flush=True)
+    note(f"compiling {len(cfgs)} config(s) x {len(set(args.arch))} arch(s) = {total} kernel(s) "
+         f"with {args.jobs or os.cpu_count()} job(s)")
     results = check_configs(cfgs, args.arch, args.jobs, args.workdir, not args.no_cache, progress)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True))

@@ -9,10 +9,10 @@ Every subcommand that takes configs accepts, for each ``CFG``:
 Errors in the input (bad YAML, unknown keys, malformed short forms, unbuildable
 configs, unwritable folders, a missing nvcc) print ``flashgen: error: ...`` to stderr
 and exit with status 1, without a traceback (set ``FLASHGEN_DEBUG=1`` to get one).
-Results go to stdout; progress to stderr. Ctrl-C and SIGTERM stop the command at
-once, workers included, with one line on stderr and the exit status 130 or 143.
-``bench`` and ``tune`` are delegated to :mod:`flashgen.bench` and :mod:`flashgen.tune`,
-imported only when used.
+Results go to stdout; progress and notes to stderr (``-q``: errors only). Ctrl-C and
+SIGTERM stop the command at once, workers included, with one line on stderr and the
+exit status 130 or 143. ``bench`` and ``tune`` are delegated to :mod:`flashgen.bench`
+and :mod:`flashgen.tune`, imported only when used.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import os
 import signal
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import yaml
 
@@ -35,6 +36,7 @@ from .workers import Terminated, sigterm_raises
 EXIT_ERROR = 1
 #: exit status of a command stopped by a signal: 128 + its number (the shells' convention)
 EXIT_SIGNAL_BASE = 128
+
 
 def _cfg_help() -> str:
     return (
@@ -53,6 +55,7 @@ flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernel
   flashgen simulate progression                      coverage / bank-conflict / schedule report (CPU only)
   flashgen bench / flashgen tune                     on a GPU
 """
+
 
 def _epilog() -> str:
     return textwrap.fill(
@@ -87,33 +90,45 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 # ---- config arguments ---------------------------------------------------------------------
 
 
-def resolve_configs(specs: Sequence[str]):
+def resolve_configs(specs: Sequence[str], verbose: bool = False):
     """The SweepResult of the CFG arguments; CommandError (with the reasons) when no config is valid."""
     from .emit.sweep import merge, resolve
 
     result = merge(resolve(s) for s in specs)
     if not result.configs:
-        lines = [s.describe() for s in result.skipped[:20]]
-        more = len(result.skipped) - len(lines)
-        detail = ("\n  " + "\n  ".join(lines) + (f"\n  ... and {more} more" if more > 0 else "")) if lines else ""
-        raise CommandError(
-            f"no valid config in {' '.join(specs)}: "
-            f"{len(result.skipped)} combination(s), all skipped{detail}"
-        )
+        head = f"no valid config in {' '.join(specs)}: all {len(result.skipped)} combination(s) skipped:"
+        raise CommandError("\n".join([head, *skip_lines(result.skipped, verbose)]))
     return result
+
+
+def skip_lines(skipped: Sequence, verbose: bool = False) -> list[str]:
+    """Skipped combinations for the reader: how many per reason, or (``verbose``) each with its knobs."""
+    if verbose:
+        return [f"  {s.describe()}" for s in skipped]
+    counts = Counter(s.category for s in skipped).most_common()
+    width = len(str(counts[0][1])) if counts else 0
+    return [f"  {n:>{width}} {reason}" for reason, n in counts]
 
 
 def _wrap(text: str) -> str:
     return textwrap.fill(text, width=79)
 
 
-def _print_skipped(result, stream) -> None:
-    for s in result.skipped:
-        print(f"skipped {s.describe()}", file=stream)
+def _print_skipped(result, args: argparse.Namespace, stream) -> None:
+    if not result.skipped or args.quiet:
+        return
+    hint = "" if args.verbose or len(result.skipped) == 1 else " (-v lists each)"
+    lines = [f"skipped {len(result.skipped)} combination(s){hint}:", *skip_lines(result.skipped, args.verbose)]
+    print("\n".join(lines), file=stream)
 
 
 def _progress(msg: str) -> None:
     print(f"flashgen: {msg}", file=sys.stderr, flush=True)
+
+
+def progress_of(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """Where a command's progress goes: stderr, or nowhere under ``-q``."""
+    return None if args.quiet else _progress
 
 
 def positive_int(text: str) -> int:
@@ -125,6 +140,18 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+_QUIET = "print no progress and no notes: stderr gets errors only"
+_VERBOSE = "list each skipped combination with its knobs, origin and reason (default: a count per reason)"
+
+
+def _add_common(p: argparse.ArgumentParser, quiet: str = _QUIET, verbose: str = _VERBOSE) -> None:
+    """The CFG arguments and the output options (-q, -v) of the commands that take configs."""
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true", help=quiet)
+    loud.add_argument("-v", "--verbose", action="store_true", help=verbose)
 
 
 # ---- emit ---------------------------------------------------------------------------------
@@ -139,7 +166,7 @@ def _add_emit(sub) -> None:
             "<name>.binding.cpp (the torch operator glue) and manifest.json describing every kernel "
             "(config, short form, hash, threads, shared memory, grid rule, launcher symbol, files). "
             "<name> is the config's mangled name. Invalid combinations of a sweep are skipped and "
-            "listed with their reason; if nothing is valid the command fails. Files are written "
+            "counted per reason (-v lists each); if nothing is valid the command fails. Files are written "
             "atomically (a failure leaves the folder as it was); afterwards the folder holds exactly "
             "this emit's kernels: those of a previous emit that are not in this one are removed."
         ),
@@ -147,26 +174,27 @@ def _add_emit(sub) -> None:
         "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
+    _add_common(p, quiet="print only the summary line: no file list, no progress, no notes (stderr gets errors only)")
     p.add_argument("-o", "--out", type=Path, default=Path("kernels_out"), metavar="DIR",
                    help="output folder (default: kernels_out/)")
     p.add_argument("--force", action="store_true",
                    help="write even into a folder holding files that flashgen did not write (they are left alone)")
     p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="emit in N processes (default: the number of CPUs)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line (and errors)")
     p.set_defaults(run=_cmd_emit)
 
 
 def _cmd_emit(args: argparse.Namespace) -> int:
     from .emit.writer import check_output_folder, emit_all, render, write_files
 
-    result = resolve_configs(args.cfg)
+    result = resolve_configs(args.cfg, args.verbose)
     check_output_folder(args.out, force=args.force)  # refuse a bad folder before the (slow) emission
     cfgs = list(result.configs)
     jobs = args.jobs or os.cpu_count() or 1
-    _progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
-    files = render(emit_all(cfgs, jobs, None if args.quiet else _progress))
+    progress = progress_of(args)
+    if progress:
+        progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
+    files = render(emit_all(cfgs, jobs, progress))
     report = write_files(files, args.out, force=args.force)
     out = report.out_dir
     if not args.quiet:
@@ -176,7 +204,7 @@ def _cmd_emit(args: argparse.Namespace) -> int:
             print(f"unchanged {out / name}")
         for name in report.removed:
             print(f"removed {out / name} (not in this emit)")
-        _print_skipped(result, sys.stdout)
+    _print_skipped(result, args, sys.stdout)
     parts = [f"{len(cfgs)} kernel(s) in {out}/ ({len(report.written)} file(s) written, {len(report.unchanged)} unchanged)"]
     if result.invalid:
         parts.append(f"{len(result.invalid)} invalid combination(s) skipped")
@@ -207,7 +235,7 @@ def _add_check(sub) -> None:
         epilog="examples:\n  flashgen check defaults\n  flashgen check examples/progression.yaml --arch sm_90a -j 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
+    _add_common(p)
     check.add_arguments(p)
     p.set_defaults(run=_cmd_check)
 
@@ -215,8 +243,8 @@ def _add_check(sub) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import check
 
-    result = resolve_configs(args.cfg)
-    _print_skipped(result, sys.stderr)
+    result = resolve_configs(args.cfg, args.verbose)
+    _print_skipped(result, args, sys.stderr)
     return check.run(list(result.configs), args)
 
 
@@ -236,19 +264,21 @@ def _add_simulate(sub) -> None:
         epilog="example:\n  flashgen simulate defaults --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
+    _add_common(p)
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(run=_cmd_simulate)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     report = _import_feature("flashgen.sim.report", "simulate")
-    result = resolve_configs(args.cfg)
-    _print_skipped(result, sys.stderr)
+    result = resolve_configs(args.cfg, args.verbose)
+    _print_skipped(result, args, sys.stderr)
     cfgs = list(result.configs)
+    progress = progress_of(args)
     reports = []
     for i, cfg in enumerate(cfgs, 1):
-        _progress(f"[{i}/{len(cfgs)}] simulating {cfg.mangle()}")
+        if progress:
+            progress(f"[{i}/{len(cfgs)}] simulating {cfg.mangle()}")
         reports.append(report.simulate_config(cfg))
     if args.json:
         print(json.dumps(reports, indent=2, sort_keys=True, default=str))

@@ -124,7 +124,7 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
     cfg_file = tmp_path / "sweep.yaml"
     cfg_file.write_text(SWEEP)
     out = tmp_path / "kernels"
-    rc, stdout, err = run_cli(capsys, "emit", cfg_file, "-o", out, "-j", "1")
+    rc, stdout, err = run_cli(capsys, "emit", cfg_file, "-o", out, "-j", "1", "-v")
     assert rc == 0, err
     cfgs = sweep_configs()
     names = [c.mangle() for c in cfgs]
@@ -139,13 +139,13 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
         assert k["files"] == {"kernel": f"{cfg.mangle()}.cu", "binding": f"{cfg.mangle()}.binding.cpp"}
         text = (out / k["files"]["kernel"]).read_text()
         assert f'extern "C" int {k["launcher"]}(' in text and cfg.short_form() in text
-    # what was written and what was skipped, with the reason
+    # what was written and (-v) each skipped combination, with its origin and reason
     for n in names:
         assert f"wrote {out / n}.cu" in stdout
-    skipped = [l for l in stdout.splitlines() if l.startswith("skipped")]
-    assert len(skipped) == 1
-    assert f"{cfg_file}:2" in skipped[0] and "Q_mma_load_K_tiles=2" in skipped[0]
-    assert "must equal the K tile count" in skipped[0]
+    listed = stdout.split("skipped 1 combination(s):\n")[1].splitlines()
+    assert f"{cfg_file}:2" in listed[0] and "Q_mma_load_K_tiles=2" in listed[0]
+    assert "must equal the K tile count" in listed[0]
+    assert listed[1].startswith("emitted ")  # one line per skipped combination, then the summary
     assert "3 kernel(s)" in stdout and "1 invalid combination(s) skipped" in stdout
     assert "emitting 3 kernel(s)" in err  # progress on stderr
 
@@ -200,7 +200,7 @@ def test_emit_all_invalid_is_an_error(tmp_path, capsys):
     f.write_text("dtype: fp16\nasync_copy: false\neager_load_blocks: true\nB_r: [64, 128]\n")
     out = tmp_path / "out"
     rc, _, err = run_cli(capsys, "emit", f, "-o", out)
-    assert_clean_error(rc, err, "no valid config", "2 combination(s), all skipped", "needs async_copy")
+    assert_clean_error(rc, err, "no valid config", "all 2 combination(s) skipped", "2 eager_load_blocks needs async_copy")
     assert not out.exists()
 
 
@@ -250,6 +250,57 @@ def test_emit_refuses_a_foreign_folder_without_force(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "emit", SMALL, "-o", out)
     assert_clean_error(rc, err, "notes.txt", "--force")
     assert tree(out) == {"notes.txt": b"mine"}
+
+
+MIXED_SWEEP = """\
+# 8 combinations: 4 without async_copy (eager needs it), 1 with Q=2, K=0; 3 kernels remain
+dtype: fp16
+B_r: 64
+B_c: 64
+async_copy: [false, true]
+eager_load_blocks: true
+Q_mma_load_K_tiles: [0, 2]
+K_mma_load_K_tiles: [0, 2]
+mma_double_buffer_loads: false
+"""
+
+
+def test_emit_counts_skipped_combinations_per_reason(tmp_path, capsys):
+    f = tmp_path / "sweep.yaml"
+    f.write_text(MIXED_SWEEP)
+    rc, out, err = run_cli(capsys, "emit", f, "-o", tmp_path / "k", "-j", "1")
+    assert rc == 0, err
+    assert ("skipped 5 combination(s) (-v lists each):\n"
+            "  4 eager_load_blocks needs async_copy\n"
+            "  1 Q_mma_load_K_tiles, K_mma_load_K_tiles: a non-zero Q tile count must equal the K tile count\n") in out
+    assert str(f) not in out  # no line per combination
+    rc, out, _ = run_cli(capsys, "emit", f, "-o", tmp_path / "k", "-j", "1", "--verbose")
+    listed = [line for line in out.splitlines() if line.startswith(f"  {f}:")]
+    assert len(listed) == 5 and sum("async_copy=False" in line for line in listed) == 4
+
+
+@pytest.mark.parametrize("cmd", ["emit", "simulate", "check"])
+def test_quiet_leaves_stderr_to_errors(cmd, tmp_path, capsys, monkeypatch):
+    f = tmp_path / "sweep.yaml"
+    f.write_text(MIXED_SWEEP)  # skipped combinations (a note), 3 configs (progress)
+    fake = types.ModuleType("flashgen.sim.report")
+    fake.simulate_config = lambda cfg: {"name": cfg.mangle()}
+    fake.format_report = lambda reports: "REPORT"
+    monkeypatch.setitem(sys.modules, "flashgen.sim.report", fake)
+    nvcc = tmp_path / "nvcc"  # prints a ptxas report and writes the object (the last argument)
+    nvcc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake; exit 0; fi\n'
+                    'for a; do out="$a"; done\n: > "$out"\n'
+                    "echo \"ptxas info    : Compiling entry function 'k' for 'sm_80'\" >&2\n"
+                    "echo 'ptxas info    : Used 90 registers, 400 bytes smem' >&2\n")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    extra = {"emit": ["-o", tmp_path / "k"], "simulate": [], "check": ["--arch", "sm_80", "--workdir", tmp_path / "w"]}[cmd]
+    rc, out, err = run_cli(capsys, cmd, f, "-j", "1", *extra) if cmd != "simulate" else run_cli(capsys, cmd, f)
+    assert rc == 0 and "skipped 5" in out + err and "[3/3]" in err  # without -q: notes and progress
+    rc, out, err = run_cli(capsys, cmd, f, "-q", *extra)
+    assert rc == 0 and err == "" and out
+    if cmd == "emit":
+        assert out.splitlines() == [out.strip()] and out.startswith("emitted 3 kernel(s)")
 
 
 @pytest.mark.parametrize("cmd", ["emit", "check"])
