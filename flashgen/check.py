@@ -9,7 +9,8 @@ and ptxas's ``-v`` report is parsed (:func:`parse_ptxas`) into registers, spill
 stores/loads, stack frame and static shared memory; the table adds the config's
 dynamic shared memory. Compiles run in worker processes (:func:`flashgen.workers.run_parallel`:
 Ctrl-C and SIGTERM end them and their nvcc at once). A failing compile reports the
-``.cu`` path and the exact command.
+``.cu`` path and the exact command. A (config, arch) pair that cannot exist, a wgmma
+kernel for sm_80, is not compiled (:func:`plan_checks` says why).
 
 Work folders live under ``$FLASHGEN_CACHE/check`` (default ``~/.cache/flashgen/check``),
 one per kernel text and compiler: ``<name>-<key>/`` with the ``.cu``, the objects and
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -49,7 +51,8 @@ COMPILE_TIMEOUT_S = 900
 
 
 class CheckError(RuntimeError):
-    """nvcc is missing or cannot be run (not a failing kernel: those are CheckResults)."""
+    """The check cannot run: nvcc is missing or cannot be run, or nothing can be compiled for
+    the chosen archs (not a failing kernel: those are CheckResults)."""
 
 
 # ---- nvcc ------------------------------------------------------------------------------
@@ -300,6 +303,27 @@ def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult
     return CheckResult(cfg, arch, ok, stats[0] if stats else None, cu, command, log, seconds)
 
 
+def arch_refusal(cfg: KernelConfig, arch: str) -> str | None:
+    """Why ``cfg`` cannot be compiled for ``arch``; None when it can."""
+    if cfg.is_wgmma and arch != "sm_90a":
+        return "wgmma kernels need sm_90a"
+    return None
+
+
+def plan_checks(
+    cfgs: Iterable[KernelConfig], archs: Sequence[str]
+) -> tuple[list[tuple[KernelConfig, str]], list[tuple[KernelConfig, str, str]]]:
+    """The (config, arch) pairs to compile, in that order, and those that cannot be, with why."""
+    tasks, refused = [], []
+    for cfg, arch in itertools.product(dict.fromkeys(cfgs), dict.fromkeys(archs)):
+        why = arch_refusal(cfg, arch)
+        if why:
+            refused.append((cfg, arch, why))
+        else:
+            tasks.append((cfg, arch))
+    return tasks, refused
+
+
 def check_configs(
     cfgs: Iterable[KernelConfig],
     archs: Sequence[str] = DEFAULT_ARCHS,
@@ -308,13 +332,12 @@ def check_configs(
     use_cache: bool = True,
     progress: Callable[[CheckResult, int, int], None] | None = None,
 ) -> list[CheckResult]:
-    """Compile every (config, arch) with nvcc in ``jobs`` processes (default: cpu count).
+    """Compile every (config, arch) of :func:`plan_checks` with nvcc in ``jobs`` processes
+    (default: cpu count); the pairs it refuses are left out.
 
     Returns the results in (config, arch) order. Raises CheckError when nvcc is missing
     or an arch is unknown; a failing compile is a result with ``ok=False``.
     """
-    cfgs = list(dict.fromkeys(cfgs))
-    archs = list(dict.fromkeys(archs))
     for arch in archs:
         if arch not in ARCHS:
             raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
@@ -325,8 +348,7 @@ def check_configs(
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckError(f"cannot create the work folder {workdir}: {exc.strerror or exc}") from None
-    # wgmma-engine kernels exist for sm_90a only; the other archs skip them
-    tasks = [(cfg, arch) for cfg in cfgs for arch in archs if not (cfg.is_wgmma and arch != "sm_90a")]
+    tasks, _ = plan_checks(cfgs, archs)
     done = itertools.count(1)
 
     def report(i: int, res: CheckResult) -> None:
@@ -414,15 +436,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also exit non-zero when a kernel spills or has a stack frame")
 
 
+def refusal_lines(refused: Sequence[tuple[KernelConfig, str, str]], verbose: bool = False) -> list[str]:
+    """The pairs :func:`plan_checks` refused: a count per (arch, reason), or (``verbose``) each config."""
+    if verbose:
+        return [f"not compiled for {arch}: {cfg.short_form()}: {why}" for cfg, arch, why in refused]
+    counts = Counter((arch, why) for _, arch, why in refused)
+    return [f"{n} config(s) not compiled for {arch}: {why}" for (arch, why), n in counts.items()]
+
+
 def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
     """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr).
 
-    Progress goes to stderr unless ``args.quiet``.
+    Notes and progress go to stderr unless ``args.quiet``; CheckError when no pair can be compiled.
     """
+    tasks, refused = plan_checks(cfgs, args.arch)
+    if not tasks:
+        why = Counter(why for _, _, why in refused)
+        raise CheckError(f"nothing to compile for --arch {' '.join(args.arch)}: "
+                         + "; ".join(f"{reason} ({n} config(s))" for reason, n in why.items()))
     from .cli import progress_of
 
     note = progress_of(args) or (lambda msg: None)
-    total = len(cfgs) * len(set(args.arch))
+    for line in refusal_lines(refused, args.verbose):
+        note(line)
 
     def progress(r: CheckResult, done: int, n: int) -> None:
         if r.ok and r.stats:
@@ -432,8 +468,8 @@ def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
             what = "FAILED"
         note(f"[{done}/{n}] {r.arch} {r.cfg.mangle()}: {what}")
 
-    note(f"compiling {len(cfgs)} config(s) x {len(set(args.arch))} arch(s) = {total} kernel(s) "
-         f"with {args.jobs or os.cpu_count()} job(s)")
+    jobs = min(args.jobs or os.cpu_count() or 1, len(tasks))
+    note(f"compiling {len(tasks)} kernel(s) with {jobs} job(s)")
     results = check_configs(cfgs, args.arch, args.jobs, args.workdir, not args.no_cache, progress)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True))

@@ -235,7 +235,7 @@ def _add_check(sub) -> None:
         epilog="examples:\n  flashgen check defaults\n  flashgen check examples/progression.yaml --arch sm_90a -j 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_common(p)
+    _add_common(p, verbose=_VERBOSE + "; likewise each config that an --arch cannot take")
     check.add_arguments(p)
     p.set_defaults(run=_cmd_check)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from procs import children, needs_proc, running, wait_for
 
-from flashgen.cli import main
+from flashgen.cli import build_parser, main
 from flashgen.dsl.config import KernelConfig
 from flashgen.dsl.notation import parse_config
 
@@ -366,6 +366,13 @@ def test_a_signal_stops_a_parallel_emit_at_once(how, status, word, tmp_path):
 
 
 # ---- check -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--fail-on-spill"], ["--json"]])
+def test_check_refuses_an_arch_no_config_can_be_compiled_for(extra, capsys):
+    rc, out, err = run_cli(capsys, "check", REPO / "examples" / "hopper.yaml", "--arch", "sm_80", *extra)
+    assert_clean_error(rc, err, "nothing to compile for --arch sm_80", "wgmma kernels need sm_90a (2 config(s))")
+    assert rc == 1 and out == ""
 
 
 @pytest.mark.nvcc
