@@ -14,7 +14,10 @@ in input order. Its contract on the way out:
   every worker).
 
 A plain ``with ProcessPoolExecutor()`` waits, on the way out, for every queued item
-to finish: that is why a Ctrl-C used to take effect only after the whole job.
+to finish: that is why a Ctrl-C used to take effect only after the whole job. And
+while the executor works, the parent notes SIGINT and SIGTERM instead of raising at
+whatever line runs: an exception raised inside one of the executor's locks can leave
+it held, and the interpreter's exit then waits forever for the executor's thread.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 #: seconds the workers get to exit after SIGTERM before they are killed
 GRACE_S = 1.0
+#: seconds between two looks at the noted signals while results are awaited
+POLL_S = 0.1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -60,8 +65,34 @@ def sigterm_raises() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _stop_signals_noted() -> Iterator[list[int]]:
+    """Within the block, SIGINT and SIGTERM are appended to the yielded list instead of raising
+    (those that are ignored stay ignored); the previous handlers are restored after. Only the
+    main thread has signal handlers: elsewhere the list stays empty."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: noted.append(signum))
+    try:
+        yield noted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _raise_if_noted(signals: list[int]) -> None:
+    """Raise what the first noted signal means: Terminated for SIGTERM, else KeyboardInterrupt."""
+    if signals:
+        raise Terminated(signals[0]) if signals[0] == signal.SIGTERM else KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def _stop_signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while workers are started; they are delivered when the block ends.
+    """Hold SIGINT and SIGTERM while workers start; they are delivered when the block ends.
 
     The signal mask survives fork and exec, so a worker starts with both blocked and a
     Ctrl-C that reaches it before :func:`_worker_init` ran stays pending there (and is then
@@ -91,9 +122,10 @@ def _signal_group(proc: mp.process.BaseProcess, sig: int) -> None:
 
 def _stop(pool: cf.ProcessPoolExecutor) -> None:
     """Cancel what has not started and end every worker (and its children) now."""
-    # _processes is private, but the executor offers no other handle on its workers
-    # before Python 3.14 (terminate_workers); shutdown() drops it, so read it first.
+    # The executor offers no handle on its workers and queues (before Python 3.14's
+    # terminate_workers), so this reads private fields; shutdown() drops them: read them first.
     procs = [p for p in (pool._processes or {}).values() if p.pid is not None]
+    results, manager = pool._result_queue, pool._executor_manager_thread
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         _signal_group(p, signal.SIGTERM)
@@ -102,7 +134,14 @@ def _stop(pool: cf.ProcessPoolExecutor) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:  # workers still alive, and children that outlived their worker (same group)
         _signal_group(p, signal.SIGKILL)
-        p.join()
+        p.join(GRACE_S)  # bounded: a process stuck in the kernel must not hang flashgen
+    # A worker killed while sending a result leaves half a message in the result pipe, and the
+    # executor's thread waits for the rest forever (and interpreter exit waits for that thread).
+    # With this writer closed too, no writer is left: the thread reads end-of-file and ends.
+    if results is not None:
+        results._writer.close()
+    if manager is not None:  # wound down here, while signals are still noted, not at interpreter exit
+        manager.join(GRACE_S)
 
 
 def run_parallel(
@@ -115,7 +154,7 @@ def run_parallel(
 
     ``fn`` must be a top-level function and the items and results picklable. ``on_result(index,
     result)`` is called in this process as each result arrives (completion order), e.g. for
-    progress. With one job or one item everything runs here, without a process. An exception
+    progress; keep it quick: a stop is noticed between results. With one job or one item everything runs here, without a process. An exception
     of ``fn``, Ctrl-C or SIGTERM stops all work at once (see the module docstring) and propagates.
     """
     items = list(items)
@@ -123,10 +162,10 @@ def run_parallel(
         jobs = os.cpu_count() or 1
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    with sigterm_raises():
-        if jobs == 1 or len(items) <= 1:
+    if jobs == 1 or len(items) <= 1:
+        with sigterm_raises():
             return _run_here(fn, items, on_result)
-        return _run_in_processes(fn, items, min(jobs, len(items)), on_result)
+    return _run_in_processes(fn, items, min(jobs, len(items)), on_result)
 
 
 def _run_here(fn: Callable, items: list, on_result: Callable | None) -> list:
@@ -138,19 +177,32 @@ def _run_here(fn: Callable, items: list, on_result: Callable | None) -> list:
     return results
 
 
+def _as_completed(futures: Iterable[cf.Future], signals: list[int]) -> Iterator[cf.Future]:
+    """The futures as they complete; raises as soon as a stop signal is noted (within POLL_S)."""
+    pending = set(futures)
+    while pending:
+        done, pending = cf.wait(pending, POLL_S, return_when=cf.FIRST_COMPLETED)
+        for fut in done:
+            _raise_if_noted(signals)
+            yield fut
+        _raise_if_noted(signals)  # also after a wait that timed out
+
+
 def _run_in_processes(fn: Callable, items: list, workers: int, on_result: Callable | None) -> list:
     results: list = [None] * len(items)
     pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
-    try:
-        with _stop_signals_held():  # the executor starts its workers inside submit()
-            futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
-        for fut in cf.as_completed(futures):
-            i = futures[fut]
-            results[i] = fut.result()
-            if on_result:
-                on_result(i, results[i])
-    except BaseException:
-        _stop(pool)
-        raise
-    pool.shutdown(wait=True)
+    with _stop_signals_noted() as signals:
+        try:
+            with _stop_signals_held():  # the executor starts its workers inside submit()
+                futures = {pool.submit(fn, item): i for i, item in enumerate(items)}
+            for fut in _as_completed(futures, signals):
+                i = futures[fut]
+                results[i] = fut.result()
+                if on_result:
+                    on_result(i, results[i])
+        except BaseException:
+            _stop(pool)
+            raise
+        pool.shutdown(wait=True)
+    _raise_if_noted(signals)  # one came while the last workers exited: the work is done, yet asked to stop
     return results

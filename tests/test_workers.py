@@ -2,9 +2,14 @@
 and every process a worker started, at once."""
 from __future__ import annotations
 
+import gc
+import multiprocessing.queues
 import os
 import signal
+import struct
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -36,6 +41,18 @@ def quick_or_hang(folder: str | None) -> None:
         return
     child = subprocess.Popen(["sleep", "60"])
     Path(folder, f"{os.getpid()}-{child.pid}").touch()
+    time.sleep(60)
+
+
+def quick_or_half_sent(folder: str | None) -> None:
+    """Return at once for None; else, once ``folder``/go exists, write half a result message
+    to the executor's result pipe, as a worker killed while sending leaves it, and hang."""
+    if folder is None:
+        return
+    assert wait_for(lambda: Path(folder, "go").exists(), WAIT_S)
+    (results,) = [o for o in gc.get_objects() if isinstance(o, multiprocessing.queues.SimpleQueue)]
+    os.write(results._writer.fileno(), struct.pack("!i", 1000) + b"only 16 of 1000")
+    Path(folder, "sent").touch()
     time.sleep(60)
 
 
@@ -74,7 +91,6 @@ def raise_keyboard_interrupt():
 
 def send_sigterm_to_self():
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(5)  # the handler raises before this ends
 
 
 @needs_proc
@@ -98,3 +114,28 @@ def test_a_stop_ends_the_workers_and_their_children_at_once(stop, error, tmp_pat
     assert len(pids) == 4
     assert wait_for(lambda: not any(running(p) for p in pids), timeout=2), [p for p in pids if running(p)]
     assert signal.getsignal(signal.SIGTERM) is before  # the SIGTERM handler was put back
+
+
+def test_a_worker_stopped_while_sending_a_result_does_not_hang_the_exit(tmp_path):
+    """A worker killed halfway through sending a result must not leave the executor's thread
+    waiting for the rest of the message: the interpreter's exit would wait for that thread."""
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        sys.path[:0] = [{str(Path(__file__).parent)!r}]
+        from test_workers import quick_or_half_sent, wait_for
+        from flashgen.workers import run_parallel
+
+        def on_result(i, result):
+            Path({str(tmp_path)!r}, "go").touch()
+            assert wait_for(lambda: Path({str(tmp_path)!r}, "sent").exists(), 20)
+            raise KeyboardInterrupt
+
+        try:
+            run_parallel(quick_or_half_sent, [None, {str(tmp_path)!r}], 2, on_result)
+        except KeyboardInterrupt:
+            print("stopped")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout == "stopped\n", proc.stderr
