@@ -383,7 +383,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"],
                    help="element types (default: fp16 bf16)")
     p.add_argument("--seqs", nargs="+", type=int,
-                   help=f"sequence lengths among {' '.join(str(s) for s, _ in SHAPES)} (default: all, BENCHMARK.md's shapes)")
+                   help=f"sequence lengths among {' '.join(str(s) for s, _ in SHAPES)} (default: all)")
     p.add_argument("--d-heads", nargs="+", type=int, default=[128], help="head dimensions (default: 128)")
     p.add_argument("--causal", choices=["no", "yes", "both"], default="no", help="non-causal, causal or both")
     p.add_argument("--rounds", type=int, default=3,

@@ -7,8 +7,10 @@ For each (config, arch) the kernel translation unit is compiled alone::
 
 and ptxas's ``-v`` report is parsed (:func:`parse_ptxas`) into registers, spill
 stores/loads, stack frame and static shared memory; the table adds the config's
-dynamic shared memory. Compiles run in a thread pool (each thread waits on one
-nvcc process). A failing compile reports the ``.cu`` path and the exact command.
+dynamic shared memory. Compiles run in worker processes (:func:`flashgen.workers.run_parallel`:
+Ctrl-C and SIGTERM end them and their nvcc at once). A failing compile reports the
+``.cu`` path and the exact command. A (config, arch) pair that cannot exist, a wgmma
+kernel for sm_80, is not compiled (:func:`plan_checks` says why).
 
 Work folders live under ``$FLASHGEN_CACHE/check`` (default ``~/.cache/flashgen/check``),
 one per kernel text and compiler: ``<name>-<key>/`` with the ``.cu``, the objects and
@@ -18,9 +20,9 @@ successful result found there is reused (``use_cache=False`` recompiles).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -38,6 +41,7 @@ from .build import NVCC_FLAGS, arch_flags
 from .dsl.config import KernelConfig
 from .emit.kernel import KernelSource, emit
 from .toolchain import find_nvcc
+from .workers import run_parallel
 
 #: Target name -> nvcc ``-gencode`` flag (the build stage's rule, so check compiles what compile() builds).
 ARCHS: dict[str, str] = {"sm_80": arch_flags((8, 0))[1], "sm_90a": arch_flags((9, 0))[1]}
@@ -47,7 +51,8 @@ COMPILE_TIMEOUT_S = 900
 
 
 class CheckError(RuntimeError):
-    """nvcc is missing or cannot be run (not a failing kernel: those are CheckResults)."""
+    """The check cannot run: nvcc is missing or cannot be run, or nothing can be compiled for
+    the chosen archs (not a failing kernel: those are CheckResults)."""
 
 
 # ---- nvcc ------------------------------------------------------------------------------
@@ -228,18 +233,9 @@ def source_of(cfg: KernelConfig) -> KernelSource:
     return emit(cfg)
 
 
-class _Sources:
-    """Emit each config once, even when several threads ask for it at the same time."""
-
-    def __init__(self) -> None:
-        self._locks: dict[KernelConfig, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def get(self, cfg: KernelConfig) -> KernelSource:
-        with self._guard:
-            lock = self._locks.setdefault(cfg, threading.Lock())
-        with lock:
-            return source_of(cfg)
+def _private(path: Path) -> Path:
+    """A temporary name next to ``path`` that no other process or thread writes (then os.replace)."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
 def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
@@ -251,14 +247,15 @@ def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cu = d / f"{src.name}.cu"
     if not cu.exists() or cu.read_text() != src.text:
-        tmp = cu.with_name(f"{cu.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = _private(cu)
         tmp.write_text(src.text)
         os.replace(tmp, cu)  # atomic: a concurrent checker never sees half a file
     return d
 
 
-def _compile_one(cfg: KernelConfig, arch: str, nvcc: str, workdir: Path, sources: _Sources, use_cache: bool) -> CheckResult:
-    src = sources.get(cfg)
+def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult:  # worker of run_parallel
+    cfg, arch, nvcc, workdir, use_cache = task
+    src = source_of(cfg)
     d = _kernel_dir(workdir, src, nvcc, "check")
     cu = d / f"{src.name}.cu"
     obj = d / f"{src.name}.{arch}.o"
@@ -284,12 +281,33 @@ def _compile_one(cfg: KernelConfig, arch: str, nvcc: str, workdir: Path, sources
         ok = False
         log += "\nflashgen: ptxas printed no resource report for the kernel (is -Xptxas -v honoured?)"
     if ok:
-        tmp = log_path.with_name(f"{log_path.name}.{threading.get_ident()}.tmp")
+        tmp = _private(log_path)
         tmp.write_text(log)
         os.replace(tmp, log_path)
     else:
         log_path.unlink(missing_ok=True)
     return CheckResult(cfg, arch, ok, stats[0] if stats else None, cu, command, log, seconds)
+
+
+def arch_refusal(cfg: KernelConfig, arch: str) -> str | None:
+    """Why ``cfg`` cannot be compiled for ``arch``; None when it can."""
+    if cfg.is_wgmma and arch != "sm_90a":
+        return "wgmma kernels need sm_90a"
+    return None
+
+
+def plan_checks(
+    cfgs: Iterable[KernelConfig], archs: Sequence[str]
+) -> tuple[list[tuple[KernelConfig, str]], list[tuple[KernelConfig, str, str]]]:
+    """The (config, arch) pairs to compile, in that order, and those that cannot be, with why."""
+    tasks, refused = [], []
+    for cfg, arch in itertools.product(dict.fromkeys(cfgs), dict.fromkeys(archs)):
+        why = arch_refusal(cfg, arch)
+        if why:
+            refused.append((cfg, arch, why))
+        else:
+            tasks.append((cfg, arch))
+    return tasks, refused
 
 
 def check_configs(
@@ -300,13 +318,12 @@ def check_configs(
     use_cache: bool = True,
     progress: Callable[[CheckResult, int, int], None] | None = None,
 ) -> list[CheckResult]:
-    """Compile every (config, arch) with nvcc in ``jobs`` parallel threads (default: cpu count).
+    """Compile every (config, arch) of :func:`plan_checks` with nvcc in ``jobs`` processes
+    (default: cpu count); the pairs it refuses are left out.
 
     Returns the results in (config, arch) order. Raises CheckError when nvcc is missing
     or an arch is unknown; a failing compile is a result with ``ok=False``.
     """
-    cfgs = list(dict.fromkeys(cfgs))
-    archs = list(dict.fromkeys(archs))
     for arch in archs:
         if arch not in ARCHS:
             raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
@@ -317,19 +334,14 @@ def check_configs(
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckError(f"cannot create the work folder {workdir}: {exc.strerror or exc}") from None
-    jobs = max(1, jobs or os.cpu_count() or 1)
-    sources = _Sources()
-    # wgmma-engine kernels exist for sm_90a only; the other archs skip them
-    tasks = [(cfg, arch) for cfg in cfgs for arch in archs if not (cfg.is_wgmma and arch != "sm_90a")]
-    results: list[CheckResult | None] = [None] * len(tasks)
-    with cf.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_compile_one, cfg, arch, nvcc, workdir, sources, use_cache): i for i, (cfg, arch) in enumerate(tasks)}
-        for done, fut in enumerate(cf.as_completed(futures), 1):
-            res = fut.result()
-            results[futures[fut]] = res
-            if progress:
-                progress(res, done, len(tasks))
-    return results  # type: ignore[return-value]
+    tasks, _ = plan_checks(cfgs, archs)
+    done = itertools.count(1)
+
+    def report(i: int, res: CheckResult) -> None:
+        progress(res, next(done), len(tasks))  # type: ignore[misc]
+
+    work = [(cfg, arch, nvcc, workdir, use_cache) for cfg, arch in tasks]
+    return run_parallel(_compile_one, work, jobs, report if progress else None)
 
 
 def ptx_text(cfg: KernelConfig, arch: str = "sm_90a", workdir: "str | Path | None" = None) -> str:
@@ -342,7 +354,7 @@ def ptx_text(cfg: KernelConfig, arch: str = "sm_90a", workdir: "str | Path | Non
     out = d / f"{src.name}.{arch}.ptx"
     if out.exists():
         return out.read_text()
-    argv = ptx_command(nvcc, cu, arch, out.with_name(out.name + f".{threading.get_ident()}.tmp"))
+    argv = ptx_command(nvcc, cu, arch, _private(out))
     res = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     if res.returncode != 0:
         raise CheckError(
@@ -398,7 +410,9 @@ def failure_report(r: CheckResult) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=list(ARCHS), metavar="ARCH",
                    help=f"targets to compile for (default: {' '.join(DEFAULT_ARCHS)}; choices: {', '.join(ARCHS)})")
-    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+    from .cli import positive_int
+
+    p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="parallel nvcc processes (default: the number of CPUs)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
@@ -408,9 +422,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also exit non-zero when a kernel spills or has a stack frame")
 
 
+def refusal_lines(refused: Sequence[tuple[KernelConfig, str, str]], verbose: bool = False) -> list[str]:
+    """The pairs :func:`plan_checks` refused: a count per (arch, reason), or (``verbose``) each config."""
+    if verbose:
+        return [f"not compiled for {arch}: {cfg.short_form()}: {why}" for cfg, arch, why in refused]
+    counts = Counter((arch, why) for _, arch, why in refused)
+    return [f"{n} config(s) not compiled for {arch}: {why}" for (arch, why), n in counts.items()]
+
+
 def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
-    """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr)."""
-    total = len(cfgs) * len(set(args.arch))
+    """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr).
+
+    Notes and progress go to stderr unless ``args.quiet``; CheckError when no pair can be compiled.
+    """
+    tasks, refused = plan_checks(cfgs, args.arch)
+    if not tasks:
+        why = Counter(why for _, _, why in refused)
+        raise CheckError(f"nothing to compile for --arch {' '.join(args.arch)}: "
+                         + "; ".join(f"{reason} ({n} config(s))" for reason, n in why.items()))
+    from .cli import progress_of
+
+    note = progress_of(args) or (lambda msg: None)
+    for line in refusal_lines(refused, args.verbose):
+        note(line)
 
     def progress(r: CheckResult, done: int, n: int) -> None:
         if r.ok and r.stats:
@@ -418,10 +452,10 @@ def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
             what += " (cached)" if r.cached else f" ({r.seconds:.1f} s)"
         else:
             what = "FAILED"
-        print(f"flashgen: [{done}/{n}] {r.arch} {r.cfg.mangle()}: {what}", file=sys.stderr, flush=True)
+        note(f"[{done}/{n}] {r.arch} {r.cfg.mangle()}: {what}")
 
-    print(f"flashgen: compiling {len(cfgs)} config(s) x {len(set(args.arch))} arch(s) = {total} kernel(s) "
-          f"with {args.jobs or os.cpu_count()} job(s)", file=sys.stderr, flush=True)
+    jobs = min(args.jobs or os.cpu_count() or 1, len(tasks))
+    note(f"compiling {len(tasks)} kernel(s) with {jobs} job(s)")
     results = check_configs(cfgs, args.arch, args.jobs, args.workdir, not args.no_cache, progress)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True))

@@ -4,13 +4,15 @@ Every subcommand that takes configs accepts, for each ``CFG``:
 
 * a YAML file: one config, a list, or a sweep (see :mod:`flashgen.emit.sweep`);
 * a short form, quoted: ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``;
-* a named set: ``defaults``, ``progression``, ``progression-all``, ``tuning-space``, ``hopper``.
+* a named set (:data:`flashgen.dsl.sets.NAMED_SETS`, listed by ``flashgen --help``).
 
 Errors in the input (bad YAML, unknown keys, malformed short forms, unbuildable
 configs, unwritable folders, a missing nvcc) print ``flashgen: error: ...`` to stderr
 and exit with status 1, without a traceback (set ``FLASHGEN_DEBUG=1`` to get one).
-Results go to stdout; progress to stderr. ``bench`` and ``tune`` are delegated to
-:mod:`flashgen.bench` and :mod:`flashgen.tune`, imported only when used.
+Results go to stdout; progress and notes to stderr (``-q``: errors only). Ctrl-C and
+SIGTERM stop the command at once, workers included, with one line on stderr and the
+exit status 130 or 143. ``bench`` and ``tune`` are delegated to :mod:`flashgen.bench`
+and :mod:`flashgen.tune`, imported only when used.
 """
 from __future__ import annotations
 
@@ -18,22 +20,31 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import yaml
 
+from .dsl import sets
 from .dsl.config import ConfigError
+from .workers import Terminated, sigterm_raises
 
 EXIT_ERROR = 1
+#: exit status of a command stopped by a signal: 128 + its number (the shells' convention)
+EXIT_SIGNAL_BASE = 128
 
-_CFG_HELP = (
-    "YAML file (one config, a list or a sweep), a quoted short form like "
-    "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
-    "or a named set: defaults, progression, progression-all, tuning-space, hopper"
-)
+
+def _cfg_help() -> str:
+    return (
+        "YAML file (one config, a list or a sweep), a quoted short form like "
+        "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
+        f"or a named set: {sets.listing()}"
+    )
+
 
 _DESCRIPTION = """\
 flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernels
@@ -45,14 +56,16 @@ flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernel
   flashgen bench / flashgen tune                     on a GPU
 """
 
-_EPILOG = """\
-CFG may be a YAML file (see examples/), a quoted short form
-"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+..." with mma.sync flags async,
-eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or wgmma flags wgmma,
-stages_N, pingpong, intra, persistent (either engine: causal, window), or one
-of the named sets defaults, progression, progression-all, tuning-space, hopper.
-Run 'flashgen COMMAND --help' for a command's options.
-"""
+
+def _epilog() -> str:
+    return textwrap.fill(
+        "CFG may be a YAML file (see examples/), a quoted short form "
+        "\"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+...\" with mma.sync flags async, "
+        "eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or wgmma flags wgmma, "
+        "stages_N, pingpong, intra, persistent (either engine: causal or window), or one "
+        f"of the named sets {sets.listing()}.", width=79,
+    ) + "\nRun 'flashgen COMMAND --help' for a command's options.\n"
+
 
 # Subcommands whose options and implementation live in another module.
 _DELEGATED = {
@@ -78,33 +91,68 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 # ---- config arguments ---------------------------------------------------------------------
 
 
-def resolve_configs(specs: Sequence[str]):
+def resolve_configs(specs: Sequence[str], verbose: bool = False):
     """The SweepResult of the CFG arguments; CommandError (with the reasons) when no config is valid."""
     from .emit.sweep import merge, resolve
 
     result = merge(resolve(s) for s in specs)
     if not result.configs:
-        lines = [s.describe() for s in result.skipped[:20]]
-        more = len(result.skipped) - len(lines)
-        detail = ("\n  " + "\n  ".join(lines) + (f"\n  ... and {more} more" if more > 0 else "")) if lines else ""
-        raise CommandError(
-            f"no valid config in {' '.join(specs)}: "
-            f"{len(result.skipped)} combination(s), all skipped{detail}"
-        )
+        head = f"no valid config in {' '.join(specs)}: all {len(result.skipped)} combination(s) skipped:"
+        raise CommandError("\n".join([head, *skip_lines(result.skipped, verbose)]))
     return result
+
+
+def skip_lines(skipped: Sequence, verbose: bool = False) -> list[str]:
+    """Skipped combinations for the reader: how many per reason, or (``verbose``) each with its knobs."""
+    if verbose:
+        return [f"  {s.describe()}" for s in skipped]
+    counts = Counter(s.category for s in skipped).most_common()
+    width = len(str(counts[0][1])) if counts else 0
+    return [f"  {n:>{width}} {reason}" for reason, n in counts]
 
 
 def _wrap(text: str) -> str:
     return textwrap.fill(text, width=79)
 
 
-def _print_skipped(result, stream) -> None:
-    for s in result.skipped:
-        print(f"skipped {s.describe()}", file=stream)
+def _print_skipped(result, args: argparse.Namespace, stream) -> None:
+    if not result.skipped or args.quiet:
+        return
+    hint = "" if args.verbose or len(result.skipped) == 1 else " (-v lists each)"
+    lines = [f"skipped {len(result.skipped)} combination(s){hint}:", *skip_lines(result.skipped, args.verbose)]
+    print("\n".join(lines), file=stream)
 
 
 def _progress(msg: str) -> None:
     print(f"flashgen: {msg}", file=sys.stderr, flush=True)
+
+
+def progress_of(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """Where a command's progress goes: stderr, or nowhere under ``-q``."""
+    return None if args.quiet else _progress
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts like ``-j``: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+_QUIET = "print no progress and no notes: stderr gets errors only"
+_VERBOSE = "list each skipped combination with its knobs, origin and reason (default: a count per reason)"
+
+
+def _add_common(p: argparse.ArgumentParser, quiet: str = _QUIET, verbose: str = _VERBOSE) -> None:
+    """The CFG arguments and the output options (-q, -v) of the commands that take configs."""
+    p.add_argument("cfg", nargs="+", metavar="CFG", help=_cfg_help())
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true", help=quiet)
+    loud.add_argument("-v", "--verbose", action="store_true", help=verbose)
 
 
 # ---- emit ---------------------------------------------------------------------------------
@@ -119,7 +167,7 @@ def _add_emit(sub) -> None:
             "<name>.binding.cpp (the torch operator glue) and manifest.json describing every kernel "
             "(config, short form, hash, threads, shared memory, grid rule, launcher symbol, files). "
             "<name> is the config's mangled name. Invalid combinations of a sweep are skipped and "
-            "listed with their reason; if nothing is valid the command fails. Files are written "
+            "counted per reason (-v lists each); if nothing is valid the command fails. Files are written "
             "atomically (a failure leaves the folder as it was); afterwards the folder holds exactly "
             "this emit's kernels: those of a previous emit that are not in this one are removed."
         ),
@@ -127,26 +175,27 @@ def _add_emit(sub) -> None:
         "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    _add_common(p, quiet="print only the summary line: no file list, no progress, no notes (stderr gets errors only)")
     p.add_argument("-o", "--out", type=Path, default=Path("kernels_out"), metavar="DIR",
                    help="output folder (default: kernels_out/)")
     p.add_argument("--force", action="store_true",
                    help="write even into a folder holding files that flashgen did not write (they are left alone)")
-    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+    p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="emit in N processes (default: the number of CPUs)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line (and errors)")
     p.set_defaults(run=_cmd_emit)
 
 
 def _cmd_emit(args: argparse.Namespace) -> int:
     from .emit.writer import check_output_folder, emit_all, render, write_files
 
-    result = resolve_configs(args.cfg)
+    result = resolve_configs(args.cfg, args.verbose)
     check_output_folder(args.out, force=args.force)  # refuse a bad folder before the (slow) emission
     cfgs = list(result.configs)
-    jobs = max(1, args.jobs or os.cpu_count() or 1)
-    _progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
-    files = render(emit_all(cfgs, jobs, None if args.quiet else _progress))
+    jobs = args.jobs or os.cpu_count() or 1
+    progress = progress_of(args)
+    if progress:
+        progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
+    files = render(emit_all(cfgs, jobs, progress))
     report = write_files(files, args.out, force=args.force)
     out = report.out_dir
     if not args.quiet:
@@ -156,7 +205,7 @@ def _cmd_emit(args: argparse.Namespace) -> int:
             print(f"unchanged {out / name}")
         for name in report.removed:
             print(f"removed {out / name} (not in this emit)")
-        _print_skipped(result, sys.stdout)
+    _print_skipped(result, args, sys.stdout)
     parts = [f"{len(cfgs)} kernel(s) in {out}/ ({len(report.written)} file(s) written, {len(report.unchanged)} unchanged)"]
     if result.invalid:
         parts.append(f"{len(result.invalid)} invalid combination(s) skipped")
@@ -187,7 +236,7 @@ def _add_check(sub) -> None:
         epilog="examples:\n  flashgen check defaults\n  flashgen check examples/progression.yaml --arch sm_90a -j 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    _add_common(p, verbose=_VERBOSE + "; likewise each config that an --arch cannot take")
     check.add_arguments(p)
     p.set_defaults(run=_cmd_check)
 
@@ -195,10 +244,8 @@ def _add_check(sub) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import check
 
-    if args.jobs is not None and args.jobs < 1:
-        raise CommandError("--jobs must be at least 1")
-    result = resolve_configs(args.cfg)
-    _print_skipped(result, sys.stderr)
+    result = resolve_configs(args.cfg, args.verbose)
+    _print_skipped(result, args, sys.stderr)
     return check.run(list(result.configs), args)
 
 
@@ -218,19 +265,21 @@ def _add_simulate(sub) -> None:
         epilog="example:\n  flashgen simulate defaults --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("cfg", nargs="+", metavar="CFG", help=_CFG_HELP)
+    _add_common(p)
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(run=_cmd_simulate)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     report = _import_feature("flashgen.sim.report", "simulate")
-    result = resolve_configs(args.cfg)
-    _print_skipped(result, sys.stderr)
+    result = resolve_configs(args.cfg, args.verbose)
+    _print_skipped(result, args, sys.stderr)
     cfgs = list(result.configs)
+    progress = progress_of(args)
     reports = []
     for i, cfg in enumerate(cfgs, 1):
-        _progress(f"[{i}/{len(cfgs)}] simulating {cfg.mangle()}")
+        if progress:
+            progress(f"[{i}/{len(cfgs)}] simulating {cfg.mangle()}")
         reports.append(report.simulate_config(cfg))
     if args.json:
         print(json.dumps(reports, indent=2, sort_keys=True, default=str))
@@ -274,7 +323,7 @@ def build_parser(delegated: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashgen",
         description=_DESCRIPTION,
-        epilog=_EPILOG,
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"flashgen {__version__}")
@@ -300,21 +349,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     errors = _input_errors()
     try:
-        delegated = {}
-        cmd = _command_of(argv)
-        if cmd in _DELEGATED:
-            delegated[cmd] = _import_feature(_DELEGATED[cmd][0], cmd)
-        parser = build_parser(delegated)
-        args = parser.parse_args(argv)
-        return int(args.run(args) or 0)
+        with sigterm_raises():
+            return _run(argv)
     except errors as exc:
         if os.environ.get("FLASHGEN_DEBUG"):
             raise
         print(f"flashgen: error: {_message(exc)}", file=sys.stderr)
         return EXIT_ERROR
+    # the workers are gone already (flashgen.workers.run_parallel)
+    except Terminated:
+        print("flashgen: terminated", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + signal.SIGTERM
     except KeyboardInterrupt:
         print("flashgen: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGNAL_BASE + signal.SIGINT
+
+
+def _run(argv: list[str]) -> int:
+    delegated = {}
+    cmd = _command_of(argv)
+    if cmd in _DELEGATED:
+        delegated[cmd] = _import_feature(_DELEGATED[cmd][0], cmd)
+    args = build_parser(delegated).parse_args(argv)
+    return int(args.run(args) or 0)
 
 
 def _message(exc: BaseException) -> str:

@@ -4,20 +4,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
 import pytest
+from procs import children, needs_proc, running, wait_for
 
-from flashgen.cli import main
+from flashgen.cli import build_parser, main
 from flashgen.dsl.config import KernelConfig
 from flashgen.dsl.notation import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = "(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles"
+COMMANDS = ("emit", "check", "simulate", "bench", "tune")
 
 SWEEP = """\
 # 4 combinations: Q=2 with K=0 is invalid, 3 kernels remain
@@ -66,7 +72,7 @@ def test_top_level_help(capsys):
     assert "defaults, progression, progression-all, tuning-space" in out
 
 
-@pytest.mark.parametrize("cmd", ["emit", "check", "simulate", "bench", "tune"])
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_subcommand_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
@@ -79,6 +85,29 @@ def test_subcommand_help(cmd, capsys):
         assert "--force" in out and "kernels_out" in out
     if cmd == "check":
         assert "--arch" in out and "sm_90a" in out and "--json" in out and "-j N" in out
+
+
+def _help(capsys, *argv: str) -> str:
+    """What ``flashgen ARGV --help`` prints, with argparse's line breaks undone."""
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # a break may follow a hyphen
+
+
+@pytest.mark.parametrize("argv", [(), ("emit",), ("check",), ("simulate",)])
+def test_help_lists_the_named_sets_of_the_registry(argv, capsys, monkeypatch):
+    from flashgen.dsl import sets
+
+    monkeypatch.setitem(sets.NAMED_SETS, "my-new-set", lambda: [])
+    assert "defaults, progression, progression-all, tuning-space, hopper, my-new-set" in _help(capsys, *argv)
+
+
+def test_help_names_only_files_that_exist(capsys):
+    text = " ".join(_help(capsys, *argv) for argv in [(), *((c,) for c in COMMANDS)])
+    named = set(re.findall(r"[\w./-]+\.md\b|examples/[\w.-]+", text))  # documents, examples
+    assert "examples/tuning_space.yaml" in named
+    assert [f for f in named if not (REPO / f).exists()] == []
 
 
 def test_no_command_is_a_usage_error(capsys):
@@ -95,7 +124,7 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
     cfg_file = tmp_path / "sweep.yaml"
     cfg_file.write_text(SWEEP)
     out = tmp_path / "kernels"
-    rc, stdout, err = run_cli(capsys, "emit", cfg_file, "-o", out, "-j", "1")
+    rc, stdout, err = run_cli(capsys, "emit", cfg_file, "-o", out, "-j", "1", "-v")
     assert rc == 0, err
     cfgs = sweep_configs()
     names = [c.mangle() for c in cfgs]
@@ -110,13 +139,13 @@ def test_emit_sweep_writes_kernels_and_manifest(tmp_path, capsys):
         assert k["files"] == {"kernel": f"{cfg.mangle()}.cu"}
         text = (out / k["files"]["kernel"]).read_text()
         assert f'extern "C" int {k["launcher"]}(' in text and cfg.short_form() in text
-    # what was written and what was skipped, with the reason
+    # what was written and (-v) each skipped combination, with its origin and reason
     for n in names:
         assert f"wrote {out / n}.cu" in stdout
-    skipped = [l for l in stdout.splitlines() if l.startswith("skipped")]
-    assert len(skipped) == 1
-    assert f"{cfg_file}:2" in skipped[0] and "Q_mma_load_K_tiles=2" in skipped[0]
-    assert "must equal the K tile count" in skipped[0]
+    listed = stdout.split("skipped 1 combination(s):\n")[1].splitlines()
+    assert f"{cfg_file}:2" in listed[0] and "Q_mma_load_K_tiles=2" in listed[0]
+    assert "must equal the K tile count" in listed[0]
+    assert listed[1].startswith("emitted ")  # one line per skipped combination, then the summary
     assert "3 kernel(s)" in stdout and "1 invalid combination(s) skipped" in stdout
     assert "emitting 3 kernel(s)" in err  # progress on stderr
 
@@ -171,7 +200,7 @@ def test_emit_all_invalid_is_an_error(tmp_path, capsys):
     f.write_text("dtype: fp16\nasync_copy: false\neager_load_blocks: true\nB_r: [64, 128]\n")
     out = tmp_path / "out"
     rc, _, err = run_cli(capsys, "emit", f, "-o", out)
-    assert_clean_error(rc, err, "no valid config", "2 combination(s), all skipped", "needs async_copy")
+    assert_clean_error(rc, err, "no valid config", "all 2 combination(s) skipped", "2 eager_load_blocks needs async_copy")
     assert not out.exists()
 
 
@@ -223,7 +252,129 @@ def test_emit_refuses_a_foreign_folder_without_force(tmp_path, capsys):
     assert tree(out) == {"notes.txt": b"mine"}
 
 
+MIXED_SWEEP = """\
+# 8 combinations: 4 without async_copy (eager needs it), 1 with Q=2, K=0; 3 kernels remain
+dtype: fp16
+B_r: 64
+B_c: 64
+async_copy: [false, true]
+eager_load_blocks: true
+Q_mma_load_K_tiles: [0, 2]
+K_mma_load_K_tiles: [0, 2]
+mma_double_buffer_loads: false
+"""
+
+
+def test_emit_counts_skipped_combinations_per_reason(tmp_path, capsys):
+    f = tmp_path / "sweep.yaml"
+    f.write_text(MIXED_SWEEP)
+    rc, out, err = run_cli(capsys, "emit", f, "-o", tmp_path / "k", "-j", "1")
+    assert rc == 0, err
+    assert ("skipped 5 combination(s) (-v lists each):\n"
+            "  4 eager_load_blocks needs async_copy\n"
+            "  1 Q_mma_load_K_tiles, K_mma_load_K_tiles: a non-zero Q tile count must equal the K tile count\n") in out
+    assert str(f) not in out  # no line per combination
+    rc, out, _ = run_cli(capsys, "emit", f, "-o", tmp_path / "k", "-j", "1", "--verbose")
+    listed = [line for line in out.splitlines() if line.startswith(f"  {f}:")]
+    assert len(listed) == 5 and sum("async_copy=False" in line for line in listed) == 4
+
+
+@pytest.mark.parametrize("cmd", ["emit", "simulate", "check"])
+def test_quiet_leaves_stderr_to_errors(cmd, tmp_path, capsys, monkeypatch):
+    f = tmp_path / "sweep.yaml"
+    f.write_text(MIXED_SWEEP)  # skipped combinations (a note), 3 configs (progress)
+    fake = types.ModuleType("flashgen.sim.report")
+    fake.simulate_config = lambda cfg: {"name": cfg.mangle()}
+    fake.format_report = lambda reports: "REPORT"
+    monkeypatch.setitem(sys.modules, "flashgen.sim.report", fake)
+    nvcc = tmp_path / "nvcc"  # prints a ptxas report and writes the object (the last argument)
+    nvcc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake; exit 0; fi\n'
+                    'for a; do out="$a"; done\n: > "$out"\n'
+                    "echo \"ptxas info    : Compiling entry function 'k' for 'sm_80'\" >&2\n"
+                    "echo 'ptxas info    : Used 90 registers, 400 bytes smem' >&2\n")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    extra = {"emit": ["-o", tmp_path / "k"], "simulate": [], "check": ["--arch", "sm_80", "--workdir", tmp_path / "w"]}[cmd]
+    rc, out, err = run_cli(capsys, cmd, f, "-j", "1", *extra) if cmd != "simulate" else run_cli(capsys, cmd, f)
+    assert rc == 0 and "skipped 5" in out + err and "[3/3]" in err  # without -q: notes and progress
+    rc, out, err = run_cli(capsys, cmd, f, "-q", *extra)
+    assert rc == 0 and err == "" and out
+    if cmd == "emit":
+        assert out.splitlines() == [out.strip()] and out.startswith("emitted 3 kernel(s)")
+
+
+@pytest.mark.parametrize("cmd", ["emit", "check"])
+@pytest.mark.parametrize("jobs, words", [("0", "must be at least 1, got 0"), ("-3", "must be at least 1, got -3"),
+                                         ("two", "expected a positive whole number, got 'two'")])
+def test_jobs_must_be_a_positive_number(cmd, jobs, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, SMALL, "-o" if cmd == "emit" else "--workdir", str(tmp_path / "out"), "-j", jobs])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"flashgen {cmd}: error: argument -j/--jobs: {words}" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arg, close", [("default", "'defaults'"), ("hopper.yaml", "'hopper'")])
+def test_a_near_miss_of_a_named_set_gets_a_suggestion(arg, close, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, "emit", arg)
+    assert_clean_error(rc, err, f"did you mean {close}?")
+
+
+def _first_line_with(stream, text: str) -> str:
+    for line in stream:
+        if text in line:
+            return line
+    raise AssertionError(f"the command ended without printing {text!r}")
+
+
+@needs_proc
+@pytest.mark.parametrize("how, status, word", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+def test_a_signal_stops_a_parallel_emit_at_once(how, status, word, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's whole process group) or SIGTERM (to flashgen alone) in the
+    middle of a 192-kernel emit (~20 s in 2 processes): flashgen ends within a few seconds, with
+    "flashgen: interrupted" or "terminated" last and no traceback, writes nothing and leaves no process behind."""
+    sweep = tmp_path / "big.yaml"
+    sweep.write_text((REPO / "examples" / "tuning_space.yaml").read_text().replace("prune: seed", "prune: none"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "flashgen.cli", "emit", str(sweep), "-j", "2", "-o", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    watchdog = threading.Timer(60, proc.kill)  # the test fails rather than hangs
+    watchdog.start()
+    try:
+        _first_line_with(proc.stderr, "] emitted ")  # the workers run
+        workers = children(proc.pid)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert took < 3, f"took {took:.1f} s"
+    assert proc.returncode == status
+    *before, last = err.splitlines()
+    assert last == f"flashgen: {word}"
+    assert all(re.fullmatch(r"flashgen: \[\d+/192\] emitted \w+", line) for line in before), err  # no traceback
+    assert len(workers) >= 2
+    assert wait_for(lambda: not any(running(p) for p in workers), timeout=2)
+    assert not out.exists()
+
+
 # ---- check -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--fail-on-spill"], ["--json"]])
+def test_check_refuses_an_arch_no_config_can_be_compiled_for(extra, capsys):
+    rc, out, err = run_cli(capsys, "check", REPO / "examples" / "hopper.yaml", "--arch", "sm_80", *extra)
+    assert_clean_error(rc, err, "nothing to compile for --arch sm_80", "wgmma kernels need sm_90a (2 config(s))")
+    assert rc == 1 and out == ""
 
 
 @pytest.mark.nvcc

@@ -57,6 +57,10 @@ _FORMS = {
 }
 
 
+#: Canonical names shared by flags that exclude each other, and why.
+_EXCLUSIVE = {"mask": "a config has one score mask"}
+
+
 class NotationError(ValueError):
     """A text that is not well formed in its notation.
 
@@ -121,12 +125,7 @@ class _ShortForm:
         seen: dict[str, _Flag] = {}
         for f in self.flags:
             if f.name in seen:
-                first = seen[f.name]
-                raise NotationError(
-                    f"duplicate flag '{f.text}'", text, f.line, f.column,
-                    f"'{first.text}' is already given at column {first.column}; each flag may appear once",
-                    _FORMS["config"],
-                )
+                raise self._repeated(seen[f.name], f, text)
             seen[f.name] = f
         if "wgmma" in seen:
             return self._wgmma_config(text, seen)
@@ -159,6 +158,17 @@ class _ShortForm:
         except ConfigError as e:
             raise ConfigError(f"invalid kernel config '{' '.join(text.split())}': {e}") from e
 
+
+    @staticmethod
+    def _repeated(first: _Flag, again: _Flag, text: str) -> NotationError:
+        """A flag given twice, or two flags that set one knob differently (causal, window)."""
+        if again.name in _EXCLUSIVE and again.knobs != first.knobs:
+            problem = f"{first.text} and {again.text} exclude each other"
+            detail = f"{_EXCLUSIVE[again.name]}: keep one of them"
+        else:
+            problem = f"duplicate flag '{again.text}'"
+            detail = f"'{first.text}' is already given at column {first.column}; each flag may appear once"
+        return NotationError(problem, text, again.line, again.column, detail, _FORMS["config"])
 
     def _wgmma_config(self, text: str, seen: dict[str, _Flag]) -> KernelConfig:
         """A wgmma short form: no mma.sync flags; stages/pingpong/intra off unless given."""

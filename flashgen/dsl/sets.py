@@ -1,6 +1,12 @@
-"""Named config sets, usable wherever a config file is (resolved by :mod:`flashgen.emit.sweep`)."""
+"""Named config sets, usable wherever a config file is (resolved by :mod:`flashgen.emit.sweep`).
+
+:data:`NAMED_SETS` is the one list of them: help texts and messages name the sets
+through :func:`listing` and :func:`did_you_mean`, never by restating it.
+"""
 from __future__ import annotations
 
+import difflib
+from pathlib import PurePath
 from typing import Callable
 
 from .config import KernelConfig, default_configs, hopper_configs, kernel_progression, tuning_space
@@ -12,3 +18,18 @@ NAMED_SETS: dict[str, Callable[[], list[KernelConfig]]] = {
     "tuning-space": tuning_space,
     "hopper": hopper_configs,
 }
+
+
+def listing() -> str:
+    """The names of the sets, for help texts: ``defaults, progression, ...``."""
+    return ", ".join(NAMED_SETS)
+
+
+def did_you_mean(text: str) -> str:
+    """``"; did you mean 'defaults'?"`` when ``text`` (or its file name's stem, so that
+    ``hopper.yaml`` finds ``hopper``) is close to some set's name; ``""`` when none is."""
+    close = [m for t in (text, PurePath(text).stem) for m in difflib.get_close_matches(t, NAMED_SETS)]
+    close = list(dict.fromkeys(close))
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(name) for name in close) + "?"

@@ -39,6 +39,7 @@ A well-formed combination that cannot be built is not an error: it is skipped.
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -73,6 +74,19 @@ class Skipped:
     def describe(self) -> str:
         knobs = ", ".join(f"{k}={_show(v)}" for k, v in self.knobs.items())
         return f"{self.where}: {{{knobs}}}: {self.reason}"
+
+    @property
+    def category(self) -> str:
+        """The reason without the values it names, so that skips by one rule count together:
+        ``eager_load_blocks=true needs async_copy=true (eager loads ...)`` ->
+        ``eager_load_blocks needs async_copy``."""
+        return _TRAILING_WHY.sub("", _KNOB_VALUE.sub(r"\1", self.reason))
+
+
+#: ``knob=value`` in a ConfigError message (values may be quoted: ``mask='diag'``)
+_KNOB_VALUE = re.compile(r"\b([A-Za-z_]\w*)=(?:'[^']*'|\"[^\"]*\"|[^\s,:;)]+)")
+#: a closing explanation in parentheses
+_TRAILING_WHY = re.compile(r"\s*\([^()]*\)\s*$")
 
 
 @attrs.frozen
@@ -260,7 +274,9 @@ def _expand_short_form(text: str, where: str, out: _Collector) -> None:
     except NotationError as exc:
         raise SweepError(f"{where}: malformed short form: {exc}") from None
     except ConfigError as exc:
-        out.skipped.append(Skipped({"short_form": " ".join(text.split())}, where, str(exc)))
+        # the rule's own message: the short form itself is in the knobs already
+        rule = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else exc
+        out.skipped.append(Skipped({"short_form": " ".join(text.split())}, where, str(rule)))
 
 
 def _expand(doc: Any, source: str, out: _Collector) -> None:
@@ -319,7 +335,7 @@ def resolve(spec: "str | Path") -> SweepResult:
     malformed raises NotationError; one naming an unbuildable kernel raises ConfigError
     (a single explicit config is not a sweep to skip from).
     """
-    from ..dsl.sets import NAMED_SETS
+    from ..dsl.sets import NAMED_SETS, did_you_mean, listing
 
     text = str(spec).strip()
     if text in NAMED_SETS:
@@ -329,11 +345,13 @@ def resolve(spec: "str | Path") -> SweepResult:
 
         return SweepResult((parse_config(text),))
     path = Path(text)
-    if path.exists() or path.suffix in (".yaml", ".yml"):
+    if path.exists():
         return load_sweep(path)
+    if path.suffix in (".yaml", ".yml"):
+        raise SweepError(f"{path}: no such config file{did_you_mean(text)}")
     raise SweepError(
         f"{text!r} is not a config file, a short form like '(FP16, 128, 128, 64, 4): async+eager+swizzled+"
-        f"load_2_2_2_tiles+buffer+opt_softmax', or a named set ({', '.join(NAMED_SETS)})"
+        f"load_2_2_2_tiles+buffer+opt_softmax', or a named set ({listing()}){did_you_mean(text)}"
     )
 
 

@@ -18,8 +18,8 @@ never a half-written file.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import attrs
 
 from ..dsl.config import KernelConfig
+from ..workers import run_parallel
 from .kernel import KernelSource, emit
 
 MANIFEST = "manifest.json"
@@ -79,31 +80,19 @@ def manifest_text(sources: Sequence[KernelSource]) -> str:
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def _emit_dict(knobs: dict) -> KernelSource:  # process-pool worker (top level: picklable)
+def _emit_dict(knobs: dict) -> KernelSource:  # worker of run_parallel (top level: picklable)
     return emit(KernelConfig.from_dict(knobs))
 
 
 def emit_all(cfgs: Sequence[KernelConfig], jobs: int = 1, progress: Progress | None = None) -> list[KernelSource]:
-    """The sources of ``cfgs`` in order; ``jobs > 1`` emits in that many processes."""
-    n = len(cfgs)
-    if jobs <= 1 or n <= 1:
-        out = []
-        for i, cfg in enumerate(cfgs, 1):
-            if progress:
-                progress(f"[{i}/{n}] emitting {cfg.mangle()}")
-            out.append(emit(cfg))
-        return out
-    import multiprocessing as mp
+    """The sources of ``cfgs`` in order; ``jobs > 1`` emits in that many processes, which Ctrl-C
+    and SIGTERM stop at once (:func:`flashgen.workers.run_parallel`)."""
+    done = itertools.count(1)
 
-    results: list[KernelSource | None] = [None] * n
-    with cf.ProcessPoolExecutor(min(jobs, n), mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_emit_dict, cfg.to_dict()): i for i, cfg in enumerate(cfgs)}
-        for done, fut in enumerate(cf.as_completed(futures), 1):
-            i = futures[fut]
-            results[i] = fut.result()
-            if progress:
-                progress(f"[{done}/{n}] emitted {cfgs[i].mangle()}")
-    return results  # type: ignore[return-value]
+    def report(i: int, src: KernelSource) -> None:
+        progress(f"[{next(done)}/{len(cfgs)}] emitted {src.name}")  # type: ignore[misc]
+
+    return run_parallel(_emit_dict, [c.to_dict() for c in cfgs], jobs, report if progress else None)
 
 
 def render(sources: Sequence[KernelSource]) -> dict[str, bytes]:

@@ -208,6 +208,25 @@ def test_duplicate_flags(flags, column, words):
         assert w in str(err)
 
 
+@pytest.mark.parametrize(
+    "text, first, second",
+    [
+        ("(FP16, 128, 64, 64, 4): causal+window+load_0_0_0_tiles", "causal", "window"),
+        ("(BF16, 64, 128, 64, 12): wgmma+window+stages_2+causal", "window", "causal"),
+    ],
+)
+def test_causal_and_window_exclude_each_other(text, first, second):
+    err = _notation_error(parse_config, text)
+    assert (err.line, err.column) == (1, text.rindex(second) + 1)  # the caret under the second one
+    assert f"{first} and {second} exclude each other" in str(err)
+    assert "one score mask" in str(err) and "duplicate" not in str(err)
+
+
+def test_a_mask_flag_twice_is_a_duplicate():
+    err = _notation_error(parse_config, "(FP16, 128, 64, 64, 4): window+load_0_0_0_tiles+window")
+    assert "duplicate flag 'window'" in str(err)
+
+
 @pytest.mark.parametrize("flags", ["async", "async+eager+swizzled+buffer+opt_softmax"])
 def test_missing_load_flag(flags):
     text = f"(FP16, 128, 64, 64, 4): {flags}"

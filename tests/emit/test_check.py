@@ -132,3 +132,17 @@ def test_cli_fail_on_spill(tmp_path, monkeypatch, capsys):
     assert "LOCAL MEMORY" in out
     assert main(args + ["--fail-on-spill"]) == 1
     assert "use local memory" in capsys.readouterr().err
+
+
+def test_cli_says_which_configs_an_arch_cannot_take(fake_ok, tmp_path, capsys):
+    from flashgen.cli import main
+
+    wgmma = parse_config("(BF16, 64, 128, 64, 12): wgmma+stages_2+pingpong+intra+causal")
+    args = ["check", CFG.short_form(), wgmma.short_form(), "--arch", "sm_80", "--workdir", str(tmp_path / "w")]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "1 config(s) not compiled for sm_80: wgmma kernels need sm_90a" in err
+    rows = out.splitlines()[2:]
+    assert len(rows) == 1 and rows[0].startswith(CFG.short_form())
+    assert main(args + ["-v"]) == 0
+    assert f"not compiled for sm_80: {wgmma.short_form()}: wgmma kernels need sm_90a" in capsys.readouterr().err

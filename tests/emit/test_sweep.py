@@ -65,6 +65,15 @@ def test_list_of_mappings_sweeps_and_short_forms():
     assert r.duplicates == 1
     (skip,) = r.skipped
     assert skip.where == "l.yaml:5" and "needs async_copy" in skip.reason
+    assert skip.category == "eager_load_blocks needs async_copy"  # the rule, not the short form
+
+
+def test_skips_by_one_rule_share_a_category_whatever_the_values():
+    r = parse_sweep("dtype: fp16\nB_r: 64\nn_warps: [8, 16]\nmask: [diag, \"none\"]\n")
+    assert len(r.skipped) == 4
+    assert {s.category for s in r.skipped} == {"mask: expected one of none, causal, window",
+                                               "B_r with n_warps: each warp owns B_r/n_warps rows, which must be "
+                                               "a positive multiple of the MMA's 16 rows"}
 
 
 def test_prune_seed_applies_the_tuning_heuristics_only():
@@ -127,8 +136,20 @@ def test_resolve_named_sets_short_forms_and_files(tmp_path):
     f = tmp_path / "one.yaml"
     f.write_text("dtype: bf16\n")
     assert resolve(str(f)).configs == (KernelConfig(dtype="bf16"),)
-    with pytest.raises(SweepError, match="named set"):
+    with pytest.raises(SweepError, match="named set") as e:
         resolve("no-such-set")
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, close",
+    [("default", "'defaults'"), ("tuning_space", "'tuning-space'"), ("Hopper", "'hopper'"),
+     ("progresion", "'progression' or 'progression-all'"), ("hopper.yaml", "'hopper'")],
+)
+def test_resolve_suggests_close_named_sets(text, close, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no file of that name
+    with pytest.raises(SweepError, match=f"did you mean {close}\\?$"):
+        resolve(text)
     with pytest.raises(NotationError):
         resolve("(FP16, 128, 64, 4): nope")
     with pytest.raises(ConfigError, match="needs async_copy"):
@@ -157,6 +178,7 @@ def test_example_tuning_space():
     r = load_sweep(EXAMPLES / "tuning_space.yaml")
     assert list(r.configs) == tuning_space()
     assert len(r.invalid) == 64 and len(r.pruned) == 112  # as its comment says
+    assert len({s.category for s in r.invalid}) == len({s.category for s in r.pruned}) == 1
     assert len(r.invalid) + len(r.pruned) + len(r.configs) == 2**8
 
 
