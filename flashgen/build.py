@@ -223,23 +223,23 @@ def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool,
 
 def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | None = None,
                progress: bool = True) -> dict[str, str]:
-    """Build (config, capability) pairs in parallel processes, a progress line per kernel; {label: error} of failures."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
+    """Build (config, capability) pairs in parallel processes, a progress line per kernel; {label: error} of
+    failures. Ctrl-C or SIGTERM stops every build at once (:mod:`flashgen.workers`); finished ones stay cached."""
+    from .workers import run_parallel
 
-    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
-    failures: dict[str, str] = {}
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_build_worker, (c.to_dict(), tuple(cap))): (c, cap) for c, cap in jobs}
-        for i, fut in enumerate(cf.as_completed(futures), 1):
-            name, seconds, hit, err = fut.result()
-            arch = arch_name(futures[fut][1])
-            if err:
-                failures[f"{name} for {arch}"] = err
-            if progress:
-                status = "FAILED" if err else ("in the cache" if hit else f"{seconds:.1f} s")
-                print(f"[flashgen] [{i}/{len(jobs)}] {name} for {arch}: {status}", file=sys.stderr, flush=True)
-    return failures
+    labels = [f"{cfg.short_form()} for {arch_name(cap)}" for cfg, cap in jobs]
+    done = 0
+
+    def report(index: int, result: tuple[str, float, bool, str]) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            _, seconds, hit, err = result
+            status = "FAILED" if err else ("in the cache" if hit else f"{seconds:.1f} s")
+            print(f"[flashgen] [{done}/{len(jobs)}] {labels[index]}: {status}", file=sys.stderr, flush=True)
+
+    results = run_parallel(_build_worker, [(c.to_dict(), tuple(cap)) for c, cap in jobs], workers, report)
+    return {label: err for label, (_, _, _, err) in zip(labels, results) if err}
 
 
 def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int | None = None,
@@ -256,6 +256,8 @@ ARCH_NAMES = {arch_name(c): c for c in ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))}
 
 
 def add_arguments(p) -> None:
+    from .cli import positive_int
+
     p.description = ("Build kernels into the cache ahead of time (FLASHGEN_CACHE, default ~/.cache/flashgen), so "
                      "later flashgen.compile() calls of these configs only load them. Prints a line per kernel.")
     p.add_argument("configs", nargs="+", metavar="CFG",
@@ -263,21 +265,9 @@ def add_arguments(p) -> None:
     p.add_argument("--arch", action="append", choices=sorted(ARCH_NAMES),
                    help="target GPU architecture; repeat for several (default: this machine's GPU). "
                         "wgmma configs build only for sm_90a")
-    p.add_argument("-j", "--jobs", type=_positive_int, default=None,
+    p.add_argument("-j", "--jobs", type=positive_int, default=None,
                    help="kernels built at once (default: the number of CPU cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def main(args) -> int:
