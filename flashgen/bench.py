@@ -398,7 +398,7 @@ def default_bench_configs(capability: tuple[int, int], seqs) -> list:
     """The configs timed when none are given: the mma.sync defaults, and on compute capability 9.0 the
     shipped wgmma defaults of the timed lengths (unmasked and masked; d_head 128, adapted per head size)."""
     from .dsl.config import DType, default_configs
-    from .tune import hopper_default
+    from .policy import hopper_default
 
     cfgs = default_configs()
     if tuple(capability) == (9, 0):

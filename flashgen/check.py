@@ -410,7 +410,7 @@ def failure_report(r: CheckResult) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=list(ARCHS), metavar="ARCH",
                    help=f"targets to compile for (default: {' '.join(DEFAULT_ARCHS)}; choices: {', '.join(ARCHS)})")
-    from .cli import positive_int
+    from .options import positive_int
 
     p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="parallel nvcc processes (default: the number of CPUs)")
@@ -440,7 +440,7 @@ def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
         why = Counter(why for _, _, why in refused)
         raise CheckError(f"nothing to compile for --arch {' '.join(args.arch)}: "
                          + "; ".join(f"{reason} ({n} config(s))" for reason, n in why.items()))
-    from .cli import progress_of
+    from .options import progress_of
 
     note = progress_of(args) or (lambda msg: None)
     for line in refusal_lines(refused, args.verbose):

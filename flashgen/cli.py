@@ -31,6 +31,7 @@ import yaml
 
 from .dsl import sets
 from .dsl.config import ConfigError
+from .options import positive_int, progress, progress_of  # noqa: F401 - used by the subcommands too
 from .workers import Terminated, sigterm_raises
 
 EXIT_ERROR = 1
@@ -69,7 +70,7 @@ def _epilog() -> str:
 
 # Subcommands whose options and implementation live in another module.
 _DELEGATED = {
-    "build": ("flashgen.build", "build kernels into the cache ahead of time (needs nvcc; a GPU or --arch)"),
+    "build": ("flashgen.prebuild", "build kernels into the cache ahead of time (needs nvcc; a GPU or --arch)"),
     "bench": ("flashgen.bench", "time emitted kernels against PyTorch's SDPA backends (needs a CUDA GPU)"),
     "tune": ("flashgen.tune", "pick the fastest config per sequence length (needs a CUDA GPU)"),
 }
@@ -121,26 +122,6 @@ def _print_skipped(result, args: argparse.Namespace, stream) -> None:
     hint = "" if args.verbose or len(result.skipped) == 1 else " (-v lists each)"
     lines = [f"skipped {len(result.skipped)} combination(s){hint}:", *skip_lines(result.skipped, args.verbose)]
     print("\n".join(lines), file=stream)
-
-
-def _progress(msg: str) -> None:
-    print(f"flashgen: {msg}", file=sys.stderr, flush=True)
-
-
-def progress_of(args: argparse.Namespace) -> Callable[[str], None] | None:
-    """Where a command's progress goes: stderr, or nowhere under ``-q``."""
-    return None if args.quiet else _progress
-
-
-def positive_int(text: str) -> int:
-    """argparse type of counts like ``-j``: an integer of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 _QUIET = "print no progress and no notes: stderr gets errors only"

@@ -9,16 +9,15 @@ refused call is explained by :meth:`Attention.check` as an :class:`InputError`.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import weakref
 from typing import Any
 
 import torch
 
-from . import launcher
+from . import launcher, tracing
 from .build import BuildError, Built, build, required_capability
 from .dsl.config import KernelConfig, load_config
+from .policy import lookup, seq_bucket
 
 
 class InputError(ValueError):
@@ -201,9 +200,6 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 #: Distinct (device, dtype, d_head, seq_q, mask) keys an AutoAttention remembers before it starts afresh.
 _MAX_DISPATCH = 4096
-#: Every AutoAttention by a number, so a traced call can name its own as a constant.
-_AUTOS: "weakref.WeakValueDictionary[int, AutoAttention]" = weakref.WeakValueDictionary()
-_AUTO_IDS = itertools.count()
 
 
 class AutoAttention:
@@ -221,8 +217,7 @@ class AutoAttention:
         self.verbose = verbose
         self._dispatch: dict[tuple, Attention] = {}
         self._built: dict[KernelConfig, Attention] = {}
-        self._id = next(_AUTO_IDS)
-        _AUTOS[self._id] = self
+        self._id = tracing.register(self)  # how a traced call names this object
 
     def select(self, q: torch.Tensor, masked: bool = False) -> KernelConfig:
         """The config for ``q``'s shape (``masked``: the call applies a causal or window mask), without its mask."""
@@ -234,10 +229,8 @@ class AutoAttention:
         """As :meth:`Attention.__call__`, with the kernel picked for the call's shape and mask."""
         mask, left, right = _score_mask(causal, window)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
-            from .tracing import traced_pick
-            from .tune import seq_bucket  # guards on the length's bucket, not its value
-
-            handle = traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
+            # seq_bucket guards on the length's bucket, not its value
+            handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
             return _launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
         try:
             attn = self._dispatch.get((q.device, q.dtype, q.shape[3], q.shape[1], mask))
@@ -277,7 +270,6 @@ def _check_lookup(q: Any) -> None:
 def _select(device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, masked: bool) -> KernelConfig:
     """The tuned or default config for a call's shape on ``device``."""
     from .dsl.dtypes import DType
-    from .tune import lookup
 
     try:
         fg_dtype = DType.parse(str(dtype))
