@@ -142,10 +142,10 @@ def _add_common(p: argparse.ArgumentParser, quiet: str = _QUIET, verbose: str = 
 def _add_emit(sub) -> None:
     p = sub.add_parser(
         "emit",
-        help="write one .cu (+ torch binding) per config and a manifest.json (CPU only)",
+        help="write one .cu per config and a manifest.json (CPU only)",
         description=_wrap(
-            "Emit the CUDA source of each config: <name>.cu (the kernel and a C launcher), "
-            "<name>.binding.cpp (the torch operator glue) and manifest.json describing every kernel "
+            "Emit the CUDA source of each config: <name>.cu (the kernel and its C launcher, no torch headers) "
+            "and manifest.json describing every kernel "
             "(config, short form, hash, threads, shared memory, grid rule, launcher symbol, files). "
             "<name> is the config's mangled name. Invalid combinations of a sweep are skipped and "
             "counted per reason (-v lists each); if nothing is valid the command fails. Files are written "
