@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,6 +32,10 @@ ATTENTION_SCHEMA = ("attention(Tensor q, Tensor k, Tensor v, int kernel, float s
                     "int window_left, int window_right, bool return_lse) -> (Tensor, Tensor)")
 ATTENTION_OUT_SCHEMA = ("attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int kernel, float softmax_scale, "
                         "int mask_offset, int window_left, int window_right, bool return_lse) -> Tensor")
+
+class LauncherError(RuntimeError):
+    """The launcher library could not be built; the message holds the compiler's output."""
+
 
 _LIB = torch.library.Library("flashgen", "DEF")
 _LIB.define(ATTENTION_SCHEMA)
@@ -98,8 +103,12 @@ def _build(entry: Path) -> None:
         cpp = tmp / "flashgen_launcher.cpp"
         cpp.write_text(SOURCE.read_text())
         (tmp / "flashgen_args.h").write_text(args_header())
-        cpp_extension.load(name="flashgen_launcher", sources=[str(cpp)], with_cuda=False, extra_cflags=["-O2"],
-                           build_directory=str(tmp), verbose=False, is_python_module=False)
+        try:
+            cpp_extension.load(name="flashgen_launcher", sources=[str(cpp)], with_cuda=False, extra_cflags=["-O2"],
+                               build_directory=str(tmp), verbose=False, is_python_module=False)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            raise LauncherError(f"building flashgen's launcher (a C++ compiler and torch's headers are needed) "
+                                f"failed in {tmp}:\n{exc}") from exc
         for junk in tmp.iterdir():  # ninja's files and objects
             if junk.name not in (SO, cpp.name, "flashgen_args.h"):
                 cache.remove(junk)

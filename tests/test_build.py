@@ -181,3 +181,13 @@ def test_build_command_fills_the_cache_ahead_of_time(capsys, monkeypatch, tmp_pa
         assert built.cache_hit and built.library.read_bytes()[:4] == b"\x7fELF"
     assert main(["build", *short, "--arch", "sm_80", "-q"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_compile_without_a_gpu_names_a_way_that_works(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import flashgen
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(build_mod.BuildError, match=r"flashgen build CFG --arch sm_90a.*capability=\(9, 0\)") as err:
+        flashgen.compile(CFG)
+    assert "--arch" in str(err.value)
