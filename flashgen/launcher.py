@@ -107,8 +107,8 @@ def _build(entry: Path) -> None:
             cpp_extension.load(name="flashgen_launcher", sources=[str(cpp)], with_cuda=False, extra_cflags=["-O2"],
                                build_directory=str(tmp), verbose=False, is_python_module=False)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-            raise LauncherError(f"building flashgen's launcher (a C++ compiler and torch's headers are needed) "
-                                f"failed in {tmp}:\n{exc}") from exc
+            raise LauncherError("building flashgen's launcher (it needs a C++ compiler and torch's headers) "
+                                f"failed:\n{exc}") from exc
         for junk in tmp.iterdir():  # ninja's files and objects
             if junk.name not in (SO, cpp.name, "flashgen_args.h"):
                 cache.remove(junk)
