@@ -2,9 +2,9 @@
 
 Inputs are ``(batch, seq, heads, d_head)`` tensors (any strides with a contiguous,
 16-byte aligned ``d_head``; a ``(batch, heads, seq, d)`` tensor passes as its
-``.transpose(1, 2)`` view). Every unsupported input is refused before launch: the
-launcher's operator checks each call in C++ (no per-call Python checks), and a
-refused call is explained by :meth:`Attention.check` as an :class:`InputError`.
+``.transpose(1, 2)`` view). Every unsupported input is refused before launch: eager
+calls by :meth:`Attention.check` (an :class:`InputError` saying what is supported), calls
+traced by ``torch.compile`` by the launcher's operator, which checks again in C++.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import launcher, tracing
+from . import cache, launcher, tracing
 from .build import BuildError, Built, build, required_capability
 from .dsl.config import KernelConfig, load_config
 from .policy import lookup, seq_bucket
@@ -36,8 +36,8 @@ def _device_index(device: torch.device) -> int:
 
 _attention = torch.ops.flashgen.attention.default
 _attention_out = torch.ops.flashgen.attention_out.default
-#: What a refused call raises from the operator (the C++ checks, a non-tensor argument, a missing attribute).
-_CALL_ERRORS = (RuntimeError, ValueError, TypeError, AttributeError, IndexError)
+#: What building a dispatch key from something that is not a 4-D tensor raises.
+_KEY_ERRORS = (TypeError, AttributeError, IndexError)
 
 
 def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, int, int]:
@@ -58,8 +58,6 @@ def _load(built: Built, verbose: bool) -> int:
     except RuntimeError as exc:
         if not built.cache_hit:
             raise BuildError(f"the freshly built library {built.library} does not load: {exc}") from exc
-        from . import cache
-
         cache.discard(built.directory, f"damaged cache entry {built.directory} (its library does not load: {exc}): rebuilding it")
         built = build(cfg, built.capability, verbose=verbose)
         return launcher.load_kernel(built.library, built.name, cfg.short_form(), cfg.dtype.torch, cfg.d_head)
@@ -234,7 +232,7 @@ class AutoAttention:
             return _launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
         try:
             attn = self._dispatch.get((q.device, q.dtype, q.shape[3], q.shape[1], mask))
-        except _CALL_ERRORS:
+        except _KEY_ERRORS:
             attn = None
         if attn is None:
             _check_lookup(q)
