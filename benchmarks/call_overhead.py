@@ -186,7 +186,7 @@ def prebuild() -> None:
             cfgs |= {auto.select(q), auto.select(q, masked=True).replace(mask="causal")}
     failures = build_jobs([(c, cap) for c in cfgs], progress=False)
     if failures:
-        raise SystemExit("\n".join(f"{k}: {v}" for k, v in failures.items()))
+        raise SystemExit("\n".join(f"{cfg.short_form()}: {err}" for (cfg, _), err in failures.items()))
 
 
 def main() -> int:

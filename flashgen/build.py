@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ import attrs
 
 from . import cache
 from .dsl.config import KernelConfig
-from .toolchain import find_nvcc, nvcc_identity
+from .toolchain import find_nvcc, nvcc_identity, require_nvcc
 
 #: Flags every compile of an emitted kernel uses (flashgen check too); builds add line info for profilers.
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
@@ -41,10 +40,6 @@ GENERATOR_PACKAGES = ("dsl", "emit")
 
 class BuildError(RuntimeError):
     """nvcc failed, or the config cannot be built for the GPU; the message holds the source path and a repro command."""
-
-
-def cache_root() -> Path:
-    return cache.root()
 
 
 def arch_flags(capability: tuple[int, int]) -> tuple[str, str]:
@@ -96,11 +91,7 @@ def check_capability(cfg: KernelConfig, capability: tuple[int, int]) -> None:
 
 
 def _nvcc() -> str:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise BuildError("nvcc not found on PATH (set FLASHGEN_NVCC or CUDA_HOME to point at a CUDA toolkit): "
-                         "building a kernel needs the CUDA compiler")
-    return nvcc
+    return require_nvcc(BuildError, "building a kernel needs the CUDA compiler")
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,13 +212,16 @@ def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool,
         return cfg.short_form(), 0.0, False, str(exc)
 
 
+def job_label(cfg: KernelConfig, capability: tuple[int, int]) -> str:
+    return f"{cfg.short_form()} for {arch_name(capability)}"
+
+
 def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | None = None,
-               progress: bool = True) -> dict[str, str]:
-    """Build (config, capability) pairs in parallel processes, a progress line per kernel; {label: error} of
+               progress: bool = True) -> dict[tuple[KernelConfig, tuple[int, int]], str]:
+    """Build (config, capability) pairs in parallel processes, a progress line per kernel; {job: error} of
     failures. Ctrl-C or SIGTERM stops every build at once (:mod:`flashgen.workers`); finished ones stay cached."""
     from .workers import run_parallel
 
-    labels = [f"{cfg.short_form()} for {arch_name(cap)}" for cfg, cap in jobs]
     done = 0
 
     def report(index: int, result: tuple[str, float, bool, str]) -> None:
@@ -236,14 +230,14 @@ def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | 
         if progress:
             _, seconds, hit, err = result
             status = "FAILED" if err else ("in the cache" if hit else f"{seconds:.1f} s")
-            print(f"[flashgen] [{done}/{len(jobs)}] {labels[index]}: {status}", file=sys.stderr, flush=True)
+            print(f"[flashgen] [{done}/{len(jobs)}] {job_label(*jobs[index])}: {status}", file=sys.stderr, flush=True)
 
     results = run_parallel(_build_worker, [(c.to_dict(), tuple(cap)) for c, cap in jobs], workers, report)
-    return {label: err for label, (_, _, _, err) in zip(labels, results) if err}
+    return {job: err for job, (_, _, _, err) in zip(jobs, results) if err}
 
 
 def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int | None = None,
                progress: bool = True) -> dict[str, str]:
     """Build many configs for one GPU in parallel processes (warming the cache); {short form: error} of failures."""
     failures = build_jobs([(c, tuple(capability)) for c in cfgs], jobs, progress)
-    return {label.rsplit(" for ", 1)[0]: err for label, err in failures.items()}
+    return {cfg.short_form(): err for (cfg, _), err in failures.items()}

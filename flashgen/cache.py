@@ -11,6 +11,7 @@ needs no write access.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -63,8 +64,9 @@ def read_entry(entry: Path, files: tuple[str, ...] = ()) -> dict | None:
         record = json.loads(record_path.read_text())
         sizes = record["sizes"]
         for name in files:
-            if (entry / name).stat().st_size != sizes[name]:
-                raise ValueError(f"{name} has {(entry / name).stat().st_size} bytes, {sizes[name]} were written")
+            size = (entry / name).stat().st_size
+            if size != sizes[name]:
+                raise ValueError(f"{name} has {size} bytes, {sizes[name]} were written")
         return record
     except FileNotFoundError as exc:
         if not entry.exists():
@@ -93,7 +95,9 @@ def remove(path: Path) -> None:
             path.unlink()
 
 
+@functools.lru_cache(maxsize=None)
 def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: once, not per entry)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

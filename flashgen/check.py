@@ -40,7 +40,7 @@ import attrs
 from .build import NVCC_FLAGS, arch_flags
 from .dsl.config import KernelConfig
 from .emit.kernel import KernelSource, emit
-from .toolchain import find_nvcc
+from .toolchain import require_nvcc
 from .workers import run_parallel
 
 #: Target name -> nvcc ``-gencode`` flag (the build stage's rule, so check compiles what compile() builds).
@@ -59,10 +59,7 @@ class CheckError(RuntimeError):
 
 
 def _nvcc() -> str:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise CheckError("nvcc not found on PATH (set FLASHGEN_NVCC or CUDA_HOME to point at a CUDA toolkit)")
-    return nvcc
+    return require_nvcc(CheckError)
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,9 +219,9 @@ def _error_lines(log: str, limit: int = 20) -> str:
 
 
 def default_workdir() -> Path:
-    from .build import cache_root
+    from . import cache
 
-    return cache_root() / "check"
+    return cache.root() / "check"
 
 
 @functools.lru_cache(maxsize=512)

@@ -51,8 +51,8 @@ def main(args) -> int:
     except cache.CacheError as exc:
         raise CommandError(str(exc)) from None
     failures = build.build_jobs(jobs, args.jobs, progress=not args.quiet)
-    for label, err in failures.items():
-        print(f"flashgen: FAILED {label}:\n{err}", file=sys.stderr)
+    for job, err in failures.items():
+        print(f"flashgen: FAILED {build.job_label(*job)}:\n{err}", file=sys.stderr)
     print(f"{len(jobs) - len(failures)} of {len(jobs)} kernel(s) in the cache {cache.root()}")
     return 1 if failures else 0
 

@@ -52,15 +52,16 @@ def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, in
 
 def _load(built: Built, verbose: bool) -> int:
     """The launcher handle of a built kernel; an entry whose library does not load is rebuilt once."""
-    cfg = built.cfg
+    def load(b: Built) -> int:
+        return launcher.load_kernel(b.library, b.name, b.cfg.short_form(), b.cfg.dtype.torch, b.cfg.d_head)
+
     try:
-        return launcher.load_kernel(built.library, built.name, cfg.short_form(), cfg.dtype.torch, cfg.d_head)
+        return load(built)
     except RuntimeError as exc:
         if not built.cache_hit:
             raise BuildError(f"the freshly built library {built.library} does not load: {exc}") from exc
         cache.discard(built.directory, f"damaged cache entry {built.directory} (its library does not load: {exc}): rebuilding it")
-        built = build(cfg, built.capability, verbose=verbose)
-        return launcher.load_kernel(built.library, built.name, cfg.short_form(), cfg.dtype.torch, cfg.d_head)
+        return load(build(built.cfg, built.capability, verbose=verbose))
 
 
 class Attention:

@@ -21,6 +21,18 @@ def find_nvcc() -> str | None:
     return None
 
 
+#: What to say when no nvcc is found.
+NOT_FOUND = "nvcc not found on PATH (set FLASHGEN_NVCC or CUDA_HOME to point at a CUDA toolkit)"
+
+
+def require_nvcc(error: type[Exception], why: str = "") -> str:
+    """The nvcc path, or ``error`` saying none was found (and ``why`` it is needed)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise error(NOT_FOUND + (f": {why}" if why else ""))
+    return nvcc
+
+
 @functools.lru_cache(maxsize=None)
 def nvcc_identity(nvcc: str) -> str:
     """The installation behind an nvcc path (resolved path, size, modification time): a new toolkit

@@ -2,7 +2,7 @@
 
 * ``@pytest.mark.gpu`` tests are skipped when ``torch.cuda.is_available()`` is false
   (torch is imported only if such a test was collected).
-* ``@pytest.mark.nvcc`` tests are skipped when no nvcc is found (``flashgen.check.find_nvcc``:
+* ``@pytest.mark.nvcc`` tests are skipped when no nvcc is found (``flashgen.toolchain.find_nvcc``:
   ``$FLASHGEN_NVCC``, PATH, ``$CUDA_HOME/bin``); tests that need the compiler's path
   take the ``nvcc`` fixture, which skips the same way.
 """
@@ -18,7 +18,7 @@ NVCC_REASON = "nvcc not found on PATH"
 
 def _find_nvcc() -> str | None:
     try:
-        from flashgen.check import find_nvcc
+        from flashgen.toolchain import find_nvcc
     except Exception:  # a broken import must not hide every test behind a conftest error
         return shutil.which("nvcc")
     return find_nvcc()

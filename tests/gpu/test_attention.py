@@ -132,16 +132,21 @@ def test_torch_compile_and_cuda_graph(built):
     compiled = torch.compile(lambda q, k, v: attn(q, k, v) * 2, fullgraph=True)
     assert torch.equal(compiled(q, k, v), expected * 2)
 
-    static_out = torch.empty_like(q)
+    check_graph_replay(attn, q, k, v)
+
+
+def check_graph_replay(attn, q, k, v):
+    """Capture ``attn(q, k, v, out=...)`` in a CUDA graph, poison the output, replay on new q, check."""
+    out = torch.empty_like(q)
+    attn(q, k, v, out=out)  # warm-up outside capture
     g = torch.cuda.CUDAGraph()
-    attn(q, k, v, out=static_out)  # warm-up outside capture
     with torch.cuda.graph(g):
-        attn(q, k, v, out=static_out)
-    static_out.fill_(float("nan"))
+        attn(q, k, v, out=out)
+    out.fill_(float("nan"))
     q.copy_(torch.randn_like(q))
     g.replay()
     torch.cuda.synchronize()
-    check_close(static_out, q, k, v, 1 / math.sqrt(128))
+    check_close(out, q, k, v, 1 / math.sqrt(q.shape[3]))
 
 
 def test_auto_under_torch_compile_and_cuda_graph_capture():
@@ -155,16 +160,7 @@ def test_auto_under_torch_compile_and_cuda_graph_capture():
     for seq in (200, 1000, 3000):
         q, k, v = (torch.randn(1, seq, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         assert torch.equal(compiled(q, k, v), auto(q, k, v, causal=True) * 2)
-    out = torch.empty_like(q)
-    auto(q, k, v, out=out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        auto(q, k, v, out=out)
-    out.fill_(float("nan"))
-    q.copy_(torch.randn_like(q))
-    g.replay()
-    torch.cuda.synchronize()
-    check_close(out, q, k, v, 1 / math.sqrt(128))
+    check_graph_replay(auto, q, k, v)
     with pytest.raises(InputError, match="flashgen kernels run on CUDA devices"):
         auto(q.cpu(), k.cpu(), v.cpu())
 
