@@ -9,7 +9,10 @@ small library, built once per torch/CUDA version into the cache, that
   remembers what it was built for (dtype, d_head, compute capability);
 * defines the operators ``flashgen::attention`` and ``flashgen::attention_out`` that
   take a kernel handle, check every input (in C++: no Python on the call
-  path), fill the argument struct and launch on the current stream.
+  path), fill the argument struct and launch on the current stream;
+* is also a Python module (:func:`native`) whose entry points do the same without
+  the dispatcher, for eager calls: ``call`` (one kernel) and ``dispatch`` (the
+  kernel a dispatch table holds for the call's shape).
 
 The operator schemas and their fake (meta) implementations are registered from
 Python, so ``torch.compile`` traces calls before any library is loaded.
@@ -18,9 +21,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import subprocess
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -77,24 +83,42 @@ def _fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-SO = "flashgen_launcher.so"
+MODULE = "flashgen_launcher"
+SO = f"{MODULE}.so"
 
 
 @functools.lru_cache(maxsize=None)
-def library() -> Path:
-    """Load the launcher library (building it on first use in this torch environment); its path."""
-    entry = cache.root() / f"launcher-{_fingerprint()}"
+def native() -> ModuleType:
+    """The launcher library as a Python module (built on first use in this torch environment); loading it
+    also registers the operators."""
+    entry = _entry()
     if cache.read_entry(entry, (SO,)) is not None:
         try:
-            torch.ops.load_library(str(entry / SO))
-            return entry / SO
-        except OSError as exc:
+            return _import(entry / SO)
+        except (OSError, ImportError) as exc:
             cache.discard(entry, f"damaged launcher library {entry / SO} ({exc}): rebuilding it")
-    _build(entry)  # loads it too: a library's operators may be registered only once per process
-    return entry / SO
+    return _build(entry)  # imports it too: a library's operators may be registered only once per process
 
 
-def _build(entry: Path) -> None:
+def library() -> Path:
+    """The launcher library's path, loading it first."""
+    native()
+    return _entry() / SO
+
+
+def _entry() -> Path:
+    return cache.root() / f"launcher-{_fingerprint()}"
+
+
+def _import(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(entry: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     cache.warn("building the kernel launcher (once per torch version) ...")
@@ -104,8 +128,8 @@ def _build(entry: Path) -> None:
         cpp.write_text(SOURCE.read_text())
         (tmp / "flashgen_args.h").write_text(args_header())
         try:
-            cpp_extension.load(name="flashgen_launcher", sources=[str(cpp)], with_cuda=False, extra_cflags=["-O2"],
-                               build_directory=str(tmp), verbose=False, is_python_module=False)
+            module = cpp_extension.load(name=MODULE, sources=[str(cpp)], with_cuda=False, extra_cflags=["-O2"],
+                               build_directory=str(tmp), verbose=False, is_python_module=True)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
             raise LauncherError("building flashgen's launcher (it needs a C++ compiler and torch's headers) "
                                 f"failed:\n{exc}") from exc
@@ -115,9 +139,10 @@ def _build(entry: Path) -> None:
         cache.write_record(tmp, {"torch": torch.__version__, "cuda": torch.version.cuda,
                                  "seconds": round(time.perf_counter() - t0, 2)}, (SO,))
     cache.warn(f"launcher built in {time.perf_counter() - t0:.1f} s")
+    return module
 
 
 def load_kernel(path: Path, name: str, short_form: str, dtype: torch.dtype, d_head: int) -> int:
     """Load a kernel library; the handle the operators take."""
-    library()
+    native()
     return int(torch.ops.flashgen.load_kernel(str(path), name, short_form, dtype, d_head))

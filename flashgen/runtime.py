@@ -2,9 +2,10 @@
 
 Inputs are ``(batch, seq, heads, d_head)`` tensors (any strides with a contiguous,
 16-byte aligned ``d_head``; a ``(batch, heads, seq, d)`` tensor passes as its
-``.transpose(1, 2)`` view). Every unsupported input is refused before launch: eager
-calls by :meth:`Attention.check` (an :class:`InputError` saying what is supported), calls
-traced by ``torch.compile`` by the launcher's operator, which checks again in C++.
+``.transpose(1, 2)`` view). Every unsupported input is refused before launch, in C++ by
+the launcher (see :mod:`flashgen.launcher`): eager calls go straight to its Python entry
+points, whose failures :meth:`Attention.check` turns into an :class:`InputError` that says
+what is supported; calls traced by ``torch.compile`` go through its operators.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _device_index(device: torch.device) -> int:
 
 _attention = torch.ops.flashgen.attention.default
 _attention_out = torch.ops.flashgen.attention_out.default
-#: What building a dispatch key from something that is not a 4-D tensor raises.
-_KEY_ERRORS = (TypeError, AttributeError, IndexError)
+#: The launcher's numbers for a kernel's score mask (its dispatch keys hold them).
+_MASK_CODES = {"none": 0, "causal": 1, "window": 2}
 
 
 def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, int, int]:
@@ -72,6 +73,7 @@ class Attention:
         self.cfg: KernelConfig = built.cfg
         self.verbose = verbose
         self._handle = _load(built, verbose)
+        self._native = launcher.native()
         self._mask = self.cfg.mask
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
@@ -91,6 +93,7 @@ class Attention:
             _check_tensor(name, t, q, self._dtype, self.cfg)
         if q.device not in self._devices_ok:
             self._check_capability(q.device)
+            self._native.allow_device(self._handle, _device_index(q.device))
             self._devices_ok.add(q.device)
         _check_shapes(q, k, v, out)
 
@@ -137,16 +140,28 @@ class Attention:
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
 
     def _launch(self, q, k, v, out, softmax_scale, left: int, right: int, align: str, return_lse: bool):
-        """Run this kernel (its mask is the call's) after checking the call; traced calls are checked by the
-        operator when the graph runs."""
-        if not torch.compiler.is_compiling():
-            self.check(q, k, v, out)
-        return _launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
+        """Run this kernel (its mask is the call's). Eager calls are checked by the launcher, and on a failed
+        check (or a device not yet checked for this kernel) by :meth:`check`; traced calls by the operator
+        when the graph runs."""
+        if torch.compiler.is_compiling():
+            return _traced_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
+        args = (q, k, v, out, self._handle, softmax_scale, left, right, align, return_lse)
+        try:
+            result = self._native.call(*args)
+            if result is None:  # the first call on this device: check everything, the capability included
+                self.check(q, k, v, out)
+                result = self._native.call(*args)
+        except InputError:
+            raise
+        except (TypeError, ValueError) as exc:  # a check failed in the launcher
+            self.check(q, k, v, out)  # raises the InputError that explains it
+            raise InputError(str(exc)) from None
+        return result
 
 
-def _launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,
+def _traced_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,
             return_lse: bool):
-    """One call of the operator: kernel ``handle`` on the call's tensors and mask window."""
+    """A traced call: the operator with kernel ``handle`` on the call's tensors and mask window."""
     scale = default_scale if softmax_scale is None else float(softmax_scale)
     if align == "top_left":
         offset = 0
@@ -217,6 +232,8 @@ class AutoAttention:
         self._dispatch: dict[tuple, Attention] = {}
         self._built: dict[KernelConfig, Attention] = {}
         self._id = tracing.register(self)  # how a traced call names this object
+        self._native = None  # the launcher, loaded (or built) by the first call
+        self._table = -1  # the launcher's copy of the dispatch table, for eager calls
 
     def select(self, q: torch.Tensor, masked: bool = False) -> KernelConfig:
         """The config for ``q``'s shape (``masked``: the call applies a causal or window mask), without its mask."""
@@ -230,15 +247,24 @@ class AutoAttention:
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
             handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
-            return _launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
+            return _traced_launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
+        code = _MASK_CODES[mask]
+        native = self._native or self._connect()
         try:
-            attn = self._dispatch.get((q.device, q.dtype, q.shape[3], q.shape[1], mask))
-        except _KEY_ERRORS:
-            attn = None
-        if attn is None:
+            result = native.dispatch(self._table, q, k, v, out, softmax_scale, code, left, right, align, return_lse)
+        except (TypeError, ValueError):
+            result = None  # the kernel's own call below explains it
+        if result is None:  # a new shape, or a call to explain
             _check_lookup(q)
             attn = self.pick(q.device, q.dtype, q.shape[3], q.shape[1], mask)
-        return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
+            result = attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
+            native.remember(self._table, q, code, attn._handle)
+        return result
+
+    def _connect(self):
+        self._native = launcher.native()
+        self._table = self._native.new_dispatch_table()
+        return self._native
 
     def pick(self, device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, mask: str) -> Attention:
         """The kernel for a call's (device, dtype, d_head, seq_q, mask), built on first use."""

@@ -59,3 +59,35 @@ def test_a_library_that_does_not_load_is_rebuilt(tmp_path, nvcc):
     assert second.returncode == 0, second.stderr
     assert "does not load" in second.stderr and "rebuilding" in second.stderr
     assert second.stdout.split()[-1] == "0" and library.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_the_eager_entry_points_run_nothing_they_cannot_check(tmp_path, nvcc):
+    proc = run("""
+from flashgen import launcher
+attn = runtime.Attention(build(cfg, (8, 0)))
+native = launcher.native()
+q = torch.zeros(1, 8, 1, 64, dtype=torch.float16)
+args = (None, attn._handle, None, -1, -1, "top_left", False)
+print(native.call(q, q, q, *args))  # a CPU tensor's device is never allowed: Python checks (and refuses) it
+try:
+    attn(q, q, q)
+except runtime.InputError as exc:
+    print("InputError", exc)
+table = native.new_dispatch_table()
+print(native.dispatch(table, q, q, q, None, None, 0, -1, -1, "top_left", False))
+for bad in (lambda: native.call(q, q, q, None, attn._handle + 1, None, -1, -1, "top_left", False),
+            lambda: native.remember(table, q, 0, attn._handle),
+            lambda: native.call("q", q, q, *args)):
+    try:
+        bad()
+        print("no error")
+    except Exception as exc:
+        print(type(exc).__name__, str(exc).splitlines()[0])
+""", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "None" and lines[2] == "None"
+    assert lines[1] == "InputError q is on cpu; flashgen kernels run on CUDA devices"
+    assert lines[3].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[3]
+    assert lines[4].startswith("ValueError") and "4-D CUDA tensor" in lines[4]
+    assert lines[5].startswith("TypeError")

@@ -1,10 +1,11 @@
 """The call path of ``compile("auto")`` on the CPU: dispatch, what a hit may not do, masks, torch.compile.
 
 The kernel side is replaced by doubles: building returns a record without compiling,
-loading hands out launcher handles, and a CPU implementation of ``flashgen::attention``
-records which handle each call reached and returns ``q + handle`` (so a test can tell
-kernels apart by the output). Everything between the user's call and the operator is
-the real code.
+loading hands out launcher handles, and both ways into the launcher (its eager entry
+points, and a CPU implementation of the ``flashgen::attention`` operator for traced calls)
+record which handle each call reached and return ``q + handle`` (so a test can tell
+kernels apart by the output). Everything between the user's call and the launcher is
+the real code; ``test_launcher.py`` runs the real launcher.
 """
 from __future__ import annotations
 
@@ -43,15 +44,56 @@ class Kernels:
                       masked=masked)
 
 
+class Native:
+    """The launcher's eager entry points, as their contract says (flashgen/native/launcher.cpp): ``call`` runs a
+    kernel or returns None for a device not yet allowed for it; ``dispatch`` runs the kernel a table holds for
+    the call's key or returns None; a failed check raises ValueError."""
+
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels
+        self.allowed: set[int] = set()
+        self.tables: list[dict] = []
+
+    def allow_device(self, kernel, index):
+        self.allowed.add(kernel)
+
+    def call(self, q, k, v, out, kernel, scale, left, right, align, return_lse):
+        if kernel not in self.allowed:
+            return None
+        if align not in ("top_left", "bottom_right"):
+            raise ValueError(f"align='{align}': expected 'top_left' or 'bottom_right'")
+        self.kernels.launched.append(kernel)
+        o = q + kernel
+        return (o, q.new_empty((0,), dtype=torch.float32)) if return_lse else o
+
+    def new_dispatch_table(self):
+        self.tables.append({})
+        return len(self.tables) - 1
+
+    def remember(self, table, q, mask, kernel):
+        self.tables[table][(q.dtype, q.shape[3], q.shape[1], mask)] = kernel
+
+    def dispatch(self, table, q, k, v, out, scale, mask, left, right, align, return_lse):
+        if not isinstance(q, torch.Tensor):
+            raise TypeError("dispatch(): incompatible function arguments")
+        if q.dim() != 4:
+            return None
+        kernel = self.tables[table].get((q.dtype, q.shape[3], q.shape[1], mask))
+        return None if kernel is None else self.call(q, k, v, out, kernel, scale, left, right, align, return_lse)
+
+
 @pytest.fixture
 def kernels(monkeypatch):
     k = Kernels()
+    native = Native(k)
+    monkeypatch.setattr(runtime.launcher, "native", lambda: native)
+    # CPU tensors pass the checks; a passed check allows the device, as the real one does
+    monkeypatch.setattr(runtime.Attention, "check", lambda self, q, k_, v, out=None: native.allow_device(self._handle, 0))
     monkeypatch.setattr(runtime, "build", k.build)
     monkeypatch.setattr(runtime, "_load", k.load)
     monkeypatch.setattr(runtime, "_select", k.select)
     monkeypatch.setattr(runtime, "device_facts", lambda index: ("NVIDIA H100", (9, 0)))
     monkeypatch.setattr(runtime, "_device_index", lambda device: 0)
-    monkeypatch.setattr(runtime.Attention, "check", lambda self, q, k_, v, out=None: None)  # CPU tensors pass
 
     def attention(q, k_, v, kernel, scale, offset, left, right, return_lse):
         k.launched.append(kernel)

@@ -1,33 +1,49 @@
-// flashgen's launcher: the torch operators that launch every emitted kernel library.
+// flashgen's launcher: the torch operators (traced calls) and the Python entry points (eager calls) that
+// launch every emitted kernel library.
 // Built once per torch installation by flashgen.launcher (g++ against torch's headers, no CUDA toolkit);
 // each kernel library is built alone by nvcc and exports the C ABI of flashgen/emit/abi.py.
 #include <dlfcn.h>
 #include <atomic>
+#include <cmath>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor caster: the eager entry points
 
 #include "flashgen_args.h"  // written next to this file from flashgen.emit.abi.args_struct("flashgen")
 
 namespace {
 
-// Guards: flashgen.runtime checks every eager call in Python before it gets here (with the full
-// explanation); these stop a bad launch that got past it (calls traced by torch.compile). Errors are
-// std exceptions, not TORCH_CHECK: on the GPU machine (torch 2.11 + CUDA 13.0) a c10::Error raised from
-// an extension library ended the process. std exceptions from a minimal extension crossed the
-// dispatcher cleanly there, but from this library they were also seen to end it (cause not found).
+// Guards: every call is checked here before launch. Messages are built from std::string and
+// std::to_string, never through an iostream: on the GPU machine (torch 2.11 built with a Red Hat GCC
+// 13.3 toolset, this library with the system's GCC 13.3) writing a number to an ostream in this library
+// crashed the process, which is what made exceptions from it look fatal.
+inline std::string text(const std::string& s) { return s; }
+inline std::string text(const char* s) { return s; }
+template <typename Int, std::enable_if_t<std::is_integral_v<Int>, int> = 0>
+std::string text(Int value) { return std::to_string(value); }
+inline std::string text(c10::ScalarType t) { return c10::toString(t); }
+inline std::string text(const c10::Device& d) { return d.str(); }
+inline std::string text(c10::IntArrayRef values) {
+    std::string s = "[";
+    for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
+    return s + "]";
+}
+
 template <typename Error, typename... Parts>
 [[noreturn]] void raise(const Parts&... parts) {
-    std::ostringstream msg;
-    (msg << ... << parts);
-    throw Error(msg.str());
+    std::string msg;
+    ((msg += text(parts)), ...);
+    throw Error(msg);
 }
 #define FG_REQUIRE(cond, ...) do { if (!(cond)) raise<std::invalid_argument>(__VA_ARGS__); } while (0)
 #define FG_CHECK(cond, ...) do { if (!(cond)) raise<std::runtime_error>(__VA_ARGS__); } while (0)
@@ -42,6 +58,7 @@ struct Kernel {
     workspace_fn workspace;
     c10::ScalarType dtype;
     int64_t d_head;
+    std::atomic<uint64_t> devices_ok{0};  // bit i: flashgen.runtime checked CUDA device i can run this kernel
 };
 
 constexpr int64_t kMaxKernels = 1 << 16;
@@ -157,7 +174,100 @@ at::Tensor attention_out(const at::Tensor& q, const at::Tensor& k, const at::Ten
     return launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse);
 }
 
+// ---- eager entry points -------------------------------------------------------------------------
+// flashgen.runtime's eager calls come here instead of through the dispatcher: pybind11 parses the
+// arguments and the call costs about what a built-in torch op costs. The checks and the launch are the
+// operators'. A failed check raises here and this library's own pybind11 handlers turn it into a Python
+// exception (ValueError / RuntimeError; TypeError for arguments of the wrong type); Python then explains
+// it with an InputError. A call returns None when Python has something to do first: check the device's
+// compute capability for this kernel (once per device), or pick the kernel for a new shape.
+// Every entry point runs under the GIL, which serialises the tables below.
+namespace py = pybind11;
+
+bool device_checked(const Kernel& kn, const at::Tensor& q) {
+    const int index = q.is_cuda() ? q.device().index() : -1;
+    return index >= 0 && index < 64 && ((kn.devices_ok.load(std::memory_order_relaxed) >> index) & 1);
+}
+
+void allow_device(int64_t kernel, int64_t index) {
+    FG_CHECK(index >= 0 && index < 64, "flashgen: CUDA device index ", index, " out of range");
+    const_cast<Kernel&>(kernel_at(kernel)).devices_ok.fetch_or(uint64_t(1) << index);
+}
+
+int64_t mask_offset(const std::string& align, const at::Tensor& q, const at::Tensor& k) {
+    if (align == "top_left") return 0;
+    FG_REQUIRE(align == "bottom_right", "align='", align, "': expected 'top_left' or 'bottom_right'");
+    return k.size(1) - q.size(1);
+}
+
+py::object call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::object& out, int64_t kernel,
+                const py::object& softmax_scale, int64_t window_left, int64_t window_right, const std::string& align,
+                bool return_lse) {
+    const Kernel& kn = kernel_at(kernel);
+    if (!device_checked(kn, q)) return py::none();
+    const double scale = softmax_scale.is_none() ? 1.0 / std::sqrt(double(kn.d_head)) : softmax_scale.cast<double>();
+    at::Tensor o;
+    if (out.is_none()) {
+        check_call(q, k, v, nullptr, kn);
+        o = at::empty_like(q);
+    } else {
+        o = out.cast<at::Tensor>();
+        check_call(q, k, v, &o, kn);
+    }
+    at::Tensor lse = launch(kn, q, k, v, o, scale, mask_offset(align, q, k), window_left, window_right, return_lse);
+    if (!out.is_none() && !return_lse) return out;
+    return return_lse ? py::make_tuple(o, lse) : py::cast(o);
+}
+
+// compile("auto")'s dispatch tables: (device, dtype, d_head, seq_q, mask) -> kernel handle.
+constexpr size_t kMaxDispatch = 4096;  // distinct keys a table remembers before it starts afresh
+std::vector<std::unordered_map<uint64_t, int64_t>> dispatch_tables;
+
+uint64_t dispatch_key(const at::Tensor& q, int64_t mask) {
+    return (uint64_t(q.device().index() & 0xff) << 56) | (uint64_t(uint8_t(q.scalar_type())) << 48) |
+           (uint64_t(q.size(3) & 0xffff) << 32) | (uint64_t(mask & 0x3) << 30) | uint64_t(q.size(1) & 0x3fffffff);
+}
+
+bool keyable(const at::Tensor& q) { return q.is_cuda() && q.dim() == 4 && q.size(1) < (1 << 30) && q.size(3) < (1 << 16); }
+
+int64_t new_dispatch_table() {
+    dispatch_tables.emplace_back();
+    return int64_t(dispatch_tables.size()) - 1;
+}
+
+std::unordered_map<uint64_t, int64_t>& table_at(int64_t table) {
+    FG_CHECK(table >= 0 && table < int64_t(dispatch_tables.size()), "flashgen: no dispatch table ", table);
+    return dispatch_tables[size_t(table)];
+}
+
+void remember(int64_t table, const at::Tensor& q, int64_t mask, int64_t kernel) {
+    FG_REQUIRE(keyable(q), "flashgen: a dispatch key needs a 4-D CUDA tensor");
+    kernel_at(kernel);
+    auto& entries = table_at(table);
+    if (entries.size() >= kMaxDispatch) entries.clear();
+    entries[dispatch_key(q, mask)] = kernel;
+}
+
+py::object dispatch(int64_t table, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::object& out,
+                    const py::object& softmax_scale, int64_t mask, int64_t window_left, int64_t window_right,
+                    const std::string& align, bool return_lse) {
+    if (!keyable(q)) return py::none();
+    const auto& entries = table_at(table);
+    const auto hit = entries.find(dispatch_key(q, mask));
+    if (hit == entries.end()) return py::none();
+    return call(q, k, v, out, hit->second, softmax_scale, window_left, window_right, align, return_lse);
+}
+
 }  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "flashgen's eager entry points (the torch operators are registered by the same library)";
+    m.def("call", &call, "attention through kernel `kernel`; None: the device is not checked for it yet");
+    m.def("allow_device", &allow_device, "mark CUDA device `index` as checked for kernel `kernel`");
+    m.def("new_dispatch_table", &new_dispatch_table, "a new, empty dispatch table");
+    m.def("remember", &remember, "dispatch q's (device, dtype, d_head, seq_q) and `mask` to `kernel`");
+    m.def("dispatch", &dispatch, "attention through the kernel the table holds for q's key; None: not there yet");
+}
 
 TORCH_LIBRARY_FRAGMENT(flashgen, m) {
     m.def("load_kernel(str path, str name, str short_form, ScalarType dtype, int d_head) -> int", &load_kernel);
