@@ -131,6 +131,8 @@ def test_torch_compile_and_cuda_graph(built):
 
     compiled = torch.compile(lambda q, k, v: attn(q, k, v) * 2, fullgraph=True)
     assert torch.equal(compiled(q, k, v), expected * 2)
+    with pytest.raises(Exception, match="must have the same shape"):  # traced calls: the operator's own check
+        compiled(q, k[:, :100], v)
 
     check_graph_replay(attn, q, k, v)
 
@@ -163,6 +165,10 @@ def test_auto_under_torch_compile_and_cuda_graph_capture():
     check_graph_replay(auto, q, k, v)
     with pytest.raises(InputError, match="flashgen kernels run on CUDA devices"):
         auto(q.cpu(), k.cpu(), v.cpu())
+    for args, kwargs, words in (((q, k[:, :100], v), {}, "same shape"), ((q, k, v), {"out": q[:, :10]}, "out has shape"),
+                                ((q, k, v), {"align": "middle"}, "align="), ((q, k[..., ::2], v), {}, "d_head")):
+        with pytest.raises(InputError, match=words):  # a dispatch hit checked by the launcher, explained by Python
+            auto(*args, **kwargs)
 
 
 def test_second_process_hits_cache(built):
