@@ -1,6 +1,6 @@
 """``flashgen bench``: emitted kernels next to PyTorch's SDPA backends, one process, one run.
 
-Protocol (../shared/BENCHMARK.md): d_head 128, 16 heads, (seq, batch) from
+Protocol: d_head 128, 16 heads, (seq, batch) from
 :data:`SHAPES`, (batch, seq, heads, d) contiguous inputs, random normal data; the
 median of ``triton.testing.do_bench`` (CUDA-event fallback) after warm-up; SDPA
 backends get ``.transpose(1, 2)`` views of the same tensors. The timed flashgen

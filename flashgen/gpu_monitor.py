@@ -159,15 +159,6 @@ class GpuMonitor:
             picked = [s for t, s in self.samples if t0 <= t <= t1]
         return GpuState.of(picked)
 
-    def clock_and_power(self, t0: float, t1: float) -> tuple[float, float]:
-        """Median SM clock (MHz) and board power (W) between ``t0`` and ``t1``; NaN for what was not
-        sampled (the probes print these next to their timings)."""
-        state = self.window(t0, t1)
-        nan = float("nan")
-        if state is None:
-            return nan, nan
-        return (nan if state.clock_mhz is None else state.clock_mhz), (nan if state.power_w is None else state.power_w)
-
     def __enter__(self) -> "GpuMonitor":
         self.start()
         return self

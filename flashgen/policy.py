@@ -59,7 +59,7 @@ HOPPER_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
 #: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
 #: on an H100 and +1 to +5% on an H200, about even at 8192, 0-5% slower at 16384 on the H200; shorter
 #: and masked sequences run faster with B_c 128, and for d_head 64 every larger block was slower
-#: (docs/results/block_160_h100.txt). ``seq`` 0 (unknown) keeps the base block.
+#: (docs/results/block_size.txt). ``seq`` 0 (unknown) keeps the base block.
 HOPPER_LONG_B_C = {128: (2048, 8192, 160)}
 
 

@@ -48,7 +48,7 @@ def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16, rounds: int
     causal attention and store the winners under the masked buckets."""
     import torch
 
-    from .bench import attention_flops, pick_fastest
+    from .bench import SHAPES, attention_flops, pick_fastest
     from .build import build_many
     from .runtime import compile as fg_compile
 
@@ -57,7 +57,7 @@ def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16, rounds: int
     failures = build_many(cfgs, torch.cuda.get_device_capability())
     ok = [c for c in cfgs if c.short_form() not in failures]
     cache = load_cache()
-    batch_for = {512: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 8, 16384: 4}  # BENCHMARK.md's (seq, batch)
+    batch_for = dict(SHAPES)  # the benchmark's batch per sequence length
     found: dict[str, Any] = {}
     for dtype in sorted({c.dtype for c in ok}, key=lambda d: d.value):
         for d_head in sorted({c.d_head for c in ok if c.dtype == dtype}):

@@ -82,14 +82,3 @@ def test_a_missing_program_leaves_the_monitor_off():
     with mon:
         assert not mon.running
     assert mon.window(0, time.monotonic()) is None
-    clock, power = mon.clock_and_power(0, time.monotonic())
-    assert clock != clock and power != power  # NaN: nothing was sampled
-
-
-def test_clock_and_power_are_the_windows_medians_or_nan():
-    mon = GpuMonitor()
-    mon.samples = [(1.0, Sample(1500.0, 690.0, 4)), (2.0, Sample(1600.0, None, 4)), (3.0, Sample(1700.0, 700.0, 0))]
-    assert mon.clock_and_power(0.5, 3.5) == (1600.0, 695.0)
-    clock, power = mon.clock_and_power(1.5, 2.5)
-    assert clock == 1600.0 and power != power  # the one sample has no power reading
-

@@ -101,7 +101,7 @@ def _int_field(name: str):
 class KernelConfig:
     """One FlashAttention-2 forward kernel of the seed's family.
 
-    Attributes are the knobs (see DESIGN.md): block sizes ``B_r`` x ``B_c`` over
+    Attributes are the knobs (the README's knob table describes each): block sizes ``B_r`` x ``B_c`` over
     ``n_warps`` warps, copy and pipelining switches, and how many 8-wide k tiles
     each operand loads shared->registers per step (0 = the whole block at once).
     """
@@ -579,7 +579,7 @@ PROGRESSION: tuple[str, ...] = (
 )
 """The seed's kernel progression (kernels 1-7), each step adding one optimisation."""
 
-#: The seed's best configs on an H200 (BENCHMARK.md); the defaults users get.
+#: The seed's best configs (fastest of its tuning space on an H200); the defaults users get.
 #: ``KernelConfig(dtype=...)`` with no other knobs equals the ``load_2_2_2`` one.
 DEFAULTS: tuple[str, ...] = (
     "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",

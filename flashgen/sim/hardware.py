@@ -2,7 +2,7 @@
 
 Nothing here imports the plan's maps (``flashgen.dsl.atoms``): the simulator applies
 these independent semantics to the plan's addresses, so a wrong plan is caught
-instead of copied (STYLE.md, point 8).
+instead of copied.
 
 Conventions
 -----------

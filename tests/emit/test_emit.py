@@ -1,4 +1,4 @@
-"""The emitter: deterministic text, and every knob changes the code the way DESIGN.md says.
+"""The emitter: deterministic text, and every knob changes the emitted code as its help text says.
 
 Text checks read the emitted .cu; instruction checks read the PTX nvcc generates for
 sm_90a (``nvcc -ptx``, marked ``nvcc``), so they hold for the code that actually runs.

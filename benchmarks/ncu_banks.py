@@ -1,14 +1,16 @@
 """Compare `flashgen simulate`'s shared-memory bank-conflict prediction with Nsight Compute.
 
-usage (on a GPU machine): python tools/ncu_banks.py OUT.json "<short form>" ["<short form>" ...]
+    python benchmarks/ncu_banks.py bank_conflicts.json "<short form>" ["<short form>" ...]   # GPU + ncu
+    python benchmarks/ncu_banks.py --predict-only - "<short form>"                          # CPU: the prediction
 
-For each config: run tests/gpu/run_one.py under ncu (one launch: batch 1, 2 heads, seq 512),
+For each mma.sync config: run tests/gpu/run_one.py under ncu (one launch: batch 1, 2 heads, seq 512),
 read l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{ld,st}.sum and the matching wavefront
 counters, and set them next to the simulator's prediction for the same launch:
 sum over copies of (wavefronts - ideal wavefronts) per warp x warps x (1 or KV blocks) x CTAs.
 Loads are ldmatrix (s2r) and the epilogue's 16-byte shared loads (s2g); stores are the
 epilogue's 32-bit stores (r2s) and synchronous g2s stores (cp.async writes are not LSU stores).
 """
+import argparse
 import csv
 import io
 import json
@@ -67,16 +69,23 @@ def measure(cfg) -> dict:
 
 
 def main() -> int:
-    out = Path(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="JSON file for the rows (config, predicted, measured); '-' writes none")
+    p.add_argument("configs", nargs="+", help="mma.sync configs as short forms")
+    p.add_argument("--predict-only", action="store_true", help="print the simulator's prediction; no GPU, no ncu")
+    args = p.parse_args()
     rows = []
-    for text in sys.argv[2:]:
+    for text in args.configs:
         cfg = parse_config(text)
-        p, m = predict(cfg), measure(cfg)
-        rows.append({"config": text, "predicted": p, "measured": m})
-        print(f"{text}")
-        for key in p:
-            print(f"  {key:14} predicted {p[key]:>12,.0f}   ncu {m[key]:>12,.0f}")
-    out.write_text(json.dumps(rows, indent=2))
+        pred = predict(cfg)
+        meas = None if args.predict_only else measure(cfg)
+        rows.append({"config": text, "predicted": pred, "measured": meas})
+        print(text)
+        for key in pred:
+            seen = "" if meas is None else f"   ncu {meas[key]:>12,.0f}"
+            print(f"  {key:14} predicted {pred[key]:>12,.0f}{seen}")
+    if args.out != "-":
+        Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0
 
 
