@@ -363,7 +363,11 @@ def with_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    return value.__doc__.strip().rstrip(".").lower() if callable(value) else str(value)
+    """A default as YAML writes it; a derived one by its docstring."""
+    if callable(value):
+        doc = value.__doc__.strip().rstrip(".")
+        return doc[0].lower() + doc[1:]
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def describe() -> list[str]:
@@ -373,9 +377,10 @@ def describe() -> list[str]:
         where = "" if k.common else f" [{', '.join(engine(e).label for e in k.engines)} only]"
         flag = next((g for g in FLAGS if k in g.knobs), None)
         spelled = f"flag {' / '.join(flag.words())}" if flag else "in the short form's head"
-        defaults = {engine(e).label: k.default_on(e) for e in k.engines}
-        shown = ", ".join(f"{e}: {_shown(v)}" for e, v in defaults.items() if v is not None)
-        if len(set(map(str, defaults.values()))) == 1 and shown:
-            shown = str(next(iter(defaults.values())))
-        lines.append(f"{k.name}{where} ({spelled}{'; default ' + shown if shown else ''}): {k.help}")
+        defaults = {} if k.required else {engine(e).label: _shown(k.default_on(e)) for e in k.engines}
+        if len(set(defaults.values())) == 1:
+            spelled += f"; default {next(iter(defaults.values()))}"
+        elif defaults:
+            spelled += "; default " + ", ".join(f"{e}: {v}" for e, v in defaults.items())
+        lines.append(f"{k.name}{where} ({spelled}): {k.help}")
     return lines
