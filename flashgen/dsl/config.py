@@ -99,7 +99,7 @@ class KernelConfig:
 
     @property
     def is_wgmma(self) -> bool:
-        return self.engine == "wgmma"
+        return self.engine == WGMMA
 
     @property
     def consumers(self) -> int:
@@ -125,6 +125,8 @@ class KernelConfig:
         return self.fragment_regs + self.d_head // 4 <= self.register_budget
 
     def __attrs_post_init__(self) -> None:
+        # the engine first (what else is valid depends on it), then the other engines' knobs at their
+        # off values, the allowed values, and last the engine's own rules
         _check_choice(ENGINE_KNOB, self.engine)
         for knob in TABLE:
             value = getattr(self, knob.name)

@@ -85,8 +85,8 @@ class Switch:
 @attrs.frozen
 class Pattern:
     """Integer knobs written into a format, ``stages_{}`` or ``load_{}_{}_{}_tiles`` (one ``{}`` per
-    knob); ``shown`` names it in listings (``stages_N``); ``absent``: the values a short form without
-    the flag means, None where the flag is required."""
+    knob); ``shown`` names it in listings (``stages_N``); ``absent_values``: the values a short form
+    without the flag means, None where the flag is required."""
 
     fmt: str
     shown: str = ""
@@ -98,11 +98,11 @@ class Pattern:
     def words(self, knobs: tuple["Knob", ...]) -> tuple[str, ...]:
         return (self.shown or self.fmt,)
 
-    def regex(self, knobs: tuple["Knob", ...]) -> str:
-        return "[0-9]+".join(re.escape(part) for part in self.fmt.split("{}"))
+    def regex(self, knobs: tuple["Knob", ...], number: str = "[0-9]+") -> str:
+        return number.join(re.escape(part) for part in self.fmt.split("{}"))
 
     def read(self, word: str, knobs: tuple["Knob", ...]) -> tuple | None:
-        m = re.fullmatch("([0-9]+)".join(re.escape(part) for part in self.fmt.split("{}")), word)
+        m = re.fullmatch(self.regex(knobs, number="([0-9]+)"), word)
         return tuple(int(g) for g in m.groups()) if m else None
 
     def absent(self, knobs: tuple["Knob", ...]) -> tuple | None:
@@ -138,7 +138,7 @@ Spelling = Union[Switch, Pattern, Choice]
 Derived = Callable[[Mapping[str, Any]], Any]
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # a row of the table: equal to itself only (and hashable with a mapping default)
 class Knob:
     """One knob. ``default``: its value on the engines it belongs to when none is given, or a mapping
     engine -> value (a value may be :data:`Derived`); ``off``: the value configs of the other engines
@@ -251,6 +251,10 @@ class Spelled:
     def engines(self) -> tuple[str, ...]:
         return self.knobs[0].engines
 
+    @property
+    def common(self) -> bool:
+        return self.knobs[0].common
+
     def write(self, values: Mapping[str, Any]) -> str | None:
         return self.spelling.write(tuple(values[k.name] for k in self.knobs))
 
@@ -283,6 +287,8 @@ FLAGS: tuple[Spelled, ...] = _groups(TABLE, "flag")
 HEAD: tuple[Knob, ...] = tuple(k for k in TABLE if k.flag is None)
 #: every flag word, in table order (``load_Q_K_V_tiles`` for the tile counts)
 FLAG_WORDS: tuple[str, ...] = tuple(w for g in FLAGS for w in g.words())
+#: the flag that chooses the engine (``wgmma``; none: the default engine)
+ENGINE_FLAG = next(g for g in FLAGS if ENGINE_KNOB in g.knobs)
 
 
 def flag_regex() -> str:
@@ -309,8 +315,7 @@ def written_order(engine_name: str) -> list[Knob]:
 
 @functools.cache
 def _written(engine_name: str, slot: str) -> tuple[Spelled, ...]:
-    knobs = written_order(engine_name)
-    return _groups(knobs[len(HEAD):] if slot == "flag" else knobs, slot)
+    return _groups(written_order(engine_name), slot)
 
 
 def flags(values: Mapping[str, Any]) -> tuple[str, ...]:
@@ -328,9 +333,9 @@ def mangled_parts(values: Mapping[str, Any]) -> list[str]:
 def engine_flags(engine_name: str) -> str:
     """The flags a short form of this engine takes, for messages: ``wgmma, stages_N, pingpong, intra,
     persistent and a mask flag``."""
-    marker = [w for w in ENGINE_KNOB.flag.words((ENGINE_KNOB,)) if w == engine_name]
-    own = [w for g in FLAGS if not g.knobs[0].common and engine_name in g.engines for w in g.words()]
-    common = [g.knobs[0].name for g in FLAGS if g.knobs[0].common and g.knobs[0] is not ENGINE_KNOB]
+    marker = [w for w in ENGINE_FLAG.words() if w == engine_name]
+    own = [w for g in FLAGS if not g.common and engine_name in g.engines for w in g.words()]
+    common = [g.knobs[0].name for g in FLAGS if g.common and g is not ENGINE_FLAG]
     return ", ".join(marker + own) + "".join(f" and a {name} flag" for name in common)
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import attrs
-from lark import Token, Transformer, v_args
 
 from .dtypes import DType
-from .grammar import FORMS, NotationError, parse
-from .knobs import DEFAULT_ENGINE, ENGINE_KNOB, FLAG_WORDS, FLAGS, HEAD, Spelled, engine, engine_flags, flags, read_flag, with_defaults
+from .grammar import FORMS, NotationError, parse_tree
+from .knobs import (DEFAULT_ENGINE, ENGINE_FLAG, FLAG_WORDS, FLAGS, HEAD, Spelled, engine, engine_flags, flags, read_flag,
+                    with_defaults)
 
 _FORM = FORMS["config"]
 
@@ -55,7 +55,7 @@ class _ShortForm:
             if f.group in seen:
                 raise _repeated(seen[f.group], f, text)
             seen[f.group] = f
-        chosen = seen.get(next(g for g in FLAGS if ENGINE_KNOB in g.knobs))
+        chosen = seen.get(ENGINE_FLAG)
         this = engine(dict(chosen.values)["engine"] if chosen else DEFAULT_ENGINE)
         for f in self.flags:
             if this.name not in f.group.engines:
@@ -99,33 +99,17 @@ def _other_engine(f: _Flag, engine_name: str, text: str) -> NotationError:
     return f.error(f"flag '{f.text}' needs the {owner.label} engine", detail, text)
 
 
-@v_args(inline=True)
-class _ToShortForm(Transformer):
-    """Maps the config rules of notation.lark to a :class:`_ShortForm`."""
-
-    def sizes4(self, *sizes: Token) -> tuple:
-        return tuple((k.name, int(s)) for k, s in zip(HEAD[1:], sizes))
-
-    def sizes3(self, *sizes: Token) -> tuple:  # d_head left out
-        return tuple((k.name, int(s)) for k, s in zip(HEAD[2:], sizes))
-
-    def flags(self, *toks: Token) -> tuple[_Flag, ...]:
-        out = []
-        for tok in toks:
-            group, values = read_flag(str(tok))  # the FLAG terminal matches flag words only
-            out.append(_Flag(group, str(tok), tuple(values.items()), tok.line, tok.column, tok.end_line, tok.end_column))
-        return tuple(out)
-
-    def config(self, dtype: Token, sizes: tuple, flags: tuple[_Flag, ...]) -> _ShortForm:
-        return _ShortForm(str(dtype), sizes, flags)
-
-
-_TO_SHORT_FORM = _ToShortForm()
+def _flag(tok) -> _Flag:
+    group, values = read_flag(str(tok))  # the FLAG terminal matches flag words only
+    return _Flag(group, str(tok), tuple(values.items()), tok.line, tok.column, tok.end_line, tok.end_column)
 
 
 def values(text: str) -> dict[str, Any]:
     """The knob values a short form names (NotationError for a malformed text or misused flags)."""
-    return parse(text, "config", _TO_SHORT_FORM).values(text)
+    dtype, sizes, flag_list = parse_tree(text, "config").children  # config: "(" DTYPE "," sizes ")" ":" flags
+    head = HEAD[1:] if sizes.data == "sizes4" else HEAD[2:]  # sizes3: d_head left out
+    given = tuple((k.name, int(n)) for k, n in zip(head, sizes.children))
+    return _ShortForm(str(dtype), given, tuple(_flag(t) for t in flag_list.children)).values(text)
 
 
 def render(values: Mapping[str, Any]) -> str:

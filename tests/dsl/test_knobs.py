@@ -97,7 +97,7 @@ def _engine_flags() -> dict[str, knobs.Spelled]:
     for cfg in ALL:
         for word in cfg.flags:
             group, _ = knobs.read_flag(word)
-            if not group.knobs[0].common:
+            if not group.common:
                 out[word] = group
     return out
 

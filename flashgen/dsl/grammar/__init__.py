@@ -1,22 +1,21 @@
 """The LALR(1) parser of flashgen's text notations (``notation.lark``) and its errors.
 
-:func:`parse` turns a text into lark's tree for one start rule and a transformer's value;
-a malformed text raises :class:`NotationError` (line, column, the text with a caret, what
-was expected). The short form's flags are one terminal, ``FLAG``, whose words come from the
-knob table (:data:`flashgen.dsl.knobs.FLAG_WORDS`).
+:func:`parse_tree` turns a text into lark's tree for one start rule, :func:`parse` into a
+transformer's value; a malformed text raises :class:`NotationError` (line, column, the text
+with a caret, what was expected). The short form's flags are one terminal, ``FLAG``, whose
+words come from the knob table (:data:`flashgen.dsl.knobs.FLAG_WORDS`). lark is imported and
+the parser built on the first parse, so that importing a config costs neither.
 """
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
-from lark import Lark, Transformer, Tree
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
-
 from ..knobs import FLAG_WORDS, HEAD, flag_regex
 
-__all__ = ["FORMS", "NotationError", "parse"]
+__all__ = ["FORMS", "NotationError", "parse", "parse_tree"]
 
 #: d_head of a short form that gives three sizes, ``(dtype, B_r, B_c, n_warps)``: its default
 SHORT_FORM_D_HEAD = next(k for k in HEAD if k.name == "d_head").default
@@ -63,15 +62,15 @@ class NotationError(ValueError):
         return out + (f"\n  expected form: {self.form}" if self.form else "")
 
 
-_GRAMMAR = (Path(__file__).with_name("notation.lark").read_text()
-            + f"\n// generated from the knob table (flashgen/dsl/knobs.py)\nFLAG: /{flag_regex()}/\n")
-_PARSER = Lark(
-    _GRAMMAR,
-    parser="lalr",
-    start=list(FORMS),
-    propagate_positions=True,
-    cache=True,  # lark keeps the built tables in a temp file keyed by the grammar: a fresh process starts fast
-)
+@functools.cache
+def _parser():
+    from lark import Lark
+
+    grammar = (Path(__file__).with_name("notation.lark").read_text()
+               + f"\n// generated from the knob table (flashgen/dsl/knobs.py)\nFLAG: /{flag_regex()}/\n")
+    # cache: lark keeps the built tables in a temp file keyed by the grammar, so a fresh process starts fast
+    return Lark(grammar, parser="lalr", start=list(FORMS), propagate_positions=True, cache=True)
+
 
 # ---- lark's errors -> NotationError ----------------------------------------------------
 
@@ -82,16 +81,16 @@ _TERMINAL_WORDS = {
     "FLAG": f"a flag ({', '.join(FLAG_WORDS)})",
     "$END": "end of input",
 }
-_TERMINAL_ORDER = {t.name: i for i, t in enumerate(_PARSER.terminals)}
 _IDENT = re.compile(r"[A-Za-z0-9_]+")
 _WORD = re.compile(r"[A-Za-z0-9_]+|\S")
 
 
 def _expected_words(names: set[str]) -> str:
     """Terminal names -> "',' or ')'" (grammar order)."""
+    order = {t.name: i for i, t in enumerate(_parser().terminals)}
     words: list[str] = []
-    for name in sorted(names, key=lambda n: (_TERMINAL_ORDER.get(n, len(_TERMINAL_ORDER)), n)):
-        word = _TERMINAL_WORDS.get(name) or f"'{_PARSER.get_terminal(name).pattern.value}'"
+    for name in sorted(names, key=lambda n: (order.get(n, len(order)), n)):
+        word = _TERMINAL_WORDS.get(name) or f"'{_parser().get_terminal(name).pattern.value}'"
         if word not in words:
             words.append(word)
     if not words:
@@ -105,8 +104,10 @@ def _found_at(text: str, pos: int) -> str:
     return m.group() if m else text[pos : pos + 1]
 
 
-def _translate(err: UnexpectedInput, text: str, start: str) -> NotationError:
+def _translate(err, text: str, start: str) -> NotationError:
     """A NotationError saying, in words, what lark found and what it expected."""
+    from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedToken
+
     found: str | None  # None: the end of the input
     if isinstance(err, UnexpectedCharacters):
         expected = set(err.allowed or ())
@@ -138,14 +139,24 @@ def _translate(err: UnexpectedInput, text: str, start: str) -> NotationError:
     return NotationError(f"unexpected {what}", text, line, column, f"expected {_expected_words(expected)}", form)
 
 
-def parse(text: str, start: str, transformer: Transformer) -> Any:
-    """The value ``transformer`` makes of ``text``'s tree for the start rule ``start``."""
+def parse_tree(text: str, start: str):
+    """lark's tree of ``text`` for the start rule ``start``."""
+    from lark.exceptions import UnexpectedInput
+
     if not isinstance(text, str):
         raise TypeError(f"expected the notation as a str, got {type(text).__name__}")
     try:
-        tree = _PARSER.parse(text, start=start)
+        return _parser().parse(text, start=start)
     except UnexpectedInput as e:
         raise _translate(e, text, start) from None
+
+
+def parse(text: str, start: str, transformer) -> Any:
+    """The value a lark ``Transformer`` makes of ``text``'s tree for the start rule ``start``."""
+    from lark import Tree
+    from lark.exceptions import VisitError
+
+    tree = parse_tree(text, start)
     try:
         return transformer.transform(tree)
     except VisitError as e:  # a constructor refused well-formed text, e.g. Layout(8, (1,2))
