@@ -18,7 +18,7 @@ import attrs
 
 from .dtypes import DType
 from .grammar import FORMS, NotationError, parse_tree
-from .knobs import (DEFAULT_ENGINE, ENGINE_FLAG, FLAG_WORDS, FLAGS, HEAD, Spelled, engine, engine_flags, flags, read_flag,
+from .knobs import (DEFAULT_ENGINE, ENGINE_FLAG, FLAGS, HEAD, Spelled, engine, engine_flags, flags, read_flag,
                     with_defaults)
 
 _FORM = FORMS["config"]
@@ -60,7 +60,7 @@ class _ShortForm:
         for f in self.flags:
             if this.name not in f.group.engines:
                 raise _other_engine(f, this.name, text)
-        out: dict[str, Any] = {"dtype": self.dtype, **dict(self.sizes)}
+        out: dict[str, Any] = {HEAD[0].name: self.dtype, **dict(self.sizes)}
         for group in FLAGS:
             if this.name not in group.engines:
                 continue
@@ -94,7 +94,7 @@ def _other_engine(f: _Flag, engine_name: str, text: str) -> NotationError:
     """A flag of a knob that the config's engine does not have."""
     owner = engine(f.group.engines[0])
     detail = f"{engine(engine_name).named} kernel takes {engine_flags(engine_name)}"
-    if owner.name in FLAG_WORDS:
+    if owner.name in ENGINE_FLAG.words():
         detail += f"; +{owner.name} selects the {owner.label} engine"
     return f.error(f"flag '{f.text}' needs the {owner.label} engine", detail, text)
 
@@ -107,7 +107,7 @@ def _flag(tok) -> _Flag:
 def values(text: str) -> dict[str, Any]:
     """The knob values a short form names (NotationError for a malformed text or misused flags)."""
     dtype, sizes, flag_list = parse_tree(text, "config").children  # config: "(" DTYPE "," sizes ")" ":" flags
-    head = HEAD[1:] if sizes.data == "sizes4" else HEAD[2:]  # sizes3: d_head left out
+    head = HEAD[1:] if sizes.data == "sizes4" else HEAD[2:]  # HEAD: dtype, d_head, B_r, B_c, n_warps; sizes3 leaves out d_head
     given = tuple((k.name, int(n)) for k, n in zip(head, sizes.children))
     return _ShortForm(str(dtype), given, tuple(_flag(t) for t in flag_list.children)).values(text)
 
