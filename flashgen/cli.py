@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import yaml
 
-from .dsl import sets
+from .dsl import knobs, sets
 from .dsl.config import ConfigError
 from .options import positive_int, progress, progress_of  # noqa: F401 - used by the subcommands too
 from .workers import Terminated, sigterm_raises
@@ -59,13 +59,14 @@ flashgen: a Python DSL and CUDA code generator for FlashAttention forward kernel
 
 
 def _epilog() -> str:
-    return textwrap.fill(
-        "CFG may be a YAML file (see examples/), a quoted short form "
-        "\"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+...\" with mma.sync flags async, "
-        "eager, swizzled, load_Q_K_V_tiles, buffer, opt_softmax, or wgmma flags wgmma, "
-        "stages_N, pingpong, intra, persistent (either engine: causal or window), or one "
-        f"of the named sets {sets.listing()}.", width=79,
-    ) + "\nRun 'flashgen COMMAND --help' for a command's options.\n"
+    text = textwrap.fill(
+        "CFG may be a YAML file (see examples/) whose keys are the knobs below, a quoted short form "
+        "\"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+...\" with the flags below, or one "
+        f"of the named sets {sets.listing()}.", width=79, break_on_hyphens=False,
+    )
+    listing = "\n".join(textwrap.fill(line, width=79, initial_indent="  ", subsequent_indent="      ",
+                                      break_on_hyphens=False) for line in knobs.describe())
+    return f"{text}\n\nknobs:\n{listing}\n\nRun 'flashgen COMMAND --help' for a command's options.\n"
 
 
 # Subcommands whose options and implementation live in another module.

@@ -1,62 +1,37 @@
 """KernelConfig: every knob of the FlashAttention-2 forward kernel family.
 
-A config is a frozen, validated value. Validity rules (what can be built) are
-enforced at construction; the seed's *tuning heuristics* (what is worth timing)
-live apart in :func:`is_tuning_candidate` and never make a config invalid.
+A config is a frozen, validated value whose fields are the rows of the knob table
+(:mod:`flashgen.dsl.knobs`): common knobs and each engine's own, a knob of another engine
+held at its ``off`` value. Validity rules (what can be built) are enforced at
+construction; the seed's *tuning heuristics* (what is worth timing) live apart in
+:func:`is_tuning_candidate` and never make a config invalid.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import numbers
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
+from . import knobs, short_form
 from .dtypes import DType
+from .knobs import ENGINE_KNOB, KNOB, MMA_SYNC, TABLE, WARPS_PER_WG, WGMMA, WGMMA_M, Knob
 
-#: Knob names in canonical order; YAML/dict keys are exactly these.
-KNOBS: tuple[str, ...] = (
-    "dtype",
-    "d_head",
-    "B_r",
-    "B_c",
-    "n_warps",
-    "async_copy",
-    "eager_load_blocks",
-    "swizzled",
-    "Q_mma_load_K_tiles",
-    "K_mma_load_K_tiles",
-    "V_mma_load_K_tiles",
-    "mma_double_buffer_loads",
-    "optimized_softmax",
-    "mask",
-)
-#: Knobs of the Hopper (wgmma) engine; left out of ``to_dict`` for mma.sync configs so their
-#: YAML, names and hashes stay those of the seed family.
-HOPPER_KNOBS: tuple[str, ...] = ("engine", "stages", "pingpong", "intra_overlap", "persistent")
-ENGINES = ("mma_sync", "wgmma")
-MASKS = ("none", "causal", "window")
-#: The mma.sync-only knobs and the values a wgmma config fixes them at (TMA copies are
-#: asynchronous and 128B-swizzled, operands are read by descriptor, the softmax is exp2-fused).
-WGMMA_FIXED: dict[str, Any] = {
-    "async_copy": True,
-    "eager_load_blocks": True,
-    "swizzled": True,
-    "Q_mma_load_K_tiles": 0,
-    "K_mma_load_K_tiles": 0,
-    "V_mma_load_K_tiles": 0,
-    "mma_double_buffer_loads": False,
-    "optimized_softmax": True,
-}
-WARPGROUP = 128  # threads of one warpgroup (wgmma's unit)
-WARPS_PER_WG = WARPGROUP // 32
+#: Knob names of a default-engine (mma.sync) config's dict, in order: the seed's knobs and the mask.
+KNOBS: tuple[str, ...] = tuple(k.name for k in knobs.listed(knobs.DEFAULT_ENGINE))
+#: The other knobs (the engine and the wgmma engine's), in a wgmma config's dict after :data:`KNOBS`.
+HOPPER_KNOBS: tuple[str, ...] = tuple(k.name for k in TABLE if k.name not in KNOBS)
+ENGINES = knobs.ENGINE_NAMES
+MASKS = KNOB["mask"].choices
+WARPGROUP = 32 * WARPS_PER_WG  # threads of one warpgroup (wgmma's unit)
 #: log2(e): the softmax runs on exp2 with the scale folded in (scale * LOG2E, rounded to fp32),
 #: one literal for the emitted kernels and the simulators
 LOG2E = 1.4426950408889634
-WGMMA_M = 64  # query rows per consumer warpgroup (wgmma m64)
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # m16n8k16
 FRAG_K = 8  # one "k tile" = 8 columns of the reduction dimension (one 8x8 ldmatrix matrix)
@@ -93,61 +68,38 @@ def _dtype(value: Any) -> DType:
         raise ConfigError(str(exc)) from None
 
 
-def _int_field(name: str):
-    return attrs.field(converter=lambda v: _int(name, v))
+def _field(knob: Knob):
+    """The attrs field of a knob: default of the default engine; ints and dtypes converted on the way
+    in, bools checked after every conversion (attrs runs validators once all fields are set)."""
+    default = attrs.NOTHING if knob.required else knob.default_on(knobs.DEFAULT_ENGINE)
+    if knob.type is DType:
+        return attrs.field(default=default, converter=_dtype)
+    if knob.type is int:
+        return attrs.field(default=default, converter=functools.partial(_int, knob.name))
+    if knob.type is bool:
+        return attrs.field(default=default, validator=lambda _, a, v: _bool(a.name, v))
+    return attrs.field(default=default)
 
 
-@attrs.frozen(order=False)
+@attrs.frozen(order=False, these={k.name: _field(k) for k in TABLE})
 class KernelConfig:
-    """One FlashAttention-2 forward kernel of the seed's family.
+    """One FlashAttention forward kernel: one field per row of :data:`flashgen.dsl.knobs.TABLE`.
 
-    Attributes are the knobs (the README's knob table describes each): block sizes ``B_r`` x ``B_c`` over
-    ``n_warps`` warps, copy and pipelining switches, and how many 8-wide k tiles
-    each operand loads shared->registers per step (0 = the whole block at once).
+    Block sizes ``B_r`` x ``B_c`` over ``n_warps`` warps and the score mask are common; the
+    mma.sync engine adds copy and pipelining switches and how many 8-wide k tiles each operand
+    loads shared->registers per step (0 = the whole block at once); the wgmma engine adds the K/V
+    ring's ``stages`` and its overlap switches (``pingpong``, ``intra_overlap``, ``persistent``).
     """
 
-    dtype: DType = attrs.field(converter=_dtype)
-    d_head: int = attrs.field(default=128, converter=lambda v: _int("d_head", v))
-    B_r: int = attrs.field(default=128, converter=lambda v: _int("B_r", v))
-    B_c: int = attrs.field(default=64, converter=lambda v: _int("B_c", v))
-    n_warps: int = attrs.field(default=4, converter=lambda v: _int("n_warps", v))
-    async_copy: bool = True
-    eager_load_blocks: bool = True
-    swizzled: bool = True
-    Q_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("Q_mma_load_K_tiles", v))
-    K_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("K_mma_load_K_tiles", v))
-    V_mma_load_K_tiles: int = attrs.field(default=2, converter=lambda v: _int("V_mma_load_K_tiles", v))
-    mma_double_buffer_loads: bool = True
-    optimized_softmax: bool = True
-    #: score mask compiled into the kernel: none, causal (alignment chosen per call) or a
-    #: sliding window (left/right sizes chosen per call). Tails (any length) are always handled.
-    mask: str = "none"
-    #: ``mma_sync`` (the seed family, sm_80+) or ``wgmma`` (Hopper: TMA + wgmma + warp specialization, sm_90a).
-    engine: str = "mma_sync"
-    #: wgmma: shared-memory stages of the K/V ring the producer warpgroup fills (mma_sync: 1).
-    stages: int = attrs.field(default=1, converter=lambda v: _int("stages", v))
-    #: wgmma: consumer warpgroups take turns issuing their GEMMs (a ring of named barriers: 0, 1, ..),
-    #: so one's softmax overlaps the others' tensor-core work.
-    pingpong: bool = False
-    #: wgmma: within a warpgroup, S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and
-    #: the softmax of S_j runs while the PV GEMM is in flight.
-    intra_overlap: bool = False
-    #: wgmma: one CTA per SM loops over (query block, head, batch) tiles; the output is staged
-    #: apart from Q so the next tile's Q and K/V loads overlap this tile's epilogue.
-    persistent: bool = False
-
     @classmethod
-    def wgmma(cls, dtype: Any, d_head: int = 128, B_r: int = 128, B_c: int = 128, stages: int = 2,
-              pingpong: bool = True, intra_overlap: bool = True, persistent: bool = False,
-              mask: str = "none") -> "KernelConfig":
-        """A Hopper-engine config; ``n_warps`` follows from ``B_r`` (one producer + B_r/64 consumer warpgroups)."""
-        n_warps = 4 * (1 + _int("B_r", B_r) // WGMMA_M) if _int("B_r", B_r) > 0 else 0
-        return cls(dtype=dtype, d_head=d_head, B_r=B_r, B_c=B_c, n_warps=n_warps, mask=mask, engine="wgmma",
-                   stages=stages, pingpong=pingpong, intra_overlap=intra_overlap, persistent=persistent, **WGMMA_FIXED)
+    def wgmma(cls, dtype: Any, **knobs_: Any) -> "KernelConfig":
+        """A Hopper-engine config: the wgmma defaults for the knobs not given (``n_warps`` follows from
+        ``B_r``: one producer + B_r/64 consumer warpgroups)."""
+        return cls.from_dict({"dtype": dtype, **knobs_, "engine": WGMMA})
 
     @property
     def is_wgmma(self) -> bool:
-        return self.engine == "wgmma"
+        return self.engine == WGMMA
 
     @property
     def consumers(self) -> int:
@@ -173,16 +125,18 @@ class KernelConfig:
         return self.fragment_regs + self.d_head // 4 <= self.register_budget
 
     def __attrs_post_init__(self) -> None:
-        for name in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads", "optimized_softmax",
-                     "pingpong", "intra_overlap", "persistent"):
-            _bool(name, getattr(self, name))
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine={self.engine!r}: expected one of {', '.join(ENGINES)}")
-        if self.is_wgmma:
-            for rule in _WGMMA_RULES:
-                rule(self)
-            return
-        for rule in _RULES:
+        # the engine first (what else is valid depends on it), then the other engines' knobs at their
+        # off values, the allowed values, and last the engine's own rules
+        _check_choice(ENGINE_KNOB, self.engine)
+        for knob in TABLE:
+            value = getattr(self, knob.name)
+            if self.engine not in knob.engines and value != knob.off:
+                raise ConfigError(f"{knob.name}={value!r} is {knobs.engine(knob.engines[0]).named} knob; "
+                                  f"an engine={self.engine} config fixes it at {knob.off!r}")
+        for knob in TABLE:
+            if knob.type is str and knob is not ENGINE_KNOB:
+                _check_choice(knob, getattr(self, knob.name))
+        for rule in _RULES[self.engine]:
             rule(self)
 
     # ---- derived sizes -------------------------------------------------------------
@@ -260,28 +214,37 @@ class KernelConfig:
         return max(0, min(by_smem, by_regs, 64 // self.n_warps))
 
     # ---- names ----------------------------------------------------------------------
+    def _values(self) -> dict[str, Any]:
+        return {k.name: getattr(self, k.name) for k in TABLE}
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict whose keys are exactly :data:`KNOBS` (dtype as its name)."""
-        d = {k: getattr(self, k) for k in KNOBS + (HOPPER_KNOBS if self.is_wgmma else ())}
-        d["dtype"] = self.dtype.value
-        return d
+        """Plain dict of the knobs in table order (dtype as its name); an mma.sync config leaves out the
+        engine and the wgmma knobs (:func:`flashgen.dsl.knobs.listed`)."""
+        return {k.name: k.plain(getattr(self, k.name)) for k in knobs.listed(self.engine)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "KernelConfig":
-        """Build from a mapping with knob-name keys; unknown keys are an error."""
+        """Build from a mapping with knob-name keys; unknown keys are an error. A knob left out takes
+        the default of the config's engine (``engine``, else mma_sync)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a kernel config must be a mapping of knob names, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(KNOBS) - set(HOPPER_KNOBS))
+        unknown = sorted(set(data) - set(KNOB))
         if unknown:
-            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(KNOBS + HOPPER_KNOBS)}")
-        if "dtype" not in data:
-            raise ConfigError("config is missing 'dtype' (fp16 or bf16)")
-        data = dict(data)
-        if data.get("engine") == "wgmma":  # mma.sync-only knobs at their fixed values, the rest as KernelConfig.wgmma
-            data = {**WGMMA_FIXED, "B_c": 128, "stages": 2, "pingpong": True, "intra_overlap": True, "persistent": False, **data}
-            if "n_warps" not in data and isinstance(data.get("B_r", 128), int):
-                data["n_warps"] = 4 * (1 + data.get("B_r", 128) // WGMMA_M)
-        return cls(**data)
+            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(KNOB)}")
+        for knob in TABLE:
+            if knob.required and knob.name not in data:
+                raise ConfigError(f"config is missing '{knob.name}' ({' or '.join(knob.choices)})")
+        return cls(**knobs.with_defaults(data))
+
+    @classmethod
+    def from_short_form(cls, text: str) -> "KernelConfig":
+        """The short form (:mod:`flashgen.dsl.short_form`) -> KernelConfig: NotationError for a malformed
+        text, ConfigError (starting with the short form) for a kernel that cannot be built."""
+        values = short_form.values(text)
+        try:
+            return cls.from_dict(values)
+        except ConfigError as e:
+            raise ConfigError(f"invalid kernel config '{' '.join(text.split())}': {e}") from e
 
     def to_yaml(self) -> str:
         import yaml
@@ -300,60 +263,18 @@ class KernelConfig:
     @property
     def flags(self) -> tuple[str, ...]:
         """The short form's flags, in canonical order."""
-        out = []
-        if self.is_wgmma:
-            out += ["wgmma", f"stages_{self.stages}"] + [f for f, knob in (("pingpong", "pingpong"), ("intra", "intra_overlap"),
-                                                                           ("persistent", "persistent")) if getattr(self, knob)]
-            return tuple(out + ([self.mask] if self.mask != "none" else []))
-        if self.async_copy:
-            out.append("async")
-        if self.eager_load_blocks:
-            out.append("eager")
-        if self.swizzled:
-            out.append("swizzled")
-        out.append(f"load_{self.Q_mma_load_K_tiles}_{self.K_mma_load_K_tiles}_{self.V_mma_load_K_tiles}_tiles")
-        if self.mma_double_buffer_loads:
-            out.append("buffer")
-        if self.optimized_softmax:
-            out.append("opt_softmax")
-        if self.mask != "none":
-            out.append(self.mask)
-        return tuple(out)
+        return knobs.flags(self._values())
 
     def short_form(self) -> str:
         """The seed's notation, e.g. ``(FP16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles``."""
-        head = f"({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
-        return f"{head}: {'+'.join(self.flags)}"
+        return short_form.render(self._values())
 
     def __str__(self) -> str:
         return self.short_form()
 
     def mangle(self) -> str:
         """A deterministic C identifier naming this config (also the .cu file stem)."""
-        parts = [
-            "flash_fwd",
-            self.dtype.value,
-            f"d{self.d_head}",
-            f"br{self.B_r}",
-            f"bc{self.B_c}",
-            f"w{self.n_warps}",
-        ]
-        if self.is_wgmma:
-            parts += ["wgmma", f"s{self.stages}"] + (["pp"] if self.pingpong else []) + (["intra"] if self.intra_overlap else [])
-            parts += ["persist"] if self.persistent else []
-            return "_".join(parts + ([self.mask] if self.mask != "none" else []))
-        parts.append("async" if self.async_copy else "sync")
-        if self.eager_load_blocks:
-            parts.append("eager")
-        parts.append("swz" if self.swizzled else "noswz")
-        parts.append(f"q{self.Q_mma_load_K_tiles}k{self.K_mma_load_K_tiles}v{self.V_mma_load_K_tiles}")
-        if self.mma_double_buffer_loads:
-            parts.append("buf")
-        if self.optimized_softmax:
-            parts.append("opt")
-        if self.mask != "none":
-            parts.append(self.mask)
-        return "_".join(parts)
+        return "_".join(["flash_fwd", *knobs.mangled_parts(self._values())])
 
     def content_hash(self) -> str:
         """sha256 (16 hex digits) of the canonical JSON of the knobs."""
@@ -364,9 +285,12 @@ class KernelConfig:
 # ---- validity rules (each names itself and the values) ---------------------------------
 
 
+def _check_choice(knob: Knob, value: Any) -> None:
+    if value not in knob.choices:
+        raise ConfigError(f"{knob.name}={value!r}: expected one of {', '.join(knob.choices)}")
+
+
 def _rule_sizes(c: KernelConfig) -> None:
-    if c.mask not in MASKS:
-        raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
     if c.d_head <= 0 or c.d_head % 8 or c.d_head > 256:
         raise ConfigError(
             f"d_head={c.d_head}: must be a multiple of 8 between 8 and 256 "
@@ -436,13 +360,6 @@ def _rule_smem(c: KernelConfig) -> None:
         )
 
 
-def _rule_mma_sync_only(c: KernelConfig) -> None:
-    for name, off in (("stages", 1), ("pingpong", False), ("intra_overlap", False), ("persistent", False)):
-        if getattr(c, name) != off:
-            raise ConfigError(f"{name}={getattr(c, name)!r} is a wgmma-engine knob; an engine=mma_sync config needs {name}={off!r}")
-
-
-_RULES = (_rule_mma_sync_only, _rule_sizes, _rule_eager, _rule_tile_counts, _rule_smem)
 
 # ---- wgmma engine rules ----------------------------------------------------------------
 
@@ -472,14 +389,6 @@ def consumer_regs(consumers: int) -> int:
     pool = launch_regs(threads) * threads
     per = (pool - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
     return min(256, per // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
-
-
-def _wgmma_rule_knobs(c: KernelConfig) -> None:
-    for name, fixed in WGMMA_FIXED.items():
-        if getattr(c, name) != fixed:
-            raise ConfigError(f"{name}={getattr(c, name)!r} is an mma.sync knob; an engine=wgmma config fixes it at {fixed!r}")
-    if c.mask not in MASKS:
-        raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
 
 
 def _wgmma_rule_sizes(c: KernelConfig) -> None:
@@ -514,7 +423,11 @@ def _wgmma_rule_sizes(c: KernelConfig) -> None:
         )
 
 
-_WGMMA_RULES = (_wgmma_rule_knobs, _wgmma_rule_sizes)
+#: Each engine's validity rules, run in order once the knobs' own checks pass.
+_RULES: dict[str, tuple[Callable[[KernelConfig], None], ...]] = {
+    MMA_SYNC: (_rule_sizes, _rule_eager, _rule_tile_counts, _rule_smem),
+    WGMMA: (_wgmma_rule_sizes,),
+}
 
 
 # ---- the seed's config sets ------------------------------------------------------------
@@ -591,9 +504,7 @@ DEFAULTS: tuple[str, ...] = (
 
 def kernel_progression(all_block_sizes: bool = False) -> list[KernelConfig]:
     """The seed's progression; with ``all_block_sizes`` each step over its block-size grid."""
-    from .notation import parse_config
-
-    base = [parse_config(s) for s in PROGRESSION]
+    base = [KernelConfig.from_short_form(s) for s in PROGRESSION]
     if not all_block_sizes:
         return base
     out = []
@@ -621,9 +532,7 @@ def hopper_configs(dtypes: Iterable[DType | str] = ("fp16", "bf16")) -> list[Ker
 
 
 def default_configs() -> list[KernelConfig]:
-    from .notation import parse_config
-
-    return [parse_config(s) for s in DEFAULTS]
+    return [KernelConfig.from_short_form(s) for s in DEFAULTS]
 
 
 def load_config(source: "KernelConfig | Mapping[str, Any] | str | Path") -> KernelConfig:
@@ -634,9 +543,7 @@ def load_config(source: "KernelConfig | Mapping[str, Any] | str | Path") -> Kern
         return KernelConfig.from_dict(source)
     text = str(source)
     if text.lstrip().startswith("("):
-        from .notation import parse_config
-
-        return parse_config(text)
+        return KernelConfig.from_short_form(text)
     path = Path(text)
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         if not path.exists():

@@ -20,7 +20,7 @@ from flashgen.dsl.config import (
     HOPPER_KNOBS, KNOBS, SMEM_LIMIT_BYTES, ConfigError, KernelConfig, default_configs, tuning_space,
 )
 from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.dsl.notation import NotationError, parse_config
+from flashgen.dsl.notation import parse_config
 from flashgen.sim import hardware as hw
 from flashgen.sim.hopper import tma_fill, tma_read
 from flashgen.sim.layout_eval import offsets
@@ -349,37 +349,12 @@ def test_bad_wgmma_configs_name_the_knob(text, knob):
 
 
 @pytest.mark.parametrize("changes, knob", [
-    (dict(async_copy=False), "async_copy"),
-    (dict(Q_mma_load_K_tiles=2), "Q_mma_load_K_tiles"),
-    (dict(mma_double_buffer_loads=True), "mma_double_buffer_loads"),
     (dict(d_head=96), "d_head"),
     (dict(stages=0), "stages"),
 ])
 def test_bad_wgmma_knobs_name_the_knob(changes, knob):
     with pytest.raises(ConfigError, match=knob):
         W("fp16").replace(**changes)
-
-
-@pytest.mark.parametrize("text, flag", [
-    ("(FP16, 128, 128, 128, 12): wgmma+async+stages_2", "async"),
-    ("(FP16, 128, 128, 128, 12): wgmma+stages_2+buffer", "buffer"),
-])
-def test_mma_sync_flag_with_wgmma_is_refused(text, flag):
-    with pytest.raises(NotationError, match=f"'{flag}' is an mma.sync flag"):
-        parse_config(text)
-
-
-@pytest.mark.parametrize("flag", ["stages_2", "pingpong", "intra"])
-def test_wgmma_flag_without_wgmma_is_refused(flag):
-    with pytest.raises(NotationError, match=f"'{flag}' needs the wgmma engine"):
-        parse_config(f"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+{flag}")
-
-
-def test_mma_sync_knobs_refuse_wgmma_values():
-    base = default_configs()[0]
-    for changes, knob in ((dict(stages=2), "stages"), (dict(pingpong=True), "pingpong"), (dict(intra_overlap=True), "intra_overlap")):
-        with pytest.raises(ConfigError, match=knob):
-            base.replace(**changes)
 
 
 def test_mma_sync_dicts_and_hashes_have_no_engine_keys():
