@@ -137,12 +137,13 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, d: int, caus
 
 def reference_error(o, q, k, v, scale: float, causal: bool = False, rows: int = 512) -> tuple[float, float]:
     """(max |o - ref64|, max |o_16 - ref64|) on batch 0, the first ``rows`` query rows, where o_16 is
-    the same attention in o's dtype (:func:`flashgen.reference.max_errors`); causal is top-left."""
+    the same attention at a flash kernel's 16-bit precision (:func:`flashgen.reference.lowp_reference`
+    with ``pipeline="flash"``, about PyTorch's flash SDPA); causal is top-left."""
     from .reference import attention, lowp_reference, max_errors
 
     qs, ks, vs = q[:1, :rows], k[:1], v[:1]
     kwargs = {"softmax_scale": scale, "causal": causal}
-    return max_errors(o[:1, :rows], attention(qs, ks, vs, **kwargs), lowp_reference(qs, ks, vs, **kwargs))
+    return max_errors(o[:1, :rows], attention(qs, ks, vs, **kwargs), lowp_reference(qs, ks, vs, pipeline="flash", **kwargs))
 
 
 def matmul_ceiling(dtype) -> float:

@@ -13,8 +13,10 @@ their query-head group, since the heads are repeated inside the graph); :func:`g
 does exactly that.
 
 The tolerance is FlashAttention's rule (:func:`check_close`): an output's max error against
-the float64 reference may be at most twice the max error of the same computation done in the
-inputs' 16-bit dtype (:func:`lowp_reference`), plus :data:`ATOL`.
+the float64 reference may be at most twice the max error of the same computation done at the
+inputs' 16-bit precision (:func:`lowp_reference`), plus :data:`ATOL`. :func:`check_attention`
+runs both references for one call and measures against a flash kernel's precision, as strict
+as comparing with PyTorch's flash SDPA.
 
 Imports torch; ``import flashgen`` does not import this module until it is used.
 """
@@ -56,32 +58,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     makes -inf counts as masked. Keys are kept where the causal/window rule and ``mask_mod`` both
     keep them.
     """
-    qt, kt, vt = _heads_first(q, k, v, dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    s = (qt @ kt.transpose(-1, -2)) * scale
-    b, h, q_idx, kv_idx = _indices(s)
-    if score_mod is not None:
-        s = score_mod(s, b, h, q_idx, kv_idx).to(dtype).expand(s.shape)
-    keep = _window_keep(q_idx, kv_idx, causal, window, align, k.shape[1] - q.shape[1])
-    if mask_mod is not None:
-        keep = keep & mask_mod(b, h, q_idx, kv_idx).to(torch.bool)
-    keep = keep & ~torch.isneginf(s)
-    s = s.masked_fill(~keep, float("-inf"))
-    empty = ~keep.any(-1, keepdim=True)  # (B, H, Sq, 1): rows without a kept key
-    # torch.softmax gives NaN on an all -inf row; zeroing it also zeroes its gradient, since every
-    # score of such a row was filled above and masked_fill passes no gradient to filled places
-    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
-    o = (p @ vt).transpose(1, 2)
-    if not return_lse:
-        return o
-    return o, torch.logsumexp(s, -1)
+    s, vt = _masked_scores(q, k, v, dtype, causal=causal, window=window, align=align, softmax_scale=softmax_scale,
+                           score_mod=score_mod, mask_mod=mask_mod)
+    o = _softmax_v(s, vt, dtype)
+    return (o, torch.logsumexp(s, -1)) if return_lse else o
 
 
-def lowp_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
-    """:func:`attention` computed in the inputs' dtype (no upcast: 16-bit scores, probabilities
-    and products, as PyTorch's kernels round them), the baseline of :func:`check_close`;
-    FlashAttention's tests call it ``attention_ref(..., upcast=False)``."""
-    return attention(q, k, v, dtype=q.dtype, **kwargs)
+def lowp_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pipeline: str = "plain",
+                   return_lse: bool = False, **kwargs):
+    """:func:`attention` at 16-bit precision, the baseline of :func:`check_close`; o in q's dtype.
+
+    ``pipeline="plain"``: every step in q's dtype (16-bit scores, probabilities and products, as
+    PyTorch's kernels round them): FlashAttention's ``attention_ref(..., upcast=False)``.
+    ``pipeline="flash"``: float32 scores and softmax, the probabilities rounded to q's dtype before
+    a float32 P V, the output rounded: the precision of a FlashAttention kernel (flashgen's, or
+    PyTorch's flash SDPA). Its error is 2-4x smaller than "plain"'s on random inputs, so a check
+    against it is as strict; lse comes in float32.
+    """
+    if pipeline == "plain":
+        return attention(q, k, v, dtype=q.dtype, return_lse=return_lse, **kwargs)
+    if pipeline != "flash":
+        raise ValueError(f"pipeline={pipeline!r}: expected 'plain' or 'flash'")
+    s, vt = _masked_scores(q, k, v, torch.float32, **kwargs)
+    o = _softmax_v(s, vt, q.dtype).to(q.dtype)
+    return (o, torch.logsumexp(s, -1)) if return_lse else o
 
 
 def gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
@@ -124,9 +124,40 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor, wh
                              f"> 2 * {err_lowp:.3e} (the {ref_lowp.dtype} reference's max error) + {ATOL:g}")
 
 
-def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str = "", **kwargs) -> None:
-    """:func:`check_close` of ``out`` against :func:`attention` and :func:`lowp_reference` of the same call."""
-    check_close(out, attention(q, k, v, **kwargs), lowp_reference(q, k, v, **kwargs), what)
+def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str = "", *,
+                    pipeline: str = "flash", **kwargs) -> None:
+    """:func:`check_close` of ``out`` against :func:`attention` and :func:`lowp_reference` of the same
+    call; the 16-bit baseline is a flash kernel's precision unless ``pipeline="plain"`` (see there)."""
+    check_close(out, attention(q, k, v, **kwargs), lowp_reference(q, k, v, pipeline=pipeline, **kwargs), what)
+
+
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, *, causal: bool = False,
+                   window: "tuple[int, int] | None" = None, align: str = "top_left", softmax_scale: float | None = None,
+                   score_mod: ScoreMod | None = None, mask_mod: MaskMod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, v): the modified scaled scores ``(B, H, Sq, Sk)`` in ``dtype`` with -inf at every masked
+    place, and v as ``(B, H, Sk, d_v)`` in ``dtype`` (k/v heads repeated to q's)."""
+    qt, kt, vt = _heads_first(q, k, v, dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    b, h, q_idx, kv_idx = _indices(s)
+    if score_mod is not None:
+        s = score_mod(s, b, h, q_idx, kv_idx).to(dtype).expand(s.shape)
+    keep = _window_keep(q_idx, kv_idx, causal, window, align, k.shape[1] - q.shape[1])
+    if mask_mod is not None:
+        keep = keep & mask_mod(b, h, q_idx, kv_idx).to(torch.bool)
+    # a -inf score from score_mod counts as masked: a row without a kept key is then -inf throughout,
+    # every place of it filled here (see _softmax_v)
+    return s.masked_fill(~(keep & ~torch.isneginf(s)), float("-inf")), vt
+
+
+def _softmax_v(s: torch.Tensor, vt: torch.Tensor, p_dtype: torch.dtype) -> torch.Tensor:
+    """softmax(s) v as ``(B, Sq, H, d_v)`` in s's dtype, the probabilities rounded to ``p_dtype``
+    first; rows of s without a finite score give 0. torch.softmax gives NaN on such a row;
+    zeroing it also zeroes its gradient, since every place of the row was filled by masked_fill,
+    which passes no gradient to filled places."""
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
+    return (p.to(p_dtype).to(s.dtype) @ vt).transpose(1, 2)
 
 
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -218,6 +218,7 @@ def test_check_close_accepts_a_good_output_and_rejects_a_perturbed_one(dtype):
     good = ref.to(dtype)  # the float64 result rounded once: closer than any 16-bit computation
     check_close(good, ref, ref_lowp)
     check_attention(good, q, k, v, **kwargs)
+    check_attention(good, q, k, v, pipeline="plain", **kwargs)
     bad = good.clone()
     bad[1, 30, 2, 5] += 0.05
     with pytest.raises(AssertionError, match=r"max error .* at \(1, 30, 2, 5\)"):
@@ -227,6 +228,37 @@ def test_check_close_accepts_a_good_output_and_rejects_a_perturbed_one(dtype):
         check_attention(bad, q, k, v, "poisoned", **kwargs)
     with pytest.raises(ValueError, match="shape"):
         check_close(good[:, :10], ref, ref_lowp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_flash_pipeline_rounds_only_the_probabilities_and_the_output(dtype):
+    q, k, v = inputs(1, 64, 80, 2, 2, 32, seed=13, dtype=dtype)
+    o, lse = lowp_reference(q, k, v, pipeline="flash", causal=True, return_lse=True)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    s = (q.float().transpose(1, 2) @ k.float().transpose(1, 2).transpose(-1, -2)) / math.sqrt(32)
+    s = s.masked_fill(torch.ones(64, 80, dtype=torch.bool).triu(1), -math.inf)
+    p = torch.softmax(s, -1).to(dtype).float()
+    torch.testing.assert_close(o, (p @ v.float().transpose(1, 2)).transpose(1, 2).to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_check_attention_measures_against_the_flash_pipeline(dtype):
+    """An output erring between the two baselines' tolerances passes FlashAttention's plain rule and
+    fails the flash one: the default check is the stricter."""
+    q, k, v = inputs(1, 256, 256, 2, 2, 64, seed=14, dtype=dtype)
+    ref = attention(q, k, v)
+    t_flash, t_plain = (reference.tolerance(reference.max_errors(ref, ref, lowp_reference(q, k, v, pipeline=p))[1])
+                        for p in ("flash", "plain"))
+    assert t_plain > 1.5 * t_flash  # 16-bit scores and sums err 2-4x more than a flash kernel
+    out = ref.to(dtype)
+    at = tuple(int(i) for i in torch.nonzero(ref.abs() == ref.abs().min())[0])  # a tiny value: exact rounding
+    out[at] = ref[at] + (t_flash + t_plain) / 2
+    check_attention(out, q, k, v, pipeline="plain")
+    with pytest.raises(AssertionError, match="max error"):
+        check_attention(out, q, k, v)
+    with pytest.raises(ValueError, match="pipeline='fast'"):
+        lowp_reference(q, k, v, pipeline="fast")
 
 
 def test_the_absolute_slack_admits_rounding_only_where_the_16_bit_reference_is_exact():

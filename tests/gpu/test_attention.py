@@ -1,9 +1,9 @@
 """GPU correctness of emitted kernels against a float64 reference (marked ``gpu``).
 
 Rule (FlashAttention's tests, :func:`flashgen.reference.check_attention`): max|o - ref64| <=
-2 * max|o_16 - ref64| + 1e-5, where o_16 is the same attention computed in the inputs' 16-bit
-dtype; the output is poisoned with NaN before every call and must hold no NaN/Inf afterwards.
-Inputs are fresh random normals.
+2 * max|o_16 - ref64| + 1e-5, where o_16 is the same attention at a flash kernel's 16-bit
+precision (fp32 scores and softmax, 16-bit probabilities and output); the output is poisoned
+with NaN before every call and must hold no NaN/Inf afterwards. Inputs are fresh random normals.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """GPU tests of the wgmma engine (TMA + wgmma + warp specialization), marked ``gpu``; sm_90 only.
 
 Same rules as the mma.sync suites: float64 reference, FlashAttention's tolerance against
-the same attention in the inputs' 16-bit dtype (``flashgen.reference``), outputs poisoned with
-NaN first, fresh random inputs;
+the same attention at a flash kernel's 16-bit precision (``flashgen.reference``), outputs
+poisoned with NaN first, fresh random inputs;
 masks, tails, GQA and LSE through ``test_features.check_masks_tails_gqa``; the sanitizer
 on the default config.
 """
