@@ -11,7 +11,7 @@ from .dsl.config import ConfigError, KernelConfig, load_config
 from .dsl.dtypes import DType
 from . import emit  # the package is callable: flashgen.emit(cfg) -> KernelSource (see flashgen/emit/__init__.py)
 
-__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_hopper_plan", "make_plan", "verify"]
+__all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_config", "make_hopper_plan", "make_plan", "reference", "verify"]
 __version__ = "0.1.0"
 
 
@@ -24,6 +24,15 @@ def compile(cfg, verbose: bool = False):  # noqa: A001
     from .runtime import compile as _compile
 
     return _compile(cfg, verbose=verbose)
+
+
+def __getattr__(name: str):
+    """``flashgen.reference`` (float64 attention, the tests' oracle; imports torch) loads on first use."""
+    if name == "reference":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.reference")
+    raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
 
 
 def make_plan(cfg):
