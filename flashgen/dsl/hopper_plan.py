@@ -34,6 +34,7 @@ import functools
 
 import attrs
 
+from ..attention.scheduler import TileScheduler
 from .atoms.hopper import (
     GmmaSwizzle,
     Mbarrier,
@@ -160,17 +161,20 @@ class HopperPlan:
     q_load: "RegisterLoad | None"
     p_from_s: tuple[tuple[tuple[int, int], ...], ...]  # [k16 step][A reg] -> (S value lo, S value hi)
     o_stage: ComposedLayout  # (CTA row, col) of the output tile -> element offset (Q's layout)
-    #: "grid": one CTA per tile; "static" (persistent): about one CTA per SM, each taking tiles in a
-    #: fixed order of rounds (with a mask, the launcher sizes the grid so round pairs balance)
-    tile_scheduler: str
-    #: a partial last round's tiles split over idle CTAs (persistent and unmasked); masked and
-    #: one-CTA-per-tile kernels split only launches of fewer tiles than SMs
-    tail_split: TailSplit
+    #: tile order, grid size, persistent rounds and the wave-tail split (a partial last round's tiles
+    #: split over idle CTAs: persistent and unmasked; masked and one-CTA-per-tile kernels split only
+    #: launches of fewer tiles than SMs)
+    scheduler: TileScheduler
     score_mask: ScoreMask
     row_reduce_lanes: tuple[int, ...]
+    #: a tile with key blocks starts with ``tile_start`` (its Q landed), walks the blocks (``prologue``
+    #: on the first, ``body`` on the rest, ``epilogue`` after the last) and ends with ``tile_output``
+    #: (row sums, 1/l and LSE, then O / l staged and stored), which every tile runs
+    tile_start: tuple[Step, ...]
     prologue: tuple[Step, ...]
     body: tuple[Step, ...]
     epilogue: tuple[Step, ...]
+    tile_output: tuple[Step, ...]
     producer_regs: int
     consumer_regs: int
     smem_bytes: int
@@ -182,6 +186,10 @@ class HopperPlan:
     @property
     def threads(self) -> int:
         return WARPGROUP * (1 + self.consumers)
+
+    @property
+    def tail_split(self) -> TailSplit:
+        return self.scheduler.tail
 
 
 def _p_from_s(atom_s: WGMMA_64xNx16, atom_o: WGMMA_64xNx16, k_steps: int) -> tuple:
@@ -284,8 +292,8 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
 
 @functools.lru_cache(maxsize=None)
 def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
-    if not cfg.is_wgmma:
-        raise ValueError(f"{cfg.short_form()} is an mma.sync config; make_plan builds its plan")
+    if cfg.engine != "wgmma":
+        raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_hopper_plan builds wgmma plans")
     d, B_r, B_c, st = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages
     esz = cfg.dtype.size
     q_bytes, kv_bytes = B_r * d * esz, B_c * d * esz
@@ -347,15 +355,17 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         q_load=q_load,
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
-        tile_scheduler="static" if cfg.persistent else "grid",
         # persistent and unmasked: every partial last round; masked or one CTA per tile: only a launch
         # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
-        tail_split=TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none"),
+        scheduler=TileScheduler(B_r, cfg.persistent, cfg.mask != "none",
+                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
+        tile_start=(Step("wait_full", "Q", "j", why="this tile's Q landed"),),
         prologue=prologue,
         body=body,
         epilogue=epilogue,
+        tile_output=(Step("finish_rows", block="last"), Step("store_O", block="last")),
         producer_regs=PRODUCER_REGS,
         consumer_regs=consumer_regs(cfg.consumers),
         smem_bytes=smem,

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 
-from ..dsl.config import LOG2E, WGMMA_M, KernelConfig
-from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
-from .kernel import KernelSource, args_struct, kernel_meta
+from ..dsl.config import LOG2E, WGMMA_M
+from ..dsl.hopper_plan import HopperPlan, Step
+from ..targets import Target, named as target_named
+from .abi import args_struct
 from .ptx import hopper as ptx_hopper, ldmatrix, math as ptx_math, vec
 from .ptx.used import HELPERS_MARK, insert_used
+from .source import KernelSource, kernel_meta
 from .template import CodeTemplate
+
+#: What this emitter writes for: TMA, mbarriers, wgmma and setmaxnreg exist on sm_90a only.
+TARGET: Target = target_named("sm_90a")
 
 
 #: What each consumer GEMM reads: its accumulator, where the emitter can stage A (Q: its shared-memory
@@ -169,7 +174,7 @@ _KERNEL = CodeTemplate(
 // grid: $grid_doc
 // block: $threads threads (warpgroup 0: TMA producer, warpgroups 1..$consumers: consumers of 64 query
 // rows each), dynamic shared memory: $smem_bytes bytes
-// build: -gencode=arch=compute_90a,code=sm_90a
+// build: $gencode
 //
 // plan:
 $plan_lines
@@ -192,6 +197,8 @@ $mask_fns
 
 $tail_rule
 
+$scheduler
+
 using elem_t = $elem_t;
 
 // ---- PTX helpers ----
@@ -212,14 +219,12 @@ struct Tile {
     int q_row0, head, batch, kv_head, j_begin, j_end;
     int unit, tail_tile, part;  // a part of a split tail tile: its workspace slot, tile and part; unit -1: a whole tile
 };
-// Tile order: query blocks vary fastest (tiles running at the same time share K/V in L2), last
-// block first (with a causal mask its rows are the longest), then heads, then batch.
+// Tile `tile` in the scheduler's order (sched_coords)
 __device__ __forceinline__ Tile tile_at(const Params& p, int tile, int n_q_blocks) {
     Tile t;
-    const int hb = tile / n_q_blocks;
-    t.q_row0 = (n_q_blocks - 1 - tile % n_q_blocks) * int(B_r);
-    t.head = hb % p.heads;
-    t.batch = hb / p.heads;
+    int q_block;
+    sched_coords(tile, n_q_blocks, p.heads, &q_block, &t.head, &t.batch);
+    t.q_row0 = q_block * int(B_r);
     t.kv_head = t.head / p.kv_group;
     kv_block_range(t.q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &t.j_begin, &t.j_end);
     return t;
@@ -233,12 +238,19 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
     // tiles = (query block, head, batch) in tile_at's order; $tile_loop_doc
     const int n_q_blocks = (p.seq_q + int(B_r) - 1) / int(B_r), n_tiles = n_q_blocks * p.heads * p.batch;
-    // round r of this CTA: tile r * gridDim.x + blockIdx.x, mirrored in odd rounds ("snake") so a CTA
-    // given a long tile in one round gets a short one in the next (tiles shrink along the order);
-    // false once the CTA has no work left
+    // round r of this CTA (sched_work): its tile, or part of a split tail tile; false once it has no work left
     auto cta_work = [&](int r, Tile* t) {
-        const int slot = (r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-        $pick_tile
+        int tile, part;
+        if (!sched_work(r, int(blockIdx.x), int(gridDim.x), n_tiles, p.tail_parts, &tile, &part)) return false;
+        *t = tile_at(p, tile, n_q_blocks);
+        t->unit = -1;
+        if (part >= 0) {  // part `part` of the tile: its share of the key blocks (tail_range) and workspace slot
+            tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);
+            t->tail_tile = tile - r * int(gridDim.x);
+            t->part = part;
+            t->unit = t->tail_tile * p.tail_parts + part;
+        }
+        return true;
     };
 
     if (threadIdx.x == 0) {
@@ -399,8 +411,10 @@ static void tile_blocks(const ${name}_args* a, int* lo, int* hi) {
 
 // CTAs of a launch of `tiles` tiles (see "grid:" at the top) and the parts a partial last round's tiles split into
 static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out, int* parts) {
-    *parts = 1;
-    $grid_size
+    int sms = 0, lo = 0, hi = 0;  // SMs; key blocks of the shortest and longest tile
+    if (const int e = sm_count(&sms)) return e;
+    tile_blocks(a, &lo, &hi);
+    sched_grid(tiles, sms, lo, (a->seq_q + int(B_r) - 1) / int(B_r), lo == hi, out, parts);
     return 0;
 }
 
@@ -552,28 +566,11 @@ def _main_loop(plan: HopperPlan) -> list[str]:
 
 
 def _tail_split_code(plan: HopperPlan) -> dict:
-    """The wave-tail split (``plan.tail_split``): tile choice, the partials' publish-and-merge, the
-    merged rows' stores, the launcher's rule and workspace."""
-    whole = ["const int tile = r * int(gridDim.x) + slot;",
-             "if (tile >= n_tiles) return false;",
-             "*t = tile_at(p, tile, n_q_blocks);",
-             "t->unit = -1;",
-             "return true;"]
+    """The wave-tail split (``plan.tail_split``): the partials' publish-and-merge, the merged rows'
+    stores, the launcher's rule and workspace (which tile and part a CTA takes: ``plan.scheduler``)."""
     ts = plan.tail_split
     co = plan.gemm_O.atom.c_map
     slot = "(i / 2) % 2"  # row half of O value i (the rescale's and the normalisation's rule)
-    pick = [
-        "const int first = r * int(gridDim.x);",
-        "if (p.tail_parts > 1 && first < n_tiles && first + int(gridDim.x) > n_tiles) {",
-        "    // the partial last round: CTA `slot` takes part slot % parts of tile first + slot / parts",
-        "    if (slot >= (n_tiles - first) * p.tail_parts) return false;",
-        "    const int tile = first + slot / p.tail_parts, part = slot % p.tail_parts;",
-        "    *t = tile_at(p, tile, n_q_blocks);",
-        "    tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);",
-        "    t->tail_tile = tile - first; t->part = part; t->unit = t->tail_tile * p.tail_parts + part;",
-        "    return true;",
-        "}",
-    ] + whole
     merge = [
         "if (t.unit >= 0) {",
         "    // a part of a split tail tile: publish this warp's O, row max and row sums (fragment order), count",
@@ -658,7 +655,7 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "    *bytes = *zeroed + tail_ml_bytes(tail * parts) + tail_o_bytes(tail * parts);",
         "}",
     ]
-    return dict(tail_params=params, pick_tile=pick, merge_parts=merge, store_merged=store, tail_setup=setup,
+    return dict(tail_params=params, merge_parts=merge, store_merged=store, tail_setup=setup,
                 tail_rule=ts.to_cpp(), workspace_doc="The wave-tail split: see tail_rule.",
                 workspace_body=body)
 
@@ -683,10 +680,9 @@ def _plan_lines(plan: HopperPlan) -> list[str]:
     return out
 
 
-def emit_hopper(cfg: KernelConfig) -> KernelSource:
-    """The CUDA source of one wgmma-engine config. Pure and deterministic."""
-
-    plan = make_hopper_plan(cfg)
+def emit_hopper(plan: HopperPlan) -> KernelSource:
+    """The CUDA source of one wgmma-engine plan. Pure and deterministic."""
+    cfg = plan.cfg
     name = cfg.mangle()
     c = plan.gemm_S.atom.c_map
     co = plan.gemm_O.atom.c_map
@@ -705,7 +701,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     else:
         pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
     o_tile = plan.tiles["O"]
-    loop_tiles = plan.tile_scheduler == "static"
+    loop_tiles = plan.scheduler.persistent
     if cfg.persistent:  # the shared-memory side: Q released per tile, O staged apart
         wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
         o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
@@ -725,35 +721,12 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         ]
     else:
         tile_blocks_body = ["*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);  // no mask: every tile takes every key block"]
-    grid_size = ["int sms = 0, lo = 0, hi = 0;  // SMs; key blocks of the shortest and longest tile",
-                 "if (const int e = sm_count(&sms)) return e;",
-                 "tile_blocks(a, &lo, &hi);"]
-    if loop_tiles:  # the launch side: which tiles a CTA takes
-        tile_loop_doc = "persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds"
-        grid_size += ["int ctas = tiles < sms ? int(tiles) : sms;  // persistent: one CTA per SM (at most one per tile)"]
-        if cfg.mask != "none":
-            grid_size += [
-                "// unequal tiles (a mask): gridDim.x a multiple of `half` = half the query blocks of a head (all of",
-                "// them when odd) makes every odd round mirror the even one before it, so each CTA's two tiles of",
-                "// a round pair have complementary blocks (causal: n_q + 1 key blocks together). Not worth more",
-                "// than a tenth of the SMs.",
-                "const int n_q = (a->seq_q + int(B_r) - 1) / int(B_r), half = n_q % 2 ? n_q : n_q / 2;",
-                "if (tiles > sms && lo != hi && sms / half * half >= sms - sms / 10) ctas = sms / half * half;",
-            ]
-    else:
-        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)"
-        grid_size += ["int ctas = int(tiles);  // one CTA per tile"]
-    grid_size += [
-        "// a partial last round splits its tiles (tail_rule), each part at least the shortest tile's share;",
-        "// fewer tiles than SMs: each tile over `parts` CTAs",
-        "*parts = tail_parts(tiles, sms, lo);",
-        "if (tiles < sms) ctas = int(tiles) * *parts;",
-        "*out = ctas;",
-    ]
+    tile_loop_doc = ("persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds" if loop_tiles
+                     else "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)")
     tail = _tail_split_code(plan)
     # the launch shape in words, for the kernel's comments and the manifest (grid_ctas is the rule)
     tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
-    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if loop_tiles and cfg.mask != "none" else []
+    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if plan.scheduler.rounds_pair else []
     notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"]
     grid_doc = f"{f'min(SMs, {tiles})' if loop_tiles else tiles}{''.join('; ' + n for n in notes)}"
     a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
@@ -800,7 +773,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         grid_doc=grid_doc,
         wait_q_empty=wait_q_empty,
         o_stage_decl=o_stage_decl,
-        grid_size=grid_size,
+        scheduler=plan.scheduler.to_cpp(),
         tile_blocks_body=tile_blocks_body,
         main_loop=_main_loop(plan),
         sum_reduce=sum_reduce,
@@ -816,8 +789,9 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         tma_dtype=tma_dtype,
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
         log2e=f"{LOG2E!r}f",
+        gencode=TARGET.gencode,
         **tail,
     )
-    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"({grid_doc})", gpu="compute capability 9.0 (sm_90a)",
+    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"({grid_doc})", arch=TARGET.name, gpu=TARGET.described,
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, insert_used(text, helpers), meta)

@@ -13,31 +13,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import attrs
-
 from ..dsl.addressing import OffsetSplit, plan_splits
 from ..dsl.atoms.mma import accumulator_as_a_operand
-from ..dsl.config import LOG2E, KernelConfig
-from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy, make_plan
+from ..dsl.config import LOG2E
+from ..dsl.plan import KernelPlan, OperandLoad, Step, TiledCopy
 from ..dsl.tiling import Partition
+from ..targets import Target, named as target_named
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .abi import args_struct
+from .source import KernelSource, kernel_meta
 from .template import CodeTemplate
 
+#: What this emitter writes for: mma.sync, ldmatrix and cp.async of sm_80 (and every later GPU).
+TARGET: Target = target_named("sm_80")
 
-
-@attrs.frozen
-class KernelSource:
-    """The emitted kernel: ``text`` (.cu, with the C launcher of :mod:`flashgen.emit.abi`) and ``meta`` (JSON-able)."""
-
-    name: str
-    text: str
-    meta: dict
-
-    @property
-    def launcher(self) -> str:
-        return f"{self.name}_launch"
 
 
 # ---- index functions -------------------------------------------------------------------
@@ -647,24 +637,6 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
 )
 
 
-def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, grid: str = "", **extra: Any) -> dict:
-    """The manifest entry of an emitted kernel (both engines); ``extra`` adds to ``requires``."""
-    grid = grid or f"(ceil(seq_q / {cfg.B_r}), heads, batch)"
-    return {
-        "name": name,
-        "short_form": cfg.short_form(),
-        "config": cfg.to_dict(),
-        "hash": cfg.content_hash(),
-        "threads": threads,
-        "smem_bytes": smem_bytes,
-        "grid": grid,
-        "launcher": f"{name}_launch",
-        **({"arch": "sm_90a"} if cfg.is_wgmma else {}),
-        "requires": {"d_head": cfg.d_head, "dtype": cfg.dtype.value, "mask": cfg.mask,
-                     "seq": "any length >= 1; heads % kv_heads == 0", **extra},
-    }
-
-
 def _plan_lines(plan: KernelPlan) -> list[str]:
     out = []
     for t in ("sQ", "sK", "sV", "sO"):
@@ -682,15 +654,9 @@ def _plan_lines(plan: KernelPlan) -> list[str]:
     return out
 
 
-def emit(cfg: KernelConfig) -> KernelSource:
-    """The CUDA source of one config. Pure and deterministic."""
-
-    if cfg.is_wgmma:
-        from .hopper_kernel import emit_hopper
-
-        return emit_hopper(cfg)
-
-    plan = make_plan(cfg)
+def emit(plan: KernelPlan) -> KernelSource:
+    """The CUDA source of one mma.sync plan. Pure and deterministic."""
+    cfg = plan.cfg
     name = cfg.mangle()
     q = plan.s2r["Q"]
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ldmatrix.helper(q.copy.atom), ldmatrix.helper(plan.s2r["V"].copy.atom), ptx_mma.helper(plan.mma)]
