@@ -49,7 +49,8 @@ from .atoms.hopper import (
 from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
 from .layout import Layout
-from .plan import ScoreMask, Step, _row_reduce_lanes
+from .plan import ScoreMask, _row_reduce_lanes
+from .steps import ConvertP, FinishRows, Gemm, Guard, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull, WgmmaWait
 from .swizzle import ComposedLayout, Swizzle
 from .tail_split import TailSplit
 from .tiling import Loop, Partition
@@ -223,69 +224,68 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
     """The consumer warpgroup's steps. ``turn``/``pass`` bracket GEMM issue (pingpong only).
 
     Blocks: ``j`` is the current key block; ``j-1`` the previous one (intra overlap).
-    The emitter maps each op to code; the simulator walks the same steps and checks the
+    The emitter maps each step class to code; the simulator walks the same steps and checks the
     async hazards (accumulators touched while a wgmma group is in flight, stages released
     or read at the wrong time).
     """
-    S = Step
     # persistent: Q is free for the next tile once the last block's S GEMM retired
-    rel_q = (S("release", "Q", guard="j + 1 == j_end", why="last S retired: the producer may load the next tile's Q"),) if cfg.persistent else ()
-    turn = (S("turn", why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
-    pas = (S("pass", why="pingpong: hand the tensor cores to the next warpgroup"),) if cfg.pingpong else ()
+    rel_q = (Release("Q", guard=Guard(1, "==", "end"), why="last S retired: the producer may load the next tile's Q"),) if cfg.persistent else ()
+    turn = (Turn(why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
+    pas = (Pass(why="pingpong: hand the tensor cores to the next warpgroup"),) if cfg.pingpong else ()
     if cfg.intra_overlap:
         prologue = (
-            S("wait_full", "K", "j", why="K_j landed (TMA transaction bytes complete)"),
+            WaitFull("K", "j", why="K_j landed (TMA transaction bytes complete)"),
             *turn,
-            S("gemm", "S", "j", why="S = Q K_j^T"),
+            Gemm("S", "j", why="S = Q K_j^T"),
             *pas,
-            S("wgmma_wait", "0", why="S ready"),
-            S("release", "K", "j", why="K_j stage free for the producer"),
+            WgmmaWait("0", why="S ready"),
+            Release("K", "j", why="K_j stage free for the producer"),
             *rel_q,
-            S("softmax", "first", "j", why="row max/sum of S_j, P = exp2(S - max)"),
-            S("convert_P", why="P -> 16-bit A fragments"),
+            Softmax("first", "j", why="row max/sum of S_j, P = exp2(S - max)"),
+            ConvertP(why="P -> 16-bit A fragments"),
         )
         body = (
-            S("wait_full", "K", "j"),
+            WaitFull("K", "j"),
             *turn,
-            S("gemm", "S", "j", why="S_j = Q K_j^T"),
-            S("wait_full", "V", "j-1"),
-            S("gemm", "O", "j-1", why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
+            Gemm("S", "j", why="S_j = Q K_j^T"),
+            WaitFull("V", "j-1"),
+            Gemm("O", "j-1", why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
             *pas,
-            S("wgmma_wait", "1", why="S_j ready (PV may still run)"),
-            S("release", "K", "j"),
+            WgmmaWait("1", why="S_j ready (PV may still run)"),
+            Release("K", "j"),
             *rel_q,
-            S("softmax", "stats", "j", why="new row max, exp2, row sums; O untouched (PV in flight)"),
-            S("wgmma_wait", "0", why="PV done: O and the P registers are free"),
-            S("release", "V", "j-1"),
-            S("rescale_O", why="O *= exp2(old max - new max)"),
-            S("convert_P"),
+            Softmax("stats", "j", why="new row max, exp2, row sums; O untouched (PV in flight)"),
+            WgmmaWait("0", why="PV done: O and the P registers are free"),
+            Release("V", "j-1"),
+            RescaleO(why="O *= exp2(old max - new max)"),
+            ConvertP(),
         )
         epilogue = (
-            S("wait_full", "V", "last"),
+            WaitFull("V", "last"),
             *turn,
-            S("gemm", "O", "last", why="O += P V of the last block"),
+            Gemm("O", "last", why="O += P V of the last block"),
             *pas,
-            S("wgmma_wait", "0"),
-            S("release", "V", "last"),
+            WgmmaWait("0"),
+            Release("V", "last"),
         )
         return prologue, body, epilogue
     body = (
-        S("wait_full", "K", "j"),
+        WaitFull("K", "j"),
         *turn,
-        S("gemm", "S", "j", why="S = Q K_j^T"),
+        Gemm("S", "j", why="S = Q K_j^T"),
         *pas,
-        S("wgmma_wait", "0"),
-        S("release", "K", "j"),
+        WgmmaWait("0"),
+        Release("K", "j"),
         *rel_q,
-        S("softmax", "stats", "j"),
-        S("rescale_O"),
-        S("convert_P"),
-        S("wait_full", "V", "j"),
+        Softmax("stats", "j"),
+        RescaleO(),
+        ConvertP(),
+        WaitFull("V", "j"),
         *turn,
-        S("gemm", "O", "j", why="O += P V_j"),
+        Gemm("O", "j", why="O += P V_j"),
         *pas,
-        S("wgmma_wait", "0"),
-        S("release", "V", "j"),
+        WgmmaWait("0"),
+        Release("V", "j"),
     )
     return (), body, ()
 
@@ -361,11 +361,11 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
                                 TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
-        tile_start=(Step("wait_full", "Q", "j", why="this tile's Q landed"),),
+        tile_start=(WaitFull("Q", "j", why="this tile's Q landed"),),
         prologue=prologue,
         body=body,
         epilogue=epilogue,
-        tile_output=(Step("finish_rows", block="last"), Step("store_O", block="last")),
+        tile_output=(FinishRows(block="last"), StoreO(block="last")),
         producer_regs=PRODUCER_REGS,
         consumer_regs=consumer_regs(cfg.consumers),
         smem_bytes=smem,

@@ -64,9 +64,9 @@ import numpy as np
 from flashgen.dsl.config import LOG2E, WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
-from flashgen.dsl.plan import Step
+from flashgen.dsl.steps import (ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
+                                WgmmaWait, runs)
 from flashgen.sim import hardware as hw
-from flashgen.sim.cta import eval_guard
 from flashgen.sim.layout_eval import offsets
 
 SWIZZLE_SPAN = 128  # bytes of one 128B-swizzle row: 64 16-bit columns per TMA box
@@ -374,7 +374,7 @@ class _Cta:
         def add(where, steps, ti, j):
             t = self.tiles[ti]
             for i, s in enumerate(steps):
-                if eval_guard(s.guard, j, t.je, t.jb):
+                if runs(s.guard, j, t.jb, t.je):
                     out.append((f"{where} step {i} ({_text(s)})", s, self._block(s, ti, j), ti))
 
         for ti, t in enumerate(self.tiles):
@@ -464,59 +464,50 @@ class _Cta:
     def step(self, c: _Consumer) -> bool:
         """Execute ``c``'s next step; False when it has to wait."""
         where, s, b, ti = c.steps[c.pc]
-        op = s.op
-        if op == "wait_full":
-            key = ("Q", ti) if s.arg == "Q" else (s.arg, b)
-            if s.arg != "Q" and not (b is not None and 0 <= b < len(self.blocks)):
-                self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
-            elif key not in self.loaded:
-                return False
-            c.full_seen.add(key)
-            if s.arg == "Q" and self.plan.q_load is not None:
-                c.q_frag = (ti, self.load_q_frags(c))
-        elif op == "turn":
-            if not self.cfg.pingpong:
-                self.flag(where, "turn step in a plan without pingpong")
-            elif self.pending[c.w] == 0:
-                return False
-            else:
-                self.pending[c.w] -= 1
-            c.turns += 1
-        elif op == "pass":
-            if not self.cfg.pingpong:
-                self.flag(where, "pass step in a plan without pingpong")
-            else:
-                other = (c.w + 1) % self.cfg.consumers  # the ring's next consumer
-                self.pending[other] += 1
-                c.passes += 1
-                if self.pending[other] > 1:
-                    self.flag(where, f"consumer {c.w} arrives twice on consumer {other}'s turn barrier before it synced (over-arrival)")
-        elif op == "gemm":
-            self.issue(c, s.arg, b, ti, where)
-        elif op == "wgmma_wait":
-            keep = int(s.arg)
-            while len(c.groups) > keep:
-                self.retire(c, where)
-        elif op == "release":
-            self.release(c, s.arg, b, ti, where)
-        elif op == "softmax":
-            self.touch(c, {"S"}, {"S"}, where)
-            self.softmax(c, b, ti, s.arg == "first", where)
-        elif op == "convert_P":
-            self.touch(c, {"S"}, {"P"}, where)
-            self.convert_p(c, where)
-        elif op == "rescale_O":
-            self.touch(c, {"O"}, {"O"}, where)
-            self.rescale(c, where)
-        elif op == "finish_rows":
-            self.finish_rows(c, ti, where)
-        elif op == "store_O":
-            self.touch(c, {"O"}, {"O"}, where)
-            self.store_o(c, ti, where)
-        else:
-            self.flag(where, f"unknown consumer step {op!r}")
+        run = _STEPS.get(type(s))
+        if run is None:
+            self.flag(where, f"no simulation of consumer step {type(s).__name__}")
+        elif run(self, c, s, b, ti, where) is False:
+            return False
         c.pc += 1
         return True
+
+    def wait_full(self, c: _Consumer, s: WaitFull, b: int, ti: int, where: str) -> bool:
+        """False while the data has not landed."""
+        key = ("Q", ti) if s.arg == "Q" else (s.arg, b)
+        if s.arg != "Q" and not (b is not None and 0 <= b < len(self.blocks)):
+            self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
+        elif key not in self.loaded:
+            return False
+        c.full_seen.add(key)
+        if s.arg == "Q" and self.plan.q_load is not None:
+            c.q_frag = (ti, self.load_q_frags(c))
+        return True
+
+    def turn(self, c: _Consumer, where: str) -> bool:
+        """False until the previous consumer passed (pingpong)."""
+        if not self.cfg.pingpong:
+            self.flag(where, "turn step in a plan without pingpong")
+        elif self.pending[c.w] == 0:
+            return False
+        else:
+            self.pending[c.w] -= 1
+        c.turns += 1
+        return True
+
+    def pass_turn(self, c: _Consumer, where: str) -> None:
+        if not self.cfg.pingpong:
+            self.flag(where, "pass step in a plan without pingpong")
+            return
+        other = (c.w + 1) % self.cfg.consumers  # the ring's next consumer
+        self.pending[other] += 1
+        c.passes += 1
+        if self.pending[other] > 1:
+            self.flag(where, f"consumer {c.w} arrives twice on consumer {other}'s turn barrier before it synced (over-arrival)")
+
+    def wgmma_wait(self, c: _Consumer, keep: int, where: str) -> None:
+        while len(c.groups) > keep:
+            self.retire(c, where)
 
     # -- hazards
     def touch(self, c: _Consumer, reads: set, writes: set, where: str) -> None:
@@ -893,6 +884,30 @@ class _Cta:
         out = np.zeros((64, self.cfg.d_head), np.uint16)
         out[self.co.rows, self.co.cols] = hw.encode(val, self.dtype)
         return out, lse
+
+
+def _touching(reads: set, writes: set, then):
+    """A step that touches registers (checked against the wgmma groups in flight), then runs ``then``."""
+    def run(cta: _Cta, c: _Consumer, s: Step, b: int, ti: int, where: str) -> None:
+        cta.touch(c, reads, writes, where)
+        then(cta, c, s, b, ti, where)
+    return run
+
+
+#: consumer step class -> how a consumer executes it (False: it has to wait); see flashgen.dsl.steps
+_STEPS = {
+    WaitFull: _Cta.wait_full,
+    Turn: lambda cta, c, s, b, ti, where: cta.turn(c, where),
+    Pass: lambda cta, c, s, b, ti, where: cta.pass_turn(c, where),
+    Gemm: lambda cta, c, s, b, ti, where: cta.issue(c, s.arg, b, ti, where),
+    WgmmaWait: lambda cta, c, s, b, ti, where: cta.wgmma_wait(c, int(s.arg), where),
+    Release: lambda cta, c, s, b, ti, where: cta.release(c, s.arg, b, ti, where),
+    Softmax: _touching({"S"}, {"S"}, lambda cta, c, s, b, ti, where: cta.softmax(c, b, ti, s.arg == "first", where)),
+    ConvertP: _touching({"S"}, {"P"}, lambda cta, c, s, b, ti, where: cta.convert_p(c, where)),
+    RescaleO: _touching({"O"}, {"O"}, lambda cta, c, s, b, ti, where: cta.rescale(c, where)),
+    FinishRows: lambda cta, c, s, b, ti, where: cta.finish_rows(c, ti, where),
+    StoreO: _touching({"O"}, {"O"}, lambda cta, c, s, b, ti, where: cta.store_o(c, ti, where)),
+}
 
 
 def _text(s: Step) -> str:

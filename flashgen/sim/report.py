@@ -36,7 +36,7 @@ def _per(plan: KernelPlan, trace: CopyTrace) -> str:
 
 
 def copy_stats(plan: KernelPlan, trace: CopyTrace) -> dict[str, Any]:
-    """Instructions, wavefronts and bytes of one execution of a copy (see :func:`simulate_config`)."""
+    """Instructions, wavefronts and bytes of one execution of a copy (see :func:`simulate_mma_sync`)."""
     stats: dict[str, Any] = {
         "name": trace.name,
         "kind": trace.kind,
@@ -106,8 +106,8 @@ def check_cta(plan: KernelPlan, traces: dict[str, CopyTrace], n_blocks: int = CT
 
 
 def simulate_mma_sync(plan: KernelPlan, verification: dict, cta: bool = True) -> dict[str, Any]:
-    """Simulate one mma.sync plan; a JSON-able dict (:func:`flashgen.engines.simulate_config` adds
-    nothing: ``verification`` is the proofs' ``to_dict``).
+    """Simulate one mma.sync plan; a JSON-able dict (``verification``: the proofs' ``to_dict``, which
+    :func:`flashgen.engines.simulate_config` passes in).
 
     Keys: ``config`` (short form), ``name``; ``copies``: one dict per copy op with
     ``name``, ``kind`` (g2s/s2r/r2s/s2g), ``atom``, ``per`` (``"cta"``: runs once per CTA,

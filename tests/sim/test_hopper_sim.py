@@ -13,7 +13,7 @@ import pytest
 
 from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.dsl.plan import Step
+from flashgen.dsl.steps import FIRST_BLOCK, Guard, Pass, Release
 from flashgen.sim import cta
 from flashgen.sim import hardware as hw
 from flashgen.sim import hopper
@@ -245,7 +245,7 @@ def test_pingpong_imbalance_is_reported():
     h = _hazards(_without(plan, "body", _index(plan.body, "pass")))
     assert any("deadlock" in x for x in h), h[:3]
     # one pass too many: an arrival is left on a turn barrier at exit
-    extra = attrs.evolve(plan, epilogue=plan.epilogue + (Step("pass"),))
+    extra = attrs.evolve(plan, epilogue=plan.epilogue + (Pass(),))
     h = _hazards(extra)
     assert any("do not balance" in x for x in h), h[:3]
 
@@ -309,7 +309,7 @@ def test_persistent_q_release_before_the_last_S_retires_is_reported(cfg):
     h = _hazards(_move(plan, "body", i, wait))
     assert any("releases Q while wgmma group S[" in x for x in h), h[:3]
     # unguarded: Q released in every block, the next block's S reads a Q the producer may overwrite
-    loose = attrs.evolve(plan, body=tuple(attrs.evolve(s, guard="") if s.arg == "Q" else s for s in plan.body))
+    loose = attrs.evolve(plan, body=tuple(attrs.evolve(s, guard=None) if s.arg == "Q" else s for s in plan.body))
     h = _hazards(loose)
     assert any("gemm S reads Q after releasing it" in x for x in h), h[:3]
 
@@ -317,12 +317,12 @@ def test_persistent_q_release_before_the_last_S_retires_is_reported(cfg):
 def test_q_release_needs_a_q_empty_barrier():
     plan = make_hopper_plan(PP_INTRA)
     assert "q_empty" not in plan.barriers
-    h = _hazards(attrs.evolve(plan, body=plan.body + (Step("release", "Q", guard="j + 1 == j_end"),)))
+    h = _hazards(attrs.evolve(plan, body=plan.body + (Release("Q", guard=Guard(1, "==", "end")),)))
     assert any("has no q_empty barrier" in x for x in h), h[:3]
 
 
 def _release_q_early(plan):
-    return attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard="j == j_begin") if s.arg == "Q" and s.op == "release" else s
+    return attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard=FIRST_BLOCK) if s.arg == "Q" and s.op == "release" else s
                                              for s in getattr(plan, part)) for part in ("prologue", "body")})
 
 
