@@ -456,7 +456,7 @@ def test_simulate_a_wgmma_config(capsys, monkeypatch):
         p = real(c)
         return attrs.evolve(p, body=tuple(s for s in p.body if not (s.op == "wait_full" and s.arg == "V")))
 
-    monkeypatch.setattr("flashgen.engines.wgmma.make_hopper_plan", broken)
+    monkeypatch.setattr(hopper_plan, "make_hopper_plan", broken)
     rc, out, _ = run_cli(capsys, "simulate", cfg)
     assert rc == 1 and "hazard" in out and "[FAILED]" in out
 

@@ -50,7 +50,8 @@ from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
 from .layout import Layout
 from .plan import ScoreMask, _row_reduce_lanes
-from .steps import ConvertP, FinishRows, Gemm, Guard, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull, WgmmaWait
+from .steps import (LAST, PREV, ConvertP, FinishRows, Gemm, Guard, J, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
+                    WgmmaWait)
 from .swizzle import ComposedLayout, Swizzle
 from .tail_split import TailSplit
 from .tiling import Loop, Partition
@@ -234,58 +235,58 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
     pas = (Pass(why="pingpong: hand the tensor cores to the next warpgroup"),) if cfg.pingpong else ()
     if cfg.intra_overlap:
         prologue = (
-            WaitFull("K", "j", why="K_j landed (TMA transaction bytes complete)"),
+            WaitFull("K", J, why="K_j landed (TMA transaction bytes complete)"),
             *turn,
-            Gemm("S", "j", why="S = Q K_j^T"),
+            Gemm("S", J, why="S = Q K_j^T"),
             *pas,
             WgmmaWait("0", why="S ready"),
-            Release("K", "j", why="K_j stage free for the producer"),
+            Release("K", J, why="K_j stage free for the producer"),
             *rel_q,
-            Softmax("first", "j", why="row max/sum of S_j, P = exp2(S - max)"),
+            Softmax("first", J, why="row max/sum of S_j, P = exp2(S - max)"),
             ConvertP(why="P -> 16-bit A fragments"),
         )
         body = (
-            WaitFull("K", "j"),
+            WaitFull("K", J),
             *turn,
-            Gemm("S", "j", why="S_j = Q K_j^T"),
-            WaitFull("V", "j-1"),
-            Gemm("O", "j-1", why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
+            Gemm("S", J, why="S_j = Q K_j^T"),
+            WaitFull("V", PREV),
+            Gemm("O", PREV, why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
             *pas,
             WgmmaWait("1", why="S_j ready (PV may still run)"),
-            Release("K", "j"),
+            Release("K", J),
             *rel_q,
-            Softmax("stats", "j", why="new row max, exp2, row sums; O untouched (PV in flight)"),
+            Softmax("stats", J, why="new row max, exp2, row sums; O untouched (PV in flight)"),
             WgmmaWait("0", why="PV done: O and the P registers are free"),
-            Release("V", "j-1"),
+            Release("V", PREV),
             RescaleO(why="O *= exp2(old max - new max)"),
             ConvertP(),
         )
         epilogue = (
-            WaitFull("V", "last"),
+            WaitFull("V", LAST),
             *turn,
-            Gemm("O", "last", why="O += P V of the last block"),
+            Gemm("O", LAST, why="O += P V of the last block"),
             *pas,
             WgmmaWait("0"),
-            Release("V", "last"),
+            Release("V", LAST),
         )
         return prologue, body, epilogue
     body = (
-        WaitFull("K", "j"),
+        WaitFull("K", J),
         *turn,
-        Gemm("S", "j", why="S = Q K_j^T"),
+        Gemm("S", J, why="S = Q K_j^T"),
         *pas,
         WgmmaWait("0"),
-        Release("K", "j"),
+        Release("K", J),
         *rel_q,
-        Softmax("stats", "j"),
+        Softmax("stats", J),
         RescaleO(),
         ConvertP(),
-        WaitFull("V", "j"),
+        WaitFull("V", J),
         *turn,
-        Gemm("O", "j", why="O += P V_j"),
+        Gemm("O", J, why="O += P V_j"),
         *pas,
         WgmmaWait("0"),
-        Release("V", "j"),
+        Release("V", J),
     )
     return (), body, ()
 
@@ -361,11 +362,11 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
                                 TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
-        tile_start=(WaitFull("Q", "j", why="this tile's Q landed"),),
+        tile_start=(WaitFull("Q", J, why="this tile's Q landed"),),
         prologue=prologue,
         body=body,
         epilogue=epilogue,
-        tile_output=(FinishRows(block="last"), StoreO(block="last")),
+        tile_output=(FinishRows(block=LAST), StoreO(block=LAST)),
         producer_regs=PRODUCER_REGS,
         consumer_regs=consumer_regs(cfg.consumers),
         smem_bytes=smem,

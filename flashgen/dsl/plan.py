@@ -25,7 +25,7 @@ from .atoms.copy import (
 from .atoms.mma import MMA_16x8x16
 from .config import FRAG_K, SWIZZLE_TILE_COLS, KernelConfig
 from .layout import Layout
-from .steps import FIRST_BLOCK, HAS_NEXT, LAST_BLOCK, Barrier, Commit, Copy, Gemm, Guard, LoadRF, Softmax, Step, Wait
+from .steps import BEGIN, FIRST_BLOCK, HAS_NEXT, J, LAST_BLOCK, NEXT, Barrier, Commit, Copy, Gemm, Guard, LoadRF, Softmax, Step, Wait
 from .swizzle import ComposedLayout, Swizzle
 from .tensor import Tensor
 from .tiling import Loop, Partition, TVMap, vector_copy_tv
@@ -260,13 +260,13 @@ def _schedule(cfg: KernelConfig) -> Schedule:
     """
     resident_q = LoadRF("Q", guard=FIRST_BLOCK, why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None
     if not cfg.async_copy:
-        pro = (Copy("Q", "", why="Q block: synchronous 16-byte copies"),)
+        pro = (Copy("Q", why="Q block: synchronous 16-byte copies"),)
         body = (
-            Copy("K", "j", why="K_j -> shared"),
+            Copy("K", J, why="K_j -> shared"),
             Barrier(why="K_j visible to all warps"),
             resident_q,
             Gemm("S", why="S = Q K_j^T"),
-            Copy("V", "j", why="V_j -> shared"),
+            Copy("V", J, why="V_j -> shared"),
             Barrier(why="V_j visible"),
             Softmax(why="online softmax on S, rescale O"),
             Gemm("O", why="O += P V_j"),
@@ -276,12 +276,12 @@ def _schedule(cfg: KernelConfig) -> Schedule:
     if not cfg.eager_load_blocks:
         pro = (Copy("Q", why="Q block"), Commit())
         body = (
-            Copy("K", "j", why="K_j"),
+            Copy("K", J, why="K_j"),
             Commit(),
             Wait("0", why="Q and K_j have landed"),
             Barrier(why="... and are visible to all warps"),
             resident_q,
-            Copy("V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
+            Copy("V", J, why="V_j overlaps S = Q K_j^T and the softmax"),
             Commit(),
             Gemm("S", why="S = Q K_j^T"),
             Softmax(why="online softmax on S, rescale O"),
@@ -293,18 +293,18 @@ def _schedule(cfg: KernelConfig) -> Schedule:
         return Schedule(pro, tuple(s for s in body if s))
     pro = (
         Copy("Q", why="Q block"),
-        Copy("K", "j_begin", guard=Guard(0, "<", "end"), why="first K block together with Q"),
+        Copy("K", BEGIN, guard=Guard(0, "<", "end"), why="first K block together with Q"),
         Commit(),
     )
     body = (
-        Copy("V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
+        Copy("V", J, why="V_j overlaps S = Q K_j^T and the softmax"),
         Commit(),
         Wait("1", why="all but the newest group (V_j) have landed: Q, K_j"),
         Barrier(why="K_j visible to all warps"),
         resident_q,
         Gemm("S", why="S = Q K_j^T"),
         Barrier(why="all warps done reading K_j"),
-        Copy("K", "j+1", guard=HAS_NEXT, why="prefetch K_{j+1} during softmax and P V_j"),
+        Copy("K", NEXT, guard=HAS_NEXT, why="prefetch K_{j+1} during softmax and P V_j"),
         Commit(guard=HAS_NEXT),
         Softmax(why="online softmax on S, rescale O"),
         Wait("1", guard=HAS_NEXT, why="V_j has landed (K_{j+1} may be in flight)"),

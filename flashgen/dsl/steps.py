@@ -5,9 +5,10 @@ the function their table keeps for its class, the simulators execute it with the
 keeps, so an operation the other side does not know is a ``KeyError`` naming the class, not a
 silently skipped string.
 
-Fields of every step: ``arg`` (a tensor, GEMM name, wait count or variant), ``block`` (which key
-block it acts on: ``j``, ``j+1``, ``j_begin``, ``j-1``, ``last``; "" = the loop's ``j``),
-``guard`` (a :class:`Guard`, or None: every block) and ``why`` (a comment carried into the source).
+Fields of every step: ``arg`` (a tensor, GEMM name, wait count or variant), ``block`` (a
+:class:`Block`: which key block it acts on, or None: the loop's ``j``), ``guard`` (a :class:`Guard`,
+or None: every block) and ``why`` (a comment carried into the source). Blocks and guards evaluate in
+Python (the simulators) and render their C++ (the emitters).
 """
 from __future__ import annotations
 
@@ -48,6 +49,36 @@ HAS_NEXT = Guard(1, "<", "end")
 LAST_BLOCK = Guard(1, ">=", "end")
 
 
+@attrs.frozen
+class Block:
+    """A key block relative to the loop ``[j_begin, j_end)``: ``base`` ``"j"`` (the loop's block),
+    ``"begin"`` or ``"end"``, plus ``offset`` (``end - 1``: the last block)."""
+
+    base: str
+    offset: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.base not in ("j", "begin", "end"):
+            raise ValueError(f"block {self.base} + {self.offset}: base j, begin or end")
+
+    def index(self, j: int, j_begin: int, j_end: int) -> int:
+        return {"j": j, "begin": j_begin, "end": j_end}[self.base] + self.offset
+
+    def to_cpp(self, j: str = "j", begin: str = "j_begin", end: str = "j_end") -> str:
+        name = {"j": j, "begin": begin, "end": end}[self.base]
+        return f"({name} {'+' if self.offset > 0 else '-'} {abs(self.offset)})" if self.offset else name
+
+    def __str__(self) -> str:  # the listing's short names: j, j+1, j-1, j_begin, last
+        if (self.base, self.offset) == ("end", -1):
+            return "last"
+        name = "j_begin" if self.base == "begin" else "j" if self.base == "j" else "j_end"
+        return name + (f"{self.offset:+d}" if self.offset else "")
+
+
+#: the loop's block, the next and the previous one, the first and the last block of the loop
+J, NEXT, PREV, BEGIN, LAST = Block("j"), Block("j", 1), Block("j", -1), Block("begin"), Block("end", -1)
+
+
 def runs(guard: "Guard | None", j: int, j_begin: int, j_end: int) -> bool:
     """Whether a step with ``guard`` runs in block ``j`` of the loop ``[j_begin, j_end)``."""
     return guard is None or guard.holds(j, j_begin, j_end)
@@ -59,7 +90,7 @@ class Step:
 
     op: ClassVar[str] = ""
     arg: str = ""
-    block: str = ""
+    block: "Block | None" = None
     guard: "Guard | None" = None
     why: str = ""
 

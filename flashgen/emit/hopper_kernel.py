@@ -13,7 +13,7 @@ import json
 
 from ..dsl.config import LOG2E, WGMMA_M
 from ..dsl.hopper_plan import HopperPlan
-from ..dsl.steps import ConvertP, Gemm, Pass, Release, RescaleO, Softmax, Step, Turn, WaitFull, WgmmaWait
+from ..dsl.steps import Block, ConvertP, Gemm, Pass, Release, RescaleO, Softmax, Step, Turn, WaitFull, WgmmaWait
 from ..targets import Target, named as target_named
 from .abi import args_struct
 from .ptx import hopper as ptx_hopper, ldmatrix, math as ptx_math, vec
@@ -39,7 +39,7 @@ def _wgmma_helper(g) -> str:
     return name(g.atom, g.trans_b)
 
 
-def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
+def _gemm(plan: HopperPlan, which: str, block: Block) -> list[str]:
     """One consumer GEMM: fence, ``k_steps`` wgmma with constant descriptor offsets, commit."""
     g = plan.gemm_S if which == "S" else plan.gemm_O
     acc, sources, b_tile, desc_b = _GEMM_OPERANDS[which]
@@ -47,7 +47,7 @@ def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
         raise NotImplementedError(f"GEMM {which} with A from {g.a_from}: the emitter stages A of {which} in {' or '.join(sources)}"
                                   + (" (registers: with the plan's Q fragment load)" if which == "S" else ""))
     a = sources[g.a_from]
-    stage = "st_prev" if block in ("j-1", "last") else "st"
+    stage = _stage_of(block)
     b_addr = [f"{desc_b} + uint64_t({stage}) * {plan.tiles[b_tile].stage_bytes >> 4}u + {boff >> 4}u" for boff in g.b.step_offsets]
     # S starts its accumulator at the first k step (scale-d 0); O accumulates onto the rescaled O
     scale = [0 if which == "S" and t == 0 else 1 for t in range(len(b_addr))]
@@ -129,9 +129,15 @@ def _convert_p(plan: HopperPlan) -> list[str]:
     return out
 
 
+def _stage_of(block: Block) -> str:
+    """The ring stage variable of a block: ``st`` (block j), ``st_prev`` (j-1; the last block, whose steps
+    run after the loop with ``j = j_end``)."""
+    return "st_prev" if block.offset == -1 else "st"
+
+
 def _stage(step: Step) -> str:
-    """The ring stage variable of a step's block: ``st`` (block j), ``st_prev`` (j-1, last); "" (Q: one slot)."""
-    return {"j": "st", "j-1": "st_prev", "last": "st_prev"}.get(step.block, "") if step.arg != "Q" else ""
+    """The ring stage variable of a K/V step's block; "" for Q (one slot)."""
+    return _stage_of(step.block) if step.arg != "Q" else ""
 
 
 def _wait_full(plan: HopperPlan, step: WaitFull) -> list[str]:
@@ -744,7 +750,7 @@ def _plan_lines(plan: HopperPlan) -> list[str]:
     for sec in ("prologue", "body", "epilogue"):
         steps = getattr(plan, sec)
         if steps:
-            out.append(f"//   {sec}: {' | '.join(s.op + (' ' + s.arg if s.arg else '') + (' ' + s.block if s.block else '') for s in steps)}")
+            out.append(f"//   {sec}: {' | '.join(s.op + (' ' + s.arg if s.arg else '') + (f' {s.block}' if s.block else '') for s in steps)}")
     return out
 
 

@@ -416,7 +416,7 @@ def _softmax(plan: KernelPlan) -> list[str]:
 def _copy_code(plan: KernelPlan, step: Copy) -> list[str]:
     if step.arg == "Q":
         return ["copy_Q(gQ, p.q_ld, q_rows_valid);"]
-    blk = {"": "j", "j": "j", "j+1": "(j + 1)", "j_begin": "j_begin"}[step.block]
+    blk = step.block.to_cpp()
     g, ld = f"g{step.arg}", f"p.{step.arg.lower()}_ld"
     return [f"copy_{step.arg}({g} + int64_t({blk}) * B_c * {ld}, {ld}, p.seq_k - {blk} * (int)B_c);"]
 
@@ -437,7 +437,7 @@ def _step_code(plan: KernelPlan, step: Step, j: str = "j") -> list[str]:
     """One schedule step's code with its comment, inside ``if (guard)`` when guarded; ``j``: the block
     index (``j_begin`` in the prologue)."""
     code = _STEP_CODE[type(step)](plan, step)
-    comment = [f"// [{step.op}{' ' + step.arg if step.arg else ''}{' block ' + step.block if step.block else ''}] {step.why}".rstrip()] if step.why else []
+    comment = [f"// [{step.op}{' ' + step.arg if step.arg else ''}{' block ' + str(step.block) if step.block else ''}] {step.why}".rstrip()] if step.why else []
     if step.guard:
         return comment + [f"if ({step.guard.to_cpp(end='n_blocks', j=j)}) {{"] + ["    " + c for c in code] + ["}"]
     return comment + code

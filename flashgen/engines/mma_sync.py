@@ -1,39 +1,51 @@
 """The mma.sync engine: the FlashAttention-2 family of the seed (cp.async, ldmatrix, mma.sync; sm_80+)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..dsl.config import DType, KernelConfig, default_configs, tuning_space
-from ..dsl.plan import KernelPlan, make_plan
-from ..emit import kernel as emitter
 from ..emit.source import KernelSource
-from ..targets import AMPERE
+from ..targets import AMPERE, Target
 from .base import Engine
+
+if TYPE_CHECKING:
+    from ..dsl.plan import KernelPlan
 
 
 class MmaSyncEngine(Engine):
     name = "mma_sync"
-    target = emitter.TARGET
     instructions = AMPERE
     rank = 0
 
-    def make_plan(self, cfg: KernelConfig) -> KernelPlan:
+    @property
+    def target(self) -> Target:
+        """The emitter's target (its module is imported on first use: asking whether a GPU runs the
+        engine needs only :attr:`instructions`)."""
+        from ..emit import kernel
+
+        return kernel.TARGET
+
+    def make_plan(self, cfg: KernelConfig) -> "KernelPlan":
+        from ..dsl.plan import make_plan
+
         return make_plan(cfg)
 
-    def emit(self, plan: KernelPlan) -> KernelSource:
-        return emitter.emit(plan)
+    def emit(self, plan: "KernelPlan") -> KernelSource:
+        from ..emit.kernel import emit
 
-    def verify_checks(self, plan: KernelPlan) -> tuple:
+        return emit(plan)
+
+    def verify_checks(self, plan: "KernelPlan") -> tuple:
         from ..sim.verify import mma_sync_checks
 
         return mma_sync_checks(plan)
 
-    def check_schedule(self, plan: KernelPlan, n_blocks: int = 3, **kw: Any) -> list[str]:
+    def check_schedule(self, plan: "KernelPlan", n_blocks: int = 3, **kw: Any) -> list[str]:
         from ..sim.cta import check_schedule
 
         return check_schedule(plan, n_blocks=n_blocks, **kw)
 
-    def simulate(self, plan: KernelPlan, verification: dict, cta: bool = True) -> dict[str, Any]:
+    def simulate(self, plan: "KernelPlan", verification: dict, cta: bool = True) -> dict[str, Any]:
         from ..sim.report import simulate_mma_sync
 
         return simulate_mma_sync(plan, verification, cta=cta)

@@ -1,14 +1,15 @@
 """The wgmma engine: TMA producer warpgroup, K/V ring on mbarriers, wgmma consumer warpgroups (sm_90a)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..dsl.config import ConfigError, DType, KernelConfig, hopper_configs
-from ..dsl.hopper_plan import HopperPlan, make_hopper_plan
-from ..emit import hopper_kernel as emitter
 from ..emit.source import KernelSource
-from ..targets import HOPPER
+from ..targets import HOPPER, Target
 from .base import Engine
+
+if TYPE_CHECKING:
+    from ..dsl.hopper_plan import HopperPlan
 
 #: Key block size of the default kernel per d_head (registers: O + S + P per consumer; shared memory:
 #: Q + 2 stages of K and V).
@@ -26,28 +27,39 @@ BENCH_D_HEAD = 128
 
 class WgmmaEngine(Engine):
     name = "wgmma"
-    target = emitter.TARGET
     instructions = HOPPER
     rank = 1
     hint = "use an engine=mma_sync config on this GPU"
 
-    def make_plan(self, cfg: KernelConfig) -> HopperPlan:
+    @property
+    def target(self) -> Target:
+        """The emitter's target (its module is imported on first use: asking whether a GPU runs the
+        engine needs only :attr:`instructions`)."""
+        from ..emit import hopper_kernel
+
+        return hopper_kernel.TARGET
+
+    def make_plan(self, cfg: KernelConfig) -> "HopperPlan":
+        from ..dsl.hopper_plan import make_hopper_plan
+
         return make_hopper_plan(cfg)
 
-    def emit(self, plan: HopperPlan) -> KernelSource:
-        return emitter.emit_hopper(plan)
+    def emit(self, plan: "HopperPlan") -> KernelSource:
+        from ..emit.hopper_kernel import emit_hopper
 
-    def verify_checks(self, plan: HopperPlan) -> tuple:
+        return emit_hopper(plan)
+
+    def verify_checks(self, plan: "HopperPlan") -> tuple:
         from ..sim.verify import wgmma_checks
 
         return wgmma_checks(plan)
 
-    def check_schedule(self, plan: HopperPlan, n_blocks: int = 3, **kw: Any) -> list[str]:
+    def check_schedule(self, plan: "HopperPlan", n_blocks: int = 3, **kw: Any) -> list[str]:
         from ..sim.hopper import check_schedule
 
         return check_schedule(plan, n_blocks=n_blocks, **kw)
 
-    def simulate(self, plan: HopperPlan, verification: dict, cta: bool = True) -> dict[str, Any]:
+    def simulate(self, plan: "HopperPlan", verification: dict, cta: bool = True) -> dict[str, Any]:
         from ..sim.report import simulate_wgmma
 
         return simulate_wgmma(plan, verification, cta=cta)

@@ -48,22 +48,6 @@ from flashgen.sim import fragments as fr
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import CopyTrace, VEC_ELEMS, trace_plan
 
-# ---- blocks (a step's guard says whether it runs: flashgen.dsl.steps.runs) ---------------------
-
-
-def block_index(step: Step, j: int, j_begin: int = 0) -> int:
-    """The KV block a K/V copy step fetches: ``"j"`` (or ``""``), ``"j+1"``, ``"j_begin"``, ``"0"``."""
-    text = step.block.replace(" ", "") or "j"
-    for name, value in (("j_begin", j_begin), ("j", j)):
-        if text == name:
-            return value
-        if text.startswith(name + "+") and text[len(name) + 1 :].isdigit():
-            return value + int(text[len(name) + 1 :])
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"copy step {step}: cannot read block {step.block!r}")
-
-
 # ---- the hazard tracker -----------------------------------------------------------------------------
 
 CTA = -1  # writer id of a CTA-wide copy
@@ -322,7 +306,7 @@ class _Cta:
         if op == "Q":
             label = "Q"
         else:
-            b = block_index(step, j, self.j_begin)
+            b = step.block.index(j, self.j_begin, self.n_blocks)
             if not self.j_begin <= b < self.n_blocks:
                 self._flag(f"copies {op} block {b}, outside the visited blocks [{self.j_begin}, {self.n_blocks})")
                 return

@@ -64,7 +64,7 @@ import numpy as np
 from flashgen.dsl.config import LOG2E, WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
-from flashgen.dsl.steps import (ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
+from flashgen.dsl.steps import (J, ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
                                 WgmmaWait, runs)
 from flashgen.sim import hardware as hw
 from flashgen.sim.layout_eval import offsets
@@ -392,14 +392,10 @@ class _Cta:
 
     def _block(self, s: Step, ti: int, j: int) -> int | None:
         """Global index of the block a step names (``last``: tile ``ti``'s last; None if it has none)."""
-        t = self.tiles[ti]
-        b = s.block.replace(" ", "")
-        if b == "last":
-            return self.first_g[ti] + t.n - 1 if t.n else None
-        if b in ("", "j", "j-1"):
-            g = self.first_g[ti] + (j - t.jb)
-            return g - 1 if b == "j-1" else g
-        raise ValueError(f"step {s}: unknown block {s.block!r}")
+        t, block = self.tiles[ti], s.block or J
+        if block.base == "end" and not t.n:
+            return None
+        return self.first_g[ti] + block.index(j, t.jb, t.je) - t.jb
 
     def _consumer(self, w: int) -> _Consumer:
         g = self.plan

@@ -8,23 +8,33 @@ import subprocess
 import pytest
 
 from flashgen.dsl.config import KernelConfig, hopper_configs, tuning_space
-from flashgen.dsl.steps import FIRST_BLOCK, HAS_NEXT, LAST_BLOCK, Guard, runs
+from flashgen.dsl.steps import BEGIN, FIRST_BLOCK, HAS_NEXT, J, LAST, LAST_BLOCK, NEXT, PREV, Block, Guard, runs
 from flashgen.engines import engine_of
 
 GUARDS = [FIRST_BLOCK, HAS_NEXT, LAST_BLOCK, Guard(1, "==", "end"), Guard(0, "<", "end"), Guard(2, ">=", "begin")]
+BLOCKS = [J, NEXT, PREV, BEGIN, LAST, Block("begin", 2)]
 LOOPS = [(j, jb, je) for jb in range(0, 4) for je in range(jb, 7) for j in range(jb - 1, je + 1)]
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to run the rendered guards")
-def test_rendered_guards_agree_with_python(tmp_path):
+def test_rendered_guards_and_blocks_agree_with_python(tmp_path):
     fns = "".join(f"static bool g{i}(int j, int j_begin, int j_end) {{ return {g.to_cpp()}; }}\n" for i, g in enumerate(GUARDS))
+    fns += "".join(f"static int b{i}(int j, int j_begin, int j_end) {{ return {b.to_cpp()}; }}\n" for i, b in enumerate(BLOCKS))
     calls = "".join(f'    printf("%d\\n", g{i}({j}, {jb}, {je}));\n' for i in range(len(GUARDS)) for j, jb, je in LOOPS)
+    calls += "".join(f'    printf("%d\\n", b{i}({j}, {jb}, {je}));\n' for i in range(len(BLOCKS)) for j, jb, je in LOOPS)
     src = tmp_path / "guards.cpp"
     src.write_text("#include <stdio.h>\n" + fns + "int main() {\n" + calls + "}\n")
     exe = tmp_path / "guards"
-    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-Wno-unused-parameter", "-o", str(exe), str(src)], check=True)
     got = [int(x) for x in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
-    assert got == [int(g.holds(j, jb, je)) for g in GUARDS for j, jb, je in LOOPS]
+    assert got == ([int(g.holds(j, jb, je)) for g in GUARDS for j, jb, je in LOOPS]
+                   + [b.index(j, jb, je) for b in BLOCKS for j, jb, je in LOOPS])
+
+
+def test_blocks_print_their_short_names():
+    assert [str(b) for b in BLOCKS] == ["j", "j+1", "j-1", "j_begin", "last", "j_begin+2"]
+    with pytest.raises(ValueError, match="base j, begin or end"):
+        Block("k")
 
 
 def test_guard_names_its_loop_variables():

@@ -14,7 +14,7 @@ import pytest
 from flashgen.dsl.config import default_configs, kernel_progression, tuning_space
 from flashgen.dsl.notation import parse_config
 from flashgen.dsl.plan import make_plan
-from flashgen.dsl.steps import HAS_NEXT, Copy
+from flashgen.dsl.steps import HAS_NEXT
 from flashgen.sim import cta
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import trace_plan
@@ -177,12 +177,6 @@ def test_missing_wait_also_breaks_the_numbers():
     res = cta.simulate_cta(bad, q, k, v)
     assert res.hazards
     assert not cta.compare_with_reference(EAGER, q, k, v, res.o)["ok"]
-
-
-def test_blocks():
-    assert cta.block_index(Copy("K", "j+1"), 4) == 5
-    assert cta.block_index(Copy("K", "0"), 4) == 0
-    assert cta.block_index(Copy("K", "j_begin"), 4, j_begin=2) == 2
 
 
 def test_simulate_cta_validates_inputs():
