@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from flashgen.dsl.notation import parse_config
-from flashgen.sim.report import simulate_config
+from flashgen.engines import simulate_config
 
 SEQ, BATCH, HEADS = 512, 1, 2
 METRICS = [

@@ -36,10 +36,11 @@ def __getattr__(name: str):
 
 
 def make_plan(cfg):
-    """The :class:`flashgen.dsl.plan.KernelPlan` of a config."""
-    from .dsl.plan import make_plan as _make_plan
+    """The plan of a config, made by its engine (:class:`flashgen.dsl.plan.KernelPlan` for mma.sync,
+    :class:`flashgen.dsl.hopper_plan.HopperPlan` for wgmma)."""
+    from .engines import make_plan as _make_plan
 
-    return _make_plan(load_config(cfg))
+    return _make_plan(cfg)
 
 
 def make_hopper_plan(cfg):
@@ -53,6 +54,6 @@ def verify(cfg):
     """Prove what the plan of ``cfg`` derived and the emitter relies on (address splits, fragment
     maps, register tables); cached per config. Returns the :class:`flashgen.sim.verify.Verification`,
     raises :class:`flashgen.sim.verify.VerificationError` naming every failing check."""
-    from .sim.verify import verify as _verify
+    from .engines import verify as _verify
 
-    return _verify(load_config(cfg))
+    return _verify(cfg)

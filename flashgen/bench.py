@@ -392,15 +392,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_bench_configs(capability: tuple[int, int], seqs) -> list:
-    """The configs timed when none are given: the mma.sync defaults, and on compute capability 9.0 the
-    shipped wgmma defaults of the timed lengths (unmasked and masked; d_head 128, adapted per head size)."""
-    from .dsl.config import DType, default_configs
-    from .policy import hopper_default
+    """The configs timed when none are given: the shipped configs of every engine the GPU runs (the
+    mma.sync defaults; on sm_90a also the wgmma defaults of the timed lengths, unmasked and masked)."""
+    from . import engines
+    from .policy import seq_bucket
+    from .targets import of_capability
 
-    cfgs = default_configs()
-    if tuple(capability) == (9, 0):
-        picks = (hopper_default(dt, 128, s, m) for dt in DType for s in seqs for m in (False, True))
-        cfgs += list(picks)
+    buckets = [seq_bucket(s) if s else 0 for s in seqs]
+    runnable = engines.runnable_on(of_capability(capability))
+    cfgs = [c for e in sorted(runnable, key=lambda e: e.rank) for c in e.bench_configs(buckets)]
     return list(dict.fromkeys(cfgs))
 
 

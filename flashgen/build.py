@@ -6,7 +6,7 @@ to a shared library ``<name>.so`` holding the device code and the C launcher of
 library is loaded by the one launcher of :mod:`flashgen.launcher`, built once.
 
 The cache key is computed *without emitting*: the canonical config, a fingerprint
-of the generator's own source (the ``flashgen.dsl`` and ``flashgen.emit`` packages),
+of the generator's own source (:data:`GENERATOR_PACKAGES`),
 the nvcc flags and the nvcc installation, and the target arch. A change to the
 emitter changes every key; nothing outside the generator does. A cache hit reads
 one small record and loads the library: no emitter, no compiler.
@@ -27,6 +27,8 @@ import attrs
 
 from . import cache
 from .dsl.config import KernelConfig
+from .engines import emit, engine_of, verify
+from .targets import TARGETS, of_capability
 from .toolchain import find_nvcc, nvcc_identity, require_nvcc
 
 #: Flags every compile of an emitted kernel uses (flashgen check too); builds add line info for profilers.
@@ -34,36 +36,24 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
 BUILD_FLAGS = NVCC_FLAGS + ("-lineinfo",)
 #: A shared library with the CUDA runtime linked in statically: it needs neither torch nor a libcudart on the path.
 LIBRARY_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "--cudart", "static")
-#: The packages whose source determines the emitted text (the emitter imports nothing else of flashgen).
-GENERATOR_PACKAGES = ("dsl", "emit")
+#: The packages and modules whose source determines the emitted text (the emitter imports nothing else of flashgen).
+GENERATOR_PACKAGES = ("dsl", "emit", "engines", "attention")
+GENERATOR_MODULES = ("targets.py",)
 
 
 class BuildError(RuntimeError):
     """nvcc failed, or the config cannot be built for the GPU; the message holds the source path and a repro command."""
 
 
-def arch_flags(capability: tuple[int, int]) -> tuple[str, str]:
-    """(arch name, nvcc -gencode flag) for a compute capability."""
-    major, minor = capability
-    suffix = "a" if (major, minor) == (9, 0) else ""  # sm_90a: the Hopper-only instructions
-    return f"{major}.{minor}{suffix}", f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"
-
-
-def arch_name(capability: tuple[int, int]) -> str:
-    """The name nvcc and ``--arch`` use for a compute capability: sm_80, sm_90a."""
-    return "sm_" + arch_flags(capability)[0].replace(".", "")
-
-
 def nvcc_command(cu_path: Path, capability: tuple[int, int], out: str = "kernel.o") -> str:
     """The nvcc command that compiles the kernel translation unit alone, with the register report."""
-    _, gencode = arch_flags(capability)
-    return shlex.join(["nvcc", *BUILD_FLAGS, gencode, "-Xptxas", "-v", "-c", str(cu_path), "-o", out])
+    return shlex.join(["nvcc", *BUILD_FLAGS, of_capability(capability).gencode, "-Xptxas", "-v", "-c", str(cu_path), "-o", out])
 
 
 def library_command(name: str, capability: tuple[int, int]) -> list[str]:
     """The nvcc command, run in the entry's folder, that builds ``name``'s library (the build stage's ``compile``).
     Relative paths: the line info of the library names ``<name>.cu`` wherever the entry lies."""
-    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, arch_flags(capability)[1], f"{name}.cu", "-o", f"{name}.so"]
+    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, of_capability(capability).gencode, f"{name}.cu", "-o", f"{name}.so"]
 
 
 def repro(folder: Path, name: str, capability: tuple[int, int]) -> str:
@@ -71,23 +61,13 @@ def repro(folder: Path, name: str, capability: tuple[int, int]) -> str:
     return f"cd {shlex.quote(str(folder))} && {shlex.join(library_command(name, capability))}"
 
 
-def required_capability(cfg: KernelConfig) -> tuple[tuple[int, int], bool]:
-    """(compute capability, exact?) a kernel runs on: wgmma kernels exactly 9.0 (sm_90a), others 8.0 and up."""
-    return ((9, 0), True) if cfg.is_wgmma else ((8, 0), False)
-
-
 def check_capability(cfg: KernelConfig, capability: tuple[int, int]) -> None:
-    """BuildError when ``cfg`` cannot run on a GPU of ``capability``."""
-    need, exact = required_capability(cfg)
-    capability = tuple(capability)
-    if exact and capability != need:
-        raise BuildError(
-            f"{cfg.short_form()} is a wgmma-engine (Hopper) kernel: it needs compute capability 9.0 (sm_90a), "
-            f"not {capability[0]}.{capability[1]}; use an engine=mma_sync config on this GPU"
-        )
-    if capability < need:
-        raise BuildError(f"{cfg.short_form()} needs compute capability {need[0]}.{need[1]} or newer "
-                         f"(mma.sync, cp.async), not {capability[0]}.{capability[1]}")
+    """BuildError when ``cfg``'s engine cannot run on a GPU of ``capability``."""
+    engine = engine_of(cfg)
+    if not engine.runs_on(of_capability(capability)):
+        major, minor = capability
+        raise BuildError(f"{cfg.short_form()} is a {engine.name}-engine kernel: it needs {engine.needs}, "
+                         f"not {major}.{minor}" + (f"; {engine.hint}" if engine.hint else ""))
 
 
 def _nvcc() -> str:
@@ -96,13 +76,13 @@ def _nvcc() -> str:
 
 @functools.lru_cache(maxsize=None)
 def generator_fingerprint() -> str:
-    """A hash of the generator's source files (every file of the ``dsl`` and ``emit`` packages)."""
+    """A hash of the generator's source files (:data:`GENERATOR_PACKAGES`, :data:`GENERATOR_MODULES`)."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for package in GENERATOR_PACKAGES:
-        for path in sorted((here / package).rglob("*")):
-            if path.is_file() and path.suffix in (".py", ".lark"):
-                h.update(str(path.relative_to(here)).encode() + b"\0" + path.read_bytes() + b"\0")
+    paths = [p for package in GENERATOR_PACKAGES for p in sorted((here / package).rglob("*"))]
+    for path in paths + [here / m for m in GENERATOR_MODULES]:
+        if path.is_file() and path.suffix in (".py", ".lark"):
+            h.update(str(path.relative_to(here)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -110,7 +90,7 @@ def cache_key(cfg: KernelConfig, capability: tuple[int, int]) -> str:
     """The cache entry of ``cfg`` built for ``capability``, computed without emitting."""
     nvcc = find_nvcc()
     parts = (json.dumps(cfg.to_dict(), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS),
-             nvcc_identity(nvcc) if nvcc else "no nvcc", arch_flags(tuple(capability))[0])
+             nvcc_identity(nvcc) if nvcc else "no nvcc", of_capability(capability).arch)
     h = hashlib.sha256()
     for part in parts:
         h.update(part.encode() + b"\0")
@@ -164,7 +144,7 @@ def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose:
         _compile(cfg, name, capability, tmp, final=entry)
         seconds = round(time.perf_counter() - t0, 2)
         cache.write_record(tmp, {"config": cfg.to_dict(), "short_form": cfg.short_form(), "name": name,
-                                 "arch": arch_flags(capability)[0], "seconds": seconds,
+                                 "arch": of_capability(capability).arch, "seconds": seconds,
                                  "command": repro(entry, name, capability)},
                            (f"{name}.so", f"{name}.cu"))
     if verbose:
@@ -172,20 +152,23 @@ def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose:
     return Built(cfg, name, key, entry, capability, seconds, False)
 
 
+_EXAMPLE = list(TARGETS.values())[-1]  # the newest target, as the example of a name
+
+
 def _current_capability() -> tuple[int, int]:
     import torch
 
     if not torch.cuda.is_available():
         raise BuildError("no CUDA device here: to build ahead of time for a GPU that is not here, run "
-                         "'flashgen build CFG --arch sm_90a' (or call flashgen.build.build(cfg, capability=(9, 0)))")
+                         f"'flashgen build CFG --arch {_EXAMPLE.name}' (or call flashgen.build.build(cfg, "
+                         f"capability={_EXAMPLE.capability}))")
     return tuple(torch.cuda.get_device_capability())
 
 
 def _compile(cfg: KernelConfig, name: str, capability: tuple[int, int], folder: Path, final: Path) -> None:
     """Verify ``cfg``'s plan (the proofs the emitter relies on), emit it into ``folder`` and compile its library
     there; BuildError with a repro command on failure."""
-    from .emit.kernel import emit
-    from .sim.verify import VerificationError, verify
+    from .sim.verify import VerificationError
 
     try:
         verify(cfg)
@@ -213,7 +196,7 @@ def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool,
 
 
 def job_label(cfg: KernelConfig, capability: tuple[int, int]) -> str:
-    return f"{cfg.short_form()} for {arch_name(capability)}"
+    return f"{cfg.short_form()} for {of_capability(capability).name}"
 
 
 def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | None = None,

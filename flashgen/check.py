@@ -37,15 +37,17 @@ from typing import Callable, Iterable, Sequence
 
 import attrs
 
-from .build import NVCC_FLAGS, arch_flags
+from .build import NVCC_FLAGS
 from .dsl.config import KernelConfig
-from .emit.kernel import KernelSource, emit
+from .emit.source import KernelSource
+from .engines import emit, engine_of
+from .targets import CHECK_DEFAULT, TARGETS, UnknownTarget, named as target_named
 from .toolchain import require_nvcc
 from .workers import run_parallel
 
-#: Target name -> nvcc ``-gencode`` flag (the build stage's rule, so check compiles what compile() builds).
-ARCHS: dict[str, str] = {"sm_80": arch_flags((8, 0))[1], "sm_90a": arch_flags((9, 0))[1]}
-DEFAULT_ARCHS = ("sm_80", "sm_90a")
+#: The targets check compiles for (:data:`flashgen.targets.TARGETS`: the gencode flags compile() builds with).
+ARCHS = tuple(TARGETS)
+DEFAULT_ARCHS = CHECK_DEFAULT
 PTXAS_VERBOSE = ("-Xptxas", "-v")
 COMPILE_TIMEOUT_S = 900
 
@@ -71,18 +73,21 @@ def nvcc_version(nvcc: str) -> str:
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "unknown"
 
 
+def _target(arch: str):
+    try:
+        return target_named(arch)
+    except UnknownTarget as exc:
+        raise CheckError(str(exc)) from None
+
+
 def compile_command(nvcc: str, cu: Path, arch: str, out: Path) -> list[str]:
     """The argv that compiles one kernel for ``arch`` with ptxas's resource report."""
-    if arch not in ARCHS:
-        raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
-    return [nvcc, *NVCC_FLAGS, *PTXAS_VERBOSE, "-c", ARCHS[arch], str(cu), "-o", str(out)]
+    return [nvcc, *NVCC_FLAGS, *PTXAS_VERBOSE, "-c", _target(arch).gencode, str(cu), "-o", str(out)]
 
 
 def ptx_command(nvcc: str, cu: Path, arch: str, out: Path) -> list[str]:
     """The argv that writes the PTX of ``cu`` for ``arch`` (compute_80 / compute_90a)."""
-    if arch not in ARCHS:
-        raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
-    return [nvcc, *NVCC_FLAGS, "-ptx", f"-arch=compute_{arch.removeprefix('sm_')}", str(cu), "-o", str(out)]
+    return [nvcc, *NVCC_FLAGS, "-ptx", f"-arch=compute_{_target(arch).name.removeprefix('sm_')}", str(cu), "-o", str(out)]
 
 
 # ---- ptxas -v ----------------------------------------------------------------------------
@@ -288,9 +293,7 @@ def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult
 
 def arch_refusal(cfg: KernelConfig, arch: str) -> str | None:
     """Why ``cfg`` cannot be compiled for ``arch``; None when it can."""
-    if cfg.is_wgmma and arch != "sm_90a":
-        return "wgmma kernels need sm_90a"
-    return None
+    return engine_of(cfg).refusal(_target(arch))
 
 
 def plan_checks(
@@ -322,8 +325,7 @@ def check_configs(
     or an arch is unknown; a failing compile is a result with ``ok=False``.
     """
     for arch in archs:
-        if arch not in ARCHS:
-            raise CheckError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+        _target(arch)
     nvcc = _nvcc()
     nvcc_version(nvcc)
     workdir = Path(workdir) if workdir is not None else default_workdir()
@@ -341,8 +343,9 @@ def check_configs(
     return run_parallel(_compile_one, work, jobs, report if progress else None)
 
 
-def ptx_text(cfg: KernelConfig, arch: str = "sm_90a", workdir: "str | Path | None" = None) -> str:
-    """The PTX nvcc generates for ``cfg`` on ``arch`` (``nvcc -ptx``), cached like the checks."""
+def ptx_text(cfg: KernelConfig, arch: str | None = None, workdir: "str | Path | None" = None) -> str:
+    """The PTX nvcc generates for ``cfg`` on ``arch`` (default: its engine's target; ``nvcc -ptx``), cached like the checks."""
+    arch = arch or engine_of(cfg).target.name
     nvcc = _nvcc()
     src = source_of(cfg)
     workdir = Path(workdir) if workdir is not None else default_workdir()

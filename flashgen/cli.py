@@ -254,6 +254,8 @@ def _add_simulate(sub) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     report = _import_feature("flashgen.sim.report", "simulate")
+    from . import engines
+
     result = resolve_configs(args.cfg, args.verbose)
     _print_skipped(result, args, sys.stderr)
     cfgs = list(result.configs)
@@ -262,7 +264,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     for i, cfg in enumerate(cfgs, 1):
         if progress:
             progress(f"[{i}/{len(cfgs)}] simulating {cfg.mangle()}")
-        reports.append(report.simulate_config(cfg))
+        reports.append(engines.simulate_config(cfg))
     if args.json:
         print(json.dumps(reports, indent=2, sort_keys=True, default=str))
     else:

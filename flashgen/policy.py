@@ -13,8 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import cache
-from .dsl.config import ConfigError, DType, KernelConfig, default_configs
+from . import cache, engines
+from .dsl.config import ConfigError, DType, KernelConfig
+from .engines import wgmma as wgmma_defaults
+from .targets import of_capability
 
 BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -51,48 +53,32 @@ def load_cache(path: Path | None = None) -> dict:
         return {}
 
 
-#: Key block size of the default wgmma-engine kernel per d_head (registers: O + S + P per consumer;
-#: shared memory: Q + 2 stages of K and V).
-HOPPER_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
-#: Unmasked sequences in the buckets ``lo`` to ``hi`` take the larger key block ``B_c`` (d_head -> (lo, hi, B_c)):
-#: the per-block fixed cost (row max, barrier turns, O rescale) spreads over more keys. d_head 128
-#: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
-#: on an H100 and +1 to +5% on an H200, about even at 8192, 0-5% slower at 16384 on the H200; shorter
-#: and masked sequences run faster with B_c 128, and for d_head 64 every larger block was slower
-#: (docs/results/block_size.txt). ``seq`` 0 (unknown) keeps the base block.
-HOPPER_LONG_B_C = {128: (2048, 8192, 160)}
+#: The wgmma engine's default key block per d_head, and the larger one of long unmasked sequences
+#: (:mod:`flashgen.engines.wgmma` says why).
+HOPPER_B_C = wgmma_defaults.DEFAULT_B_C
+HOPPER_LONG_B_C = wgmma_defaults.LONG_B_C
 
 
 def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False) -> KernelConfig | None:
-    """The default Hopper (wgmma) config for a head size (and, where it matters, the sequence length
+    """The default wgmma-engine config for a head size (and, where it matters, the sequence length
     and whether a mask is applied), or None where that engine does not take the head size."""
-    if d_head not in HOPPER_B_C:
-        return None
-    B_c = HOPPER_B_C[d_head]
-    lo, hi, long_b_c = HOPPER_LONG_B_C.get(d_head, (0, 0, B_c))
-    if seq and lo <= seq_bucket(seq) <= hi and not masked:
-        B_c = long_b_c
-    cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c)
-    try:  # persistent where the separate output tile fits in shared memory (d_head 64 and 128)
-        return cfg.replace(persistent=True)
-    except ConfigError:
-        return cfg
+    return engines.engine_named("wgmma").default_config(dtype, d_head, seq_bucket(seq) if seq else 0, masked)
 
 
 def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = None,
            capability: tuple[int, int] | None = None, masked: bool = False) -> KernelConfig:
-    """The tuned config for a shape, else the shipped default: the wgmma engine on compute capability 9.0
-    where it takes the head size (:func:`hopper_default`), else the mma.sync default for the dtype (and
-    d_head). ``masked``: a causal or window mask will be applied (only ``--causal`` tuning serves it)."""
+    """The tuned config for a shape, else the shipped default of the first engine the GPU runs (preferred
+    first: wgmma on sm_90a) that takes the head size; without a ``capability``, the baseline target's
+    (mma.sync). ``masked``: a causal or window mask will be applied (only ``--causal`` tuning serves it)."""
     from .dsl.notation import parse_config
 
     cache = load_cache() if cache is None else cache
     entry = cache.get(gpu, {}).get(dtype.value, {}).get(str(d_head), {}).get(bucket_key(seq, masked))
     if entry:
         return parse_config(entry["config"])
-    if capability is not None and tuple(capability) == (9, 0):
-        hopper = hopper_default(dtype, d_head, seq, masked)
-        if hopper is not None:
-            return hopper
-    base = next(c for c in default_configs() if c.dtype == dtype)
-    return base if base.d_head == d_head else base.replace(d_head=d_head)
+    target = of_capability(capability) if capability is not None else None
+    for engine in engines.runnable_on(target):  # preferred first; mma.sync takes every head size
+        cfg = engine.default_config(dtype, d_head, seq_bucket(seq) if seq else 0, masked)
+        if cfg is not None:
+            return cfg
+    raise ConfigError(f"no engine has a default config for d_head={d_head}")

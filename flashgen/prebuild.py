@@ -11,11 +11,12 @@ from __future__ import annotations
 import sys
 
 from . import build, cache
+from .targets import TARGETS, of_capability
 from .cli import CommandError, resolve_configs
 from .options import positive_int
 
-#: --arch names: the compute capabilities flashgen builds for (sm_90a: Hopper with wgmma/TMA).
-ARCH_NAMES = {build.arch_name(c): c for c in ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))}
+#: --arch names: the targets flashgen builds for (:data:`flashgen.targets.TARGETS`), by name.
+ARCH_NAMES = {name: t.capability for name, t in TARGETS.items()}
 
 
 def add_arguments(p) -> None:
@@ -25,7 +26,7 @@ def add_arguments(p) -> None:
                    help="YAML file, quoted short form, or named set (e.g. hopper, defaults)")
     p.add_argument("--arch", action="append", choices=sorted(ARCH_NAMES),
                    help="target GPU architecture; repeat for several (default: this machine's GPU). "
-                        "wgmma configs build only for sm_90a")
+                        "Configs build only for the targets their engine runs on")
     p.add_argument("-j", "--jobs", type=positive_int, default=None,
                    help="kernels built at once (default: the number of CPU cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -42,7 +43,7 @@ def main(args) -> int:
             except build.BuildError as exc:
                 skipped.append(str(exc))
     if not jobs:
-        raise CommandError("nothing to build for " + ", ".join(build.arch_name(c) for c in capabilities) + ": "
+        raise CommandError("nothing to build for " + ", ".join(of_capability(c).name for c in capabilities) + ": "
                            + (skipped[0] if skipped else "no config"))
     if skipped and not args.quiet:
         cache.warn(f"skipped {len(skipped)} (config, arch) pair(s) the arch cannot run, e.g. {skipped[0]}")

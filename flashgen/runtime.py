@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from . import cache, launcher, tracing
-from .build import BuildError, Built, build, required_capability
+from .build import BuildError, Built, build
+from .engines import engine_of
+from .targets import of_capability
 from .dsl.config import KernelConfig, load_config
 from .policy import lookup, seq_bucket
 
@@ -99,12 +101,9 @@ class Attention:
 
     def _check_capability(self, device: torch.device) -> None:
         name, (major, minor) = device_facts(_device_index(device))
-        (need_major, need_minor), exact = required_capability(self.cfg)
-        if exact and (major, minor) != (need_major, need_minor):
-            raise InputError(f"{name} has compute capability {major}.{minor}; "
-                             f"wgmma-engine kernels are built for sm_90a (H100/H200)")
-        if (major, minor) < (need_major, need_minor):
-            raise InputError(f"{name} has compute capability {major}.{minor} < 8.0; mma.sync/cp.async need sm_80+")
+        engine = engine_of(self.cfg)
+        if not engine.runs_on(of_capability((major, minor))):
+            raise InputError(f"{name} has compute capability {major}.{minor}; {engine.name}-engine kernels need {engine.needs}")
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""

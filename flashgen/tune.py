@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .dsl.config import KernelConfig, hopper_configs, tuning_space
+from . import engines
+from .dsl.config import KernelConfig
 from .policy import (BUCKETS, HOPPER_B_C, HOPPER_LONG_B_C, bucket_key, hopper_default, load_cache,  # noqa: F401
                      lookup, seq_bucket, tune_cache_path)
+from .targets import of_capability
 
 
 def log(msg: str) -> None:
@@ -26,10 +28,9 @@ def log(msg: str) -> None:
 
 
 def default_space(dtypes, capability: tuple[int, int]) -> list[KernelConfig]:
-    """What ``flashgen tune`` times when given no configs: the wgmma engine's set on compute
-    capability 9.0 (where ``compile("auto")`` would otherwise pick it), the seed's mma.sync space
-    elsewhere."""
-    return hopper_configs(dtypes) if tuple(capability) == (9, 0) else tuning_space(dtypes)
+    """What ``flashgen tune`` times when given no configs: the tuning space of the engine the GPU
+    prefers (the one ``compile("auto")`` would otherwise pick: wgmma on sm_90a, mma.sync elsewhere)."""
+    return engines.preferred(of_capability(capability)).tuning_space(dtypes)
 
 
 def save_cache(data: dict, path: Path | None = None) -> None:

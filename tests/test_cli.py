@@ -284,9 +284,9 @@ def test_quiet_leaves_stderr_to_errors(cmd, tmp_path, capsys, monkeypatch):
     f = tmp_path / "sweep.yaml"
     f.write_text(MIXED_SWEEP)  # skipped combinations (a note), 3 configs (progress)
     fake = types.ModuleType("flashgen.sim.report")
-    fake.simulate_config = lambda cfg: {"name": cfg.mangle()}
     fake.format_report = lambda reports: "REPORT"
     monkeypatch.setitem(sys.modules, "flashgen.sim.report", fake)
+    monkeypatch.setattr("flashgen.engines.simulate_config", lambda cfg: {"name": cfg.mangle()})
     nvcc = tmp_path / "nvcc"  # prints a ptxas report and writes the object (the last argument)
     nvcc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake; exit 0; fi\n'
                     'for a; do out="$a"; done\n: > "$out"\n'
@@ -419,9 +419,9 @@ def test_check_without_nvcc(tmp_path, capsys, monkeypatch):
 def test_simulate_delegates_to_the_simulator(monkeypatch, capsys):
     seen = []
     fake = types.ModuleType("flashgen.sim.report")
-    fake.simulate_config = lambda cfg: seen.append(cfg) or {"name": cfg.mangle(), "conflicts": 0}
     fake.format_report = lambda reports: "REPORT " + " ".join(r["name"] for r in reports)
     monkeypatch.setitem(sys.modules, "flashgen.sim.report", fake)
+    monkeypatch.setattr("flashgen.engines.simulate_config", lambda cfg: seen.append(cfg) or {"name": cfg.mangle(), "conflicts": 0})
     rc, out, err = run_cli(capsys, "simulate", SMALL)
     assert rc == 0 and seen == [parse_config(SMALL)]
     assert out.strip() == f"REPORT {parse_config(SMALL).mangle()}"
@@ -456,7 +456,7 @@ def test_simulate_a_wgmma_config(capsys, monkeypatch):
         p = real(c)
         return attrs.evolve(p, body=tuple(s for s in p.body if not (s.op == "wait_full" and s.arg == "V")))
 
-    monkeypatch.setattr("flashgen.sim.report.make_hopper_plan", broken)
+    monkeypatch.setattr(hopper_plan, "make_hopper_plan", broken)
     rc, out, _ = run_cli(capsys, "simulate", cfg)
     assert rc == 1 and "hazard" in out and "[FAILED]" in out
 

@@ -34,6 +34,7 @@ import functools
 
 import attrs
 
+from ..attention.scheduler import TileScheduler
 from .atoms.hopper import (
     GmmaSwizzle,
     Mbarrier,
@@ -48,7 +49,9 @@ from .atoms.hopper import (
 from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
 from .layout import Layout
-from .plan import ScoreMask, Step, _row_reduce_lanes
+from .plan import ScoreMask, _row_reduce_lanes
+from .steps import (LAST, PREV, ConvertP, FinishRows, Gemm, Guard, J, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
+                    WgmmaWait)
 from .swizzle import ComposedLayout, Swizzle
 from .tail_split import TailSplit
 from .tiling import Loop, Partition
@@ -160,17 +163,20 @@ class HopperPlan:
     q_load: "RegisterLoad | None"
     p_from_s: tuple[tuple[tuple[int, int], ...], ...]  # [k16 step][A reg] -> (S value lo, S value hi)
     o_stage: ComposedLayout  # (CTA row, col) of the output tile -> element offset (Q's layout)
-    #: "grid": one CTA per tile; "static" (persistent): about one CTA per SM, each taking tiles in a
-    #: fixed order of rounds (with a mask, the launcher sizes the grid so round pairs balance)
-    tile_scheduler: str
-    #: a partial last round's tiles split over idle CTAs (persistent and unmasked); masked and
-    #: one-CTA-per-tile kernels split only launches of fewer tiles than SMs
-    tail_split: TailSplit
+    #: tile order, grid size, persistent rounds and the wave-tail split (a partial last round's tiles
+    #: split over idle CTAs: persistent and unmasked; masked and one-CTA-per-tile kernels split only
+    #: launches of fewer tiles than SMs)
+    scheduler: TileScheduler
     score_mask: ScoreMask
     row_reduce_lanes: tuple[int, ...]
+    #: a tile with key blocks starts with ``tile_start`` (its Q landed), walks the blocks (``prologue``
+    #: on the first, ``body`` on the rest, ``epilogue`` after the last) and ends with ``tile_output``
+    #: (row sums, 1/l and LSE, then O / l staged and stored), which every tile runs
+    tile_start: tuple[Step, ...]
     prologue: tuple[Step, ...]
     body: tuple[Step, ...]
     epilogue: tuple[Step, ...]
+    tile_output: tuple[Step, ...]
     producer_regs: int
     consumer_regs: int
     smem_bytes: int
@@ -182,6 +188,10 @@ class HopperPlan:
     @property
     def threads(self) -> int:
         return WARPGROUP * (1 + self.consumers)
+
+    @property
+    def tail_split(self) -> TailSplit:
+        return self.scheduler.tail
 
 
 def _p_from_s(atom_s: WGMMA_64xNx16, atom_o: WGMMA_64xNx16, k_steps: int) -> tuple:
@@ -215,77 +225,76 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
     """The consumer warpgroup's steps. ``turn``/``pass`` bracket GEMM issue (pingpong only).
 
     Blocks: ``j`` is the current key block; ``j-1`` the previous one (intra overlap).
-    The emitter maps each op to code; the simulator walks the same steps and checks the
+    The emitter maps each step class to code; the simulator walks the same steps and checks the
     async hazards (accumulators touched while a wgmma group is in flight, stages released
     or read at the wrong time).
     """
-    S = Step
     # persistent: Q is free for the next tile once the last block's S GEMM retired
-    rel_q = (S("release", "Q", guard="j + 1 == j_end", why="last S retired: the producer may load the next tile's Q"),) if cfg.persistent else ()
-    turn = (S("turn", why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
-    pas = (S("pass", why="pingpong: hand the tensor cores to the next warpgroup"),) if cfg.pingpong else ()
+    rel_q = (Release("Q", guard=Guard(1, "==", "end"), why="last S retired: the producer may load the next tile's Q"),) if cfg.persistent else ()
+    turn = (Turn(why="pingpong: wait for this warpgroup's turn to issue"),) if cfg.pingpong else ()
+    pas = (Pass(why="pingpong: hand the tensor cores to the next warpgroup"),) if cfg.pingpong else ()
     if cfg.intra_overlap:
         prologue = (
-            S("wait_full", "K", "j", why="K_j landed (TMA transaction bytes complete)"),
+            WaitFull("K", J, why="K_j landed (TMA transaction bytes complete)"),
             *turn,
-            S("gemm", "S", "j", why="S = Q K_j^T"),
+            Gemm("S", J, why="S = Q K_j^T"),
             *pas,
-            S("wgmma_wait", "0", why="S ready"),
-            S("release", "K", "j", why="K_j stage free for the producer"),
+            WgmmaWait("0", why="S ready"),
+            Release("K", J, why="K_j stage free for the producer"),
             *rel_q,
-            S("softmax", "first", "j", why="row max/sum of S_j, P = exp2(S - max)"),
-            S("convert_P", why="P -> 16-bit A fragments"),
+            Softmax("first", J, why="row max/sum of S_j, P = exp2(S - max)"),
+            ConvertP(why="P -> 16-bit A fragments"),
         )
         body = (
-            S("wait_full", "K", "j"),
+            WaitFull("K", J),
             *turn,
-            S("gemm", "S", "j", why="S_j = Q K_j^T"),
-            S("wait_full", "V", "j-1"),
-            S("gemm", "O", "j-1", why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
+            Gemm("S", J, why="S_j = Q K_j^T"),
+            WaitFull("V", PREV),
+            Gemm("O", PREV, why="O += P_{j-1} V_{j-1}, in flight during the softmax of S_j"),
             *pas,
-            S("wgmma_wait", "1", why="S_j ready (PV may still run)"),
-            S("release", "K", "j"),
+            WgmmaWait("1", why="S_j ready (PV may still run)"),
+            Release("K", J),
             *rel_q,
-            S("softmax", "stats", "j", why="new row max, exp2, row sums; O untouched (PV in flight)"),
-            S("wgmma_wait", "0", why="PV done: O and the P registers are free"),
-            S("release", "V", "j-1"),
-            S("rescale_O", why="O *= exp2(old max - new max)"),
-            S("convert_P"),
+            Softmax("stats", J, why="new row max, exp2, row sums; O untouched (PV in flight)"),
+            WgmmaWait("0", why="PV done: O and the P registers are free"),
+            Release("V", PREV),
+            RescaleO(why="O *= exp2(old max - new max)"),
+            ConvertP(),
         )
         epilogue = (
-            S("wait_full", "V", "last"),
+            WaitFull("V", LAST),
             *turn,
-            S("gemm", "O", "last", why="O += P V of the last block"),
+            Gemm("O", LAST, why="O += P V of the last block"),
             *pas,
-            S("wgmma_wait", "0"),
-            S("release", "V", "last"),
+            WgmmaWait("0"),
+            Release("V", LAST),
         )
         return prologue, body, epilogue
     body = (
-        S("wait_full", "K", "j"),
+        WaitFull("K", J),
         *turn,
-        S("gemm", "S", "j", why="S = Q K_j^T"),
+        Gemm("S", J, why="S = Q K_j^T"),
         *pas,
-        S("wgmma_wait", "0"),
-        S("release", "K", "j"),
+        WgmmaWait("0"),
+        Release("K", J),
         *rel_q,
-        S("softmax", "stats", "j"),
-        S("rescale_O"),
-        S("convert_P"),
-        S("wait_full", "V", "j"),
+        Softmax("stats", J),
+        RescaleO(),
+        ConvertP(),
+        WaitFull("V", J),
         *turn,
-        S("gemm", "O", "j", why="O += P V_j"),
+        Gemm("O", J, why="O += P V_j"),
         *pas,
-        S("wgmma_wait", "0"),
-        S("release", "V", "j"),
+        WgmmaWait("0"),
+        Release("V", J),
     )
     return (), body, ()
 
 
 @functools.lru_cache(maxsize=None)
 def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
-    if not cfg.is_wgmma:
-        raise ValueError(f"{cfg.short_form()} is an mma.sync config; make_plan builds its plan")
+    if cfg.engine != "wgmma":
+        raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_hopper_plan builds wgmma plans")
     d, B_r, B_c, st = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages
     esz = cfg.dtype.size
     q_bytes, kv_bytes = B_r * d * esz, B_c * d * esz
@@ -347,15 +356,17 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         q_load=q_load,
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
-        tile_scheduler="static" if cfg.persistent else "grid",
         # persistent and unmasked: every partial last round; masked or one CTA per tile: only a launch
         # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
-        tail_split=TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none"),
+        scheduler=TileScheduler(B_r, cfg.persistent, cfg.mask != "none",
+                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
         score_mask=ScoreMask(cfg.mask, B_r, B_c),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
+        tile_start=(WaitFull("Q", J, why="this tile's Q landed"),),
         prologue=prologue,
         body=body,
         epilogue=epilogue,
+        tile_output=(FinishRows(block=LAST), StoreO(block=LAST)),
         producer_regs=PRODUCER_REGS,
         consumer_regs=consumer_regs(cfg.consumers),
         smem_bytes=smem,

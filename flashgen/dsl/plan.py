@@ -25,6 +25,7 @@ from .atoms.copy import (
 from .atoms.mma import MMA_16x8x16
 from .config import FRAG_K, SWIZZLE_TILE_COLS, KernelConfig
 from .layout import Layout
+from .steps import BEGIN, FIRST_BLOCK, HAS_NEXT, J, LAST_BLOCK, NEXT, Barrier, Commit, Copy, Gemm, Guard, LoadRF, Softmax, Step, Wait
 from .swizzle import ComposedLayout, Swizzle
 from .tensor import Tensor
 from .tiling import Loop, Partition, TVMap, vector_copy_tv
@@ -112,24 +113,10 @@ class WarpGemm:
 
 
 @attrs.frozen
-class Step:
-    """One pipeline step. ``op`` in: copy, commit, wait, barrier, load_rf, gemm, softmax.
-
-    ``arg``: tensor for copy/load_rf, GEMM name, or the wait_group count; ``block``:
-    which KV block a copy fetches (``"j"``, ``"j+1"`` or ``"j_begin"``); ``guard``: a C++
-    condition on the loop index; ``why``: a short comment carried into the source.
-    The loop runs ``j`` over ``[j_begin, n_blocks)``: all key blocks, or those a mask keeps.
-    """
-
-    op: str
-    arg: str = ""
-    block: str = ""
-    guard: str = ""
-    why: str = ""
-
-
-@attrs.frozen
 class Schedule:
+    """The CTA's steps (:mod:`flashgen.dsl.steps`): ``prologue`` once, ``body`` per key block ``j`` in
+    ``[j_begin, n_blocks)`` (all key blocks, or those a mask keeps)."""
+
     prologue: tuple[Step, ...]
     body: tuple[Step, ...]
 
@@ -271,68 +258,69 @@ def _schedule(cfg: KernelConfig) -> Schedule:
     cp.async groups complete in order, so ``wait_group N`` = "all but the N most
     recent groups have landed"; a barrier then makes them visible CTA-wide.
     """
-    S = Step
+    resident_q = LoadRF("Q", guard=FIRST_BLOCK, why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None
     if not cfg.async_copy:
-        pro = (S("copy", "Q", "", why="Q block: synchronous 16-byte copies"),)
+        pro = (Copy("Q", why="Q block: synchronous 16-byte copies"),)
         body = (
-            S("copy", "K", "j", why="K_j -> shared"),
-            S("barrier", why="K_j visible to all warps"),
-            S("load_rf", "Q", guard="j == j_begin", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
-            S("gemm", "S", why="S = Q K_j^T"),
-            S("copy", "V", "j", why="V_j -> shared"),
-            S("barrier", why="V_j visible"),
-            S("softmax", why="online softmax on S, rescale O"),
-            S("gemm", "O", why="O += P V_j"),
+            Copy("K", J, why="K_j -> shared"),
+            Barrier(why="K_j visible to all warps"),
+            resident_q,
+            Gemm("S", why="S = Q K_j^T"),
+            Copy("V", J, why="V_j -> shared"),
+            Barrier(why="V_j visible"),
+            Softmax(why="online softmax on S, rescale O"),
+            Gemm("O", why="O += P V_j"),
             # no barrier here: the next block's first barrier (after its K copy, before its V copy) covers V_j
         )
         return Schedule(pro, tuple(s for s in body if s))
     if not cfg.eager_load_blocks:
-        pro = (S("copy", "Q", why="Q block"), S("commit"))
+        pro = (Copy("Q", why="Q block"), Commit())
         body = (
-            S("copy", "K", "j", why="K_j"),
-            S("commit"),
-            S("wait", "0", why="Q and K_j have landed"),
-            S("barrier", why="... and are visible to all warps"),
-            S("load_rf", "Q", guard="j == j_begin", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
-            S("copy", "V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
-            S("commit"),
-            S("gemm", "S", why="S = Q K_j^T"),
-            S("softmax", why="online softmax on S, rescale O"),
-            S("wait", "0", why="V_j has landed"),
-            S("barrier", why="V_j visible; all warps done reading K_j"),
-            S("gemm", "O", why="O += P V_j"),
+            Copy("K", J, why="K_j"),
+            Commit(),
+            Wait("0", why="Q and K_j have landed"),
+            Barrier(why="... and are visible to all warps"),
+            resident_q,
+            Copy("V", J, why="V_j overlaps S = Q K_j^T and the softmax"),
+            Commit(),
+            Gemm("S", why="S = Q K_j^T"),
+            Softmax(why="online softmax on S, rescale O"),
+            Wait("0", why="V_j has landed"),
+            Barrier(why="V_j visible; all warps done reading K_j"),
+            Gemm("O", why="O += P V_j"),
             # no barrier here: V_{j+1} is copied only after the next block's first barrier
         )
         return Schedule(pro, tuple(s for s in body if s))
     pro = (
-        S("copy", "Q", why="Q block"),
-        S("copy", "K", "j_begin", guard="j_begin < n_blocks", why="first K block together with Q"),
-        S("commit"),
+        Copy("Q", why="Q block"),
+        Copy("K", BEGIN, guard=Guard(0, "<", "end"), why="first K block together with Q"),
+        Commit(),
     )
     body = (
-        S("copy", "V", "j", why="V_j overlaps S = Q K_j^T and the softmax"),
-        S("commit"),
-        S("wait", "1", why="all but the newest group (V_j) have landed: Q, K_j"),
-        S("barrier", why="K_j visible to all warps"),
-        S("load_rf", "Q", guard="j == j_begin", why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None,
-        S("gemm", "S", why="S = Q K_j^T"),
-        S("barrier", why="all warps done reading K_j"),
-        S("copy", "K", "j+1", guard="j + 1 < n_blocks", why="prefetch K_{j+1} during softmax and P V_j"),
-        S("commit", guard="j + 1 < n_blocks"),
-        S("softmax", why="online softmax on S, rescale O"),
-        S("wait", "1", guard="j + 1 < n_blocks", why="V_j has landed (K_{j+1} may be in flight)"),
-        S("wait", "0", guard="j + 1 >= n_blocks", why="V_j has landed"),
-        S("barrier", why="V_j visible to all warps"),
-        S("gemm", "O", why="O += P V_j"),
-        S("barrier", why="all warps done with V_j before V_{j+1} overwrites it"),
+        Copy("V", J, why="V_j overlaps S = Q K_j^T and the softmax"),
+        Commit(),
+        Wait("1", why="all but the newest group (V_j) have landed: Q, K_j"),
+        Barrier(why="K_j visible to all warps"),
+        resident_q,
+        Gemm("S", why="S = Q K_j^T"),
+        Barrier(why="all warps done reading K_j"),
+        Copy("K", NEXT, guard=HAS_NEXT, why="prefetch K_{j+1} during softmax and P V_j"),
+        Commit(guard=HAS_NEXT),
+        Softmax(why="online softmax on S, rescale O"),
+        Wait("1", guard=HAS_NEXT, why="V_j has landed (K_{j+1} may be in flight)"),
+        Wait("0", guard=LAST_BLOCK, why="V_j has landed"),
+        Barrier(why="V_j visible to all warps"),
+        Gemm("O", why="O += P V_j"),
+        Barrier(why="all warps done with V_j before V_{j+1} overwrites it"),
     )
     return Schedule(pro, tuple(s for s in body if s))
 
 
 def make_plan(cfg: KernelConfig) -> KernelPlan:
     """The DSL objects of one kernel config (pure; equal configs give equal plans)."""
-    if cfg.is_wgmma:
-        raise ValueError(f"{cfg.short_form()} is a wgmma-engine config: its plan is flashgen.dsl.hopper_plan.make_hopper_plan")
+    if cfg.engine != "mma_sync":
+        raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_plan builds mma_sync plans "
+                         "(flashgen.engines.make_plan builds any config's)")
     dt, BR, BC, T = cfg.dtype, cfg.B_r, cfg.B_c, cfg.threads
     D = cfg.d_smem  # shared-memory tile width (whole 64-column swizzle blocks)
     DM = cfg.d_mma  # columns the MMAs cover (d_head rounded up to 16)

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import json
 
-from ..dsl.config import LOG2E, WGMMA_M, KernelConfig
-from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
-from .kernel import KernelSource, args_struct, kernel_meta
+from ..dsl.config import LOG2E, WGMMA_M
+from ..dsl.hopper_plan import HopperPlan
+from ..dsl.steps import Block, ConvertP, Gemm, Pass, Release, RescaleO, Softmax, Step, Turn, WaitFull, WgmmaWait
+from ..targets import Target, named as target_named
+from .abi import args_struct
 from .ptx import hopper as ptx_hopper, ldmatrix, math as ptx_math, vec
 from .ptx.used import HELPERS_MARK, insert_used
-from .template import CodeTemplate
+from .source import KernelSource, kernel_meta
+from .template import CodeTemplate, compose
+
+#: What this emitter writes for: TMA, mbarriers, wgmma and setmaxnreg exist on sm_90a only.
+TARGET: Target = target_named("sm_90a")
 
 
 #: What each consumer GEMM reads: its accumulator, where the emitter can stage A (Q: its shared-memory
@@ -33,7 +39,7 @@ def _wgmma_helper(g) -> str:
     return name(g.atom, g.trans_b)
 
 
-def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
+def _gemm(plan: HopperPlan, which: str, block: Block) -> list[str]:
     """One consumer GEMM: fence, ``k_steps`` wgmma with constant descriptor offsets, commit."""
     g = plan.gemm_S if which == "S" else plan.gemm_O
     acc, sources, b_tile, desc_b = _GEMM_OPERANDS[which]
@@ -41,7 +47,7 @@ def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
         raise NotImplementedError(f"GEMM {which} with A from {g.a_from}: the emitter stages A of {which} in {' or '.join(sources)}"
                                   + (" (registers: with the plan's Q fragment load)" if which == "S" else ""))
     a = sources[g.a_from]
-    stage = "st_prev" if block in ("j-1", "last") else "st"
+    stage = _stage_of(block)
     b_addr = [f"{desc_b} + uint64_t({stage}) * {plan.tiles[b_tile].stage_bytes >> 4}u + {boff >> 4}u" for boff in g.b.step_offsets]
     # S starts its accumulator at the first k step (scale-d 0); O accumulates onto the rescaled O
     scale = [0 if which == "S" and t == 0 else 1 for t in range(len(b_addr))]
@@ -123,45 +129,61 @@ def _convert_p(plan: HopperPlan) -> list[str]:
     return out
 
 
+def _stage_of(block: Block) -> str:
+    """The ring stage variable of a block: ``st`` (block j), ``st_prev`` (j-1; the last block, whose steps
+    run after the loop with ``j = j_end``)."""
+    return "st_prev" if block.offset == -1 else "st"
+
+
+def _stage(step: Step) -> str:
+    """The ring stage variable of a K/V step's block; "" for Q (one slot)."""
+    return _stage_of(step.block) if step.arg != "Q" else ""
+
+
+def _wait_full(plan: HopperPlan, step: WaitFull) -> list[str]:
+    stage = _stage(step)
+    if not stage:  # Q: one slot, one phase per tile
+        return [f"mbar_wait(bar_{step.arg.lower()}_full, q_it & 1u);"]
+    return [f"mbar_wait(bar_{step.arg.lower()}_full + 8 * {stage}, {'ph' if stage == 'st' else 'ph_prev'});"]
+
+
+def _release(plan: HopperPlan, step: Release) -> list[str]:
+    stage = _stage(step)
+    slot = f" + 8 * {stage}" if stage else ""  # Q has one slot, K/V one per ring stage
+    return [f"if (lane == 0) mbar_arrive(bar_{step.arg.lower()}_empty{slot});  // one arrival per warp"]
+
+
+def _wgmma_wait(plan: HopperPlan, step: WgmmaWait) -> list[str]:
+    # after the wait the retired groups' registers are the compiler's again: S always, O and P once all are done
+    code = [f"wgmma_wait_group<{step.arg}>();", "wgmma_fence_operands(s_acc);"]
+    return code + (["wgmma_fence_operands(o_acc); wgmma_fence_operands(p_frag);"] if step.arg == "0" else [])
+
+
+#: consumer step class -> its code (the plan's schedule is made of these; see flashgen.dsl.steps)
+_STEP_CODE = {
+    WaitFull: _wait_full,
+    Release: _release,
+    Gemm: lambda plan, step: _gemm(plan, step.arg, step.block),
+    WgmmaWait: _wgmma_wait,
+    Softmax: lambda plan, step: ["softmax(j, masked, " + ("std::true_type{}" if step.arg == "first" else "std::false_type{}") + ");"],
+    RescaleO: lambda plan, step: ["#pragma unroll", "for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] *= corr[(i / 2) % 2];"],
+    ConvertP: lambda plan, step: _convert_p(plan),
+    Turn: lambda plan, step: ["named_bar_sync(1 + cw, 2 * 128);"],
+    Pass: lambda plan, step: ["named_bar_arrive(1 + (cw + 1) % CONSUMERS, 2 * 128);"],
+}
+
+
 def _step(plan: HopperPlan, step: Step) -> list[str]:
     """C++ for one consumer step (blocks j, j-1, last; a guarded step runs where its guard holds)."""
-    op, arg, block = step.op, step.arg, step.block
-    stage = {"j": "st", "j-1": "st_prev", "last": "st_prev"}.get(block, "")
-    phase = {"st": "ph", "st_prev": "ph_prev"}.get(stage, "")
-    if op == "wait_full":
-        code = [f"mbar_wait(bar_{arg.lower()}_full + 8 * {stage}, {phase});"]
-    elif op == "release":
-        slot = f" + 8 * {stage}" if stage else ""  # Q has one slot, K/V one per ring stage
-        code = [f"if (lane == 0) mbar_arrive(bar_{arg.lower()}_empty{slot});  // one arrival per warp"]
-    elif op == "gemm":
-        code = _gemm(plan, arg, block)
-    elif op == "wgmma_wait":
-        # after the wait the retired groups' registers are the compiler's again: S always, O and P once all are done
-        code = [f"wgmma_wait_group<{arg}>();", "wgmma_fence_operands(s_acc);"]
-        if arg == "0":
-            code.append("wgmma_fence_operands(o_acc); wgmma_fence_operands(p_frag);")
-    elif op == "softmax":
-        code = ["softmax(j, masked, " + ("std::true_type{}" if arg == "first" else "std::false_type{}") + ");"]
-    elif op == "rescale_O":
-        code = [
-            "#pragma unroll",
-            "for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] *= corr[(i / 2) % 2];",
-        ]
-    elif op == "convert_P":
-        code = _convert_p(plan)
-    elif op == "turn":
-        code = ["named_bar_sync(1 + cw, 2 * 128);"]
-    elif op == "pass":
-        code = ["named_bar_arrive(1 + (cw + 1) % CONSUMERS, 2 * 128);"]
-    else:
-        raise ValueError(f"no code for consumer step {step}")
+    code = _STEP_CODE[type(step)](plan, step)
     if step.guard:
-        code = [f"if ({step.guard}) {{"] + ["    " + c for c in code] + ["}"]
-    why = f"// [{op}{' ' + arg if arg else ''}{' ' + block if block else ''}]" + (f" {step.why}" if step.why else "")
+        code = [f"if ({step.guard.to_cpp(end='j_end')}) {{"] + ["    " + c for c in code] + ["}"]
+    why = f"// [{step}]" + (f" {step.why}" if step.why else "")
     return [why] + code
 
 
-_KERNEL = CodeTemplate(
+#: The file's head: what it is, the plan, includes, the kernel's constants and rules, the PTX helpers.
+_HEADER = CodeTemplate(
     r"""// Generated by flashgen. Do not edit: change the config and re-emit.
 //
 // $short_form
@@ -169,7 +191,7 @@ _KERNEL = CodeTemplate(
 // grid: $grid_doc
 // block: $threads threads (warpgroup 0: TMA producer, warpgroups 1..$consumers: consumers of 64 query
 // rows each), dynamic shared memory: $smem_bytes bytes
-// build: -gencode=arch=compute_90a,code=sm_90a
+// build: $gencode
 //
 // plan:
 $plan_lines
@@ -192,12 +214,17 @@ $mask_fns
 
 $tail_rule
 
+$scheduler
+
 using elem_t = $elem_t;
 
 // ---- PTX helpers ----
-$ptx_helpers
+$ptx_helpers"""
+)
 
-struct Params {
+#: The kernel's parameters and its output tile (in the scheduler's order).
+_TYPES = CodeTemplate(
+    r"""struct Params {
     CUtensorMap tm_q, tm_k, tm_v, tm_o;  // (d_head, seq, heads, batch) maps, 64 x {B_r, B_c, B_c, $o_box_rows} boxes, 128B swizzle
     float* lse; int64_t lse_batch, lse_head;
     int seq_q, seq_k;
@@ -212,20 +239,21 @@ struct Tile {
     int q_row0, head, batch, kv_head, j_begin, j_end;
     int unit, tail_tile, part;  // a part of a split tail tile: its workspace slot, tile and part; unit -1: a whole tile
 };
-// Tile order: query blocks vary fastest (tiles running at the same time share K/V in L2), last
-// block first (with a causal mask its rows are the longest), then heads, then batch.
+// Tile `tile` in the scheduler's order (sched_coords)
 __device__ __forceinline__ Tile tile_at(const Params& p, int tile, int n_q_blocks) {
     Tile t;
-    const int hb = tile / n_q_blocks;
-    t.q_row0 = (n_q_blocks - 1 - tile % n_q_blocks) * int(B_r);
-    t.head = hb % p.heads;
-    t.batch = hb / p.heads;
+    int q_block;
+    sched_coords(tile, n_q_blocks, p.heads, &q_block, &t.head, &t.batch);
+    t.q_row0 = q_block * int(B_r);
     t.kv_head = t.head / p.kv_group;
     kv_block_range(t.q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &t.j_begin, &t.j_end);
     return t;
-}
+}"""
+)
 
-__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
+#: The kernel: shared memory, roles, the CTA's tiles (sched_work), barriers; then producer and consumers.
+_KERNEL = CodeTemplate(
+    r"""__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
     extern __shared__ unsigned char smem_raw[];
     // the 128B swizzle repeats every 1024 bytes of absolute address: align the base (slack is in the size)
     const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
@@ -233,12 +261,19 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
     // tiles = (query block, head, batch) in tile_at's order; $tile_loop_doc
     const int n_q_blocks = (p.seq_q + int(B_r) - 1) / int(B_r), n_tiles = n_q_blocks * p.heads * p.batch;
-    // round r of this CTA: tile r * gridDim.x + blockIdx.x, mirrored in odd rounds ("snake") so a CTA
-    // given a long tile in one round gets a short one in the next (tiles shrink along the order);
-    // false once the CTA has no work left
+    // round r of this CTA (sched_work): its tile, or part of a split tail tile; false once it has no work left
     auto cta_work = [&](int r, Tile* t) {
-        const int slot = (r & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-        $pick_tile
+        int tile, part;
+        if (!sched_work(r, int(blockIdx.x), int(gridDim.x), n_tiles, p.tail_parts, &tile, &part)) return false;
+        *t = tile_at(p, tile, n_q_blocks);
+        t->unit = -1;
+        if (part >= 0) {  // part `part` of the tile: its share of the key blocks (tail_range) and workspace slot
+            tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);
+            t->tail_tile = tile - r * int(gridDim.x);
+            t->part = part;
+            t->unit = t->tail_tile * p.tail_parts + part;
+        }
+        return true;
     };
 
     if (threadIdx.x == 0) {
@@ -247,106 +282,124 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     }
     __syncthreads();
 
-    if (wg == 0) {
-        // ---- producer: registers back to the pool, one thread issues every TMA copy ----
-        setmaxnreg_dec<$producer_regs>();
-        if (wtid == 0) {
-            uint32_t kv_it = 0, q_it = 0;  // K/V ring slots and Q tiles used so far (stage and phase)
-            Tile t;
-            for (int r = 0; cta_work(r, &t); ++r) {
-                const int q_row0 = t.q_row0, head = t.head, batch = t.batch, kv_head = t.kv_head, j_begin = t.j_begin, j_end = t.j_end;
-                if (j_begin >= j_end) continue;  // no key block: the consumers write zeros
-                $wait_q_empty
-                mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
-                $load_q
-                for (int j = j_begin; j < j_end; ++j) {
-                    const uint32_t it = kv_it + uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;
-                    mbar_wait(bar_k_empty + 8 * st, ph ^ 1u);  // a fresh barrier passes parity 1 at once
-                    mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
-                    $load_k
-                    mbar_wait(bar_v_empty + 8 * st, ph ^ 1u);
-                    mbar_arrive_expect_tx(bar_v_full + 8 * st, KV_BYTES);
-                    $load_v
-                }
-                kv_it += uint32_t(j_end - j_begin);
-                ++q_it;
+    $producer_code
+
+    $consumers_code
+}
+
+}  // namespace $name"""
+)
+
+#: Warpgroup 0: one thread issues every TMA load of the CTA's tiles into Q's slot and the K/V ring.
+_PRODUCER = CodeTemplate(
+    r"""if (wg == 0) {
+    // ---- producer: registers back to the pool, one thread issues every TMA copy ----
+    setmaxnreg_dec<$producer_regs>();
+    if (wtid == 0) {
+        uint32_t kv_it = 0, q_it = 0;  // K/V ring slots and Q tiles used so far (stage and phase)
+        Tile t;
+        for (int r = 0; cta_work(r, &t); ++r) {
+            const int q_row0 = t.q_row0, head = t.head, batch = t.batch, kv_head = t.kv_head, j_begin = t.j_begin, j_end = t.j_end;
+            if (j_begin >= j_end) continue;  // no key block: the consumers write zeros
+            $wait_q_empty
+            mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
+            $load_q
+            for (int j = j_begin; j < j_end; ++j) {
+                const uint32_t it = kv_it + uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;
+                mbar_wait(bar_k_empty + 8 * st, ph ^ 1u);  // a fresh barrier passes parity 1 at once
+                mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
+                $load_k
+                mbar_wait(bar_v_empty + 8 * st, ph ^ 1u);
+                mbar_arrive_expect_tx(bar_v_full + 8 * st, KV_BYTES);
+                $load_v
             }
-        }
-        return;
-    }
-
-    // ---- consumers: 64 query rows each ----
-    setmaxnreg_inc<$consumer_regs>();
-    const uint32_t cw = wg - 1;  // consumer index
-    const float scale_log2 = p.scale_log2;
-    float o_acc[D_HEAD / 2], s_acc[B_c / 2];
-    uint32_t p_frag[B_c / 16][4];
-    $q_frag_decl
-    float row_max[2], row_sum[2], corr[2] = {1.f, 1.f};
-    $desc_q_decl
-    const uint64_t desc_k = smem_desc(sK, $k_lbo, $k_sbo, $swizzle_code);
-    const uint64_t desc_v = smem_desc(sV, $v_lbo, $v_sbo, $swizzle_code);
-    (void)corr;
-    $pingpong_start
-    uint32_t kv_it = 0, q_it = 0;  // the producer's counters, kept in step
-
-    Tile t;
-    for (int r = 0; cta_work(r, &t); ++r) {
-        const int q_row0 = t.q_row0, head = t.head, batch = t.batch, j_begin = t.j_begin, j_end = t.j_end;
-        row_max[0] = row_max[1] = -INFINITY;
-        row_sum[0] = row_sum[1] = 0.f;
-        #pragma unroll
-        for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;
-
-        auto softmax = [&](const int j, auto masked, auto first) {
-            if constexpr (decltype(first)::value) {
-                $softmax_first
-            } else {
-                $softmax_next
-            }
-        };
-
-        if (j_begin < j_end) {
-            mbar_wait(bar_q_full, q_it & 1u);
-            $load_q_frags
-            $main_loop
             kv_it += uint32_t(j_end - j_begin);
             ++q_it;
         }
-
-        $merge_parts
-        // ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> TMA stores ----
-        float inv[2];
-        #pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-            float l = row_sum[h];
-            $sum_reduce
-            inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
-            const int row = q_row0 + int(64 * cw + $c_row_h);
-            if (p.lse != nullptr && $lse_writer && row < p.seq_q)
-                p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
-        }
-        $store_merged
-        $o_stage_decl
-        #pragma unroll
-        for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {
-            const uint32_t r = $c_row_i, c = $c_col_i;
-            st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
-        }
-        fence_proxy_async();  // the TMA unit (async proxy) reads what these st.shared wrote
-        named_bar_sync(1 + CONSUMERS + cw, 128);  // this warpgroup's rows are staged
-        if (wtid == 0) {  // one thread stores them; the warpgroup goes on without waiting for global writes
-            $store_o
-            bulk_commit_group();
-        }
     }
-    if (wtid == 0) bulk_wait_group<0>();  // the last stores finished reading shared memory before the CTA exits
-    $pingpong_end
+    return;
+}"""
+)
+
+#: Warpgroups 1..: per tile the plan's steps over the key blocks, the split's merge, the output.
+_CONSUMERS = CodeTemplate(
+    r"""// ---- consumers: 64 query rows each ----
+setmaxnreg_inc<$consumer_regs>();
+const uint32_t cw = wg - 1;  // consumer index
+const float scale_log2 = p.scale_log2;
+float o_acc[D_HEAD / 2], s_acc[B_c / 2];
+uint32_t p_frag[B_c / 16][4];
+$q_frag_decl
+float row_max[2], row_sum[2], corr[2] = {1.f, 1.f};
+$desc_q_decl
+const uint64_t desc_k = smem_desc(sK, $k_lbo, $k_sbo, $swizzle_code);
+const uint64_t desc_v = smem_desc(sV, $v_lbo, $v_sbo, $swizzle_code);
+(void)corr;
+$pingpong_start
+uint32_t kv_it = 0, q_it = 0;  // the producer's counters, kept in step
+
+Tile t;
+for (int r = 0; cta_work(r, &t); ++r) {
+    const int q_row0 = t.q_row0, head = t.head, batch = t.batch, j_begin = t.j_begin, j_end = t.j_end;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+    #pragma unroll
+    for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;
+
+    auto softmax = [&](const int j, auto masked, auto first) {
+        if constexpr (decltype(first)::value) {
+            $softmax_first
+        } else {
+            $softmax_next
+        }
+    };
+
+    if (j_begin < j_end) {
+        $tile_start
+        $load_q_frags
+        $main_loop
+        kv_it += uint32_t(j_end - j_begin);
+        ++q_it;
+    }
+
+    $merge_parts
+    $epilogue_code
 }
+if (wtid == 0) bulk_wait_group<0>();  // the last stores finished reading shared memory before the CTA exits
+$pingpong_end"""
+)
 
-}  // namespace $name
+#: A consumer's output of one tile: O /= l and the LSE, staged in shared memory, TMA stores.
+_EPILOGUE = CodeTemplate(
+    r"""// ---- epilogue: O /= l, registers -> shared memory (Q's layout, this consumer's rows) -> TMA stores ----
+float inv[2];
+#pragma unroll
+for (uint32_t h = 0; h < 2; ++h) {
+    float l = row_sum[h];
+    $sum_reduce
+    inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
+    const int row = q_row0 + int(64 * cw + $c_row_h);
+    if (p.lse != nullptr && $lse_writer && row < p.seq_q)
+        p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+}
+$store_merged
+$o_stage_decl
+#pragma unroll
+for (uint32_t i = 0; i < D_HEAD / 2; i += 2) {
+    const uint32_t r = $c_row_i, c = $c_col_i;
+    st_shared_b32(sO + 2 * ($o_stage_rc), pack2(o_acc[i] * inv[(i / 2) % 2], o_acc[i + 1] * inv[(i / 2) % 2]));
+}
+fence_proxy_async();  // the TMA unit (async proxy) reads what these st.shared wrote
+named_bar_sync(1 + CONSUMERS + cw, 128);  // this warpgroup's rows are staged
+if (wtid == 0) {  // one thread stores them; the warpgroup goes on without waiting for global writes
+    $store_o
+    bulk_commit_group();
+}"""
+)
 
-$args_struct
+#: Host side: the argument struct, tensor maps, the SM count, the launch's grid (sched_grid).
+_HOST = CodeTemplate(
+    r"""$args_struct
 
 namespace $name {
 
@@ -399,14 +452,19 @@ static void tile_blocks(const ${name}_args* a, int* lo, int* hi) {
 
 // CTAs of a launch of `tiles` tiles (see "grid:" at the top) and the parts a partial last round's tiles split into
 static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out, int* parts) {
-    *parts = 1;
-    $grid_size
+    int sms = 0, lo = 0, hi = 0;  // SMs; key blocks of the shortest and longest tile
+    if (const int e = sm_count(&sms)) return e;
+    tile_blocks(a, &lo, &hi);
+    sched_grid(tiles, sms, lo, (a->seq_q + int(B_r) - 1) / int(B_r), lo == hi, out, parts);
     return 0;
 }
 
-}  // namespace $name
+}  // namespace $name"""
+)
 
-// Scratch memory a launch with these arguments uses: `bytes` in all, of which the first `zeroed` must be
+#: The C entry points: the launch's workspace and the launch.
+_ENTRY_POINTS = CodeTemplate(
+    r"""// Scratch memory a launch with these arguments uses: `bytes` in all, of which the first `zeroed` must be
 // zero at launch (0 and 0: none). $workspace_doc
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     using namespace $name;
@@ -449,9 +507,23 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     $tail_setup
     kernel<<<dim3(unsigned(ctas)), THREADS, smem, (cudaStream_t)stream>>>(p);
     return (int)cudaGetLastError();
-}
-"""
+}"""
 )
+
+#: The file: every part above, in order (see compose).
+_FILE = CodeTemplate("""$header_code
+
+$types_code
+
+$kernel_code
+
+$host_code
+
+$entry_points_code
+""")
+_PARTS = [("epilogue_code", _EPILOGUE), ("consumers_code", _CONSUMERS), ("producer_code", _PRODUCER), ("kernel_code", _KERNEL),
+          ("header_code", _HEADER), ("types_code", _TYPES), ("host_code", _HOST), ("entry_points_code", _ENTRY_POINTS),
+          ("file", _FILE)]
 
 
 def _desc_q_decl(plan: HopperPlan) -> list[str]:
@@ -551,30 +623,22 @@ def _main_loop(plan: HopperPlan) -> list[str]:
     return out
 
 
+#: row half of O value i (the rescale's and the normalisation's rule)
+_O_ROW_HALF = "(i / 2) % 2"
+
+
 def _tail_split_code(plan: HopperPlan) -> dict:
-    """The wave-tail split (``plan.tail_split``): tile choice, the partials' publish-and-merge, the
-    merged rows' stores, the launcher's rule and workspace."""
-    whole = ["const int tile = r * int(gridDim.x) + slot;",
-             "if (tile >= n_tiles) return false;",
-             "*t = tile_at(p, tile, n_q_blocks);",
-             "t->unit = -1;",
-             "return true;"]
-    ts = plan.tail_split
-    co = plan.gemm_O.atom.c_map
-    slot = "(i / 2) % 2"  # row half of O value i (the rescale's and the normalisation's rule)
-    pick = [
-        "const int first = r * int(gridDim.x);",
-        "if (p.tail_parts > 1 && first < n_tiles && first + int(gridDim.x) > n_tiles) {",
-        "    // the partial last round: CTA `slot` takes part slot % parts of tile first + slot / parts",
-        "    if (slot >= (n_tiles - first) * p.tail_parts) return false;",
-        "    const int tile = first + slot / p.tail_parts, part = slot % p.tail_parts;",
-        "    *t = tile_at(p, tile, n_q_blocks);",
-        "    tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);",
-        "    t->tail_tile = tile - first; t->part = part; t->unit = t->tail_tile * p.tail_parts + part;",
-        "    return true;",
-        "}",
-    ] + whole
-    merge = [
+    """The wave-tail split (``plan.tail_split``): the partials' publish-and-merge, the merged rows'
+    stores, the launcher's rule and workspace (which tile and part a CTA takes: ``plan.scheduler``)."""
+    return dict(merge_parts=_split_merge(), store_merged=_split_store(plan), tail_rule=plan.tail_split.to_cpp(),
+                workspace_doc="The wave-tail split: see tail_rule.", **_split_launcher())
+
+
+def _split_merge() -> list[str]:
+    """A part's consumer warps publish their O and row statistics and count in; the last warp to count
+    for its 16 rows merges every part's into its registers (rescaled to the common max)."""
+    slot = _O_ROW_HALF
+    return [
         "if (t.unit >= 0) {",
         "    // a part of a split tail tile: publish this warp's O, row max and row sums (fragment order), count",
         "    // the part in; the warp counting last for these 16 rows merges every part's and writes the rows",
@@ -615,7 +679,12 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "    }",
         "}",
     ]
-    store = [
+
+
+def _split_store(plan: HopperPlan) -> list[str]:
+    """The merged rows of a split tile, normalised, straight from the accumulator map to global memory."""
+    co, slot = plan.gemm_O.atom.c_map, _O_ROW_HALF
+    return [
         "if (t.unit >= 0) {  // merged rows of a split tile: this warp's 16 rows straight to global memory",
         "    elem_t* o = p.o + int64_t(batch) * p.o_batch + int64_t(head) * p.o_head;",
         "    #pragma unroll",
@@ -628,6 +697,10 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "    continue;",
         "}",
     ]
+
+
+def _split_launcher() -> dict:
+    """The split's kernel parameters, the launcher's workspace setup and the workspace function's body."""
     params = [
         "int tail_parts;  // > 1: the last round's tiles are split into this many key ranges (tail_rule)",
         "int* part_count; float* part_ml; float* part_o;  // the split's workspace (counters zeroed at launch)",
@@ -658,9 +731,7 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "    *bytes = *zeroed + tail_ml_bytes(tail * parts) + tail_o_bytes(tail * parts);",
         "}",
     ]
-    return dict(tail_params=params, pick_tile=pick, merge_parts=merge, store_merged=store, tail_setup=setup,
-                tail_rule=ts.to_cpp(), workspace_doc="The wave-tail split: see tail_rule.",
-                workspace_body=body)
+    return dict(tail_params=params, tail_setup=setup, workspace_body=body)
 
 
 def _plan_lines(plan: HopperPlan) -> list[str]:
@@ -679,24 +750,50 @@ def _plan_lines(plan: HopperPlan) -> list[str]:
     for sec in ("prologue", "body", "epilogue"):
         steps = getattr(plan, sec)
         if steps:
-            out.append(f"//   {sec}: {' | '.join(s.op + (' ' + s.arg if s.arg else '') + (' ' + s.block if s.block else '') for s in steps)}")
+            out.append(f"//   {sec}: {' | '.join(s.op + (' ' + s.arg if s.arg else '') + (f' {s.block}' if s.block else '') for s in steps)}")
     return out
 
 
-def emit_hopper(cfg: KernelConfig) -> KernelSource:
-    """The CUDA source of one wgmma-engine config. Pure and deterministic."""
+def _header_env(plan: HopperPlan) -> dict:
+    """The file's head and the kernel's constants."""
+    cfg = plan.cfg
+    return dict(name=cfg.mangle(), short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), plan_lines=_plan_lines(plan),
+                B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages, consumers=cfg.consumers, threads=plan.threads,
+                smem_bytes=plan.smem_bytes, q_bytes=f"{plan.loads['Q'].bytes}u", kv_bytes=f"{plan.loads['K'].bytes}u",
+                mask_fns=plan.score_mask.to_cpp(), elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, gencode=TARGET.gencode,
+                scheduler=plan.scheduler.to_cpp(), grid_doc=_grid_doc(plan))
 
-    plan = make_hopper_plan(cfg)
-    name = cfg.mangle()
-    c = plan.gemm_S.atom.c_map
-    co = plan.gemm_O.atom.c_map
-    bars = []
+
+def _grid_doc(plan: HopperPlan) -> str:
+    """The launch shape in words, for the kernel's comments and the manifest (sched_grid is the rule)."""
+    tiles = f"ceil(seq_q / {plan.cfg.B_r}) * heads * batch"
+    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if plan.scheduler.rounds_pair else []
+    notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"]
+    return f"{f'min(SMs, {tiles})' if plan.scheduler.persistent else tiles}{''.join('; ' + n for n in notes)}"
+
+
+def _shared_memory_env(plan: HopperPlan) -> dict:
+    """Tile and mbarrier addresses, the barriers' initialisation; Q's release and O's staging when persistent."""
     smem_decls = [f"const uint32_t sQ = smem + {plan.tiles['Q'].offset}u, sK = smem + {plan.tiles['K'].offset}u, sV = smem + {plan.tiles['V'].offset}u;"]
+    bars = []
     for bname, (bar, off, stages) in plan.barriers.items():
         smem_decls.append(f"const uint32_t bar_{bname} = smem + {off}u;  // [{stages}] x 8 bytes")
         bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
-    sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
-    if cfg.pingpong:
+    if plan.cfg.persistent:  # Q released per tile, O staged apart
+        wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
+        o_stage_decl = [f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;  // apart from Q: the next tile's Q may be landing",
+                        "if (wtid == 0) bulk_wait_group_read<0>();  // the previous tile's TMA stores have read the staged rows",
+                        "named_bar_sync(1 + CONSUMERS + cw, 128);  // ... before this warpgroup writes them again"]
+    else:
+        wait_q_empty = []
+        o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
+    return dict(smem_decls=smem_decls, barrier_init=bars, wait_q_empty=wait_q_empty, o_stage_decl=o_stage_decl)
+
+
+def _roles_env(plan: HopperPlan) -> dict:
+    """The producer's TMA loads, the consumers' registers, descriptors, steps and pingpong ring."""
+    bk, bv = plan.gemm_S.b, plan.gemm_O.b
+    if plan.cfg.pingpong:
         pingpong_start = ["// pingpong: consumers take turns in a ring (0, 1, ...); the last hands consumer 0 the first turn",
                           "if (cw == CONSUMERS - 1) named_bar_arrive(1 + 0, 2 * 128);"]
         pingpong_end = ["// the last consumer passed once more than consumer 0 took turns (its initial pass): take it, so every",
@@ -704,16 +801,29 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
                         "if (cw == 0) named_bar_sync(1 + 0, 2 * 128);"]
     else:
         pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
-    o_tile = plan.tiles["O"]
-    loop_tiles = plan.tile_scheduler == "static"
-    if cfg.persistent:  # the shared-memory side: Q released per tile, O staged apart
-        wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
-        o_stage_decl = [f"const uint32_t sO = smem + {o_tile.offset}u;  // apart from Q: the next tile's Q may be landing",
-                        "if (wtid == 0) bulk_wait_group_read<0>();  // the previous tile's TMA stores have read the staged rows",
-                        "named_bar_sync(1 + CONSUMERS + cw, 128);  // ... before this warpgroup writes them again"]
-    else:
-        wait_q_empty = []
-        o_stage_decl = ["const uint32_t sO = sQ;  // O goes to this consumer's own Q rows (Q's layout): only its own S GEMMs read them, all done"]
+    tile_loop_doc = ("persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds" if plan.scheduler.persistent
+                     else "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)")
+    return dict(producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs,
+                load_q=_tma_calls(plan, "Q"), load_k=_tma_calls(plan, "K"), load_v=_tma_calls(plan, "V"),
+                q_frag_decl=_q_frag_decl(plan), desc_q_decl=_desc_q_decl(plan), load_q_frags=_load_q_frags(plan),
+                k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u", v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u", swizzle_code=f"{bk.swizzle.desc_code}u",
+                softmax_first=_softmax(plan, True), softmax_next=_softmax(plan, False),
+                pingpong_start=pingpong_start, pingpong_end=pingpong_end, tile_loop_doc=tile_loop_doc,
+                tile_start=[line for st in plan.tile_start for line in _step(plan, st)], main_loop=_main_loop(plan))
+
+
+def _epilogue_env(plan: HopperPlan) -> dict:
+    """The names of the output region (_EPILOGUE)."""
+    c, co = plan.gemm_S.atom.c_map, plan.gemm_O.atom.c_map
+    return dict(sum_reduce=[f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes],
+                c_row_h=c.row.to_cpp(["wtid", "2 * h"]), lse_writer=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
+                c_row_i=co.row.to_cpp(["wtid", "i"]), c_col_i=co.col.to_cpp(["wtid", "i"]),
+                o_stage_rc=plan.o_stage.to_cpp(["64 * cw + r", "c"]), store_o=_tma_store_calls(plan))
+
+
+def _host_env(plan: HopperPlan) -> dict:
+    """The launcher's: the argument struct, the tensor maps' encoding, the key blocks of the launch's tiles."""
+    cfg = plan.cfg
     if cfg.mask != "none":  # a mask makes query blocks' key ranges differ
         tile_blocks_body = [
             "*lo = INT32_MAX; *hi = 0;",
@@ -725,99 +835,23 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         ]
     else:
         tile_blocks_body = ["*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);  // no mask: every tile takes every key block"]
-    grid_size = ["int sms = 0, lo = 0, hi = 0;  // SMs; key blocks of the shortest and longest tile",
-                 "if (const int e = sm_count(&sms)) return e;",
-                 "tile_blocks(a, &lo, &hi);"]
-    if loop_tiles:  # the launch side: which tiles a CTA takes
-        tile_loop_doc = "persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds"
-        grid_size += ["int ctas = tiles < sms ? int(tiles) : sms;  // persistent: one CTA per SM (at most one per tile)"]
-        if cfg.mask != "none":
-            grid_size += [
-                "// unequal tiles (a mask): gridDim.x a multiple of `half` = half the query blocks of a head (all of",
-                "// them when odd) makes every odd round mirror the even one before it, so each CTA's two tiles of",
-                "// a round pair have complementary blocks (causal: n_q + 1 key blocks together). Not worth more",
-                "// than a tenth of the SMs.",
-                "const int n_q = (a->seq_q + int(B_r) - 1) / int(B_r), half = n_q % 2 ? n_q : n_q / 2;",
-                "if (tiles > sms && lo != hi && sms / half * half >= sms - sms / 10) ctas = sms / half * half;",
-            ]
-    else:
-        tile_loop_doc = "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)"
-        grid_size += ["int ctas = int(tiles);  // one CTA per tile"]
-    grid_size += [
-        "// a partial last round splits its tiles (tail_rule), each part at least the shortest tile's share;",
-        "// fewer tiles than SMs: each tile over `parts` CTAs",
-        "*parts = tail_parts(tiles, sms, lo);",
-        "if (tiles < sms) ctas = int(tiles) * *parts;",
-        "*out = ctas;",
-    ]
-    tail = _tail_split_code(plan)
-    # the launch shape in words, for the kernel's comments and the manifest (grid_ctas is the rule)
-    tiles = f"ceil(seq_q / {cfg.B_r}) * heads * batch"
-    notes = ["with unequal tiles, SMs rounded down to a multiple of half the query blocks"] if loop_tiles and cfg.mask != "none" else []
-    notes += ["fewer tiles than SMs: tiles x the wave-tail split's parts"]
-    grid_doc = f"{f'min(SMs, {tiles})' if loop_tiles else tiles}{''.join('; ' + n for n in notes)}"
-    a, bk, bv = plan.gemm_S.a, plan.gemm_S.b, plan.gemm_O.b
+    tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
+    return dict(args_struct=args_struct(cfg.mangle()), o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,
+                tma_dtype=tma_dtype, tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, log2e=f"{LOG2E!r}f",
+                tile_blocks_body=tile_blocks_body)
+
+
+def emit_hopper(plan: HopperPlan) -> KernelSource:
+    """The CUDA source of one wgmma-engine plan. Pure and deterministic."""
+    cfg = plan.cfg
+    name = cfg.mangle()
     wgmma_fns = [(ptx_hopper.wgmma if g.a_from == "smem" else ptx_hopper.wgmma_rs)(g.atom, g.trans_b) for g in (plan.gemm_S, plan.gemm_O)]
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
     if plan.q_load is not None:
         helpers.append(ldmatrix.helper(plan.q_load.atom))
-    tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
-    text = _KERNEL.substitute(
-        name=name,
-        short_form=cfg.short_form(),
-        knobs_json=json.dumps(cfg.to_dict()),
-        plan_lines=_plan_lines(plan),
-        B_r=cfg.B_r,
-        B_c=cfg.B_c,
-        d_head=cfg.d_head,
-        stages=cfg.stages,
-        consumers=cfg.consumers,
-        threads=plan.threads,
-        smem_bytes=plan.smem_bytes,
-        q_bytes=f"{plan.loads['Q'].bytes}u",
-        kv_bytes=f"{plan.loads['K'].bytes}u",
-        mask_fns=plan.score_mask.to_cpp(),
-        elem_t=cfg.dtype.cpp,
-        ptx_helpers=HELPERS_MARK,
-        smem_decls=smem_decls,
-        barrier_init=bars,
-        producer_regs=plan.producer_regs,
-        consumer_regs=plan.consumer_regs,
-        load_q=_tma_calls(plan, "Q"),
-        load_k=_tma_calls(plan, "K"),
-        load_v=_tma_calls(plan, "V"),
-        q_frag_decl=_q_frag_decl(plan),
-        desc_q_decl=_desc_q_decl(plan),
-        load_q_frags=_load_q_frags(plan),
-        k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u",
-        v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u",
-        swizzle_code=f"{bk.swizzle.desc_code}u",
-        softmax_first=_softmax(plan, True),
-        softmax_next=_softmax(plan, False),
-        pingpong_start=pingpong_start,
-        pingpong_end=pingpong_end,
-        tile_loop_doc=tile_loop_doc,
-        grid_doc=grid_doc,
-        wait_q_empty=wait_q_empty,
-        o_stage_decl=o_stage_decl,
-        grid_size=grid_size,
-        tile_blocks_body=tile_blocks_body,
-        main_loop=_main_loop(plan),
-        sum_reduce=sum_reduce,
-        c_row_h=c.row.to_cpp(["wtid", "2 * h"]),
-        lse_writer=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
-        c_row_i=co.row.to_cpp(["wtid", "i"]),
-        c_col_i=co.col.to_cpp(["wtid", "i"]),
-        o_stage_rc=plan.o_stage.to_cpp(["64 * cw + r", "c"]),
-        store_o=_tma_store_calls(plan),
-        o_box_rows=plan.stores["O"].tma.box_rows,
-        args_struct=args_struct(name),
-        box_cols=plan.loads["Q"].tma.box_cols,
-        tma_dtype=tma_dtype,
-        tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
-        log2e=f"{LOG2E!r}f",
-        **tail,
-    )
-    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"({grid_doc})", gpu="compute capability 9.0 (sm_90a)",
+    env = {**_header_env(plan), **_shared_memory_env(plan), **_roles_env(plan), **_epilogue_env(plan), **_host_env(plan),
+           **_tail_split_code(plan)}
+    text = compose(_PARTS, env)
+    meta = kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"({_grid_doc(plan)})", arch=TARGET.name, gpu=TARGET.described,
                        strides="multiples of 8 elements (16 bytes)")
     return KernelSource(name, insert_used(text, helpers), meta)

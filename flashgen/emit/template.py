@@ -50,3 +50,21 @@ class CodeTemplate:
 
             out.append(_NAME.sub(inline, line))
         return "\n".join(out)
+
+
+def compose(parts: "list[tuple[str, CodeTemplate]]", env: "dict[str, Value]") -> str:
+    """Render ``parts`` in order, each from ``env`` and the parts rendered before it (by name, so a
+    part's ``$name`` line takes an earlier part as a block); the last part is the result. As strict as
+    one template: a name no part uses, or one a part needs and nothing gives, is an error."""
+    env = dict(env)
+    used: set[str] = set()
+    for name, template in parts:
+        missing = template.names - env.keys()
+        if missing:
+            raise KeyError(f"template {name!r} names missing: {sorted(missing)}")
+        used |= template.names
+        env[name] = template.substitute(**{k: env[k] for k in template.names})
+    unused = env.keys() - used - {parts[-1][0]}
+    if unused:
+        raise KeyError(f"template names unused: {sorted(unused)}")
+    return env[parts[-1][0]]

@@ -31,7 +31,8 @@ import attrs
 
 from ..dsl.config import KernelConfig
 from ..workers import run_parallel
-from .kernel import KernelSource, emit
+from ..engines import emit
+from .source import KernelSource
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1

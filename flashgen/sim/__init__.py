@@ -11,8 +11,9 @@ Layers, each using only the ones above it:
 * ``fragments``    -- g2s -> ldmatrix -> mma of the plan, bit-exact against numpy;
 * ``cta``          -- one CTA's forward pass through ``plan.schedule``, with the async
   copy / barrier hazard tracker;
-* ``verify``       -- the cached verification step (``flashgen.verify``): proofs of what the plan
-  derived and the emitters rely on (address splits, fragment-map patterns, P-from-S registers);
-* ``report``       -- ``simulate_config(cfg) -> dict`` and ``format_report(results)``,
-  what ``flashgen simulate`` prints (the verification included).
+* ``verify``       -- the proofs of the verification step (``flashgen.verify``, cached per config by
+  :mod:`flashgen.engines`): what the plan derived and the emitters rely on (address splits,
+  fragment-map patterns, P-from-S registers);
+* ``report``       -- each engine's report (``simulate_mma_sync(plan)``, ``simulate_wgmma(plan)``)
+  and ``format_report(results)``: what ``flashgen simulate`` prints (``flashgen.engines.simulate_config``).
 """

@@ -36,59 +36,17 @@ correctly rounded results (the GPU's are within 2 ulp); ``s * scale - m`` and
 """
 from __future__ import annotations
 
-import ast
 from typing import Callable
 
 import attrs
 import numpy as np
 
 from flashgen.dsl.config import LOG2E, KernelConfig
-from flashgen.dsl.plan import KernelPlan, Step, make_plan
+from flashgen.dsl.plan import KernelPlan, make_plan
+from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, LoadRF, Softmax, Step, Wait, runs
 from flashgen.sim import fragments as fr
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import CopyTrace, VEC_ELEMS, trace_plan
-
-# ---- guards ------------------------------------------------------------------------------------
-
-_ALLOWED = (ast.Expression, ast.Compare, ast.BinOp, ast.BoolOp, ast.UnaryOp, ast.Name, ast.Constant, ast.Load,
-            ast.Add, ast.Sub, ast.Mult, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.And, ast.Or, ast.Not)
-
-
-_NAMES = ("j", "j_begin", "n_blocks", "j_end")  # j_end: the Hopper kernel's name for the loop end
-
-
-def eval_guard(guard: str, j: int, n_blocks: int, j_begin: int = 0) -> bool:
-    """Value of a step's C++ guard (``j + 1 < n_blocks``, ``j == j_begin`` ...).
-
-    Only comparisons, ``&&``/``||``/``!`` and +, -, * of ``j``, ``j_begin``,
-    ``n_blocks`` and integer literals are accepted; anything else is a ValueError.
-    """
-    if not guard:
-        return True
-    text = guard.replace("&&", " and ").replace("||", " or ").replace("!=", "<>").replace("!", " not ").replace("<>", "!=")
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError as exc:
-        raise ValueError(f"cannot evaluate guard {guard!r}: {exc.msg}") from None
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED) or (isinstance(node, ast.Name) and node.id not in _NAMES):
-            raise ValueError(f"cannot evaluate guard {guard!r}: only {', '.join(_NAMES)}, integers, + - * and comparisons")
-    env = {"j": j, "j_begin": j_begin, "n_blocks": n_blocks, "j_end": n_blocks}
-    return bool(eval(compile(tree, "<guard>", "eval"), {"__builtins__": {}}, env))
-
-
-def block_index(step: Step, j: int, j_begin: int = 0) -> int:
-    """The KV block a K/V copy step fetches: ``"j"`` (or ``""``), ``"j+1"``, ``"j_begin"``, ``"0"``."""
-    text = step.block.replace(" ", "") or "j"
-    for name, value in (("j_begin", j_begin), ("j", j)):
-        if text == name:
-            return value
-        if text.startswith(name + "+") and text[len(name) + 1 :].isdigit():
-            return value + int(text[len(name) + 1 :])
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"copy step {step}: cannot read block {step.block!r}")
-
 
 # ---- the hazard tracker -----------------------------------------------------------------------------
 
@@ -311,12 +269,12 @@ class _Cta:
         jb, nb = self.j_begin, self.n_blocks
         for i, step in enumerate(sched.prologue):
             self.where = f"prologue step {i} ({_step_text(step)})"
-            if eval_guard(step.guard, jb, nb, jb):
+            if runs(step.guard, jb, jb, nb):
                 self.step(step, jb, in_body=False)
         for j in range(jb, nb):
             for i, step in enumerate(sched.body):
                 self.where = f"block j={j} step {i} ({_step_text(step)})"
-                if eval_guard(step.guard, j, nb, jb):
+                if runs(step.guard, j, jb, nb):
                     self.step(step, j, in_body=True)
         self.where = "end of the KV loop"
         for name, count in self.done.items():
@@ -328,24 +286,15 @@ class _Cta:
         self.hz.finish("end of kernel")
 
     def step(self, step: Step, j: int, in_body: bool) -> None:
-        op = step.op
-        if op == "copy":
-            self.copy(step, j, in_body)
-        elif op == "commit":
-            self.hz.commit()
-        elif op == "wait":
-            for i in self.hz.wait(int(step.arg)):
-                self.land(i)
-        elif op == "barrier":
-            self.hz.barrier()
-        elif op == "load_rf":
-            self.load_rf(step)
-        elif op == "gemm":
-            self.gemm_S(j) if step.arg == "S" else self.gemm_O(j)
-        elif op == "softmax":
-            self.softmax(j)
+        run = _STEPS.get(type(step))
+        if run is None:
+            self._flag(f"no simulation of step {type(step).__name__}")
         else:
-            self._flag(f"unknown step op {op!r}")
+            run(self, step, j, in_body)
+
+    def wait(self, step: Wait, j: int, in_body: bool) -> None:
+        for i in self.hz.wait(int(step.arg)):
+            self.land(i)
 
     def copy(self, step: Step, j: int, in_body: bool) -> None:
         op = step.arg
@@ -357,7 +306,7 @@ class _Cta:
         if op == "Q":
             label = "Q"
         else:
-            b = block_index(step, j, self.j_begin)
+            b = step.block.index(j, self.j_begin, self.n_blocks)
             if not self.j_begin <= b < self.n_blocks:
                 self._flag(f"copies {op} block {b}, outside the visited blocks [{self.j_begin}, {self.n_blocks})")
                 return
@@ -556,9 +505,21 @@ class _Cta:
         self.out[rows[ok][:, None], cols[ok][:, None] + e] = self.image[src[ok][:, None] + e]
 
 
+#: step class -> how the CTA executes it (the plan's schedule is made of these; see flashgen.dsl.steps)
+_STEPS = {
+    Copy: _Cta.copy,
+    Commit: lambda cta, step, j, in_body: cta.hz.commit(),
+    Wait: _Cta.wait,
+    Barrier: lambda cta, step, j, in_body: cta.hz.barrier(),
+    LoadRF: lambda cta, step, j, in_body: cta.load_rf(step),
+    Gemm: lambda cta, step, j, in_body: cta.gemm_S(j) if step.arg == "S" else cta.gemm_O(j),
+    Softmax: lambda cta, step, j, in_body: cta.softmax(j),
+}
+
+
 def _step_text(step: Step) -> str:
     text = step.op + (f" {step.arg}" if step.arg else "") + (f" block {step.block}" if step.block else "")
-    return text + (f" if {step.guard}" if step.guard else "")
+    return text + (f" if {step.guard.to_cpp(end='n_blocks')}" if step.guard else "")
 
 
 def _plan_of(cfg_or_plan) -> KernelPlan:

@@ -16,15 +16,16 @@ What is modelled
   each load waiting for its ring stage (Q: the previous tile's Q) to be released by every
   consumer warp (the plan's ``*_empty`` arrive counts). It runs as far ahead as the ring
   allows after every consumer step, so a stage released too early really is overwritten.
-* **Consumers**: each walks, per tile, the Q wait, prologue / body per block / epilogue, then the
-  output (``finish_rows``, ``store_O``: the emitter's fixed epilogue code, walked as steps so
+* **Consumers**: each walks, per tile, the plan's ``tile_start`` (the Q wait), prologue / body per
+  block / epilogue, then its ``tile_output`` (``finish_rows``, ``store_O``: walked as steps so
   their placement is checked too); round-robin one step at a
   time, a step that must wait (``wait_full`` before the data landed, ``turn`` before the
   previous warpgroup's ``pass``) blocks. Pingpong follows the emitted rule: a ring, each
   consumer passing to the next; the last gives consumer 0 one initial pass, and consumer 0
   takes the one pass left over before exit.
   Steps with a ``guard`` (``release Q`` in the last block of a persistent plan) run where it holds.
-* **Persistent plans** walk several tiles (:func:`simulate_tiles`, one head): the ring stages
+* **Tiles** come from the plan's scheduler (:func:`simulate_tiles`: one CTA of a launch of one
+  head; a persistent CTA walks several tiles in the scheduler's rounds): the ring stages
   run on across tiles as the emitted counters do, the next tile's Q lands only after every
   consumer warp released the previous one, and an S GEMM executing on another tile's Q is
   reported. Output rows are written by each tile's ``store_O`` step.
@@ -63,17 +64,12 @@ import numpy as np
 from flashgen.dsl.config import LOG2E, WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
-from flashgen.dsl.plan import Step
+from flashgen.dsl.steps import (J, ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
+                                WgmmaWait, runs)
 from flashgen.sim import hardware as hw
-from flashgen.sim.cta import eval_guard
 from flashgen.sim.layout_eval import offsets
 
 SWIZZLE_SPAN = 128  # bytes of one 128B-swizzle row: 64 16-bit columns per TMA box
-# the emitter's fixed code around the plan's steps, walked as steps: a tile with key blocks first
-# waits for its Q; every tile ends by writing its rows (row sums, 1/l and LSE, then O / l staged
-# and stored; the statistics and O start over for the next tile)
-TILE_START = (Step("wait_full", "Q", "j"),)
-TILE_OUTPUT = (Step("finish_rows", block="last"), Step("store_O", block="last"))
 
 # ---------------------------------------------------------------------- TMA
 
@@ -236,6 +232,8 @@ class HopperReport:
     j_end: int
     groups: int = 0
     pingpong: dict = attrs.Factory(dict)
+    #: (query block, part) of each tile walked, in order (part -1: the whole tile)
+    tiles: list = attrs.Factory(list)
 
     @property
     def ok(self) -> bool:
@@ -376,32 +374,28 @@ class _Cta:
         def add(where, steps, ti, j):
             t = self.tiles[ti]
             for i, s in enumerate(steps):
-                if eval_guard(s.guard, j, t.je, t.jb):
+                if runs(s.guard, j, t.jb, t.je):
                     out.append((f"{where} step {i} ({_text(s)})", s, self._block(s, ti, j), ti))
 
         for ti, t in enumerate(self.tiles):
             at = f"tile {ti} " if len(self.tiles) > 1 else ""
             if t.n:
-                add(f"{at}start j={t.jb}", TILE_START, ti, t.jb)
+                add(f"{at}start j={t.jb}", p.tile_start, ti, t.jb)
                 add(f"{at}prologue j={t.jb}", p.prologue, ti, t.jb)
             first_body = t.jb + 1 if p.prologue else t.jb
             for j in range(first_body, t.je):
                 add(f"{at}body j={j}", p.body, ti, j)
             if t.n:
                 add(f"{at}epilogue", p.epilogue, ti, t.je - 1)
-            add(f"{at}output", TILE_OUTPUT, ti, t.je - 1)
+            add(f"{at}output", p.tile_output, ti, t.je - 1)
         return out
 
     def _block(self, s: Step, ti: int, j: int) -> int | None:
         """Global index of the block a step names (``last``: tile ``ti``'s last; None if it has none)."""
-        t = self.tiles[ti]
-        b = s.block.replace(" ", "")
-        if b == "last":
-            return self.first_g[ti] + t.n - 1 if t.n else None
-        if b in ("", "j", "j-1"):
-            g = self.first_g[ti] + (j - t.jb)
-            return g - 1 if b == "j-1" else g
-        raise ValueError(f"step {s}: unknown block {s.block!r}")
+        t, block = self.tiles[ti], s.block or J
+        if block.base == "end" and not t.n:
+            return None
+        return self.first_g[ti] + block.index(j, t.jb, t.je) - t.jb
 
     def _consumer(self, w: int) -> _Consumer:
         g = self.plan
@@ -466,59 +460,50 @@ class _Cta:
     def step(self, c: _Consumer) -> bool:
         """Execute ``c``'s next step; False when it has to wait."""
         where, s, b, ti = c.steps[c.pc]
-        op = s.op
-        if op == "wait_full":
-            key = ("Q", ti) if s.arg == "Q" else (s.arg, b)
-            if s.arg != "Q" and not (b is not None and 0 <= b < len(self.blocks)):
-                self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
-            elif key not in self.loaded:
-                return False
-            c.full_seen.add(key)
-            if s.arg == "Q" and self.plan.q_load is not None:
-                c.q_frag = (ti, self.load_q_frags(c))
-        elif op == "turn":
-            if not self.cfg.pingpong:
-                self.flag(where, "turn step in a plan without pingpong")
-            elif self.pending[c.w] == 0:
-                return False
-            else:
-                self.pending[c.w] -= 1
-            c.turns += 1
-        elif op == "pass":
-            if not self.cfg.pingpong:
-                self.flag(where, "pass step in a plan without pingpong")
-            else:
-                other = (c.w + 1) % self.cfg.consumers  # the ring's next consumer
-                self.pending[other] += 1
-                c.passes += 1
-                if self.pending[other] > 1:
-                    self.flag(where, f"consumer {c.w} arrives twice on consumer {other}'s turn barrier before it synced (over-arrival)")
-        elif op == "gemm":
-            self.issue(c, s.arg, b, ti, where)
-        elif op == "wgmma_wait":
-            keep = int(s.arg)
-            while len(c.groups) > keep:
-                self.retire(c, where)
-        elif op == "release":
-            self.release(c, s.arg, b, ti, where)
-        elif op == "softmax":
-            self.touch(c, {"S"}, {"S"}, where)
-            self.softmax(c, b, ti, s.arg == "first", where)
-        elif op == "convert_P":
-            self.touch(c, {"S"}, {"P"}, where)
-            self.convert_p(c, where)
-        elif op == "rescale_O":
-            self.touch(c, {"O"}, {"O"}, where)
-            self.rescale(c, where)
-        elif op == "finish_rows":
-            self.finish_rows(c, ti, where)
-        elif op == "store_O":
-            self.touch(c, {"O"}, {"O"}, where)
-            self.store_o(c, ti, where)
-        else:
-            self.flag(where, f"unknown consumer step {op!r}")
+        run = _STEPS.get(type(s))
+        if run is None:
+            self.flag(where, f"no simulation of consumer step {type(s).__name__}")
+        elif run(self, c, s, b, ti, where) is False:
+            return False
         c.pc += 1
         return True
+
+    def wait_full(self, c: _Consumer, s: WaitFull, b: int, ti: int, where: str) -> bool:
+        """False while the data has not landed."""
+        key = ("Q", ti) if s.arg == "Q" else (s.arg, b)
+        if s.arg != "Q" and not (b is not None and 0 <= b < len(self.blocks)):
+            self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
+        elif key not in self.loaded:
+            return False
+        c.full_seen.add(key)
+        if s.arg == "Q" and self.plan.q_load is not None:
+            c.q_frag = (ti, self.load_q_frags(c))
+        return True
+
+    def turn(self, c: _Consumer, where: str) -> bool:
+        """False until the previous consumer passed (pingpong)."""
+        if not self.cfg.pingpong:
+            self.flag(where, "turn step in a plan without pingpong")
+        elif self.pending[c.w] == 0:
+            return False
+        else:
+            self.pending[c.w] -= 1
+        c.turns += 1
+        return True
+
+    def pass_turn(self, c: _Consumer, where: str) -> None:
+        if not self.cfg.pingpong:
+            self.flag(where, "pass step in a plan without pingpong")
+            return
+        other = (c.w + 1) % self.cfg.consumers  # the ring's next consumer
+        self.pending[other] += 1
+        c.passes += 1
+        if self.pending[other] > 1:
+            self.flag(where, f"consumer {c.w} arrives twice on consumer {other}'s turn barrier before it synced (over-arrival)")
+
+    def wgmma_wait(self, c: _Consumer, keep: int, where: str) -> None:
+        while len(c.groups) > keep:
+            self.retire(c, where)
 
     # -- hazards
     def touch(self, c: _Consumer, reads: set, writes: set, where: str) -> None:
@@ -730,7 +715,8 @@ class _Cta:
 
     # -- a tile's output
     def _last(self, ti: int) -> int | None:
-        return self._block(Step("finish_rows", block="last"), ti, self.tiles[ti].jb)
+        t = self.tiles[ti]
+        return self.first_g[ti] + t.n - 1 if t.n else None
 
     def _finish(self, row_max: np.ndarray, row_sum: np.ndarray, what: str, where: str) -> tuple[np.ndarray, np.ndarray]:
         """The emitted rows' finish: row sums quad-reduced (checked to agree), ``1/l`` (0 for a row
@@ -896,6 +882,30 @@ class _Cta:
         return out, lse
 
 
+def _touching(reads: set, writes: set, then):
+    """A step that touches registers (checked against the wgmma groups in flight), then runs ``then``."""
+    def run(cta: _Cta, c: _Consumer, s: Step, b: int, ti: int, where: str) -> None:
+        cta.touch(c, reads, writes, where)
+        then(cta, c, s, b, ti, where)
+    return run
+
+
+#: consumer step class -> how a consumer executes it (False: it has to wait); see flashgen.dsl.steps
+_STEPS = {
+    WaitFull: _Cta.wait_full,
+    Turn: lambda cta, c, s, b, ti, where: cta.turn(c, where),
+    Pass: lambda cta, c, s, b, ti, where: cta.pass_turn(c, where),
+    Gemm: lambda cta, c, s, b, ti, where: cta.issue(c, s.arg, b, ti, where),
+    WgmmaWait: lambda cta, c, s, b, ti, where: cta.wgmma_wait(c, int(s.arg), where),
+    Release: lambda cta, c, s, b, ti, where: cta.release(c, s.arg, b, ti, where),
+    Softmax: _touching({"S"}, {"S"}, lambda cta, c, s, b, ti, where: cta.softmax(c, b, ti, s.arg == "first", where)),
+    ConvertP: _touching({"S"}, {"P"}, lambda cta, c, s, b, ti, where: cta.convert_p(c, where)),
+    RescaleO: _touching({"O"}, {"O"}, lambda cta, c, s, b, ti, where: cta.rescale(c, where)),
+    FinishRows: lambda cta, c, s, b, ti, where: cta.finish_rows(c, ti, where),
+    StoreO: _touching({"O"}, {"O"}, lambda cta, c, s, b, ti, where: cta.store_o(c, ti, where)),
+}
+
+
 def _text(s: Step) -> str:
     return s.op + (f" {s.arg}" if s.arg else "") + (f" {s.block}" if s.block else "")
 
@@ -919,24 +929,33 @@ def _check_q_blocks(plan: HopperPlan, q_blocks, seq_q: int) -> None:
             raise ValueError(f"q_block {qb} starts at row {qb * plan.cfg.B_r}, outside seq_q={seq_q}")
 
 
-def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_blocks: list[int],
+def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, sms: int = 1, cta: int = 0,
                    seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
                    mask_offset: int = 0, window_left: int = -1, window_right: int = -1
                    ) -> tuple[list[np.ndarray], list[np.ndarray], HopperReport]:
-    """One CTA walking the tiles (query blocks) ``q_blocks`` in order, as a persistent CTA does
-    (one head: every tile reads the same ``k``/``v``): ``(o per tile, lse per tile, report)``.
-    A plan without ``q_empty`` (not persistent) takes one tile. Arguments as :func:`simulate_cta`.
-    """
+    """CTA ``cta`` of a launch of one head on ``sms`` SMs, walking the tiles the plan's scheduler gives
+    it (``plan.scheduler``: grid, rounds, order; parts of a split tail tile walk their key ranges):
+    ``(o per tile, lse per tile, report)``, ``report.tiles`` naming each tile's query block and part.
+    A part's rows are its unmerged share (:func:`simulate_split_tile` merges). Arguments as
+    :func:`simulate_cta`."""
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
-    cfg = plan.cfg
+    cfg, sched = plan.cfg, plan.scheduler
     q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
-    _check_q_blocks(plan, q_blocks, seq_q)
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
-    cta = _Cta(plan, q, k, v, list(q_blocks), seq_q, seq_k, scale, (mask_offset, window_left, window_right))
-    cta.run()
-    pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in cta.consumers}
-    return cta.o, cta.lse, HopperReport(cta.hazards, cta.jb, cta.je, cta.n_groups, pp)
+    mask_args = (mask_offset, window_left, window_right)
+    n_q = sched.n_q_blocks(seq_q)
+    blocks = [plan.score_mask.block_range(qb * cfg.B_r, seq_q, seq_k, *mask_args) for qb in range(n_q)]
+    lengths = [max(0, je - jb) for jb, je in blocks]
+    ctas, parts = sched.grid(n_q, sms, min(lengths), n_q, min(lengths) == max(lengths))
+    if not 0 <= cta < ctas:
+        raise ValueError(f"cta {cta} is outside the launch's {ctas} CTA(s)")
+    walk = [(sched.coords(t, n_q, 1)[0], part) for t, part in sched.work(cta, ctas, n_q, parts)]
+    ranges = [blocks[qb] if part < 0 else sched.tail.ranges(*blocks[qb], parts)[part] for qb, part in walk]
+    run = _Cta(plan, q, k, v, [qb for qb, _ in walk], seq_q, seq_k, scale, mask_args, ranges=ranges)
+    run.run()
+    pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in run.consumers}
+    return run.o, run.lse, HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, walk)
 
 
 def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, parts: int, q_block: int = 0,
@@ -987,17 +1006,24 @@ def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray
     ``seq_q``; ``lse``: natural-log log-sum-exp (``-inf`` for a row with no kept score).
     ``scale`` defaults to ``1/sqrt(d)``.
     """
-    o, lse, rep = simulate_tiles(plan, q, k, v, [q_block], seq_q, seq_k, scale, mask_offset=mask_offset,
-                                 window_left=window_left, window_right=window_right)
-    return o[0], lse[0], rep
+    if not isinstance(plan, HopperPlan):
+        plan = make_hopper_plan(plan)
+    q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
+    _check_q_blocks(plan, [q_block], seq_q)
+    scale = 1.0 / np.sqrt(plan.cfg.d_head) if scale is None else scale
+    run = _Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, (mask_offset, window_left, window_right))
+    run.run()
+    pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in run.consumers}
+    return run.o[0], run.lse[0], HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, [(q_block, -1)])
 
 
 def check_schedule(plan: "HopperPlan", n_blocks: int = 3, seed: int = 0, tiles: int = 1) -> list[str]:
-    """Hazards of one CTA walking ``tiles`` tiles of ``n_blocks`` key blocks each (random data, no mask)."""
+    """Hazards of CTA 0 of a launch of ``tiles`` tiles of ``n_blocks`` key blocks each on one SM (random
+    data, no mask): a persistent CTA walks every tile, one of a grid of one CTA per tile walks one."""
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
     cfg = plan.cfg
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((tiles * cfg.B_r, cfg.d_head))
     kv = rng.standard_normal((n_blocks * cfg.B_c, cfg.d_head))
-    return simulate_tiles(plan, q, kv, kv, list(range(tiles)))[2].hazards
+    return simulate_tiles(plan, q, kv, kv, sms=1)[2].hazards

@@ -1,7 +1,8 @@
 """``flashgen simulate``: per-config report of copies, bank conflicts, coverage, fragments, schedule.
 
-``simulate_config(cfg) -> dict`` (JSON-able) and ``format_report(results) -> str`` (a
-table for a person) are the two entry points the CLI calls.
+``simulate_mma_sync(plan)`` and ``simulate_wgmma(plan)`` -> dict (JSON-able), each engine's report
+(:func:`flashgen.engines.simulate_config` picks one per config), and ``format_report(results) -> str``
+(a table for a person).
 """
 from __future__ import annotations
 
@@ -10,14 +11,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from flashgen.dsl.config import KernelConfig, load_config
-from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.dsl.plan import KernelPlan, make_plan
+from flashgen.dsl.hopper_plan import HopperPlan
+from flashgen.dsl.plan import KernelPlan
 from flashgen.sim import cta as cta_sim
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import CopyTrace, coverage, trace_plan, wavefronts
 from flashgen.sim.fragments import check_fragments
-from flashgen.sim.verify import verify_config
 
 #: (j_begin, n_blocks) the schedule is walked with: one block (first == last), three (a
 #: middle one); with a ScoreMask also a masked start and an empty key range.
@@ -37,7 +36,7 @@ def _per(plan: KernelPlan, trace: CopyTrace) -> str:
 
 
 def copy_stats(plan: KernelPlan, trace: CopyTrace) -> dict[str, Any]:
-    """Instructions, wavefronts and bytes of one execution of a copy (see :func:`simulate_config`)."""
+    """Instructions, wavefronts and bytes of one execution of a copy (see :func:`simulate_mma_sync`)."""
     stats: dict[str, Any] = {
         "name": trace.name,
         "kind": trace.kind,
@@ -106,8 +105,9 @@ def check_cta(plan: KernelPlan, traces: dict[str, CopyTrace], n_blocks: int = CT
     return {"ok": bool(ok), "detail": detail, **{k_: cmp[k_] for k_ in ("max_abs_err", "bound")}}
 
 
-def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, Any]:
-    """Simulate one config; a JSON-able dict.
+def simulate_mma_sync(plan: KernelPlan, verification: dict, cta: bool = True) -> dict[str, Any]:
+    """Simulate one mma.sync plan; a JSON-able dict (``verification``: the proofs' ``to_dict``, which
+    :func:`flashgen.engines.simulate_config` passes in).
 
     Keys: ``config`` (short form), ``name``; ``copies``: one dict per copy op with
     ``name``, ``kind`` (g2s/s2r/r2s/s2g), ``atom``, ``per`` (``"cta"``: runs once per CTA,
@@ -121,10 +121,7 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
     ``cta`` ``{ok, detail, max_abs_err, bound}`` (a functional run vs float64);
     ``ok``: everything passed.
     """
-    cfg = load_config(cfg)
-    if cfg.is_wgmma:
-        return simulate_hopper_config(cfg, cta=cta)
-    plan = make_plan(cfg)
+    cfg = plan.cfg
     traces = trace_plan(plan)
     cov = coverage(plan, traces)
     copies = []
@@ -146,7 +143,7 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
             "hazards": hazards,
             "redundant_barriers": redundant_barriers(plan, traces) if not hazards else [],
         },
-        "verification": verify_config(cfg).to_dict(),
+        "verification": verification,
     }
     checks = [result["coverage_ok"], result["fragments"]["ok"], result["schedule"]["ok"], result["verification"]["ok"]]
     if cta:
@@ -156,7 +153,7 @@ def simulate_config(cfg: "KernelConfig | Any", cta: bool = True) -> dict[str, An
     return result
 
 
-def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -> dict[str, Any]:
+def simulate_wgmma(plan: "HopperPlan", verification: dict, cta: bool = True, seed: int = 0) -> dict[str, Any]:
     """The wgmma engine's checks (:mod:`flashgen.sim.hopper`): schedule hazards over 1, 2 and 5 key
     blocks (persistent plans: two tiles back to back), and (``cta``) a functional CTA with a query
     tail and a key tail vs float64 attention, and (``split``) one tile of 5 key blocks run as the
@@ -169,14 +166,14 @@ def simulate_hopper_config(cfg: KernelConfig, cta: bool = True, seed: int = 0) -
     """
     from . import hopper
 
-    plan = make_hopper_plan(cfg)
+    cfg = plan.cfg
     hazards = []
     tiles = 2 if cfg.persistent else 1
     for n in (1, 2, 5):
         hazards += [f"{n} block(s): {h}" for h in hopper.check_schedule(plan, n_blocks=n, seed=seed, tiles=tiles)]
     result: dict[str, Any] = {"config": cfg.short_form(), "name": cfg.mangle(), "engine": "wgmma",
                               "schedule": {"ok": not hazards, "hazards": hazards, "tiles": tiles},
-                              "verification": verify_config(cfg).to_dict()}
+                              "verification": verification}
     checks = [not hazards, result["verification"]["ok"]]
     if cta:
         rng = np.random.default_rng(seed)
@@ -221,58 +218,59 @@ def _verification_lines(res: dict[str, Any]) -> list[str]:
 
 
 def format_report(results: list[dict[str, Any]]) -> str:
-    """A readable table per config (the output of :func:`simulate_config`)."""
+    """A readable table per config (the reports of :func:`simulate_mma_sync` / :func:`simulate_wgmma`):
+    every section a report has, in one order."""
     blocks = []
     for res in results:
         lines = [f"{res['config']}  [{_ok(res['ok'])}]", f"  kernel {res['name']}"]
-        if res.get("engine") == "wgmma":
-            walk = "1, 2 and 5 key blocks" + (f", {res['schedule']['tiles']} tiles" if res["schedule"].get("tiles", 1) > 1 else "")
-            lines.append(f"  schedule ({walk}; TMA ring, wgmma groups, pingpong turns): {_ok(res['schedule']['ok'])}")
-            lines += [f"    hazard: {h}" for h in res["schedule"]["hazards"][:10]]
-            lines += _verification_lines(res)
-            if "cta" in res:
-                lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")
-            if "split" in res:
-                lines.append(f"  wave-tail split (2 parts merged): {_ok(res['split']['ok'])} - {res['split']['detail']}")
-            blocks.append("\n".join(lines))
-            continue
-        head = ("copy", "atom", "runs", "instr/warp", "wavefronts/warp", "ideal", "conflicts", "bytes/CTA", "coverage")
-        rows = []
-        for c in res["copies"]:
-            ratio = c.get("conflict_ratio")
-            rows.append((
-                c["name"], c["atom"], "per CTA" if c["per"] == "cta" else "per KV block",
-                str(c["instructions_per_warp"]),
-                "-" if c.get("wavefronts_per_warp") is None else str(c["wavefronts_per_warp"]),
-                "-" if c.get("ideal_wavefronts_per_warp") is None else str(c["ideal_wavefronts_per_warp"]),
-                "-" if ratio is None else (f"{ratio:.2f}x" + ("" if ratio == 1 else " !")),
-                str(c["bytes_per_cta"]),
-                _ok(c["coverage"]["ok"]),
-            ))
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        right = {3, 4, 5, 6, 7}
-        fmt = lambda cells: "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-        lines.append(fmt(head).rstrip())
-        lines.append("  " + "  ".join("-" * w for w in widths))
-        lines += [fmt(r).rstrip() for r in rows]
-        for c in res["copies"]:
-            if not c["coverage"]["ok"]:
-                lines.append(f"  coverage {c['name']}: {c['coverage']['detail']}")
-        fr = res["fragments"]
-        lines.append(f"  fragments: {_ok(fr['ok'])}")
-        for key in ("S", "O"):
-            lines.append(f"    {key}: {_ok(fr[key]['ok'])} - {fr[key]['detail']}")
-        sc = res["schedule"]
-        walks = ", ".join(f"{jb}..{n - 1}" if n > jb else "none" for jb, n in sc["walks"])
-        lines.append(f"  schedule (key blocks walked: {walks}): {_ok(sc['ok'])}")
-        for h in sc["hazards"][:10]:
-            lines.append(f"    hazard: {h}")
-        if len(sc["hazards"]) > 10:
-            lines.append(f"    ... {len(sc['hazards']) - 10} more")
-        for b in sc["redundant_barriers"]:
-            lines.append(f"    note: redundant {b}")
+        if "copies" in res:
+            lines += _copy_lines(res["copies"])
+        if "fragments" in res:
+            fr = res["fragments"]
+            lines.append(f"  fragments: {_ok(fr['ok'])}")
+            lines += [f"    {key}: {_ok(fr[key]['ok'])} - {fr[key]['detail']}" for key in ("S", "O")]
+        lines += _schedule_lines(res["schedule"])
         lines += _verification_lines(res)
         if "cta" in res:
             lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")
+        if "split" in res:
+            lines.append(f"  wave-tail split (2 parts merged): {_ok(res['split']['ok'])} - {res['split']['detail']}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _copy_lines(copies: list[dict[str, Any]]) -> list[str]:
+    """The copies' table (instructions, wavefronts, conflicts, bytes, coverage) and coverage failures."""
+    head = ("copy", "atom", "runs", "instr/warp", "wavefronts/warp", "ideal", "conflicts", "bytes/CTA", "coverage")
+    rows = []
+    for c in copies:
+        ratio = c.get("conflict_ratio")
+        rows.append((
+            c["name"], c["atom"], "per CTA" if c["per"] == "cta" else "per KV block",
+            str(c["instructions_per_warp"]),
+            "-" if c.get("wavefronts_per_warp") is None else str(c["wavefronts_per_warp"]),
+            "-" if c.get("ideal_wavefronts_per_warp") is None else str(c["ideal_wavefronts_per_warp"]),
+            "-" if ratio is None else (f"{ratio:.2f}x" + ("" if ratio == 1 else " !")),
+            str(c["bytes_per_cta"]),
+            _ok(c["coverage"]["ok"]),
+        ))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    right = {3, 4, 5, 6, 7}
+    fmt = lambda cells: "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [fmt(head).rstrip(), "  " + "  ".join("-" * w for w in widths)]
+    lines += [fmt(r).rstrip() for r in rows]
+    return lines + [f"  coverage {c['name']}: {c['coverage']['detail']}" for c in copies if not c["coverage"]["ok"]]
+
+
+def _schedule_lines(sc: dict[str, Any]) -> list[str]:
+    """The schedule check: the key-block ranges walked (mma.sync) or the blocks and tiles run (wgmma)."""
+    if "walks" in sc:
+        walks = ", ".join(f"{jb}..{n - 1}" if n > jb else "none" for jb, n in sc["walks"])
+        lines = [f"  schedule (key blocks walked: {walks}): {_ok(sc['ok'])}"]
+    else:
+        walk = "1, 2 and 5 key blocks" + (f", {sc['tiles']} tiles" if sc.get("tiles", 1) > 1 else "")
+        lines = [f"  schedule ({walk}; TMA ring, wgmma groups, pingpong turns): {_ok(sc['ok'])}"]
+    lines += [f"    hazard: {h}" for h in sc["hazards"][:10]]
+    if len(sc["hazards"]) > 10:
+        lines.append(f"    ... {len(sc['hazards']) - 10} more")
+    return lines + [f"    note: redundant {b}" for b in sc.get("redundant_barriers", ())]

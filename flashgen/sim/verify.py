@@ -13,20 +13,19 @@ config, over every thread, warp and index, and caches the result per config:
   GEMMs follow the ``(chunk, half, e)`` pattern the softmax, rescale and epilogue index by; the
   output's TMA store boxes are where each consumer staged its rows.
 
-:func:`verify` is what tests and ``flashgen simulate`` call: a :class:`Verification` (every
-check with its problems), raising :class:`VerificationError` when a proof fails.
+:func:`flashgen.engines.verify` (cached per config) is what tests and ``flashgen simulate`` call:
+a :class:`Verification` of the engine's checks (:func:`mma_sync_checks`, :func:`wgmma_checks`),
+raising :class:`VerificationError` when a proof fails.
 """
 from __future__ import annotations
-
-import functools
 
 import attrs
 import numpy as np
 
 from flashgen.dsl.addressing import plan_splits, smem_copies, split_problems
-from flashgen.dsl.config import WGMMA_M, KernelConfig
-from flashgen.dsl.hopper_plan import HopperPlan, make_hopper_plan
-from flashgen.dsl.plan import KernelPlan, make_plan
+from flashgen.dsl.config import WGMMA_M
+from flashgen.dsl.hopper_plan import HopperPlan
+from flashgen.dsl.plan import KernelPlan
 from flashgen.dsl.tiling import TVMap
 
 #: problems reported per check (the first ones; one is enough to fail)
@@ -70,33 +69,23 @@ class Verification:
         return self
 
 
-def verify(cfg: KernelConfig) -> Verification:
-    """The cached verification of ``cfg``; VerificationError names every failing check."""
-    return verify_config(cfg).raise_if_failed()
+def wgmma_checks(plan: HopperPlan) -> tuple[Check, ...]:
+    """The proofs of a wgmma plan: the P-from-S table, both accumulator patterns, the O store boxes."""
+    return (
+        Check("p_from_s", tuple(p_from_s_problems(plan))),
+        Check("S accumulator pattern", tuple(c_chunk_problems(plan.gemm_S.atom.c_map))),
+        Check("O accumulator pattern", tuple(c_chunk_problems(plan.gemm_O.atom.c_map))),
+        Check("O store boxes", tuple(o_store_problems(plan))),
+    )
 
 
-@functools.lru_cache(maxsize=None)
-def verify_config(cfg: KernelConfig) -> Verification:
-    """Every check of ``cfg``'s plan (memoized: a config is verified once per process)."""
-    return verify_plan(make_hopper_plan(cfg) if cfg.is_wgmma else make_plan(cfg))
-
-
-def verify_plan(plan: "KernelPlan | HopperPlan") -> Verification:
-    """Every check of one plan (not cached: tests hand it altered plans)."""
-    if isinstance(plan, HopperPlan):
-        checks = (
-            Check("p_from_s", tuple(p_from_s_problems(plan))),
-            Check("S accumulator pattern", tuple(c_chunk_problems(plan.gemm_S.atom.c_map))),
-            Check("O accumulator pattern", tuple(c_chunk_problems(plan.gemm_O.atom.c_map))),
-            Check("O store boxes", tuple(o_store_problems(plan))),
-        )
-    else:
-        splits = plan_splits(plan)
-        checks = tuple(
-            Check(f"address split {c.name}", tuple(split_problems(c, splits[c.name], plan.cfg.n_warps, SHOWN)))
-            for c in smem_copies(plan)
-        ) + (Check("C fragment row pairs", tuple(c_row_pair_problems(plan.mma.c_map))),)
-    return Verification(plan.cfg.short_form(), checks)
+def mma_sync_checks(plan: KernelPlan) -> tuple[Check, ...]:
+    """The proofs of an mma.sync plan: every shared-memory copy's address split, the C map's row pairs."""
+    splits = plan_splits(plan)
+    return tuple(
+        Check(f"address split {c.name}", tuple(split_problems(c, splits[c.name], plan.cfg.n_warps, SHOWN)))
+        for c in smem_copies(plan)
+    ) + (Check("C fragment row pairs", tuple(c_row_pair_problems(plan.mma.c_map))),)
 
 
 def _mismatches(what: str, got: np.ndarray, want: np.ndarray, where) -> list[str]:

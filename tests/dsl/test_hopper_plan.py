@@ -20,6 +20,7 @@ from flashgen.dsl.config import (
     HOPPER_KNOBS, KNOBS, SMEM_LIMIT_BYTES, ConfigError, KernelConfig, default_configs, tuning_space,
 )
 from flashgen.dsl.hopper_plan import make_hopper_plan
+from flashgen.dsl.steps import Guard
 from flashgen.dsl.notation import parse_config
 from flashgen.sim import hardware as hw
 from flashgen.sim.hopper import tma_fill, tma_read
@@ -390,7 +391,7 @@ def test_persistent_schedule_releases_q_once_after_the_last_S(cfg):
         if not part:
             continue
         i = next(i for i, s in enumerate(part) if s.op == "release" and s.arg == "Q")
-        assert part[i].guard == "j + 1 == j_end"
+        assert part[i].guard == Guard(1, "==", "end")
         s_gemm = next(k for k, s in enumerate(part) if s.op == "gemm" and s.arg == "S")
         waits = [k for k in range(s_gemm, i) if part[k].op == "wgmma_wait"]
         assert waits, "Q released with no wgmma wait after its S GEMM"

@@ -18,7 +18,7 @@ import pytest
 from flashgen.dsl.config import KNOBS, KernelConfig, load_config
 from flashgen.dsl.notation import parse_config
 from flashgen.dsl.plan import make_plan
-from flashgen.emit.kernel import emit
+from flashgen.engines import emit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_equal_configs_give_equal_text(source):
 def test_emission_does_not_depend_on_the_process(source):
     """Another interpreter with another hash seed writes the same bytes (no set/dict-order or id leaks)."""
     code = (
-        "import hashlib, sys; from flashgen.emit.kernel import emit; from flashgen.dsl.notation import parse_config;"
+        "import hashlib, sys; from flashgen.engines import emit; from flashgen.dsl.notation import parse_config;"
         "src = emit(parse_config(sys.argv[1])); "
         "print(hashlib.sha256(src.text.encode()).hexdigest())"
     )
@@ -336,7 +336,7 @@ def test_ptx_instructions(cfg, ptx, source):
 
 def test_public_emit_stays_callable_once_the_emit_modules_are_imported():
     """``flashgen.emit(cfg)`` is the package itself: importing its modules (as compile() does)
-    cannot shadow it, and every config form gives the text ``flashgen.emit.kernel.emit`` does."""
+    cannot shadow it, and every config form gives the text ``flashgen.engines.emit`` does."""
     import flashgen
     import flashgen.emit.sweep  # noqa: F401  (any module of the package)
 

@@ -20,7 +20,7 @@ from flashgen.check import check_configs, failure_report, ptx_command
 from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.dtypes import DType
 from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.emit.kernel import emit
+from flashgen.engines import emit
 from flashgen.tune import HOPPER_B_C, HOPPER_LONG_B_C, hopper_default, lookup
 
 CONFIGS = [
@@ -137,21 +137,18 @@ def test_building_for_another_gpu_is_refused():
 
 
 def test_persistent_kernels_loop_over_tiles():
-    """Persistent kernels (masked or not) launch min(SMs, tiles) CTAs, wait for Q's release before
-    refilling it and stage O apart from Q; plain ones launch one CTA per tile (unless the wave-tail
-    split widens a launch of fewer tiles than SMs) and stage O in Q."""
-    loop = emit(KernelConfig.wgmma("fp16", persistent=True)).text
-    masked = emit(KernelConfig.wgmma("fp16", persistent=True, mask="causal")).text
-    plain = emit(KernelConfig.wgmma("fp16")).text
+    """Every kernel takes its tiles and grid from the plan's scheduler (its C++: tests/attention/test_scheduler.py);
+    persistent kernels (masked or not) wait for Q's release before refilling it and stage O apart from
+    Q; plain ones stage O in Q."""
+    cfgs = [KernelConfig.wgmma("fp16", persistent=True), KernelConfig.wgmma("fp16", persistent=True, mask="causal"),
+            KernelConfig.wgmma("fp16")]
+    loop, masked, plain = (emit(c).text for c in cfgs)
     plan = make_hopper_plan(KernelConfig.wgmma("fp16", persistent=True))
-    for text in (loop, masked):
-        assert "int ctas = tiles < sms ? int(tiles) : sms;" in text
-    for text in (loop, masked, plain):  # the SM count is asked of the driver once per device
+    for cfg, text in zip(cfgs, (loop, masked, plain)):  # the SM count is asked of the driver once per device
+        assert make_hopper_plan(cfg).scheduler.to_cpp() in text
         assert text.count("cudaDevAttrMultiProcessorCount") == 1 and "static std::atomic<int> known[64];" in text
         assert text.count("sm_count(&sms)") == 1 and text.count("tile_blocks(a, &lo, &hi);") == 1
-    # unequal (masked) tiles: the grid is rounded to a multiple of half the query blocks where tiles differ
-    assert "lo != hi && sms / half * half >= sms - sms / 10) ctas = sms / half * half;" in masked and "ctas = sms / half" not in loop
-    assert "int ctas = int(tiles);  // one CTA per tile" in plain and "int ctas = tiles < sms" not in plain
+        assert text.index("tile_blocks(a, &lo, &hi);") < text.index("sched_grid(tiles, sms, lo,")
     for text in (loop, masked):
         assert "mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);" in text
         assert "if (j + 1 == j_end) {" in text and "mbar_arrive(bar_q_empty);" in text
@@ -160,12 +157,8 @@ def test_persistent_kernels_loop_over_tiles():
         assert text.index("bulk_wait_group_read<0>();") < text.index("st_shared_b32(sO")
     assert "bar_q_empty" not in plain and "const uint32_t sO = sQ;" in plain and "bulk_wait_group_read<0>();" not in plain
     # the plan decides the launch shape; the manifest says it
-    kinds = {c: make_hopper_plan(c).tile_scheduler for c in (KernelConfig.wgmma("fp16", persistent=True),
-                                                             KernelConfig.wgmma("fp16", persistent=True, mask="causal"),
-                                                             KernelConfig.wgmma("fp16"))}
-    assert list(kinds.values()) == ["static", "static", "grid"]
-    for c, kind in kinds.items():
-        assert emit(c).meta["grid"].startswith("(min(SMs") == (kind == "static")
+    for c in cfgs:
+        assert emit(c).meta["grid"].startswith("(min(SMs") == make_hopper_plan(c).scheduler.persistent
 
 
 def test_wave_tail_split_is_emitted_for_wgmma_kernels():
@@ -184,9 +177,8 @@ def test_wave_tail_split_is_emitted_for_wgmma_kernels():
     # publish -> fence -> count; then fence -> read the other parts
     assert text.index("po[32 * i] = o_acc[i];") < text.index("__threadfence();") < text.index("atomicAdd(p.part_count")
     assert text.index("atomicAdd(p.part_count") < text.rindex("__threadfence();") < text.index("__ldcg(p.part_ml")
-    # the grid: one CTA per SM, or tiles x parts when fewer tiles than SMs (the rule's ctas)
-    assert "*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);" in text and "*parts = tail_parts(tiles, sms, lo);" in text
-    assert "if (tiles < sms) ctas = int(tiles) * *parts;" in text
+    # the grid (sched_grid, which asks tail_parts) is bounded by the shortest tile: every tile's blocks unmasked
+    assert "*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);" in text
     assert "constexpr bool TAIL_FULL_ROUNDS = true;" in text and "kv_block_range(qb" not in text
     assert "${" not in text and "$tail" not in text
     assert f"extern \"C\" int {cfg.mangle()}_workspace(" in text
@@ -195,19 +187,17 @@ def test_wave_tail_split_is_emitted_for_wgmma_kernels():
     assert make_hopper_plan(masked).tail_split.to_cpp() in t and "constexpr bool TAIL_FULL_ROUNDS = false;" in t
     # the parts are bounded by the shortest tile's key blocks: one loop over the query blocks finds it
     assert t.count("kv_block_range(qb * int(B_r)") == 1 and "*lo = je - jb < *lo ? je - jb : *lo;" in t
-    assert t.index("tile_blocks(a, &lo, &hi);") < t.index("*parts = tail_parts(tiles, sms, lo);")
     assert "atomicAdd(p.part_count" in t and "fewer tiles than SMs" in emit(masked).meta["grid"]
     grid = KernelConfig.wgmma("fp16", mask="causal")
     t = emit(grid).text
-    assert "constexpr bool TAIL_FULL_ROUNDS = false;" in t and "int ctas = int(tiles);  // one CTA per tile" in t
-    assert t.index("int ctas = int(tiles);") < t.index("*parts = tail_parts(tiles, sms, lo);") < t.index("if (tiles < sms) ctas = int(tiles) * *parts;")
+    assert "constexpr bool TAIL_FULL_ROUNDS = false;" in t and make_hopper_plan(grid).scheduler.to_cpp() in t
     assert emit(grid).meta["grid"] == "(ceil(seq_q / 128) * heads * batch; fewer tiles than SMs: tiles x the wave-tail split's parts)"
     other = default_configs()[0]
     t = emit(other).text
     assert "part_count" not in t and "tail_parts" not in t and f"{other.mangle()}_workspace(" in t
 
 
-def test_gemm_calls_follow_the_plans_operand_sources(monkeypatch):
+def test_gemm_calls_follow_the_plans_operand_sources():
     """The wgmma helpers come from the plan's GEMMs (A source, B major-ness), not from the emitter:
     flipping the plan's trans_b changes the emitted call and helper; an A source the emitter does not
     stage is refused."""
@@ -226,14 +216,12 @@ def test_gemm_calls_follow_the_plans_operand_sources(monkeypatch):
     assert "wgmma_m64n128k16_f16_rs_tb(o_acc, p_frag[0]," in text and "wgmma_m64n128k16_f16_rs(s_acc, q_frag[0], desc_k" in text
     assert "desc_q" not in text and text.count("ldsm_x4(q_frag[kk]") == 1  # Q's fragments loaded once per tile
     flipped = attrs.evolve(real, gemm_O=attrs.evolve(real.gemm_O, trans_b=False))
-    monkeypatch.setattr(hopper_kernel, "make_hopper_plan", lambda c: flipped)
-    text = emit(cfg).text
+    text = hopper_kernel.emit_hopper(flipped).text
     assert "_rs_tb" not in text and "wgmma_m64n128k16_f16_rs(o_acc, p_frag[0]," in text
     assert "void wgmma_m64n128k16_f16_rs(float (&d)[64]" in text  # its helper, emitted once
     p_in_smem = attrs.evolve(real, gemm_O=attrs.evolve(real.gemm_O, a_from="smem"))
-    monkeypatch.setattr(hopper_kernel, "make_hopper_plan", lambda c: p_in_smem)
     with pytest.raises(NotImplementedError, match="GEMM O with A from smem"):
-        emit(cfg)
+        hopper_kernel.emit_hopper(p_in_smem)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found on PATH")

@@ -8,7 +8,7 @@ import pytest
 from flashgen.dsl.config import KernelConfig
 from flashgen.dsl.dtypes import DType
 from flashgen.dsl.sets import NAMED_SETS
-from flashgen.emit.kernel import emit
+from flashgen.engines import emit
 from flashgen.emit.ptx import hopper, math as ptx_math, vec
 from flashgen.emit.ptx.used import HELPERS_MARK, groups, insert_used, keep_used
 

@@ -15,7 +15,7 @@ import pytest
 
 from flashgen.dsl.config import KernelConfig
 from flashgen.dsl.plan import make_plan
-from flashgen.emit.kernel import emit
+from flashgen.engines import emit
 
 GXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="no host C++ compiler (g++) on PATH")

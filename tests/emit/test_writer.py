@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flashgen.emit import writer
-from flashgen.emit.kernel import KernelSource
+from flashgen.emit.source import KernelSource
 from flashgen.emit.writer import MANIFEST, WriteError, check_output_folder, render, write_files
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.dsl.plan import Step
+from flashgen.dsl.steps import FIRST_BLOCK, Guard, Pass, Release
 from flashgen.sim import cta
 from flashgen.sim import hardware as hw
 from flashgen.sim import hopper
@@ -111,14 +111,15 @@ def test_online_softmax_rescales_when_the_max_moves_late():
     (W("fp16", d_head=128, persistent=True, mask="causal"), "causal", 56),  # the d128 default, unequal tiles
 ], ids=str)
 def test_persistent_cta_walks_several_tiles(cfg, mask, offset):
-    """One persistent CTA walks tiles in a scheduler-like order (long, empty, short ...): every
-    tile's rows match float64 attention, the ring and Q run on across tiles, no hazard."""
+    """A persistent CTA on one SM walks every tile in the scheduler's order (the last query block first;
+    with a causal offset the first block has no key block): every tile's rows match float64
+    attention, the ring and Q run on across tiles, no hazard."""
     plan = make_hopper_plan(cfg)
     seq_q, seq_k = 3 * cfg.B_r - 20, 3 * cfg.B_c + 30
     q, k, v = _inputs(cfg, seq_q, seq_k, seed=7)
-    order = [2, 0, 1, 2]
-    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, order, mask_offset=offset)
-    assert rep.hazards == []
+    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, sms=1, mask_offset=offset)
+    assert rep.hazards == [] and rep.tiles == [(2, -1), (1, -1), (0, -1)]
+    order = [qb for qb, _ in rep.tiles]
     for qb, ot, lt in zip(order, o, lse):
         row0 = qb * cfg.B_r
         rows = min(cfg.B_r, seq_q - row0)
@@ -127,13 +128,16 @@ def test_persistent_cta_walks_several_tiles(cfg, mask, offset):
         cmp = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, ot, keep=keep, lse=lt)
         assert cmp["ok"], (qb, cmp)
     if mask == "causal" and offset < 0:
-        assert (o[1] == 0).all() and np.isneginf(lse[1]).all()
+        assert (o[2] == 0).all() and np.isneginf(lse[2]).all()
 
 
-def test_only_persistent_plans_walk_several_tiles():
-    q, k, v = _inputs(PP_INTRA, 256, 128)
-    with pytest.raises(ValueError, match="only a persistent plan"):
-        hopper.simulate_tiles(make_hopper_plan(PP_INTRA), q, k, v, [0, 1])
+def test_a_cta_of_a_grid_walks_its_one_tile():
+    """A one-CTA-per-tile plan launches a CTA per tile; CTA c takes tile c (query blocks last first)."""
+    q, k, v = _inputs(PP_INTRA, 2 * PP_INTRA.B_r, 128)
+    plan = make_hopper_plan(PP_INTRA)
+    assert [hopper.simulate_tiles(plan, q, k, v, sms=8, cta=c)[2].tiles for c in (0, 1)] == [[(1, -1)], [(0, -1)]]
+    with pytest.raises(ValueError, match="outside the launch's 2 CTA"):
+        hopper.simulate_tiles(plan, q, k, v, sms=8, cta=2)
 
 
 # ---------------------------------------------------------------------- schedules are clean
@@ -155,8 +159,8 @@ def test_every_schedule_is_hazard_free(cfg, n_blocks):
     plan = make_hopper_plan(cfg)
     n_tiles = 3 if cfg.persistent else 1  # a persistent CTA: three tiles back to back
     q, k, v = _inputs(cfg, n_tiles * cfg.B_r, n_blocks * cfg.B_c)
-    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, list(range(n_tiles)))
-    assert rep.hazards == []
+    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, sms=1)
+    assert rep.hazards == [] and len(rep.tiles) == n_tiles
     assert rep.groups == 2 * n_blocks * cfg.consumers * n_tiles
     if cfg.pingpong:  # the last consumer hands over the first turn; consumer 0 takes the pass left over at exit
         n_issue = n_tiles * (sum(s.op == "turn" for s in plan.prologue + plan.epilogue) + n_blocks * sum(s.op == "turn" for s in plan.body)
@@ -241,7 +245,7 @@ def test_pingpong_imbalance_is_reported():
     h = _hazards(_without(plan, "body", _index(plan.body, "pass")))
     assert any("deadlock" in x for x in h), h[:3]
     # one pass too many: an arrival is left on a turn barrier at exit
-    extra = attrs.evolve(plan, epilogue=plan.epilogue + (Step("pass"),))
+    extra = attrs.evolve(plan, epilogue=plan.epilogue + (Pass(),))
     h = _hazards(extra)
     assert any("do not balance" in x for x in h), h[:3]
 
@@ -305,7 +309,7 @@ def test_persistent_q_release_before_the_last_S_retires_is_reported(cfg):
     h = _hazards(_move(plan, "body", i, wait))
     assert any("releases Q while wgmma group S[" in x for x in h), h[:3]
     # unguarded: Q released in every block, the next block's S reads a Q the producer may overwrite
-    loose = attrs.evolve(plan, body=tuple(attrs.evolve(s, guard="") if s.arg == "Q" else s for s in plan.body))
+    loose = attrs.evolve(plan, body=tuple(attrs.evolve(s, guard=None) if s.arg == "Q" else s for s in plan.body))
     h = _hazards(loose)
     assert any("gemm S reads Q after releasing it" in x for x in h), h[:3]
 
@@ -313,12 +317,12 @@ def test_persistent_q_release_before_the_last_S_retires_is_reported(cfg):
 def test_q_release_needs_a_q_empty_barrier():
     plan = make_hopper_plan(PP_INTRA)
     assert "q_empty" not in plan.barriers
-    h = _hazards(attrs.evolve(plan, body=plan.body + (Step("release", "Q", guard="j + 1 == j_end"),)))
+    h = _hazards(attrs.evolve(plan, body=plan.body + (Release("Q", guard=Guard(1, "==", "end")),)))
     assert any("has no q_empty barrier" in x for x in h), h[:3]
 
 
 def _release_q_early(plan):
-    return attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard="j == j_begin") if s.arg == "Q" and s.op == "release" else s
+    return attrs.evolve(plan, **{part: tuple(attrs.evolve(s, guard=FIRST_BLOCK) if s.arg == "Q" and s.op == "release" else s
                                              for s in getattr(plan, part)) for part in ("prologue", "body")})
 
 
@@ -424,3 +428,13 @@ def test_a_wrong_q_fragment_map_fails_the_float64_check():
     o, lse, rep = hopper.simulate_cta(bad, q, k, v, 0)
     assert not cta.compare_with_reference(cfg, q, k, v, o, lse=lse)["ok"]
     _check(cfg, 128, 128, plan=plan)  # the plan's own map passes
+
+
+def test_a_persistent_cta_walks_its_rounds_and_a_part_of_a_split_tail_tile():
+    """3 tiles on 2 SMs: CTA 0 takes tile 0 whole, then (mirrored round) part 1 of the last tile (its
+    share of the key blocks); no hazard across the two."""
+    cfg = PP_INTRA.replace(persistent=True)
+    plan = make_hopper_plan(cfg)
+    q, k, v = _inputs(cfg, 3 * cfg.B_r, 6 * cfg.B_c, seed=3)
+    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, sms=2, cta=0)
+    assert rep.hazards == [] and rep.tiles == [(2, -1), (0, 1)]

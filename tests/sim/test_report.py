@@ -1,4 +1,4 @@
-"""simulate_config / format_report: the CLI's two entry points."""
+"""simulate_config (flashgen.engines) / format_report: the CLI's two entry points."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 
 from flashgen.dsl.config import default_configs, kernel_progression, tuning_space
-from flashgen.sim.report import format_report, simulate_config
+from flashgen.engines import simulate_config
+from flashgen.sim.report import format_report
 
 COPY_KEYS = {
     "name", "kind", "atom", "per", "instructions_per_warp", "wavefronts_per_warp", "ideal_wavefronts_per_warp",
@@ -67,11 +68,10 @@ def test_report_without_cta_run():
 def test_a_failed_proof_fails_the_report(monkeypatch):
     """Both engines' reports carry the verification step's verdict and name the failing check."""
     from flashgen.dsl.config import KernelConfig
-    from flashgen.sim import report
     from flashgen.sim.verify import Check, Verification
 
     failing = Verification("cfg", (Check("p_from_s", ("thread 3 step 0 A register 1 half 0: wrong",)),))
-    monkeypatch.setattr(report, "verify_config", lambda cfg: failing)
+    monkeypatch.setattr("flashgen.engines.verify_config", lambda cfg: failing)
     for cfg in (default_configs()[0], KernelConfig.wgmma("fp16", B_c=64)):
         res = simulate_config(cfg, cta=False)
         assert not res["ok"] and res["verification"] == failing.to_dict()

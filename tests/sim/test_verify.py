@@ -24,9 +24,8 @@ from flashgen.sim.verify import (
     c_row_pair_problems,
     o_store_problems,
     p_from_s_problems,
-    verify_config,
-    verify_plan,
 )
+from flashgen.engines import verify_config, verify_plan
 
 UNSWIZZLED = parse_config("(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles")
 WGMMA = KernelConfig.wgmma("bf16", B_c=64)

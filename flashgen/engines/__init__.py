@@ -1,0 +1,91 @@
+"""The engine registry: every way flashgen builds the attention kernel, behind one interface.
+
+``engine_of(cfg)`` is the engine of a config (its ``engine`` knob); the code that builds, checks,
+tunes, benchmarks, reports on and runs kernels asks it (:class:`~flashgen.engines.base.Engine`)
+instead of asking which engine or which compute capability it has. ``runnable_on(target)`` lists
+the engines a target runs, preferred first.
+
+Config-level entry points: :func:`emit` (config -> plan -> KernelSource), :func:`verify` (the
+cached proofs of a config's plan) and :func:`simulate_config` (``flashgen simulate``'s report).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..dsl.config import KernelConfig, load_config
+from ..emit.source import KernelSource
+from ..targets import Target, named as target_named
+from .base import Engine
+from .mma_sync import MmaSyncEngine
+from .wgmma import WgmmaEngine
+
+#: Every engine, by its ``engine`` knob value.
+ENGINES: dict[str, Engine] = {e.name: e for e in (MmaSyncEngine(), WgmmaEngine())}
+#: The target of a build that names none (no GPU to ask): the oldest one flashgen builds for.
+BASELINE = target_named("sm_80")
+
+
+def engine_named(name: str) -> Engine:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}") from None
+
+
+def engine_of(cfg: KernelConfig) -> Engine:
+    """The engine that builds ``cfg``."""
+    return engine_named(cfg.engine)
+
+
+def runnable_on(target: Target | None) -> list[Engine]:
+    """The engines whose kernels run on ``target`` (None: :data:`BASELINE`), preferred first."""
+    target = target or BASELINE
+    return sorted((e for e in ENGINES.values() if e.runs_on(target)), key=lambda e: -e.rank)
+
+
+def preferred(target: Target | None) -> Engine:
+    """The engine whose configs a target gets by default (tuning, shipped defaults)."""
+    return runnable_on(target)[0]
+
+
+def make_plan(cfg: Any):
+    """The plan of a config (object, dict, YAML path or short form), by its engine."""
+    cfg = load_config(cfg)
+    return engine_of(cfg).make_plan(cfg)
+
+
+def emit(cfg: Any) -> KernelSource:
+    """The CUDA source of a config: its engine's plan, emitted."""
+    cfg = load_config(cfg)
+    engine = engine_of(cfg)
+    return engine.emit(engine.make_plan(cfg))
+
+
+def verify_plan(plan: Any):
+    """Every proof of one plan (:mod:`flashgen.sim.verify`; not cached: tests hand it altered plans)."""
+    from ..sim.verify import Verification
+
+    return Verification(plan.cfg.short_form(), engine_of(plan.cfg).verify_checks(plan))
+
+
+@functools.lru_cache(maxsize=None)
+def verify_config(cfg: KernelConfig):
+    """The proofs of ``cfg``'s plan (memoized: a config is verified once per process)."""
+    return verify_plan(make_plan(cfg))
+
+
+def verify(cfg: Any):
+    """The cached verification of ``cfg``; VerificationError names every failing check."""
+    return verify_config(load_config(cfg)).raise_if_failed()
+
+
+def simulate_config(cfg: Any, cta: bool = True) -> dict[str, Any]:
+    """``flashgen simulate``'s report of one config (JSON-able; its engine's checks and the proofs)."""
+    cfg = load_config(cfg)
+    engine = engine_of(cfg)
+    return engine.simulate(engine.make_plan(cfg), verify_config(cfg).to_dict(), cta=cta)
+
+
+__all__ = ["BASELINE", "ENGINES", "Engine", "emit", "engine_named", "engine_of", "make_plan", "preferred",
+           "runnable_on", "simulate_config", "verify", "verify_config", "verify_plan"]

@@ -1,0 +1,84 @@
+"""The interface every kernel engine implements (one entry per engine in :mod:`flashgen.engines`).
+
+An engine is a way to build the attention kernel for some GPUs: a plan maker, an emitter and
+a simulator behind one set of methods, so the build, check, tune, benchmark, report and
+runtime code asks the engine instead of asking which engine it has.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..dsl.config import DType, KernelConfig
+from ..emit.source import KernelSource
+from ..targets import TARGETS, Target
+
+
+class Engine:
+    """One engine. Subclasses set the class attributes and implement the methods."""
+
+    #: the config's ``engine`` knob value
+    name: str
+    #: the target its emitter writes for (the build default and the ``--arch`` it needs at least)
+    target: Target
+    #: PTX instruction families its kernels use: it runs on every target that has them all
+    instructions: frozenset
+    #: among the engines a target runs, the highest rank gives the shipped default
+    rank: int
+    #: what a user of another GPU should do instead, for refusals
+    hint: str = ""
+
+    # ---- targets ----------------------------------------------------------------------
+
+    def runs_on(self, target: Target) -> bool:
+        return target.has(self.instructions)
+
+    @property
+    def needs(self) -> str:
+        """``compute capability 9.0 (sm_90a)`` or ``compute capability 8.0 (sm_80) or newer``."""
+        only = [t for t in TARGETS.values() if self.runs_on(t)] == [self.target]
+        return self.target.described + ("" if only else " or newer")
+
+    def refusal(self, target: Target) -> str | None:
+        """Why this engine's kernels cannot run on ``target`` (short, for listings); None when they can."""
+        if self.runs_on(target):
+            return None
+        return f"{self.name} kernels need {self.target.name}" + ("" if self.needs.endswith(")") else " or newer")
+
+    # ---- plan, text, simulation ------------------------------------------------------------
+
+    def make_plan(self, cfg: KernelConfig) -> Any:
+        raise NotImplementedError
+
+    def emit(self, plan: Any) -> KernelSource:
+        """The CUDA source of a plan of this engine (pure, deterministic)."""
+        raise NotImplementedError
+
+    def verify_checks(self, plan: Any) -> tuple:
+        """The proofs (:class:`flashgen.sim.verify.Check`) of what the emitter takes from ``plan`` on trust."""
+        raise NotImplementedError
+
+    def check_schedule(self, plan: Any, n_blocks: int = 3, **kw: Any) -> list[str]:
+        """Hazards of the plan's schedule over ``n_blocks`` key blocks (no data moved)."""
+        raise NotImplementedError
+
+    def simulate(self, plan: Any, verification: dict, cta: bool = True) -> dict[str, Any]:
+        """``flashgen simulate``'s report of one plan (``verification``: the proofs' ``to_dict``)."""
+        raise NotImplementedError
+
+    # ---- shipped configs ---------------------------------------------------------------------
+
+    def tuning_space(self, dtypes: Sequence[str] | None = None) -> list[KernelConfig]:
+        """What ``flashgen tune`` times by default on a target where this engine is preferred."""
+        raise NotImplementedError
+
+    def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig | None:
+        """The shipped config for a head size (``bucket``: the sequence length's tuning bucket, 0 when
+        unknown; ``masked``: a mask will be applied), or None where the engine does not take it."""
+        raise NotImplementedError
+
+    def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
+        """What ``flashgen bench`` times by default (``buckets``: the timed lengths' buckets)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<engine {self.name} ({self.target.name})>"

@@ -1,0 +1,62 @@
+"""The mma.sync engine: the FlashAttention-2 family of the seed (cp.async, ldmatrix, mma.sync; sm_80+)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..dsl.config import DType, KernelConfig, default_configs, tuning_space
+from ..emit.source import KernelSource
+from ..targets import AMPERE, Target
+from .base import Engine
+
+if TYPE_CHECKING:
+    from ..dsl.plan import KernelPlan
+
+
+class MmaSyncEngine(Engine):
+    name = "mma_sync"
+    instructions = AMPERE
+    rank = 0
+
+    @property
+    def target(self) -> Target:
+        """The emitter's target (its module is imported on first use: asking whether a GPU runs the
+        engine needs only :attr:`instructions`)."""
+        from ..emit import kernel
+
+        return kernel.TARGET
+
+    def make_plan(self, cfg: KernelConfig) -> "KernelPlan":
+        from ..dsl.plan import make_plan
+
+        return make_plan(cfg)
+
+    def emit(self, plan: "KernelPlan") -> KernelSource:
+        from ..emit.kernel import emit
+
+        return emit(plan)
+
+    def verify_checks(self, plan: "KernelPlan") -> tuple:
+        from ..sim.verify import mma_sync_checks
+
+        return mma_sync_checks(plan)
+
+    def check_schedule(self, plan: "KernelPlan", n_blocks: int = 3, **kw: Any) -> list[str]:
+        from ..sim.cta import check_schedule
+
+        return check_schedule(plan, n_blocks=n_blocks, **kw)
+
+    def simulate(self, plan: "KernelPlan", verification: dict, cta: bool = True) -> dict[str, Any]:
+        from ..sim.report import simulate_mma_sync
+
+        return simulate_mma_sync(plan, verification, cta=cta)
+
+    def tuning_space(self, dtypes: Sequence[str] | None = None) -> list[KernelConfig]:
+        return tuning_space() if dtypes is None else tuning_space(dtypes)
+
+    def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig:
+        """The seed's default of the dtype, at ``d_head`` (every head size the config takes)."""
+        base = next(c for c in default_configs() if c.dtype == dtype)
+        return base if base.d_head == d_head else base.replace(d_head=d_head)
+
+    def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
+        return default_configs()

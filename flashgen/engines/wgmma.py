@@ -1,0 +1,87 @@
+"""The wgmma engine: TMA producer warpgroup, K/V ring on mbarriers, wgmma consumer warpgroups (sm_90a)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..dsl.config import ConfigError, DType, KernelConfig, hopper_configs
+from ..emit.source import KernelSource
+from ..targets import HOPPER, Target
+from .base import Engine
+
+if TYPE_CHECKING:
+    from ..dsl.hopper_plan import HopperPlan
+
+#: Key block size of the default kernel per d_head (registers: O + S + P per consumer; shared memory:
+#: Q + 2 stages of K and V).
+DEFAULT_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
+#: Unmasked sequences in the buckets ``lo`` to ``hi`` take the larger key block ``B_c`` (d_head -> (lo, hi, B_c)):
+#: the per-block fixed cost (row max, barrier turns, O rescale) spreads over more keys. d_head 128
+#: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
+#: on an H100 and +1 to +5% on an H200, about even at 8192, 0-5% slower at 16384 on the H200; shorter
+#: and masked sequences run faster with B_c 128, and for d_head 64 every larger block was slower
+#: (docs/results/block_size.txt). Bucket 0 (unknown length) keeps the base block.
+LONG_B_C = {128: (2048, 8192, 160)}
+#: The head size whose defaults ``flashgen bench`` times.
+BENCH_D_HEAD = 128
+
+
+class WgmmaEngine(Engine):
+    name = "wgmma"
+    instructions = HOPPER
+    rank = 1
+    hint = "use an engine=mma_sync config on this GPU"
+
+    @property
+    def target(self) -> Target:
+        """The emitter's target (its module is imported on first use: asking whether a GPU runs the
+        engine needs only :attr:`instructions`)."""
+        from ..emit import hopper_kernel
+
+        return hopper_kernel.TARGET
+
+    def make_plan(self, cfg: KernelConfig) -> "HopperPlan":
+        from ..dsl.hopper_plan import make_hopper_plan
+
+        return make_hopper_plan(cfg)
+
+    def emit(self, plan: "HopperPlan") -> KernelSource:
+        from ..emit.hopper_kernel import emit_hopper
+
+        return emit_hopper(plan)
+
+    def verify_checks(self, plan: "HopperPlan") -> tuple:
+        from ..sim.verify import wgmma_checks
+
+        return wgmma_checks(plan)
+
+    def check_schedule(self, plan: "HopperPlan", n_blocks: int = 3, **kw: Any) -> list[str]:
+        from ..sim.hopper import check_schedule
+
+        return check_schedule(plan, n_blocks=n_blocks, **kw)
+
+    def simulate(self, plan: "HopperPlan", verification: dict, cta: bool = True) -> dict[str, Any]:
+        from ..sim.report import simulate_wgmma
+
+        return simulate_wgmma(plan, verification, cta=cta)
+
+    def tuning_space(self, dtypes: Sequence[str] | None = None) -> list[KernelConfig]:
+        return hopper_configs() if dtypes is None else hopper_configs(dtypes)
+
+    def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig | None:
+        """Persistent where the separate output tile fits in shared memory (d_head 64 and 128); the
+        larger key block of :data:`LONG_B_C` for long unmasked sequences."""
+        if d_head not in DEFAULT_B_C:
+            return None
+        B_c = DEFAULT_B_C[d_head]
+        lo, hi, long_b_c = LONG_B_C.get(d_head, (0, 0, B_c))
+        if bucket and lo <= bucket <= hi and not masked:
+            B_c = long_b_c
+        cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c)
+        try:
+            return cfg.replace(persistent=True)
+        except ConfigError:
+            return cfg
+
+    def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
+        """The defaults of the timed lengths, unmasked and masked, at d_head :data:`BENCH_D_HEAD`."""
+        return [self.default_config(dt, BENCH_D_HEAD, b, m) for dt in DType for b in buckets for m in (False, True)]
