@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from ..attention.epilogue import epilogue
+from ..attention.softmax import online_softmax
 from ..dsl.config import LOG2E, WGMMA_M, KernelConfig
 from ..dsl.hopper_plan import HopperPlan, Step, make_hopper_plan
 from .kernel import KernelSource, args_struct, kernel_meta
@@ -54,16 +56,15 @@ def _gemm(plan: HopperPlan, which: str, block: str) -> list[str]:
 
 
 def _softmax(plan: HopperPlan, first: bool) -> list[str]:
-    """Mask (masked blocks only), row max, exp2, row sums on S; ``corr`` for rescaling O later."""
+    """Mask (masked blocks only), then the online softmax (flashgen.attention.softmax) of both row
+    halves; ``corr`` keeps O's rescale factors for the rescale_O step."""
     c = plan.gemm_S.atom.c_map
-    n = c.n_values
     # values (4*chunk + 2h + e): row half h, column 8*chunk + e + col(thread, 0); proven on the
     # map by flashgen.sim.verify
     row = c.row.to_cpp(["wtid", "2 * h"])
     col = c.col.to_cpp(["wtid", "0"])
-    shfl = [f"mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, {m}));" for m in plan.row_reduce_lanes]
-    row_values = [f"s_acc[{4 * ch + e} + 2 * h]" for ch in range(n // 4) for e in range(2)]  # this thread's values of row half h
-    lines = [
+    update = "softmax_update(s_acc, h, row_max[h], row_sum[h], scale_log2, {});"
+    return [
         "if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it",
         "    #pragma unroll",
         "    for (uint32_t h = 0; h < 2; ++h) {",
@@ -80,40 +81,10 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
         "    }",
         "}",
         "#pragma unroll",
-        "for (uint32_t h = 0; h < 2; ++h) {",
-        "    // pairwise trees: log2(B_c / 2) dependent steps instead of B_c / 2 (the softmax is the critical path)",
-        f"    float mx = {_tree('fmaxf', row_values)};",
-        *["    " + s for s in shfl],
-        "    const float m_new = fmaxf(row_max[h], mx);",
-        "    const float neg_m = m_new == -INFINITY ? 0.f : -m_new * scale_log2;  // all masked so far: p = 0",
+        "for (uint32_t h = 0; h < 2; ++h)",
+        # the first block of a tile has nothing to rescale; later ones keep the factor for O (rescaled once PV is done)
+        "    " + (update.format("true") if first else "corr[h] = " + update.format("false")),
     ]
-    if first:
-        lines += ["    row_sum[h] = 0.f;"]
-    else:
-        lines += [
-            "    corr[h] = ex2_approx(fmaf(row_max[h], scale_log2, neg_m));  // O is rescaled once PV is done",
-            "    row_sum[h] *= corr[h];",
-        ]
-    lines += [
-        "    row_max[h] = m_new;",
-        "    #pragma unroll",
-        "    for (uint32_t ch = 0; ch < B_c / 8; ++ch) {",
-        "        s_acc[4 * ch + 2 * h] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h], scale_log2, neg_m));",
-        "        s_acc[4 * ch + 2 * h + 1] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h + 1], scale_log2, neg_m));",
-        "    }",
-        f"    row_sum[h] += {_tree('+', row_values)};  // this thread's columns; quad-reduced at the end",
-        "}",
-    ]
-    return lines
-
-
-def _tree(op: str, exprs: list[str]) -> str:
-    """A balanced reduction expression of ``exprs`` with ``op`` (a binary function name or ``+``)."""
-    if len(exprs) == 1:
-        return exprs[0]
-    mid = len(exprs) // 2
-    a, b = _tree(op, exprs[:mid]), _tree(op, exprs[mid:])
-    return f"({a} + {b})" if op == "+" else f"{op}({a}, {b})"
 
 
 def _convert_p(plan: HopperPlan) -> list[str]:
@@ -143,10 +114,7 @@ def _step(plan: HopperPlan, step: Step) -> list[str]:
     elif op == "softmax":
         code = ["softmax(j, masked, " + ("std::true_type{}" if arg == "first" else "std::false_type{}") + ");"]
     elif op == "rescale_O":
-        code = [
-            "#pragma unroll",
-            "for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] *= corr[(i / 2) % 2];",
-        ]
+        code = ["scale_row(o_acc, 0, corr[0]);", "scale_row(o_acc, 1, corr[1]);"]
     elif op == "convert_P":
         code = _convert_p(plan)
     elif op == "turn":
@@ -196,6 +164,8 @@ using elem_t = $elem_t;
 
 // ---- PTX helpers ----
 $ptx_helpers
+
+$softmax_fns
 
 struct Params {
     CUtensorMap tm_q, tm_k, tm_v, tm_o;  // (d_head, seq, heads, batch) maps, 64 x {B_r, B_c, B_c, $o_box_rows} boxes, 128B swizzle
@@ -319,12 +289,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
         float inv[2];
         #pragma unroll
         for (uint32_t h = 0; h < 2; ++h) {
-            float l = row_sum[h];
-            $sum_reduce
-            inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
+            const float l = epilogue_row_sum(row_sum[h]);
+            inv[h] = epilogue_inv(l);
             const int row = q_row0 + int(64 * cw + $c_row_h);
             if (p.lse != nullptr && $lse_writer && row < p.seq_q)
-                p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+                p.lse[batch * p.lse_batch + head * p.lse_head + row] = epilogue_lse(row_max[h], l, p.scale);
         }
         $store_merged
         $o_stage_decl
@@ -596,7 +565,7 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "    for (uint32_t h = 0; h < 2; ++h) {",
         "        for (int k = 0; k < p.tail_parts; ++k)",
         "            row_max[h] = fmaxf(row_max[h], __ldcg(p.part_ml + tail_ml_at(unit0 + k, warp) + 32 * h + lane));",
-        "        neg_m[h] = row_max[h] == -INFINITY ? 0.f : -row_max[h] * scale_log2;  // the merged max (the softmax's rule)",
+        "        neg_m[h] = softmax_neg_max(row_max[h], scale_log2);  // the merged max",
         "        row_sum[h] = 0.f;",
         "    }",
         "    #pragma unroll",
@@ -607,7 +576,7 @@ def _tail_split_code(plan: HopperPlan) -> dict:
         "        float c[2];",
         "        #pragma unroll",
         "        for (uint32_t h = 0; h < 2; ++h) {",
-        "            c[h] = ex2_approx(fmaf(__ldcg(mlk + 32 * h), scale_log2, neg_m[h]));",
+        "            c[h] = softmax_rescale_factor(__ldcg(mlk + 32 * h), scale_log2, neg_m[h]);",
         "            row_sum[h] = fmaf(__ldcg(mlk + 64 + 32 * h), c[h], row_sum[h]);",
         "        }",
         "        #pragma unroll",
@@ -695,7 +664,6 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
     for bname, (bar, off, stages) in plan.barriers.items():
         smem_decls.append(f"const uint32_t bar_{bname} = smem + {off}u;  // [{stages}] x 8 bytes")
         bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
-    sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
     if cfg.pingpong:
         pingpong_start = ["// pingpong: consumers take turns in a ring (0, 1, ...); the last hands consumer 0 the first turn",
                           "if (cw == CONSUMERS - 1) named_bar_arrive(1 + 0, 2 * 128);"]
@@ -803,7 +771,7 @@ def emit_hopper(cfg: KernelConfig) -> KernelSource:
         grid_size=grid_size,
         tile_blocks_body=tile_blocks_body,
         main_loop=_main_loop(plan),
-        sum_reduce=sum_reduce,
+        softmax_fns=[online_softmax(plan).to_cpp(), epilogue(plan).to_cpp()],
         c_row_h=c.row.to_cpp(["wtid", "2 * h"]),
         lse_writer=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
         c_row_i=co.row.to_cpp(["wtid", "i"]),
