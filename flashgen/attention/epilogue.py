@@ -53,7 +53,7 @@ class Epilogue:
         """``1 / l``; 0 (or NaN) for a row without a kept score."""
         l = np.asarray(l, np.float32)
         empty = np.float32(0) if self.empty_rows == "zero" else np.float32(np.nan)
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", over="ignore"):
             return np.where(l > 0, np.float32(1) / l, empty).astype(np.float32)
 
     def lse(self, row_max: np.ndarray, l: np.ndarray, scale: float) -> np.ndarray:

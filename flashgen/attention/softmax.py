@@ -61,8 +61,9 @@ def row_values(chunks: int, h: int) -> list[int]:
 def butterfly(x: np.ndarray, lanes: Sequence[int], op: Callable) -> np.ndarray:
     """``x = op(x, __shfl_xor_sync(x, m))`` for each mask in order; threads on the last axis."""
     t = np.arange(x.shape[-1])
-    for m in lanes:
-        x = op(x, x[..., t ^ m]).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for m in lanes:
+            x = op(x, x[..., t ^ m]).astype(np.float32)
     return x
 
 
@@ -75,7 +76,8 @@ def scale_row(o: np.ndarray, h: int, f: np.ndarray) -> np.ndarray:
     """Row half ``h`` of fragments ``o [..., threads, values]`` times ``f [..., threads]`` (a copy)."""
     out = np.array(o, dtype=np.float32)
     idx = row_values(out.shape[-1] // CHUNK_VALUES, h)
-    out[..., idx] = (out[..., idx] * np.asarray(f, np.float32)[..., None]).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # IEEE results, as the GPU's
+        out[..., idx] = (out[..., idx] * np.asarray(f, np.float32)[..., None]).astype(np.float32)
     return out
 
 
@@ -143,26 +145,28 @@ class OnlineSoftmax:
     def thread_sum(self, p: np.ndarray, h: int) -> np.ndarray:
         """This thread's share of row half ``h``'s sum (fp32 adds in the tree order)."""
         p = np.asarray(p, np.float32)
-        return balanced([p[..., i] for i in row_values(self.chunks, h)], lambda a, b: (a + b).astype(np.float32))
+        with np.errstate(over="ignore", invalid="ignore"):
+            return balanced([p[..., i] for i in row_values(self.chunks, h)], lambda a, b: (a + b).astype(np.float32))
 
     def neg_max(self, m: np.ndarray, k: float) -> np.ndarray:
         """The exponent's offset for max ``m``: ``-m * k`` (exp2) or ``-m`` (expf); 0 where ``m`` is -inf."""
         m = np.asarray(m, np.float32)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             neg = -m * np.float32(k) if self.exp2 else -m
         return np.where(m == -np.inf, np.float32(0), neg).astype(np.float32)
 
     def exp(self, x: np.ndarray, k: float, neg_m: np.ndarray) -> np.ndarray:
         """``ex2(fma(x, k, neg_m))`` (exp2) or ``expf(fma(x, k, neg_m))``."""
         hw = hw_model()
-        arg = hw.fma32(x, np.float32(k), neg_m)
+        with np.errstate(over="ignore", invalid="ignore"):
+            arg = hw.fma32(x, np.float32(k), neg_m)
         return hw.ex2_approx_ftz(arg) if self.exp2 else hw.expf(arg)
 
     def rescale_factor(self, m_old: np.ndarray, k: float, neg_m: np.ndarray) -> np.ndarray:
         """What a row's sum and O are multiplied by when its max moves from ``m_old`` to the one of ``neg_m``."""
         if self.exp2:
             return self.exp(m_old, k, neg_m)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             return hw_model().expf((np.asarray(m_old, np.float32) + neg_m).astype(np.float32))
 
     def update(self, s: np.ndarray, h: int, row_max: np.ndarray, row_sum: np.ndarray, k: float,
@@ -171,7 +175,8 @@ class OnlineSoftmax:
         f32 = np.float32
         row_max = np.asarray(row_max, f32)
         mx = self.row_max(s, h)
-        m_new = np.fmax(row_max, mx if self.exp2 else (mx * f32(k)).astype(f32))
+        with np.errstate(over="ignore", invalid="ignore"):
+            m_new = np.fmax(row_max, mx if self.exp2 else (mx * f32(k)).astype(f32))
         neg_m = self.neg_max(m_new, k)
         first = first and self.skip_first
         corr = self.rescale_factor(row_max, k, neg_m)
@@ -179,7 +184,8 @@ class OnlineSoftmax:
         idx = row_values(self.chunks, h)
         out[..., idx] = self.exp(out[..., idx], k, neg_m[..., None])
         total = self.thread_sum(out, h)
-        row_sum = total if first else hw_model().fma32(row_sum, corr, total)
+        with np.errstate(over="ignore", invalid="ignore"):
+            row_sum = total if first else hw_model().fma32(row_sum, corr, total)
         return out, m_new.astype(f32), row_sum.astype(f32), corr.astype(f32)
 
     # ---- C++ ------------------------------------------------------------------------------------
