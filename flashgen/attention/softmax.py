@@ -86,8 +86,10 @@ template <uint32_t N>
 __device__ __forceinline__ void scale_row(float (&o)[N], uint32_t h, float f) {
     #pragma unroll
     for (uint32_t c = 0; c < N / 4; ++c) { o[4 * c + 2 * h] *= f; o[4 * c + 2 * h + 1] *= f; }
-}
-// a [chunks][4] fragment (the mma.sync accumulators' declaration) seen as the flat values above
+}"""
+
+#: For fragments declared ``[chunks][4]`` (the mma.sync accumulators): the flat view the rule indexes.
+FLAT_CPP = """// a [chunks][4] fragment seen as the flat values 4 c + 2 h + e of the softmax's functions
 template <uint32_t R>
 __device__ __forceinline__ float (&flat(float (&a)[R][4]))[4 * R] { return reinterpret_cast<float (&)[4 * R]>(a); }"""
 
@@ -206,7 +208,7 @@ class OnlineSoftmax:
 
     def to_cpp(self) -> str:
         """The rule as ``__device__`` functions: ``softmax_row_max``, ``softmax_thread_sum``,
-        ``softmax_neg_max``, ``softmax_rescale_factor``, ``softmax_update``, and ``scale_row`` / ``flat``
+        ``softmax_neg_max``, ``softmax_rescale_factor``, ``softmax_update`` and ``scale_row``
         (needs ``ex2_approx`` with exp2, ``__shfl_xor_sync``, ``fmaxf``/``fmaf``/``expf``)."""
         n, ch, v = self.values, self.chunks, self._variant()
         vals = lambda arr: [f"{arr}[{i} + 2 * h]" for i in row_values(ch, 0)]  # noqa: E731

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from ..attention.epilogue import epilogue
-from ..attention.softmax import online_softmax
+from ..attention.softmax import FLAT_CPP, online_softmax
 from ..dsl.addressing import OffsetSplit, plan_splits
 from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.config import LOG2E, KernelConfig
@@ -700,7 +700,7 @@ def emit(cfg: KernelConfig) -> KernelSource:
         q_res_decl=q_res,
         prologue=prologue,
         body=body,
-        softmax_fns=[online_softmax(plan).to_cpp(), epilogue(plan).to_cpp()],
+        softmax_fns=[online_softmax(plan).to_cpp(), FLAT_CPP, epilogue(plan).to_cpp()],
         d_mma=cfg.d_mma,
         d_smem=cfg.d_smem,
         mask_fns=plan.score_mask.to_cpp(),

@@ -511,7 +511,8 @@ class _Cta:
         lane = np.arange(32)[None, :]
         lo = acc[mi[:, None], nt[:, None], lane, v[:, None]]  # [I, 32]
         hi = acc[mi[:, None], nt[:, None], lane, v[:, None] + 1]
-        regs = hw.pack2(lo, hi, self.cfg.dtype)  # [I, 32, 2]
+        convert = self.epilogue_rule.convert
+        regs = np.stack([convert(lo, self.cfg.dtype), convert(hi, self.cfg.dtype)], axis=-1)  # [I, 32, 2]: pack2
         dst = tr.base_bytes // 2 + tr.smem_elem[w, :, :, 0]
         self.image[dst] = regs[..., 0]
         self.image[dst + 1] = regs[..., 1]

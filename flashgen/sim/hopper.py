@@ -37,8 +37,9 @@ What is modelled
   registers then (the latest moment the hardware may read them), so a missing wait or an
   early release also gives wrong numbers, not only a hazard line.
 * **Numerics** (fp32 like the kernel): each k16 wgmma is ``fp32(C + A B^T)`` with the
-  16-term products summed in float64; softmax with ``ex2`` of ``fma(s, scale*log2e, -m)``;
-  ``lse = fma(max, scale, log l)``; P and O rounded to the 16-bit dtype (``cvt.rn``).
+  16-term products summed in float64; the online softmax and the epilogue's math are the plan's
+  :class:`~flashgen.attention.softmax.OnlineSoftmax` and :class:`~flashgen.attention.epilogue.Epilogue`
+  evaluated (the rules the emitter renders); P and O rounded to the 16-bit dtype (``cvt.rn``).
 
 Hazards (strings in ``report.hazards``; empty = clean)
 ------------------------------------------------------
