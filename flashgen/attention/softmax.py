@@ -171,24 +171,34 @@ class OnlineSoftmax:
         with np.errstate(over="ignore", invalid="ignore"):
             return hw_model().expf((np.asarray(m_old, np.float32) + neg_m).astype(np.float32))
 
-    def update(self, s: np.ndarray, h: int, row_max: np.ndarray, row_sum: np.ndarray, k: float,
-               first: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """One key block of row half ``h``: ``(s with P in row half h, row_max, row_sum, corr)``."""
+    def max_step(self, s: np.ndarray, h: int, row_max: np.ndarray, k: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first half of a block's update: ``(row_max, neg_m, corr)``, the new max, its exponent
+        offset and the factor the row's sum and O take."""
         f32 = np.float32
         row_max = np.asarray(row_max, f32)
         mx = self.row_max(s, h)
         with np.errstate(over="ignore", invalid="ignore"):
             m_new = np.fmax(row_max, mx if self.exp2 else (mx * f32(k)).astype(f32))
         neg_m = self.neg_max(m_new, k)
-        first = first and self.skip_first
-        corr = self.rescale_factor(row_max, k, neg_m)
-        out = np.array(s, dtype=f32)
+        return m_new.astype(f32), neg_m, self.rescale_factor(row_max, k, neg_m).astype(f32)
+
+    def exp_step(self, s: np.ndarray, h: int, row_sum: np.ndarray, k: float, neg_m: np.ndarray, corr: np.ndarray,
+                 first: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The second half: ``(s with P in row half h, row_sum)``; the sum starts afresh on a first block."""
+        out = np.array(s, dtype=np.float32)
         idx = row_values(self.chunks, h)
         out[..., idx] = self.exp(out[..., idx], k, neg_m[..., None])
         total = self.thread_sum(out, h)
         with np.errstate(over="ignore", invalid="ignore"):
-            row_sum = total if first else hw_model().fma32(row_sum, corr, total)
-        return out, m_new.astype(f32), row_sum.astype(f32), corr.astype(f32)
+            row_sum = total if first and self.skip_first else hw_model().fma32(row_sum, corr, total)
+        return out, row_sum.astype(np.float32)
+
+    def update(self, s: np.ndarray, h: int, row_max: np.ndarray, row_sum: np.ndarray, k: float,
+               first: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One key block of row half ``h`` (both steps): ``(s with P in row half h, row_max, row_sum, corr)``."""
+        row_max, neg_m, corr = self.max_step(s, h, row_max, k)
+        p, row_sum = self.exp_step(s, h, row_sum, k, neg_m, corr, first)
+        return p, row_max, row_sum, corr
 
     # ---- C++ ------------------------------------------------------------------------------------
 
@@ -208,7 +218,8 @@ class OnlineSoftmax:
 
     def to_cpp(self) -> str:
         """The rule as ``__device__`` functions: ``softmax_row_max``, ``softmax_thread_sum``,
-        ``softmax_neg_max``, ``softmax_rescale_factor``, ``softmax_update`` and ``scale_row``
+        ``softmax_neg_max``, ``softmax_rescale_factor``, ``softmax_max_step``, ``softmax_exp_step``,
+        ``softmax_update`` (the two steps) and ``scale_row``
         (needs ``ex2_approx`` with exp2, ``__shfl_xor_sync``, ``fmaxf``/``fmaf``/``expf``)."""
         n, ch, v = self.values, self.chunks, self._variant()
         vals = lambda arr: [f"{arr}[{i} + 2 * h]" for i in row_values(ch, 0)]  # noqa: E731
@@ -235,13 +246,18 @@ __device__ __forceinline__ float softmax_neg_max(float m, float k) {{
 }}
 // the factor a row's sum and O take when its max moves from m_old to the max of neg_m
 __device__ __forceinline__ float softmax_rescale_factor(float m_old, float k, float neg_m) {{ return {v["factor"]}; }}
-// one key block of row half h: new max, P in place of S, row sum; returns O's rescale factor{v["first"]}
-__device__ __forceinline__ float softmax_update(float (&s)[{n}], uint32_t h, float& row_max, float& row_sum, float k, bool first) {{
-    (void)first;
+// a key block's first step for row half h: the new max (into row_max) and its exponent offset (neg_m);
+// returns the factor the row's sum and O take
+__device__ __forceinline__ float softmax_max_step(const float (&s)[{n}], uint32_t h, float& row_max, float k, float& neg_m) {{
     const float m_new = {v["m_new"]};
-    const float neg_m = softmax_neg_max(m_new, k);
+    neg_m = softmax_neg_max(m_new, k);
     const float corr = softmax_rescale_factor(row_max, k, neg_m);
     row_max = m_new;
+    return corr;
+}}
+// the second step: P in place of row half h's scores, the row sum rescaled by corr and grown{v["first"]}
+__device__ __forceinline__ void softmax_exp_step(float (&s)[{n}], uint32_t h, float& row_sum, float k, float neg_m, float corr, bool first) {{
+    (void)first;
     #pragma unroll
     for (uint32_t c = 0; c < SOFTMAX_CHUNKS; ++c) {{
         s[4 * c + 2 * h] = {v["exp"].format(x="s[4 * c + 2 * h]")};
@@ -249,6 +265,12 @@ __device__ __forceinline__ float softmax_update(float (&s)[{n}], uint32_t h, flo
     }}
     const float sum = softmax_thread_sum(s, h);
     row_sum = {v["total"]};
+}}
+// both steps (a caller that rescales O between them calls them apart); returns O's rescale factor
+__device__ __forceinline__ float softmax_update(float (&s)[{n}], uint32_t h, float& row_max, float& row_sum, float k, bool first) {{
+    float neg_m;
+    const float corr = softmax_max_step(s, h, row_max, k, neg_m);
+    softmax_exp_step(s, h, row_sum, k, neg_m, corr, first);
     return corr;
 }}
 {SCALE_ROW_CPP}"""

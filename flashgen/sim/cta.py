@@ -450,10 +450,10 @@ class _Cta:
         k = self.scale_log2 if sm.exp2 else self.scale
         first = j == self.j_begin
         for h in range(2):
-            s, self.row_max[:, :, h], self.row_sum[:, :, h], corr = sm.update(
-                s, h, self.row_max[:, :, h], self.row_sum[:, :, h], k, first)
+            self.row_max[:, :, h], neg_m, corr = sm.max_step(s, h, self.row_max[:, :, h], k)
             if not (first and sm.skip_first):
                 o = scale_row(o, h, corr)
+            s, self.row_sum[:, :, h] = sm.exp_step(s, h, self.row_sum[:, :, h], k, neg_m, corr, first)
         self.s_acc = _unflat(s, n_tiles).astype(f32)
         self.o_acc = _unflat(o, self.o_acc.shape[2]).astype(f32)
         for w in range(self.cfg.n_warps):

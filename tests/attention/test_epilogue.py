@@ -119,4 +119,4 @@ def test_kernels_carry_their_plans_rule(cfg):
     plan = make_hopper_plan(cfg) if cfg.is_wgmma else make_plan(cfg)
     text = emit(cfg).text
     assert epilogue(plan).to_cpp() in text
-    assert text.count("epilogue_lse(") >= 2  # defined once, called by the kernel
+    assert "epilogue_lse(" in text[text.index("__global__"):]
