@@ -16,9 +16,11 @@ Per key block and row half (:meth:`OnlineSoftmax.update`; ``k`` is the exponent'
     O's row half *= corr                            # by the caller (the engines place it differently)
 
 ``exp2`` (the ``optimized_softmax`` knob) folds ``scale * log2(e)`` into one FMA before ``ex2`` and
-skips the first block's rescale (``first``: nothing to rescale: the sum starts afresh and the
-caller leaves O alone; ``corr`` is still computed, so a runtime ``first`` costs no branch); without
-it the max is kept in scaled units, ``k = scale`` and every block rescales.
+lets a row's first block skip the rescale (``first``, for a caller that knows it at compile time:
+the sum starts afresh, and the caller leaves O alone). On a fresh row (max -inf, sum 0, O 0) the
+rescale is exact anyway (``corr`` is 0 and scales zeros), so a caller that knows the first block
+only at run time passes ``first = false`` and skips just O's multiplies. Without ``exp2`` the max
+is kept in scaled units, ``k = scale`` and every block rescales.
 
 **Reduction order** (the one order of every max and sum here): over a thread's values of a row a
 balanced tree in column order, split at the middle (:func:`balanced`; ``log2`` dependent steps,

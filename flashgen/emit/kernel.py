@@ -363,8 +363,8 @@ def _mask_scores(plan: KernelPlan) -> list[str]:
 def _softmax(plan: KernelPlan) -> list[str]:
     """Mask, the online softmax (flashgen.attention.softmax) per m tile and row half, P packed as A."""
     sm = online_softmax(plan)
-    # the first block of the CTA has nothing to rescale (the optimized softmax skips it)
-    first = "j == j_begin" if sm.skip_first else "false"
+    # The CTA's first block is known only at run time: the row sum takes the factor anyway (0 times a
+    # fresh row's 0, exact, and no branch); O's rescale, 32 multiplies a row, is skipped there (exp2).
     rescale = "if (j != j_begin) " if sm.skip_first else ""
     k = "scale_log2" if sm.exp2 else "scale"
     lines = _mask_scores(plan) + [
@@ -376,7 +376,7 @@ def _softmax(plan: KernelPlan) -> list[str]:
         f"        const float corr = softmax_max_step(flat(s_acc[mi]), h, row_max[mi][h], {k}, neg_m);",
         # O before the exponentials: measured faster than after them for this engine (H100, 255 registers)
         f"        {rescale}scale_row(flat(o_acc[mi]), h, corr);",
-        f"        softmax_exp_step(flat(s_acc[mi]), h, row_sum[mi][h], {k}, neg_m, corr, {first});",
+        f"        softmax_exp_step(flat(s_acc[mi]), h, row_sum[mi][h], {k}, neg_m, corr, false);",
         "    }",
     ]
     lines += [

@@ -442,7 +442,8 @@ class _Cta:
 
     def _softmax_math(self, j: int) -> None:
         """The plan's online softmax (:mod:`flashgen.attention.softmax`) as the emitted ``_softmax`` calls
-        it, vectorised over warps, m tiles and lanes; O rescaled except in the first block (exp2)."""
+        it, vectorised over warps, m tiles and lanes; O rescaled except in the first block (exp2); the
+        row sum always takes the factor (a fresh row's is 0 times 0)."""
         sm, f32 = self.softmax_rule, np.float32
         n_tiles = self.s_acc.shape[2]
         s = _flat(self.s_acc)  # [W, mt, 32, values]
@@ -453,7 +454,7 @@ class _Cta:
             self.row_max[:, :, h], neg_m, corr = sm.max_step(s, h, self.row_max[:, :, h], k)
             if not (first and sm.skip_first):
                 o = scale_row(o, h, corr)
-            s, self.row_sum[:, :, h] = sm.exp_step(s, h, self.row_sum[:, :, h], k, neg_m, corr, first)
+            s, self.row_sum[:, :, h] = sm.exp_step(s, h, self.row_sum[:, :, h], k, neg_m, corr, False)
         self.s_acc = _unflat(s, n_tiles).astype(f32)
         self.o_acc = _unflat(o, self.o_acc.shape[2]).astype(f32)
         for w in range(self.cfg.n_warps):
