@@ -197,7 +197,8 @@ class OnlineSoftmax:
 
     def update(self, s: np.ndarray, h: int, row_max: np.ndarray, row_sum: np.ndarray, k: float,
                first: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """One key block of row half ``h`` (both steps): ``(s with P in row half h, row_max, row_sum, corr)``."""
+        """One key block of row half ``h``, :meth:`max_step` then :meth:`exp_step`:
+        ``(s with P in row half h, row_max, row_sum, corr)``."""
         row_max, neg_m, corr = self.max_step(s, h, row_max, k)
         p, row_sum = self.exp_step(s, h, row_sum, k, neg_m, corr, first)
         return p, row_max, row_sum, corr
@@ -220,8 +221,8 @@ class OnlineSoftmax:
 
     def to_cpp(self) -> str:
         """The rule as ``__device__`` functions: ``softmax_row_max``, ``softmax_thread_sum``,
-        ``softmax_neg_max``, ``softmax_rescale_factor``, ``softmax_max_step``, ``softmax_exp_step``,
-        ``softmax_update`` (the two steps) and ``scale_row``
+        ``softmax_neg_max``, ``softmax_rescale_factor``, ``softmax_max_step``, ``softmax_exp_step`` (a
+        block's update: the caller rescales O with ``scale_row`` between the steps or later)
         (needs ``ex2_approx`` with exp2, ``__shfl_xor_sync``, ``fmaxf``/``fmaf``/``expf``)."""
         n, ch, v = self.values, self.chunks, self._variant()
         vals = lambda arr: [f"{arr}[{i} + 2 * h]" for i in row_values(ch, 0)]  # noqa: E731
@@ -267,13 +268,6 @@ __device__ __forceinline__ void softmax_exp_step(float (&s)[{n}], uint32_t h, fl
     }}
     const float sum = softmax_thread_sum(s, h);
     row_sum = {v["total"]};
-}}
-// both steps (a caller that rescales O between them calls them apart); returns O's rescale factor
-__device__ __forceinline__ float softmax_update(float (&s)[{n}], uint32_t h, float& row_max, float& row_sum, float k, bool first) {{
-    float neg_m;
-    const float corr = softmax_max_step(s, h, row_max, k, neg_m);
-    softmax_exp_step(s, h, row_sum, k, neg_m, corr, first);
-    return corr;
 }}
 {SCALE_ROW_CPP}"""
 

@@ -63,7 +63,6 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
     # map by flashgen.sim.verify
     row = c.row.to_cpp(["wtid", "2 * h"])
     col = c.col.to_cpp(["wtid", "0"])
-    update = "softmax_update(s_acc, h, row_max[h], row_sum[h], scale_log2, {});"
     return [
         "if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it",
         "    #pragma unroll",
@@ -81,9 +80,13 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
         "    }",
         "}",
         "#pragma unroll",
-        "for (uint32_t h = 0; h < 2; ++h)",
+        "for (uint32_t h = 0; h < 2; ++h) {",
+        "    float neg_m;",
+        "    const float c = softmax_max_step(s_acc, h, row_max[h], scale_log2, neg_m);",
+        f"    softmax_exp_step(s_acc, h, row_sum[h], scale_log2, neg_m, c, {'true' if first else 'false'});",
         # the first block of a tile has nothing to rescale; later ones keep the factor for O (rescaled once PV is done)
-        "    " + (update.format("true") if first else "corr[h] = " + update.format("false")),
+        *([] if first else ["    corr[h] = c;"]),
+        "}",
     ]
 
 

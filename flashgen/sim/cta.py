@@ -37,6 +37,7 @@ fused multiply-adds as ``fmaf``, so no result depends on nvcc's contraction.
 from __future__ import annotations
 
 import ast
+
 import attrs
 import numpy as np
 

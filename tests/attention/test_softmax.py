@@ -43,16 +43,10 @@ void lane_main(const float* in, char* out) {
     for (int b = 0; b < BLOCKS; ++b) {
         for (uint32_t h = 0; h < 2; ++h) {
             const bool fresh = first && b == 0;  // the caller's rule: a row's first block leaves O alone
-            float corr;
-            if (b %% 2 == 0) {  // the two steps at once, or apart with O rescaled between them
-                corr = softmax_update(s[b], h, row_max[h], row_sum[h], k, fresh);
-                if (!fresh) scale_row(o, h, corr);
-            } else {
-                float neg_m;
-                corr = softmax_max_step(s[b], h, row_max[h], k, neg_m);
-                if (!fresh) scale_row(o, h, corr);
-                softmax_exp_step(s[b], h, row_sum[h], k, neg_m, corr, fresh);
-            }
+            float neg_m;
+            const float corr = softmax_max_step(s[b], h, row_max[h], k, neg_m);
+            if (!fresh) scale_row(o, h, corr);
+            softmax_exp_step(s[b], h, row_sum[h], k, neg_m, corr, fresh);
             out_f32(out, corr);
         }
         for (float v : s[b]) out_f32(out, v);
@@ -211,4 +205,4 @@ def test_kernels_carry_their_plans_rule(cfg):
     text = emit(cfg).text
     assert online_softmax(plan).to_cpp() in text
     kernel = text[text.index("__global__"):]
-    assert "softmax_update(" in kernel or "softmax_exp_step(" in kernel
+    assert "softmax_max_step(" in kernel and "softmax_exp_step(" in kernel
