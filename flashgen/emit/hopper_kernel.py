@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from ..attention.epilogue import epilogue
+from ..attention.softmax import online_softmax
 from ..dsl.config import LOG2E, WGMMA_M
 from ..dsl.hopper_plan import HopperPlan
 from ..dsl.steps import Block, ConvertP, Gemm, Pass, Release, RescaleO, Softmax, Step, Turn, WaitFull, WgmmaWait
@@ -60,16 +62,14 @@ def _gemm(plan: HopperPlan, which: str, block: Block) -> list[str]:
 
 
 def _softmax(plan: HopperPlan, first: bool) -> list[str]:
-    """Mask (masked blocks only), row max, exp2, row sums on S; ``corr`` for rescaling O later."""
+    """Mask (masked blocks only), then the online softmax (flashgen.attention.softmax) of both row
+    halves; ``corr`` keeps O's rescale factors for the rescale_O step."""
     c = plan.gemm_S.atom.c_map
-    n = c.n_values
     # values (4*chunk + 2h + e): row half h, column 8*chunk + e + col(thread, 0); proven on the
     # map by flashgen.sim.verify
     row = c.row.to_cpp(["wtid", "2 * h"])
     col = c.col.to_cpp(["wtid", "0"])
-    shfl = [f"mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, {m}));" for m in plan.row_reduce_lanes]
-    row_values = [f"s_acc[{4 * ch + e} + 2 * h]" for ch in range(n // 4) for e in range(2)]  # this thread's values of row half h
-    lines = [
+    return [
         "if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it",
         "    #pragma unroll",
         "    for (uint32_t h = 0; h < 2; ++h) {",
@@ -87,39 +87,13 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
         "}",
         "#pragma unroll",
         "for (uint32_t h = 0; h < 2; ++h) {",
-        "    // pairwise trees: log2(B_c / 2) dependent steps instead of B_c / 2 (the softmax is the critical path)",
-        f"    float mx = {_tree('fmaxf', row_values)};",
-        *["    " + s for s in shfl],
-        "    const float m_new = fmaxf(row_max[h], mx);",
-        "    const float neg_m = m_new == -INFINITY ? 0.f : -m_new * scale_log2;  // all masked so far: p = 0",
-    ]
-    if first:
-        lines += ["    row_sum[h] = 0.f;"]
-    else:
-        lines += [
-            "    corr[h] = ex2_approx(fmaf(row_max[h], scale_log2, neg_m));  // O is rescaled once PV is done",
-            "    row_sum[h] *= corr[h];",
-        ]
-    lines += [
-        "    row_max[h] = m_new;",
-        "    #pragma unroll",
-        "    for (uint32_t ch = 0; ch < B_c / 8; ++ch) {",
-        "        s_acc[4 * ch + 2 * h] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h], scale_log2, neg_m));",
-        "        s_acc[4 * ch + 2 * h + 1] = ex2_approx(fmaf(s_acc[4 * ch + 2 * h + 1], scale_log2, neg_m));",
-        "    }",
-        f"    row_sum[h] += {_tree('+', row_values)};  // this thread's columns; quad-reduced at the end",
+        "    float neg_m;",
+        "    const float c = softmax_max_step(s_acc, h, row_max[h], scale_log2, neg_m);",
+        f"    softmax_exp_step(s_acc, h, row_sum[h], scale_log2, neg_m, c, {'true' if first else 'false'});",
+        # the first block of a tile has nothing to rescale; later ones keep the factor for O (rescaled once PV is done)
+        *([] if first else ["    corr[h] = c;"]),
         "}",
     ]
-    return lines
-
-
-def _tree(op: str, exprs: list[str]) -> str:
-    """A balanced reduction expression of ``exprs`` with ``op`` (a binary function name or ``+``)."""
-    if len(exprs) == 1:
-        return exprs[0]
-    mid = len(exprs) // 2
-    a, b = _tree(op, exprs[:mid]), _tree(op, exprs[mid:])
-    return f"({a} + {b})" if op == "+" else f"{op}({a}, {b})"
 
 
 def _convert_p(plan: HopperPlan) -> list[str]:
@@ -166,7 +140,7 @@ _STEP_CODE = {
     Gemm: lambda plan, step: _gemm(plan, step.arg, step.block),
     WgmmaWait: _wgmma_wait,
     Softmax: lambda plan, step: ["softmax(j, masked, " + ("std::true_type{}" if step.arg == "first" else "std::false_type{}") + ");"],
-    RescaleO: lambda plan, step: ["#pragma unroll", "for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] *= corr[(i / 2) % 2];"],
+    RescaleO: lambda plan, step: ["scale_row(o_acc, 0, corr[0]);", "scale_row(o_acc, 1, corr[1]);"],
     ConvertP: lambda plan, step: _convert_p(plan),
     Turn: lambda plan, step: ["named_bar_sync(1 + cw, 2 * 128);"],
     Pass: lambda plan, step: ["named_bar_arrive(1 + (cw + 1) % CONSUMERS, 2 * 128);"],
@@ -219,7 +193,9 @@ $scheduler
 using elem_t = $elem_t;
 
 // ---- PTX helpers ----
-$ptx_helpers"""
+$ptx_helpers
+
+$softmax_fns"""
 )
 
 #: The kernel's parameters and its output tile (in the scheduler's order).
@@ -375,12 +351,11 @@ _EPILOGUE = CodeTemplate(
 float inv[2];
 #pragma unroll
 for (uint32_t h = 0; h < 2; ++h) {
-    float l = row_sum[h];
-    $sum_reduce
-    inv[h] = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
+    const float l = epilogue_row_sum(row_sum[h]);
+    inv[h] = epilogue_inv(l);
     const int row = q_row0 + int(64 * cw + $c_row_h);
     if (p.lse != nullptr && $lse_writer && row < p.seq_q)
-        p.lse[batch * p.lse_batch + head * p.lse_head + row] = l > 0.f ? row_max[h] * p.scale + logf(l) : -INFINITY;
+        p.lse[batch * p.lse_batch + head * p.lse_head + row] = epilogue_lse(row_max[h], l, p.scale);
 }
 $store_merged
 $o_stage_decl
@@ -660,7 +635,7 @@ def _split_merge() -> list[str]:
         "    for (uint32_t h = 0; h < 2; ++h) {",
         "        for (int k = 0; k < p.tail_parts; ++k)",
         "            row_max[h] = fmaxf(row_max[h], __ldcg(p.part_ml + tail_ml_at(unit0 + k, warp) + 32 * h + lane));",
-        "        neg_m[h] = row_max[h] == -INFINITY ? 0.f : -row_max[h] * scale_log2;  // the merged max (the softmax's rule)",
+        "        neg_m[h] = softmax_neg_max(row_max[h], scale_log2);  // the merged max",
         "        row_sum[h] = 0.f;",
         "    }",
         "    #pragma unroll",
@@ -671,7 +646,7 @@ def _split_merge() -> list[str]:
         "        float c[2];",
         "        #pragma unroll",
         "        for (uint32_t h = 0; h < 2; ++h) {",
-        "            c[h] = ex2_approx(fmaf(__ldcg(mlk + 32 * h), scale_log2, neg_m[h]));",
+        "            c[h] = softmax_rescale_factor(__ldcg(mlk + 32 * h), scale_log2, neg_m[h]);",
         "            row_sum[h] = fmaf(__ldcg(mlk + 64 + 32 * h), c[h], row_sum[h]);",
         "        }",
         "        #pragma unroll",
@@ -761,6 +736,7 @@ def _header_env(plan: HopperPlan) -> dict:
                 B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages, consumers=cfg.consumers, threads=plan.threads,
                 smem_bytes=plan.smem_bytes, q_bytes=f"{plan.loads['Q'].bytes}u", kv_bytes=f"{plan.loads['K'].bytes}u",
                 mask_fns=plan.score_mask.to_cpp(), elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, gencode=TARGET.gencode,
+                softmax_fns=[online_softmax(plan).to_cpp(), epilogue(plan).to_cpp()],
                 scheduler=plan.scheduler.to_cpp(), grid_doc=_grid_doc(plan))
 
 
@@ -815,8 +791,7 @@ def _roles_env(plan: HopperPlan) -> dict:
 def _epilogue_env(plan: HopperPlan) -> dict:
     """The names of the output region (_EPILOGUE)."""
     c, co = plan.gemm_S.atom.c_map, plan.gemm_O.atom.c_map
-    return dict(sum_reduce=[f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes],
-                c_row_h=c.row.to_cpp(["wtid", "2 * h"]), lse_writer=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
+    return dict(c_row_h=c.row.to_cpp(["wtid", "2 * h"]), lse_writer=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
                 c_row_i=co.row.to_cpp(["wtid", "i"]), c_col_i=co.col.to_cpp(["wtid", "i"]),
                 o_stage_rc=plan.o_stage.to_cpp(["64 * cw + r", "c"]), store_o=_tma_store_calls(plan))
 

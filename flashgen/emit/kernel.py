@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..attention.epilogue import epilogue
+from ..attention.softmax import FLAT_CPP, online_softmax
 from ..dsl.addressing import OffsetSplit, plan_splits
 from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.config import LOG2E
@@ -320,15 +322,13 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
     return head + ["{"] + ["    " + l for l in _k_loop(steps, v.buffers, loads, mmas, decls)] + ["}"]
 
 
-def _softmax(plan: KernelPlan) -> list[str]:
-    """Online softmax over this warp's rows; each thread holds 2 rows per m tile (C regs {0,1}, {2,3})."""
-    cfg = plan.cfg
-    shfl = lambda var, op: [f"{var} = {op}({var}, __shfl_xor_sync(0xffffffffu, {var}, {m}));" for m in plan.row_reduce_lanes]
-    c_map = plan.mma.c_map
+def _mask_scores(plan: KernelPlan) -> list[str]:
+    """The score mask on S (blocks that need it only): dropped scores become -inf."""
+    cfg, c_map = plan.cfg, plan.mma.c_map
     # values 2h and 2h+1 of a lane sit in one row, in neighbouring columns (proven on the plan's
     # C map by flashgen.sim.verify), so one kept-column range per row and lane covers both
     row, col = c_map.row.to_cpp(["lane", "2 * h"]), c_map.col.to_cpp(["lane", "0"])
-    lines = [
+    return [
         f"// {plan.score_mask.kind} score mask + key tail, only in blocks that need it. Row/col of accumulator",
         f"// values (2h, 2h+1) from the MMA's C fragment map: row {c_map.row}, col {c_map.col}",
         "if constexpr (decltype(masked)::value) {",
@@ -348,55 +348,29 @@ def _softmax(plan: KernelPlan) -> list[str]:
         "                    if (int(nt * 8 + e) < lo || int(nt * 8 + e) >= hi) s_acc[mi][nt][2 * h + e] = -INFINITY;",
         "        }",
         "}",
+    ]
+
+
+def _softmax(plan: KernelPlan) -> list[str]:
+    """Mask, the online softmax (flashgen.attention.softmax) per m tile and row half, P packed as A."""
+    sm = online_softmax(plan)
+    # The CTA's first block is known only at run time: the row sum takes the factor anyway (0 times a
+    # fresh row's 0, exact, and no branch); O's rescale, 32 multiplies a row, is skipped there (exp2).
+    rescale = "if (j != j_begin) " if sm.skip_first else ""
+    k = "scale_log2" if sm.exp2 else "scale"
+    lines = _mask_scores(plan) + [
         "#pragma unroll",
-        "for (uint32_t mi = 0; mi < MT; ++mi) {",
+        "for (uint32_t mi = 0; mi < MT; ++mi)",
         "    #pragma unroll",
         "    for (uint32_t h = 0; h < 2; ++h) {",
-        "        float mx = -INFINITY;",
-        "        #pragma unroll",
-        "        for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
-        "            mx = fmaxf(mx, fmaxf(s_acc[mi][nt][2 * h], s_acc[mi][nt][2 * h + 1]));",
-    ]
-    lines += ["        " + l for l in shfl("mx", "fmaxf")]
-    if cfg.optimized_softmax:
-        lines += [
-            "        // max kept in raw S units; exp(scale*(s - m)) = 2^(s*scale*log2e - m*scale*log2e): one FMA + ex2",
-            "        const float m_new = fmaxf(row_max[mi][h], mx);",
-            "        const float neg_m = m_new == -INFINITY ? 0.f : -m_new * scale_log2;  // all masked so far: p = 0",
-            "        if (j > j_begin) {  // the first block has nothing to rescale",
-            "            const float corr = ex2_approx(fmaf(row_max[mi][h], scale_log2, neg_m));",
-            "            row_sum[mi][h] *= corr;",
-            "            #pragma unroll",
-            "            for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
-            "        }",
-            "        row_max[mi][h] = m_new;",
-            "        #pragma unroll",
-            "        for (uint32_t nt = 0; nt < B_c / 8; ++nt) {",
-            "            s_acc[mi][nt][2 * h] = ex2_approx(fmaf(s_acc[mi][nt][2 * h], scale_log2, neg_m));",
-            "            s_acc[mi][nt][2 * h + 1] = ex2_approx(fmaf(s_acc[mi][nt][2 * h + 1], scale_log2, neg_m));",
-            "            row_sum[mi][h] += s_acc[mi][nt][2 * h] + s_acc[mi][nt][2 * h + 1];",
-            "        }",
-        ]
-    else:
-        lines += [
-            "        // max kept in scaled units; p = exp(scale*s - m)",
-            "        const float m_new = fmaxf(row_max[mi][h], mx * scale);",
-            "        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: p = 0",
-            "        const float corr = expf(row_max[mi][h] - m_use);",
-            "        row_sum[mi][h] *= corr;",
-            "        #pragma unroll",
-            "        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) { o_acc[mi][nt][2 * h] *= corr; o_acc[mi][nt][2 * h + 1] *= corr; }",
-            "        row_max[mi][h] = m_new;",
-            "        #pragma unroll",
-            "        for (uint32_t nt = 0; nt < B_c / 8; ++nt) {",
-            "            s_acc[mi][nt][2 * h] = expf(s_acc[mi][nt][2 * h] * scale - m_use);",
-            "            s_acc[mi][nt][2 * h + 1] = expf(s_acc[mi][nt][2 * h + 1] * scale - m_use);",
-            "            row_sum[mi][h] += s_acc[mi][nt][2 * h] + s_acc[mi][nt][2 * h + 1];",
-            "        }",
-        ]
-    lines += [
+        "        float neg_m;",
+        f"        const float corr = softmax_max_step(flat(s_acc[mi]), h, row_max[mi][h], {k}, neg_m);",
+        # O before the exponentials: measured faster than after them for this engine (H100, 255 registers)
+        f"        {rescale}scale_row(flat(o_acc[mi]), h, corr);",
+        f"        softmax_exp_step(flat(s_acc[mi]), h, row_sum[mi][h], {k}, neg_m, corr, false);",
         "    }",
-        "}",
+    ]
+    lines += [
         "// P: accumulator values of n tiles (2k, 2k+1) packed as the A operand of k step k",
         "uint32_t p_frag[MT][B_c / 16][4];",
         "#pragma unroll",
@@ -497,6 +471,8 @@ using elem_t = $elem_t;
 // ---- PTX helpers ----
 $ptx_helpers
 
+$softmax_fns
+
 struct Params {
     const elem_t* q; const elem_t* k; const elem_t* v; elem_t* o;
     int64_t q_batch, q_head, q_ld;  // element strides: batch, head, sequence row (d_head is contiguous)
@@ -582,15 +558,12 @@ $final_wait
 for (uint32_t mi = 0; mi < MT; ++mi) {
     #pragma unroll
     for (uint32_t h = 0; h < 2; ++h) {
-        float l = row_sum[mi][h];
-        $sum_reduce
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no kept score outputs 0
-        #pragma unroll
-        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt) { o_acc[mi][nt][2 * h] *= inv; o_acc[mi][nt][2 * h + 1] *= inv; }
-        if (p.lse != nullptr) {  // log-sum-exp of the scaled scores, natural log; -inf for an empty row
+        const float l = epilogue_row_sum(row_sum[mi][h]);
+        scale_row(flat(o_acc[mi]), h, epilogue_inv(l));
+        if (p.lse != nullptr) {
             const int row = q_row0 + int(warp * $rows_per_warp + mi * 16 + $c_row_h);
             if ($lse_writer_lane && row < p.seq_q)
-                p.lse[blockIdx.z * p.lse_batch + blockIdx.y * p.lse_head + row] = l > 0.f ? $lse_max + logf(l) : -INFINITY;
+                p.lse[blockIdx.z * p.lse_batch + blockIdx.y * p.lse_head + row] = epilogue_lse(row_max[mi][h], l, scale);
         }
     }
 }
@@ -697,7 +670,6 @@ def emit(plan: KernelPlan) -> KernelSource:
     prologue: list[str] = []
     for step in plan.schedule.prologue:
         prologue += _step_code(plan, step, j="j_begin")
-    sum_reduce = [f"l += __shfl_xor_sync(0xffffffffu, l, {m});" for m in plan.row_reduce_lanes]
     text = compose(_PARTS, dict(
         name=name,
         short_form=cfg.short_form(),
@@ -725,7 +697,7 @@ def emit(plan: KernelPlan) -> KernelSource:
         q_res_decl=q_res,
         prologue=prologue,
         body=body,
-        sum_reduce=sum_reduce,
+        softmax_fns=[online_softmax(plan).to_cpp(), FLAT_CPP, epilogue(plan).to_cpp()],
         d_mma=cfg.d_mma,
         d_smem=cfg.d_smem,
         mask_fns=plan.score_mask.to_cpp(),
@@ -737,7 +709,6 @@ def emit(plan: KernelPlan) -> KernelSource:
         rows_per_warp=cfg.rows_per_warp,
         c_row_h=plan.mma.c_map.row.to_cpp(["lane", "2 * h"]),
         lse_writer_lane=f"(lane & {sum(plan.row_reduce_lanes)}u) == 0",
-        lse_max="row_max[mi][h] * scale" if cfg.optimized_softmax else "row_max[mi][h]",
         args_struct=args_struct(name),
         split_tables=[_split_tables(sp) for sp in plan_splits(plan).values()],
         bases=[_base_decl(plan.s2r["Q"].copy, ["lane", "warp"]), _base_decl(plan.s2r["K"].copy, ["lane"]), _base_decl(plan.s2r["V"].copy, ["lane"])],

@@ -7,8 +7,9 @@ O /= l, log-sum-exp, r2s, ``__syncwarp``, s2g), on a flat shared-memory image:
 copies through the plan's copy traces (rows past the sequence end and columns past
 d_head zero-filled, as the predicated copies do), GEMMs through
 :mod:`flashgen.sim.fragments`, the score mask and online softmax as
-``flashgen.emit.kernel._softmax`` writes them (fp32, per lane, with the plan's
-shuffle-xor row reductions).
+the plan's :class:`~flashgen.attention.softmax.OnlineSoftmax` and
+:class:`~flashgen.attention.epilogue.Epilogue` evaluate them (the rules the emitter renders:
+fp32, per lane, with the plan's shuffle-xor row reductions).
 
 The walk also tracks the memory model (:class:`HazardTracker`), per shared tile and
 row:
@@ -30,17 +31,16 @@ row:
 
 Numerics (fp32 throughout, like the kernel): ``fmaf`` with one rounding
 (:func:`hardware.fma32`); ``ex2.approx.ftz``, ``expf`` and ``logf`` modelled as the
-correctly rounded results (the GPU's are within 2 ulp); ``s * scale - m`` and
-``row_max * scale + logf(l)`` are contracted to one fma as nvcc does by default
-(``--fmad=true``).
+correctly rounded results (the GPU's are within 2 ulp); the emitted rules spell their
+fused multiply-adds as ``fmaf``, so no result depends on nvcc's contraction.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import attrs
 import numpy as np
 
+from flashgen.attention.epilogue import epilogue
+from flashgen.attention.softmax import online_softmax, scale_row
 from flashgen.dsl.config import LOG2E, KernelConfig
 from flashgen.dsl.plan import KernelPlan, make_plan
 from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, LoadRF, Softmax, Step, Wait, runs
@@ -245,6 +245,7 @@ class _Cta:
             self.row_sum = np.zeros((W, mt, 2, 32), np.float32)
             self.scale = np.float32(scale)
             self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
+            self.softmax_rule, self.epilogue_rule = online_softmax(plan), epilogue(plan)
             rows = max(0, min(cfg.B_r, prob.seq_q - prob.q_row0))
             self.out = np.zeros((rows, cfg.d_head), np.uint16)
             self.lse = np.full(rows, np.nan, np.float32)
@@ -388,53 +389,25 @@ class _Cta:
             keep_acc = fr.matrix_to_acc(keep[w * rpw : (w + 1) * rpw])
             self.s_acc[w] = np.where(keep_acc, self.s_acc[w], np.float32(-np.inf))
 
-    def _butterfly(self, x: np.ndarray, op: Callable) -> np.ndarray:
-        """``x = op(x, __shfl_xor_sync(x, m))`` for each of the plan's masks (lane axis last)."""
-        lane = np.arange(32)
-        for m in self.plan.row_reduce_lanes:
-            x = op(x, x[..., lane ^ m]).astype(np.float32)
-        return x
-
     def _softmax_math(self, j: int) -> None:
-        """``flashgen.emit.kernel._softmax``, vectorised over warps, m tiles and lanes."""
-        f32 = np.float32
-        s = self.s_acc  # [W, mt, nT, 32, 4]
-        n_tiles = s.shape[2]
-        ninf = f32(-np.inf)
+        """The plan's online softmax (:mod:`flashgen.attention.softmax`) as the emitted ``_softmax`` calls
+        it, vectorised over warps, m tiles and lanes; O rescaled except in the first block (exp2); the
+        row sum always takes the factor (a fresh row's is 0 times 0)."""
+        sm, f32 = self.softmax_rule, np.float32
+        n_tiles = self.s_acc.shape[2]
+        s = _flat(self.s_acc)  # [W, mt, 32, values]
+        o = _flat(self.o_acc)
+        k = self.scale_log2 if sm.exp2 else self.scale
+        first = j == self.j_begin
         for h in range(2):
-            pair = s[..., 2 * h : 2 * h + 2]  # [W, mt, nT, 32, 2]
-            mx = np.full(s.shape[:2] + (32,), ninf, f32)
-            for nt in range(n_tiles):
-                mx = np.maximum(mx, np.maximum(pair[:, :, nt, :, 0], pair[:, :, nt, :, 1]))
-            mx = self._butterfly(mx, np.maximum)
-            rmax = self.row_max[:, :, h].copy()  # [W, mt, 32]
-            with np.errstate(invalid="ignore"):
-                if self.cfg.optimized_softmax:
-                    m_new = np.maximum(rmax, mx)
-                    neg_m = np.where(m_new == ninf, f32(0), -m_new * self.scale_log2).astype(f32)  # all masked: p = 0
-                    if j > self.j_begin:  # the first block has nothing to rescale
-                        self._rescale(h, hw.ex2_approx_ftz(hw.fma32(rmax, self.scale_log2, neg_m)))
-                    self.row_max[:, :, h] = m_new
-                    for nt in range(n_tiles):
-                        for e in range(2):
-                            s[:, :, nt, :, 2 * h + e] = hw.ex2_approx_ftz(hw.fma32(s[:, :, nt, :, 2 * h + e], self.scale_log2, neg_m))
-                        self.row_sum[:, :, h] += s[:, :, nt, :, 2 * h] + s[:, :, nt, :, 2 * h + 1]
-                else:
-                    m_new = np.maximum(rmax, (mx * self.scale).astype(f32))
-                    m_use = np.where(m_new == ninf, f32(0), m_new).astype(f32)
-                    self._rescale(h, hw.expf((rmax - m_use).astype(f32)))
-                    self.row_max[:, :, h] = m_new
-                    for nt in range(n_tiles):
-                        for e in range(2):
-                            s[:, :, nt, :, 2 * h + e] = hw.expf(hw.fma32(s[:, :, nt, :, 2 * h + e], self.scale, -m_use))
-                        self.row_sum[:, :, h] += s[:, :, nt, :, 2 * h] + s[:, :, nt, :, 2 * h + 1]
+            self.row_max[:, :, h], neg_m, corr = sm.max_step(s, h, self.row_max[:, :, h], k)
+            if not (first and sm.skip_first):
+                o = scale_row(o, h, corr)
+            s, self.row_sum[:, :, h] = sm.exp_step(s, h, self.row_sum[:, :, h], k, neg_m, corr, False)
+        self.s_acc = _unflat(s, n_tiles).astype(f32)
+        self.o_acc = _unflat(o, self.o_acc.shape[2]).astype(f32)
         for w in range(self.cfg.n_warps):
-            self.p_frag[w] = fr.pack_P(s[w], self.cfg.dtype)
-
-    def _rescale(self, h: int, corr: np.ndarray) -> None:
-        self.row_sum[:, :, h] *= corr
-        self.o_acc[..., 2 * h] *= corr[:, :, None, :]
-        self.o_acc[..., 2 * h + 1] *= corr[:, :, None, :]
+            self.p_frag[w] = fr.pack_P(self.s_acc[w], self.cfg.dtype)
 
     # -- epilogue
     def epilogue(self) -> None:
@@ -460,17 +433,15 @@ class _Cta:
                 self._s2g(s2g, w)
 
     def _normalize(self) -> None:
-        f32 = np.float32
-        l = self._butterfly(self.row_sum, np.add)  # [W, mt, 2, 32]
-        with np.errstate(divide="ignore"):
-            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)  # a row with no kept score outputs 0
-            logl = np.log(l.astype(np.float64)).astype(f32)
+        """The plan's epilogue math (:mod:`flashgen.attention.epilogue`): row sums over the lanes, O /= l,
+        the LSE written by one lane per row group."""
+        ep = self.epilogue_rule
+        l = ep.row_sum(self.row_sum)  # [W, mt, 2, 32]
+        o = _flat(self.o_acc)
         for h in range(2):
-            self.o_acc[..., 2 * h] *= inv[:, :, h, None, :]
-            self.o_acc[..., 2 * h + 1] *= inv[:, :, h, None, :]
-        rmax = self.row_max
-        lse = hw.fma32(rmax, self.scale, logl) if self.cfg.optimized_softmax else (rmax + logl).astype(f32)
-        lse = np.where(l > 0, lse, f32(-np.inf))
+            o = ep.normalize(o, h, ep.inv(l[:, :, h]))
+        self.o_acc = _unflat(o, self.o_acc.shape[2])
+        lse = ep.lse(self.row_max, l, self.scale)
         lane = np.arange(32)
         writers = lane[(lane & sum(self.plan.row_reduce_lanes)) == 0]  # one lane per row group
         rpw = self.cfg.rows_per_warp
@@ -490,7 +461,8 @@ class _Cta:
         lane = np.arange(32)[None, :]
         lo = acc[mi[:, None], nt[:, None], lane, v[:, None]]  # [I, 32]
         hi = acc[mi[:, None], nt[:, None], lane, v[:, None] + 1]
-        regs = hw.pack2(lo, hi, self.cfg.dtype)  # [I, 32, 2]
+        convert = self.epilogue_rule.convert
+        regs = np.stack([convert(lo, self.cfg.dtype), convert(hi, self.cfg.dtype)], axis=-1)  # [I, 32, 2]: pack2
         dst = tr.base_bytes // 2 + tr.smem_elem[w, :, :, 0]
         self.image[dst] = regs[..., 0]
         self.image[dst + 1] = regs[..., 1]
@@ -515,6 +487,19 @@ _STEPS = {
     Gemm: lambda cta, step, j, in_body: cta.gemm_S(j) if step.arg == "S" else cta.gemm_O(j),
     Softmax: lambda cta, step, j, in_body: cta.softmax(j),
 }
+
+
+def _flat(acc: np.ndarray) -> np.ndarray:
+    """``[W, mt, tiles, 32, 4]`` accumulators as the softmax's fragments ``[W, mt, 32, 4 tiles]``
+    (the emitted ``flat(acc[mi])``: value 4 nt + c of a lane)."""
+    W, mt, n, lanes, c = acc.shape
+    return acc.transpose(0, 1, 3, 2, 4).reshape(W, mt, lanes, n * c)
+
+
+def _unflat(frag: np.ndarray, n_tiles: int) -> np.ndarray:
+    """Inverse of :func:`_flat`."""
+    W, mt, lanes, _ = frag.shape
+    return frag.reshape(W, mt, lanes, n_tiles, 4).transpose(0, 1, 3, 2, 4).copy()
 
 
 def _step_text(step: Step) -> str:

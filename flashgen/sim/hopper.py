@@ -38,8 +38,9 @@ What is modelled
   registers then (the latest moment the hardware may read them), so a missing wait or an
   early release also gives wrong numbers, not only a hazard line.
 * **Numerics** (fp32 like the kernel): each k16 wgmma is ``fp32(C + A B^T)`` with the
-  16-term products summed in float64; softmax with ``ex2`` of ``fma(s, scale*log2e, -m)``;
-  ``lse = fma(max, scale, log l)``; P and O rounded to the 16-bit dtype (``cvt.rn``).
+  16-term products summed in float64; the online softmax and the epilogue's math are the plan's
+  :class:`~flashgen.attention.softmax.OnlineSoftmax` and :class:`~flashgen.attention.epilogue.Epilogue`
+  evaluated (the rules the emitter renders); P and O rounded to the 16-bit dtype (``cvt.rn``).
 
 Hazards (strings in ``report.hazards``; empty = clean)
 ------------------------------------------------------
@@ -61,6 +62,8 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from flashgen.attention.epilogue import epilogue
+from flashgen.attention.softmax import online_softmax, scale_row
 from flashgen.dsl.config import LOG2E, WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
@@ -347,6 +350,10 @@ class _Cta:
             self.hazards.append("the O accumulator rows of a thread differ from its S rows: "
                                 "rescale and normalisation would use another row's max")
         self.o_slot = (self.co.rows == self.s_rows[:, 1:2]).astype(np.int64)
+        self.softmax_rule, self.epilogue_rule = online_softmax(plan), epilogue(plan)
+        for what, slot in (("S", self.s_slot), ("O", self.o_slot)):  # the softmax's fragment rule: value 4c + 2h + e
+            if not np.array_equal(slot, np.broadcast_to((np.arange(slot.shape[1]) // 2) % 2, slot.shape)):
+                self.hazards.append(f"the {what} accumulator's row halves are not the softmax's (value 4 c + 2 h + e in half h)")
         cover = np.zeros((64, 16), np.int64)
         np.add.at(cover, (self.a.rows, self.a.cols), 1)
         if not np.all(cover == 1):
@@ -638,12 +645,11 @@ class _Cta:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     # -- softmax
-    def _butterfly(self, x: np.ndarray, op) -> np.ndarray:
-        """``x = op(x, shfl_xor(x, m))`` for the plan's lane masks (thread axis first)."""
-        t = np.arange(WG)
-        for m in self.plan.row_reduce_lanes:
-            x = op(x, x[t ^ m]).astype(np.float32)
-        return x
+    def _normalized(self, o_acc: np.ndarray, inv: np.ndarray) -> np.ndarray:
+        """O's accumulators ``[thread, value]`` times ``1/l`` of their row half (the epilogue's normalisation)."""
+        for h in range(2):
+            o_acc = self.epilogue_rule.normalize(o_acc, h, inv[:, h])
+        return o_acc
 
     def _check_rows_agree(self, x: np.ndarray, what: str, where: str) -> None:
         """After the butterfly every thread holding a row must have the same value."""
@@ -664,38 +670,23 @@ class _Cta:
                              f"{self.name(c.max_block)} (no finish_rows reset them)")
         self.count(c, "softmax", g)
         s = c.s_acc.copy()
-        sm, j, q_row0 = self.plan.score_mask, self.blocks[g][1], self.tiles[ti].q_row0
-        if sm.block_needs_mask(j, q_row0, self.seq_q, self.seq_k, *self.mask_args):
+        mask, j, q_row0 = self.plan.score_mask, self.blocks[g][1], self.tiles[ti].q_row0
+        if mask.block_needs_mask(j, q_row0, self.seq_q, self.seq_k, *self.mask_args):
             rows = q_row0 + 64 * c.w + self.cs.rows
             cols = j * self.cfg.B_c + self.cs.cols
-            keep = np.vectorize(lambda i, col: sm.keep(int(i), int(col), self.seq_k, *self.mask_args))(rows, cols)
+            keep = np.vectorize(lambda i, col: mask.keep(int(i), int(col), self.seq_k, *self.mask_args))(rows, cols)
             s = np.where(keep, s, f32(-np.inf)).astype(f32)
-        mx = np.full((WG, 2), -np.inf, f32)
-        for h in range(2):
-            mx[:, h] = np.where(self.s_slot == h, s, f32(-np.inf)).max(axis=1)
-        mx = self._butterfly(mx, np.maximum)
+        sm = self.softmax_rule
+        mx = np.stack([sm.row_max(s, h) for h in range(2)], axis=1)
         self._check_rows_agree(mx, "row maxima", where)
-        m_new = np.maximum(c.row_max, mx)
-        neg_m = np.where(m_new == -np.inf, f32(0), -m_new * self.scale_log2).astype(f32)
-        if first:
-            c.row_sum[:] = 0
-            c.corr_from = None
-        else:
-            with np.errstate(invalid="ignore"):
-                c.corr = hw.ex2_approx_ftz(hw.fma32(c.row_max, self.scale_log2, neg_m))
-            c.row_sum = (c.row_sum * c.corr).astype(f32)
-            c.corr_from = c.max_block
-        c.row_max = m_new.astype(f32)
+        p = s
+        for h in range(2):
+            p, c.row_max[:, h], c.row_sum[:, h], corr = sm.update(p, h, c.row_max[:, h], c.row_sum[:, h], self.scale_log2, first)
+            if not first:  # the emitted first block keeps no factor (the prologue has no rescale_O)
+                c.corr[:, h] = corr
+        c.corr_from = None if first else c.max_block
         c.max_block = g
-        p = hw.ex2_approx_ftz(hw.fma32(s, self.scale_log2, np.take_along_axis(neg_m, self.s_slot, axis=1)))
-        for h in range(2):  # row_sum += p[i] + p[i+1] over the row's value pairs (zeros elsewhere: exact)
-            vals = np.where(self.s_slot == h, p, f32(0))
-            pairs = (vals[:, 0::2] + vals[:, 1::2]).astype(f32)
-            acc = c.row_sum[:, h].copy()
-            for k in range(pairs.shape[1]):
-                acc = (acc + pairs[:, k]).astype(f32)
-            c.row_sum[:, h] = acc
-        c.s_acc = p.astype(f32)
+        c.s_acc = p
         c.s_state = ("P", g)
 
     def convert_p(self, c: _Consumer, where: str) -> None:
@@ -710,7 +701,8 @@ class _Cta:
         if c.o_scale is not None and c.o_scale != c.corr_from:
             self.flag(where, f"consumer {c.w}: rescale_O applies the correction from block {self.name(c.corr_from)}'s max "
                              f"to O scaled to block {self.name(c.o_scale)}'s")
-        c.o_acc = (c.o_acc * np.take_along_axis(c.corr, self.o_slot, axis=1)).astype(np.float32)
+        for h in range(2):
+            c.o_acc = scale_row(c.o_acc, h, c.corr[:, h])
         c.o_scale = c.max_block
 
     # -- a tile's output
@@ -721,13 +713,10 @@ class _Cta:
     def _finish(self, row_max: np.ndarray, row_sum: np.ndarray, what: str, where: str) -> tuple[np.ndarray, np.ndarray]:
         """The emitted rows' finish: row sums quad-reduced (checked to agree), ``1/l`` (0 for a row
         without keys) and each row's LSE (-inf there), per thread and row half."""
-        f32 = np.float32
-        l = self._butterfly(row_sum.copy(), np.add)
+        ep = self.epilogue_rule
+        l = ep.row_sum(row_sum.T).T  # [thread, row half]
         self._check_rows_agree(l, what, where)
-        with np.errstate(divide="ignore"):
-            inv = np.where(l > 0, f32(1) / l, f32(0)).astype(f32)
-            logl = np.log(l.astype(np.float64)).astype(f32)
-        return inv, np.where(l > 0, hw.fma32(row_max, self.scale, logl), f32(-np.inf))
+        return ep.inv(l), ep.lse(row_max, l, self.scale)
 
     def _lse_rows(self, row_lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The LSE the writer threads store (one lane per quad): (rows within the warpgroup, values)."""
@@ -736,7 +725,6 @@ class _Cta:
 
     def finish_rows(self, c: _Consumer, ti: int, where: str) -> None:
         """Row sums quad-reduced, 1/l kept for store_O, lse written; row statistics reset for the next tile."""
-        f32 = np.float32
         if c.max_block != self._last(ti):
             self.flag(where, f"consumer {c.w}: finish_rows of tile {ti} with the statistics of block "
                              f"{self.name(c.max_block)}, not of its last block {self.name(self._last(ti))}")
@@ -769,7 +757,7 @@ class _Cta:
         if c.o_scale is not None and c.o_scale != self._last(ti):
             self.flag(where, f"consumer {c.w}: O is scaled to block {self.name(c.o_scale)}'s max, the statistics to "
                              f"block {self.name(self._last(ti))}'s")
-        val = (c.o_acc * np.take_along_axis(inv, self.o_slot, axis=1)).astype(f32)
+        val = self._normalized(c.o_acc, inv)
         img, o_stage, o = self.smem.view("<u2"), self.o_stage, self.o[ti]
         # st.shared.b32 of pack2(value i, value i+1), i even, at o_stage(c_map(thread, i))
         ev = np.arange(0, val.shape[1], 2)
@@ -781,8 +769,8 @@ class _Cta:
             if clash:
                 self.flag(where, f"consumer {c.w} stages O over {clash} element(s) another warpgroup or the "
                                  "producer may still use (other consumers' Q or O rows, the K/V ring, the mbarriers)")
-            img[dst] = hw.encode(val[:, ev], self.dtype)
-            img[dst + 1] = hw.encode(val[:, ev + 1], self.dtype)
+            img[dst] = self.epilogue_rule.convert(val[:, ev], self.dtype)
+            img[dst + 1] = self.epilogue_rule.convert(val[:, ev + 1], self.dtype)
             # the TMA stores of this consumer's boxes (plan.stores) read the rows back; rows past
             # the sequence end are not written
             rows = np.arange(64 * c.w, 64 * c.w + 64)
@@ -865,20 +853,20 @@ class _Cta:
         m = parts[0][0].copy()
         for mk, _, _ in parts:
             m = np.fmax(m, mk)
-        neg = np.where(m == -np.inf, f32(0), -m * self.scale_log2).astype(f32)
+        sm = self.softmax_rule
+        neg = sm.neg_max(m, self.scale_log2)
         l = np.zeros_like(m)
         o = np.zeros_like(parts[0][2])
         for mk, lk, ok in parts:
-            c = hw.ex2_approx_ftz(hw.fma32(mk, self.scale_log2, neg))
+            c = sm.rescale_factor(mk, self.scale_log2, neg)
             l = hw.fma32(lk, c, l)
             o = hw.fma32(ok, np.take_along_axis(c, self.o_slot, axis=1), o)
         inv, row_lse = self._finish(m, l, "merged row sums", f"merge of consumer {w}")
         lse = np.full(64, np.nan, f32)
         rows, vals = self._lse_rows(row_lse)
         lse[rows] = vals
-        val = (o * np.take_along_axis(inv, self.o_slot, axis=1)).astype(f32)
         out = np.zeros((64, self.cfg.d_head), np.uint16)
-        out[self.co.rows, self.co.cols] = hw.encode(val, self.dtype)
+        out[self.co.rows, self.co.cols] = self.epilogue_rule.convert(self._normalized(o, inv), self.dtype)
         return out, lse
 
 

@@ -216,15 +216,6 @@ def test_mma_double_buffer_loads(source):
     assert "uint32_t v_frag[1]" in whole_v and "uint32_t k_frag[2]" in whole_v
 
 
-def test_optimized_softmax(source):
-    on = kernel_body(source(BASE).text)
-    off = kernel_body(source(BASE.replace(optimized_softmax=False)).text)
-    assert "ex2_approx(fmaf(" in on and "expf(" not in on
-    assert re.search(r"if \(j > \w+\) \{  // the first block has nothing to rescale", on)
-    assert "ex2_approx" not in off and not re.search(r"if \(j > \w+\)", off)
-    assert "expf(" in off
-
-
 def test_dtype(source):
     for cfg, ptx_t, elem in ((BASE, "f16", "__half"), (BF16, "bf16", "__nv_bfloat16")):
         text = source(cfg).text
