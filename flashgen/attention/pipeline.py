@@ -27,6 +27,8 @@ from typing import Hashable, Iterable
 
 import attrs
 
+from ..dsl.steps import Commit, Copy, Step, Wait
+
 
 @attrs.frozen
 class MbarrierRing:
@@ -137,6 +139,46 @@ class CpAsyncGroups:
             raise ValueError(f"a use's group cannot have {committed_since} groups after it")
         return committed_since
 
+    def resolve(self, prologue: tuple[Step, ...], body: tuple[Step, ...], max_blocks: int = 4) -> tuple[tuple, tuple]:
+        """The schedule with each ``Wait`` that names what it ``needs`` given its count: walked over loops
+        of 1 to ``max_blocks`` key blocks, :meth:`wait_count` of the newest needed copy still in flight
+        (0 when all landed). A wait whose count would differ between the blocks it runs in is an error:
+        the schedule must split it by guards."""
+        counts: dict[tuple[str, int], int] = {}
+        for n in range(1, max_blocks + 1):
+            queue = GroupQueue()
+            for j, part, steps in [(0, "prologue", prologue)] + [(j, "body", body) for j in range(n)]:
+                for i, step in enumerate(steps):
+                    if step.guard is None or step.guard.holds(j, 0, n):
+                        self._walk_step(queue, step, (part, i), j, n, counts)
+        return tuple(self._with_count(s, ("prologue", i), counts) for i, s in enumerate(prologue)), \
+            tuple(self._with_count(s, ("body", i), counts) for i, s in enumerate(body))
+
+    def _walk_step(self, queue: "GroupQueue", step: Step, at: tuple[str, int], j: int, n: int, counts: dict) -> None:
+        """One step of :meth:`resolve`'s walk (block ``j`` of ``[0, n)``), recording a wait's count at ``at``."""
+        if isinstance(step, Copy):
+            queue.add((step.arg, None if step.block is None else step.block.index(j, 0, n)))
+        elif isinstance(step, Commit):
+            queue.commit()
+        elif isinstance(step, Wait):
+            if step.needs:
+                needed = [(t, None if b is None else b.index(j, 0, n)) for t, b in step.needs]
+                count = self.wait_count(min((queue.newer_than(c) for c in needed if queue.pending(c)), default=0))
+                if counts.setdefault(at, count) != count:
+                    raise ValueError(f"{at[0]} step {at[1]} ({step}): wait_group {counts[at]} in one block, {count} in "
+                                     f"another (block {j} of {n}); split it by guards")
+            else:
+                count = int(step.arg)
+            queue.wait(count)
+
+    @staticmethod
+    def _with_count(step: Step, at: tuple[str, int], counts: dict) -> Step:
+        if not isinstance(step, Wait) or not step.needs:
+            return step
+        if at not in counts:
+            raise ValueError(f"{at[0]} step {at[1]} ({step}) never runs: no count for it")
+        return attrs.evolve(step, arg=str(counts[at]))
+
     def queue(self) -> "GroupQueue":
         """An empty queue of groups, evaluating the rule (the simulator's)."""
         return GroupQueue()
@@ -163,6 +205,10 @@ class GroupQueue:
         done = self.committed[: max(0, len(self.committed) - n)]
         self.committed = self.committed[len(done):]
         return [c for group in done for c in group]
+
+    def pending(self, copy: Hashable) -> bool:
+        """Whether ``copy`` is in flight (in the open group or a committed one)."""
+        return copy in self.open or any(copy in group for group in self.committed)
 
     def newer_than(self, copy: Hashable) -> int:
         """Groups committed after the one holding ``copy`` (``wait_group`` of that many completes it)."""

@@ -16,6 +16,10 @@ What is modelled
   each load waiting for its ring stage (Q: the previous tile's Q) to be released by every
   consumer warp (the plan's ``*_empty`` arrive counts). It runs as far ahead as the ring
   allows after every consumer step, so a stage released too early really is overwritten.
+* **mbarriers** by phase: a fill completes a phase of its slot's full barrier, the count's
+  last release one of its empty barrier; producer and consumers wait for the slot and parity
+  the plan's rings give (``kv_ring``, ``q_ring``: :mod:`flashgen.attention.pipeline`), so a
+  wrong stage or phase rule deadlocks or passes a wait on a slot holding other data.
 * **Consumers**: each walks, per tile, the plan's ``tile_start`` (the Q wait), prologue / body per
   block / epilogue, then its ``tile_output`` (``finish_rows``, ``store_O``: walked as steps so
   their placement is checked too); round-robin one step at a

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from flashgen.attention.pipeline import CpAsyncGroups, GroupQueue, MbarrierRing
-from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression
 from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.sim import hopper
+from flashgen.dsl.plan import make_plan, make_schedule
+from flashgen.dsl.steps import BEGIN, HAS_NEXT, J, NEXT, Commit, Copy, Wait
+from flashgen.sim import cta, hopper
 
 W = KernelConfig.wgmma
 
@@ -169,3 +171,60 @@ def test_group_queue_completes_groups_in_commit_order():
     assert q.wait(0) == ["K1"] and q.open == ["V1"]
     with pytest.raises(KeyError):
         q.newer_than("V1")
+
+
+# ---- cp.async groups (mma_sync) ------------------------------------------------------------------
+
+ASYNC_CFGS = [c for c in dict.fromkeys(default_configs() + kernel_progression()) if c.async_copy]
+
+
+def _needed_land(cfg, groups: CpAsyncGroups, n: int) -> list[str]:
+    """Walk the schedule ``groups`` derives over ``n`` blocks with a GroupQueue: at each wait, whether the
+    copies it needs land with its count, and whether a count one less would already leave one in flight."""
+    sched = make_schedule(cfg, groups)
+    queue, problems = GroupQueue(), []
+    for j, steps in [(0, sched.prologue)] + [(j, sched.body) for j in range(n)]:
+        for s in steps:
+            if s.guard is not None and not s.guard.holds(j, 0, n):
+                continue
+            if isinstance(s, Copy):
+                queue.add((s.arg, None if s.block is None else s.block.index(j, 0, n)))
+            elif isinstance(s, Commit):
+                queue.commit()
+            elif isinstance(s, Wait):
+                needed = [(t, None if b is None else b.index(j, 0, n)) for t, b in s.needs]
+                if int(s.arg) > 0 and not any(queue.pending(c) and queue.newer_than(c) == int(s.arg) for c in needed):
+                    problems.append(f"block {j}: {s} waits for more groups than it needs")
+                queue.wait(int(s.arg))
+                problems += [f"block {j}: {c} in flight after {s}" for c in needed if queue.pending(c)]
+    return problems
+
+
+@pytest.mark.parametrize("cfg", ASYNC_CFGS, ids=str)
+def test_derived_waits_land_what_each_use_reads_and_no_more(cfg):
+    """The wait counts of the mma_sync schedules, derived from the commits: after each wait the copies it
+    names have landed, and one group fewer in flight would not have been needed."""
+    for n in range(1, 6):
+        assert _needed_land(cfg, CpAsyncGroups(), n) == []
+
+
+class _WaitsTooFew(CpAsyncGroups):
+    def wait_count(self, committed_since):
+        return super().wait_count(committed_since) + 1
+
+
+@pytest.mark.parametrize("cfg", [next(c for c in ASYNC_CFGS if c.eager_load_blocks == eager) for eager in (True, False)], ids=str)
+def test_the_cta_simulator_catches_a_wrong_group_rule(cfg):
+    """A group rule that leaves one group too many in flight: the CTA simulator sees a read of data in
+    flight (the right rule walks clean)."""
+    plan = make_plan(cfg)
+    assert cta.check_schedule(plan, 3) == []
+    bad = attrs.evolve(plan, schedule=make_schedule(cfg, _WaitsTooFew()))
+    assert any("in flight" in h for h in cta.check_schedule(bad, 3))
+
+
+def test_a_wait_whose_count_depends_on_the_block_is_refused():
+    """One unguarded wait for V_j where the next K block's commit follows it in all but the last block."""
+    body = (Copy("V", J), Commit(), Copy("K", NEXT, guard=HAS_NEXT), Commit(guard=HAS_NEXT), Wait(needs=(("V", J),)))
+    with pytest.raises(ValueError, match="split it by guards"):
+        CpAsyncGroups().resolve((Copy("K", BEGIN), Commit()), body)
