@@ -14,7 +14,8 @@ Two forms, one per way the hardware orders asynchronous copies:
 * :class:`CpAsyncGroups` (mma_sync engine): ``cp.async`` copies join the open group,
   ``commit_group`` closes it, groups complete in commit order, so ``wait_group N`` completes all
   but the ``N`` newest. The count a use must wait with is the number of groups committed after
-  the one holding its data (:meth:`CpAsyncGroups.wait_count`).
+  the one holding its data (:meth:`CpAsyncGroups.wait_count`); :meth:`CpAsyncGroups.resolve`
+  gives each wait of a schedule, which names the copies it needs, its count.
 
 The ring renders its rule as C++ expressions (``*_cpp``) for the emitted producer and consumers and
 evaluates it in Python (the same names without ``_cpp``) for the wgmma simulator; :class:`GroupQueue`
