@@ -334,7 +334,6 @@ class _Cta:
         # ring state
         self.stage_block = {"K": [None] * cfg.stages, "V": [None] * cfg.stages}
         self.q_tile: int | None = None  # whose Q is in shared memory
-        self.loaded: set = set()
         self.arrivals: dict = {}  # (tensor, block or tile) -> releases' arrivals, for the messages
         # the mbarriers: (tensor, slot) -> phases completed (full: fills landed; empty: slots released) and
         # the arrivals of the empty barrier's phase in progress
@@ -443,7 +442,6 @@ class _Cta:
                 tma_fill(self.smem, plan.loads[t], plan.loads[t].tile.stage_offset(st), rows)
                 self.stage_block[t][st] = x
             self.full_phases[(t, st)] = self.full_phases.get((t, st), 0) + 1  # the fill's bytes landed
-            self.loaded.add((t, x))
             self.prod_pc += 1
 
     # -- the walk
