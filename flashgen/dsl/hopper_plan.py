@@ -34,6 +34,7 @@ import functools
 
 import attrs
 
+from ..attention.pipeline import MbarrierRing
 from ..attention.scheduler import TileScheduler
 from .atoms.hopper import (
     GmmaSwizzle,
@@ -157,6 +158,10 @@ class HopperPlan:
     loads: dict  # Q, K, V -> TmaTile
     stores: dict  # O -> TmaTile: each consumer stores its 64 staged rows (TmaStore boxes of 64 rows)
     barriers: dict  # name -> (Mbarrier, offset, count per stage)
+    #: the K/V ring's stages and phases (k_* and v_* barriers, one use per key block) and Q's one slot
+    #: (q_* barriers, one use per tile), counted over the CTA's tiles
+    kv_ring: MbarrierRing
+    q_ring: MbarrierRing
     gemm_S: WarpgroupGemm
     gemm_O: WarpgroupGemm
     #: Q's A fragments loaded once per tile when S reads A from registers (``cfg.q_in_registers``), else None
@@ -351,6 +356,7 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         loads=loads,
         stores=stores,
         barriers=barriers,
+        kv_ring=MbarrierRing("kv", st, stages_name="STAGES"), q_ring=MbarrierRing("q", 1, per_tile=True),
         gemm_S=gemm_s,
         gemm_O=gemm_o,
         q_load=q_load,

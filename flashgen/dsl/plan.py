@@ -12,6 +12,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from ..attention.pipeline import CpAsyncGroups
 from .atoms.copy import (
     GM2SM,
     GM2SM_async,
@@ -252,11 +253,11 @@ def _row_reduce_lanes(c_map: TVMap) -> tuple[int, ...]:
     return tuple(1 << bit for bit in range(5) if np.array_equal(rows[lanes], rows[lanes ^ (1 << bit)]))
 
 
-def _schedule(cfg: KernelConfig) -> Schedule:
+def make_schedule(cfg: KernelConfig, groups: CpAsyncGroups = CpAsyncGroups()) -> Schedule:
     """Which copy is issued when and which wait/barrier guards each use.
 
-    cp.async groups complete in order, so ``wait_group N`` = "all but the N most
-    recent groups have landed"; a barrier then makes them visible CTA-wide.
+    Each wait names the copies the steps after it read; ``groups`` (the cp.async group rule) derives
+    its ``wait_group`` count from the commits before it. A barrier then makes the data visible CTA-wide.
     """
     resident_q = LoadRF("Q", guard=FIRST_BLOCK, why="Q fragments stay in registers for the whole CTA") if cfg.Q_mma_load_K_tiles == 0 else None
     if not cfg.async_copy:
@@ -272,25 +273,25 @@ def _schedule(cfg: KernelConfig) -> Schedule:
             Gemm("O", why="O += P V_j"),
             # no barrier here: the next block's first barrier (after its K copy, before its V copy) covers V_j
         )
-        return Schedule(pro, tuple(s for s in body if s))
+        return Schedule(*groups.resolve(pro, tuple(s for s in body if s)))
     if not cfg.eager_load_blocks:
         pro = (Copy("Q", why="Q block"), Commit())
         body = (
             Copy("K", J, why="K_j"),
             Commit(),
-            Wait("0", why="Q and K_j have landed"),
+            Wait(needs=(("Q", None), ("K", J)), why="Q and K_j have landed"),
             Barrier(why="... and are visible to all warps"),
             resident_q,
             Copy("V", J, why="V_j overlaps S = Q K_j^T and the softmax"),
             Commit(),
             Gemm("S", why="S = Q K_j^T"),
             Softmax(why="online softmax on S, rescale O"),
-            Wait("0", why="V_j has landed"),
+            Wait(needs=(("V", J),), why="V_j has landed"),
             Barrier(why="V_j visible; all warps done reading K_j"),
             Gemm("O", why="O += P V_j"),
             # no barrier here: V_{j+1} is copied only after the next block's first barrier
         )
-        return Schedule(pro, tuple(s for s in body if s))
+        return Schedule(*groups.resolve(pro, tuple(s for s in body if s)))
     pro = (
         Copy("Q", why="Q block"),
         Copy("K", BEGIN, guard=Guard(0, "<", "end"), why="first K block together with Q"),
@@ -299,7 +300,7 @@ def _schedule(cfg: KernelConfig) -> Schedule:
     body = (
         Copy("V", J, why="V_j overlaps S = Q K_j^T and the softmax"),
         Commit(),
-        Wait("1", why="all but the newest group (V_j) have landed: Q, K_j"),
+        Wait(needs=(("Q", None), ("K", J)), why="all but the newest group (V_j) have landed: Q, K_j"),
         Barrier(why="K_j visible to all warps"),
         resident_q,
         Gemm("S", why="S = Q K_j^T"),
@@ -307,13 +308,13 @@ def _schedule(cfg: KernelConfig) -> Schedule:
         Copy("K", NEXT, guard=HAS_NEXT, why="prefetch K_{j+1} during softmax and P V_j"),
         Commit(guard=HAS_NEXT),
         Softmax(why="online softmax on S, rescale O"),
-        Wait("1", guard=HAS_NEXT, why="V_j has landed (K_{j+1} may be in flight)"),
-        Wait("0", guard=LAST_BLOCK, why="V_j has landed"),
+        Wait(guard=HAS_NEXT, needs=(("V", J),), why="V_j has landed (K_{j+1} may be in flight)"),
+        Wait(guard=LAST_BLOCK, needs=(("V", J),), why="V_j has landed"),
         Barrier(why="V_j visible to all warps"),
         Gemm("O", why="O += P V_j"),
         Barrier(why="all warps done with V_j before V_{j+1} overwrites it"),
     )
-    return Schedule(pro, tuple(s for s in body if s))
+    return Schedule(*groups.resolve(pro, tuple(s for s in body if s)))
 
 
 def make_plan(cfg: KernelConfig) -> KernelPlan:
@@ -388,6 +389,6 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
     gemm_S = WarpGemm("S", mma, cfg.m_tiles_per_warp, BC // 8, DM, s2r["Q"], s2r["K"])
     gemm_O = WarpGemm("O", mma, cfg.m_tiles_per_warp, DM // 8, BC, None, s2r["V"])
     return KernelPlan(
-        cfg, tensors, g2s, s2r, r2s, s2g, gemm_S, gemm_O, _schedule(cfg), _row_reduce_lanes(c_map),
+        cfg, tensors, g2s, s2r, r2s, s2g, gemm_S, gemm_O, make_schedule(cfg), _row_reduce_lanes(c_map),
         ScoreMask(cfg.mask, BR, BC), cfg.d_head,
     )

@@ -113,10 +113,14 @@ class Commit(Step):
     op = "commit"
 
 
+@attrs.frozen
 class Wait(Step):
-    """``cp.async.wait_group arg``: all but the ``arg`` newest groups have landed."""
+    """``cp.async.wait_group arg``: all but the ``arg`` newest groups have landed. ``needs``: the copies
+    (tensor, :class:`Block` or None for Q) the steps after it read, from which the plan derives ``arg``
+    (:meth:`flashgen.attention.pipeline.CpAsyncGroups.resolve`)."""
 
     op = "wait"
+    needs: tuple = ()
 
 
 class Barrier(Step):

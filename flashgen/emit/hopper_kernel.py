@@ -117,7 +117,7 @@ def _stage(step: Step) -> str:
 def _wait_full(plan: HopperPlan, step: WaitFull) -> list[str]:
     stage = _stage(step)
     if not stage:  # Q: one slot, one phase per tile
-        return [f"mbar_wait(bar_{step.arg.lower()}_full, q_it & 1u);"]
+        return [f"mbar_wait(bar_{step.arg.lower()}_full, {plan.q_ring.phase_cpp('q_it')});"]
     return [f"mbar_wait(bar_{step.arg.lower()}_full + 8 * {stage}, {'ph' if stage == 'st' else 'ph_prev'});"]
 
 
@@ -281,16 +281,15 @@ _PRODUCER = CodeTemplate(
             mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
             $load_q
             for (int j = j_begin; j < j_end; ++j) {
-                const uint32_t it = kv_it + uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;
-                mbar_wait(bar_k_empty + 8 * st, ph ^ 1u);  // a fresh barrier passes parity 1 at once
+                const uint32_t $kv_use_vars;
+                mbar_wait(bar_k_empty + 8 * st, $kv_empty_phase);  // a fresh barrier passes parity 1 at once
                 mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
                 $load_k
-                mbar_wait(bar_v_empty + 8 * st, ph ^ 1u);
+                mbar_wait(bar_v_empty + 8 * st, $kv_empty_phase);
                 mbar_arrive_expect_tx(bar_v_full + 8 * st, KV_BYTES);
                 $load_v
             }
-            kv_it += uint32_t(j_end - j_begin);
-            ++q_it;
+            $count_tile
         }
     }
     return;
@@ -334,8 +333,7 @@ for (int r = 0; cta_work(r, &t); ++r) {
         $tile_start
         $load_q_frags
         $main_loop
-        kv_it += uint32_t(j_end - j_begin);
-        ++q_it;
+        $count_tile
     }
 
     $merge_parts
@@ -568,6 +566,13 @@ def _tma_store_calls(plan: HopperPlan) -> list[str]:
             for col0, off in sorted(first.items())]
 
 
+def _kv_use_vars(plan: HopperPlan) -> str:
+    """``it``: the K/V ring's use of block ``j`` (the CTA's counter ``kv_it`` runs over its tiles); ``st``,
+    ``ph``: its slot and the parity of its full barrier (plan.kv_ring)."""
+    ring = plan.kv_ring
+    return f"it = {ring.use_cpp('kv_it')}, st = {ring.stage_cpp('it')}, ph = {ring.phase_cpp('it')}"
+
+
 def _main_loop(plan: HopperPlan) -> list[str]:
     """prologue (first block) -> body over the rest -> epilogue, each step from the plan."""
     out: list[str] = []
@@ -575,9 +580,10 @@ def _main_loop(plan: HopperPlan) -> list[str]:
     def steps(seq) -> list[str]:
         return [line for s in seq for line in _step(plan, s)]
 
-    stage_vars = [
-        "const uint32_t it = kv_it + uint32_t(j - j_begin), st = it % STAGES, ph = (it / STAGES) & 1u;",
-        "const uint32_t st_prev = (it + STAGES - 1) % STAGES, ph_prev = ((it + STAGES - 1) / STAGES - 1) & 1u;",
+    ring = plan.kv_ring
+    stage_vars = [  # the ring's slot and full-barrier parity of block j (st, ph) and of block j - 1 (st_prev, ph_prev)
+        f"const uint32_t {_kv_use_vars(plan)};",
+        f"const uint32_t st_prev = {ring.prev_stage_cpp('it')}, ph_prev = {ring.prev_phase_cpp('it')};",
         "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
     ]
     dispatch = lambda fn: [  # noqa: E731
@@ -756,7 +762,8 @@ def _shared_memory_env(plan: HopperPlan) -> dict:
         smem_decls.append(f"const uint32_t bar_{bname} = smem + {off}u;  // [{stages}] x 8 bytes")
         bars.append(f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{bname} + 8 * s, {bar.arrive_count});")
     if plan.cfg.persistent:  # Q released per tile, O staged apart
-        wait_q_empty = ["mbar_wait(bar_q_empty, (q_it & 1u) ^ 1u);  // every consumer's last S GEMM of the previous tile read Q"]
+        q_empty = plan.q_ring.empty_phase_cpp(plan.q_ring.phase_cpp("q_it"))
+        wait_q_empty = [f"mbar_wait(bar_q_empty, {q_empty});  // every consumer's last S GEMM of the previous tile read Q"]
         o_stage_decl = [f"const uint32_t sO = smem + {plan.tiles['O'].offset}u;  // apart from Q: the next tile's Q may be landing",
                         "if (wtid == 0) bulk_wait_group_read<0>();  // the previous tile's TMA stores have read the staged rows",
                         "named_bar_sync(1 + CONSUMERS + cw, 128);  // ... before this warpgroup writes them again"]
@@ -779,7 +786,9 @@ def _roles_env(plan: HopperPlan) -> dict:
         pingpong_start, pingpong_end = ["// no pingpong: consumers issue GEMMs independently"], []
     tile_loop_doc = ("persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds" if plan.scheduler.persistent
                      else "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)")
-    return dict(producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs,
+    return dict(producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, kv_use_vars=_kv_use_vars(plan),
+                kv_empty_phase=plan.kv_ring.empty_phase_cpp("ph"),
+                count_tile=[plan.kv_ring.after_tile_cpp("kv_it"), plan.q_ring.after_tile_cpp("q_it")],
                 load_q=_tma_calls(plan, "Q"), load_k=_tma_calls(plan, "K"), load_v=_tma_calls(plan, "V"),
                 q_frag_decl=_q_frag_decl(plan), desc_q_decl=_desc_q_decl(plan), load_q_frags=_load_q_frags(plan),
                 k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u", v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u", swizzle_code=f"{bk.swizzle.desc_code}u",

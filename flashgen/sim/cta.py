@@ -40,6 +40,7 @@ import attrs
 import numpy as np
 
 from flashgen.attention.epilogue import epilogue
+from flashgen.attention.pipeline import CpAsyncGroups
 from flashgen.attention.softmax import online_softmax, scale_row
 from flashgen.dsl.config import LOG2E, KernelConfig
 from flashgen.dsl.plan import KernelPlan, make_plan
@@ -79,8 +80,7 @@ class HazardTracker:
         self.latest = {t: np.full(n, -1, dtype=np.int64) for t, n in tiles.items()}
         self.reads = {t: np.zeros((n_warps, n), dtype=bool) for t, n in tiles.items()}
         self.events: list[_Write] = []
-        self.open_group: list[int] = []
-        self.groups: list[list[int]] = []
+        self.groups = CpAsyncGroups().queue()  # the async writes' ids, grouped as committed
         self.hazards: list[str] = []
 
     # -- writes
@@ -102,21 +102,18 @@ class HazardTracker:
         ev = _Write(len(self.events), tile, label, writer, is_async, where, completed=not is_async)
         self.events.append(ev)
         if is_async:
-            self.open_group.append(ev.id)
+            self.groups.add(ev.id)
         self.latest[tile][mask] = ev.id
         return ev.id
 
     def commit(self) -> None:
-        for i in self.open_group:
+        for i in self.groups.open:
             self.events[i].committed = True
-        self.groups.append(self.open_group)
-        self.open_group = []
+        self.groups.commit()
 
     def wait(self, n: int) -> list[int]:
         """``cp.async.wait_group n``: ids of the writes completed now."""
-        done_groups = self.groups[: max(0, len(self.groups) - n)]
-        self.groups = self.groups[len(done_groups):]
-        done = [i for g in done_groups for i in g]
+        done = self.groups.wait(n)
         for i in done:
             self.events[i].completed = True
         return done

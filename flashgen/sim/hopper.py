@@ -16,6 +16,10 @@ What is modelled
   each load waiting for its ring stage (Q: the previous tile's Q) to be released by every
   consumer warp (the plan's ``*_empty`` arrive counts). It runs as far ahead as the ring
   allows after every consumer step, so a stage released too early really is overwritten.
+* **mbarriers** by phase: a fill completes a phase of its slot's full barrier, the count's
+  last release one of its empty barrier; producer and consumers wait for the slot and parity
+  the plan's rings give (``kv_ring``, ``q_ring``: :mod:`flashgen.attention.pipeline`), so a
+  wrong stage or phase rule deadlocks or passes a wait on a slot holding other data.
 * **Consumers**: each walks, per tile, the plan's ``tile_start`` (the Q wait), prologue / body per
   block / epilogue, then its ``tile_output`` (``finish_rows``, ``store_O``: walked as steps so
   their placement is checked too); round-robin one step at a
@@ -67,7 +71,7 @@ from flashgen.attention.softmax import online_softmax, scale_row
 from flashgen.dsl.config import LOG2E, WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
-from flashgen.dsl.steps import (J, ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
+from flashgen.dsl.steps import (J, Block, ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
                                 WgmmaWait, runs)
 from flashgen.sim import hardware as hw
 from flashgen.sim.layout_eval import offsets
@@ -317,9 +321,14 @@ class _Cta:
             self.tiles = [_Tile(t.q_row0, jb, je) for t, (jb, je) in zip(self.tiles, ranges, strict=True)]
         if len(self.tiles) > 1 and "q_empty" not in plan.barriers:
             raise ValueError(f"{cfg.short_form()}: only a persistent plan (q_empty barrier) walks several tiles")
-        # key blocks in the order the CTA visits them: global index g -> (tile, key block); ring stage g % stages
+        # key blocks in the order the CTA visits them: global index g (the K/V ring's use) -> (tile, key block);
+        # the rings count uses over the tiles as the emitted kv_it and q_it do (tiles without key blocks use none)
+        self.kv_ring, self.q_ring = plan.kv_ring, plan.q_ring
         self.blocks = [(ti, j) for ti, t in enumerate(self.tiles) for j in range(t.jb, t.je)]
-        self.first_g = np.cumsum([0] + [t.n for t in self.tiles]).tolist()
+        self.first_g, self.q_use = [0], [0]
+        for t in self.tiles:
+            self.first_g.append(self.kv_ring.after_tile(self.first_g[-1], t.jb, t.je) if t.n else self.first_g[-1])
+            self.q_use.append(self.q_ring.after_tile(self.q_use[-1], t.jb, t.je) if t.n else self.q_use[-1])
         self.jb, self.je = self.tiles[0].jb, self.tiles[0].je
         self.hazards: list[str] = []
         self.smem = np.zeros(plan.smem_bytes, np.uint8)  # base 0 stands for the 1024-aligned dynamic base
@@ -328,8 +337,12 @@ class _Cta:
         # ring state
         self.stage_block = {"K": [None] * cfg.stages, "V": [None] * cfg.stages}
         self.q_tile: int | None = None  # whose Q is in shared memory
-        self.loaded: set = set()
-        self.arrivals: dict = {}
+        self.arrivals: dict = {}  # (tensor, block or tile) -> releases' arrivals, for the messages
+        # the mbarriers: (tensor, slot) -> phases completed (full: fills landed; empty: slots released) and
+        # the arrivals of the empty barrier's phase in progress
+        self.full_phases: dict = {}
+        self.empty_phases: dict = {}
+        self.empty_arrivals: dict = {}
         self.prod_ops = []
         for ti, t in enumerate(self.tiles):  # the emitted producer skips tiles without key blocks
             g0 = self.first_g[ti]
@@ -402,7 +415,7 @@ class _Cta:
         t, block = self.tiles[ti], s.block or J
         if block.base == "end" and not t.n:
             return None
-        return self.first_g[ti] + block.index(j, t.jb, t.je) - t.jb
+        return self.kv_ring.use(self.first_g[ti], block.index(j, t.jb, t.je), t.jb)
 
     def _consumer(self, w: int) -> _Consumer:
         g = self.plan
@@ -420,26 +433,22 @@ class _Cta:
         cfg, plan = self.cfg, self.plan
         while self.prod_pc < len(self.prod_ops):
             t, x = self.prod_ops[self.prod_pc]
-            if t == "Q":  # the previous tile's Q released by every consumer warp
-                if self.q_tile is not None:
-                    need = plan.barriers["q_empty"][0].arrive_count
-                    if self.arrivals.get(("Q", self.q_tile), 0) < need:
-                        return
+            ring, it = (self.q_ring, self.q_use[x]) if t == "Q" else (self.kv_ring, x)
+            st = ring.stage(it)
+            # the emitted producer waits for Q's empty barrier only when persistent (one tile otherwise)
+            if (t != "Q" or "q_empty" in plan.barriers) and not self._passes(self.empty_phases, (t, st), ring.empty_phase(it)):
+                return
+            if t == "Q":
                 tile = self.tiles[x]
                 tma_fill(self.smem, plan.loads["Q"], plan.tiles["Q"].offset,
                          self.q[tile.q_row0: min(tile.q_row0 + cfg.B_r, self.seq_q)])
                 self.q_tile = x
             else:
-                st = x % cfg.stages
-                if x >= cfg.stages:
-                    need = plan.barriers[f"{t.lower()}_empty"][0].arrive_count
-                    if self.arrivals.get((t, x - cfg.stages), 0) < need:
-                        return
                 j = self.blocks[x][1]
                 rows = getattr(self, t.lower())[j * cfg.B_c: (j + 1) * cfg.B_c]
                 tma_fill(self.smem, plan.loads[t], plan.loads[t].tile.stage_offset(st), rows)
                 self.stage_block[t][st] = x
-            self.loaded.add((t, x))
+            self.full_phases[(t, st)] = self.full_phases.get((t, st), 0) + 1  # the fill's bytes landed
             self.prod_pc += 1
 
     # -- the walk
@@ -475,13 +484,38 @@ class _Cta:
         c.pc += 1
         return True
 
+    @staticmethod
+    def _passes(phases: dict, barrier: tuple, parity: int) -> bool:
+        """``mbarrier.try_wait.parity``: the phase of this parity completed, i.e. the phase in progress has
+        the other one (a fresh barrier is in phase 0: parity 1 passes at once)."""
+        return (phases.get(barrier, 0) & 1) != parity
+
+    def slot(self, tensor: str, block: "Block | None", b: int, ti: int) -> tuple[int, int]:
+        """(slot, full parity) the emitted code computes for ``tensor``'s ``block`` (use ``b``) of tile ``ti``:
+        Q's from the tile's use; K/V's from the loop's block ``j`` (use ``it``), for block j - 1 (the last
+        block after the loop, ``j = j_end``) the ring's ``prev`` rule of ``it``."""
+        if tensor == "Q":
+            return self.q_ring.stage(self.q_use[ti]), self.q_ring.phase(self.q_use[ti])
+        ring = self.kv_ring
+        if block is not None and block.offset == -1:
+            return ring.prev_stage(b + 1), ring.prev_phase(b + 1)
+        return ring.stage(b), ring.phase(b)
+
     def wait_full(self, c: _Consumer, s: WaitFull, b: int, ti: int, where: str) -> bool:
-        """False while the data has not landed."""
+        """False while the full barrier's phase of this use has not completed; a wait that passes on a slot
+        holding other data (a phase or slot off) is a hazard."""
         key = ("Q", ti) if s.arg == "Q" else (s.arg, b)
         if s.arg != "Q" and not (b is not None and 0 <= b < len(self.blocks)):
             self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
-        elif key not in self.loaded:
-            return False
+        else:
+            st, parity = self.slot(s.arg, s.block, b, ti)
+            if not self._passes(self.full_phases, (s.arg, st), parity):
+                return False
+            held = self.q_tile if s.arg == "Q" else self.stage_block[s.arg][st]
+            if held != key[1]:
+                what = "nothing" if held is None else (f"the Q of tile {held}" if s.arg == "Q" else f"{s.arg}_{self.name(held)}")
+                self.flag(where, f"consumer {c.w}: the wait for {s.arg}_{self.name(b) if s.arg != 'Q' else ti} on slot {st}, "
+                                 f"parity {parity}, passes while the slot holds {what}")
         c.full_seen.add(key)
         if s.arg == "Q" and self.plan.q_load is not None:
             c.q_frag = (ti, self.load_q_frags(c))
@@ -519,7 +553,8 @@ class _Cta:
             if bad:
                 self.flag(where, f"consumer {c.w} touches {'/'.join(sorted(bad))} registers while wgmma group {g.what} is in flight")
 
-    def release(self, c: _Consumer, t: str, b: int, ti: int, where: str) -> None:
+    def release(self, c: _Consumer, t: str, b: int, ti: int, st: int, where: str) -> None:
+        """One arrival per warp on the empty barrier of slot ``st`` (Q's slot, or the K/V ring's slot of ``b``)."""
         if f"{t.lower()}_empty" not in self.plan.barriers:
             self.flag(where, f"consumer {c.w} releases {t} but the plan has no {t.lower()}_empty barrier")
             return
@@ -545,17 +580,22 @@ class _Cta:
         if n > need:
             self.flag(where, f"{t.lower()}_empty of {what} gets {n} arrivals, more than its count {need}")
         self.arrivals[key] = n
+        bar = (t, st)  # the slot the emitted code arrives on; its phase completes with the count's last arrival
+        self.empty_arrivals[bar] = self.empty_arrivals.get(bar, 0) + WARPS_PER_WG
+        if self.empty_arrivals[bar] >= need:
+            self.empty_arrivals[bar] = 0
+            self.empty_phases[bar] = self.empty_phases.get(bar, 0) + 1
 
-    def _check_stage(self, c: _Consumer, t: str, b: int, where: str, when: str) -> None:
-        st = b % self.cfg.stages
+    def _check_stage(self, c: _Consumer, t: str, b: int, st: int, where: str, when: str) -> None:
         held = self.stage_block[t][st]
         if held != b:
             what = "nothing" if held is None else f"{t}_{self.name(held)}"
             self.flag(where, f"consumer {c.w}: wgmma {when} stage {st} for {t}_{self.name(b)} but it holds {what}")
 
     # -- GEMMs
-    def issue(self, c: _Consumer, which: str, b: int, ti: int, where: str) -> None:
-        t = "K" if which == "S" else "V"
+    def issue(self, c: _Consumer, which: str, b: int, ti: int, st: int, where: str) -> None:
+        """Commit a wgmma group reading ring slot ``st`` (the emitted descriptor's) for block ``b``."""
+        t = _GEMM_B[which]
         if (t, b) not in c.full_seen:
             self.flag(where, f"consumer {c.w}: gemm {which} reads {t}_{self.name(b)} without its wait_full")
         if (t, b) in c.released:
@@ -565,8 +605,7 @@ class _Cta:
             self.flag(where, f"consumer {c.w}: gemm S reads Q after releasing it (the producer may load the next tile's)")
         if which == "S" and ("Q", ti) not in c.full_seen:
             self.flag(where, f"consumer {c.w}: gemm S reads Q without its wait_full")
-        self._check_stage(c, t, b, where, "issued on")
-        st = b % self.cfg.stages
+        self._check_stage(c, t, b, st, where, "issued on")
         if which == "S":
             g = _Group(f"S[{self.name(b)}]", frozenset({"S"}), frozenset(), (t, b, st), lambda: self.exec_s(c, b, ti, st, where))
         else:
@@ -582,7 +621,7 @@ class _Cta:
 
     def retire(self, c: _Consumer, where: str) -> None:
         g = c.groups.pop(0)
-        self._check_stage(c, g.smem[0], g.smem[1], f"{where} (retiring {g.what})", "executed on")
+        self._check_stage(c, *g.smem, f"{where} (retiring {g.what})", "executed on")
         g.run()
 
     def load_q_frags(self, c: _Consumer) -> np.ndarray:
@@ -878,14 +917,17 @@ def _touching(reads: set, writes: set, then):
     return run
 
 
+#: the ring tensor each GEMM reads (its B operand)
+_GEMM_B = {"S": "K", "O": "V"}
+
 #: consumer step class -> how a consumer executes it (False: it has to wait); see flashgen.dsl.steps
 _STEPS = {
     WaitFull: _Cta.wait_full,
     Turn: lambda cta, c, s, b, ti, where: cta.turn(c, where),
     Pass: lambda cta, c, s, b, ti, where: cta.pass_turn(c, where),
-    Gemm: lambda cta, c, s, b, ti, where: cta.issue(c, s.arg, b, ti, where),
+    Gemm: lambda cta, c, s, b, ti, where: cta.issue(c, s.arg, b, ti, cta.slot(_GEMM_B[s.arg], s.block, b, ti)[0], where),
     WgmmaWait: lambda cta, c, s, b, ti, where: cta.wgmma_wait(c, int(s.arg), where),
-    Release: lambda cta, c, s, b, ti, where: cta.release(c, s.arg, b, ti, where),
+    Release: lambda cta, c, s, b, ti, where: cta.release(c, s.arg, b, ti, cta.slot(s.arg, s.block, b, ti)[0], where),
     Softmax: _touching({"S"}, {"S"}, lambda cta, c, s, b, ti, where: cta.softmax(c, b, ti, s.arg == "first", where)),
     ConvertP: _touching({"S"}, {"P"}, lambda cta, c, s, b, ti, where: cta.convert_p(c, where)),
     RescaleO: _touching({"O"}, {"O"}, lambda cta, c, s, b, ti, where: cta.rescale(c, where)),

@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 from flashgen.attention.epilogue import Epilogue, epilogue
 from flashgen.attention.softmax import SCALE_ROW_CPP
 from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression
-from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.dsl.plan import make_plan
-from flashgen.emit.kernel import emit
+from flashgen.engines import emit, make_plan
 
 from host_warp import GXX, LANES, HostWarp, needs_gxx  # tests/attention is on sys.path (pytest's prepend mode)
 
@@ -116,7 +114,7 @@ def test_rejects_an_unknown_empty_row_policy():
 
 @pytest.mark.parametrize("cfg", [default_configs()[0], kernel_progression()[0], KernelConfig.wgmma("fp16", persistent=True)], ids=str)
 def test_kernels_carry_their_plans_rule(cfg):
-    plan = make_hopper_plan(cfg) if cfg.is_wgmma else make_plan(cfg)
+    plan = make_plan(cfg)
     text = emit(cfg).text
     assert epilogue(plan).to_cpp() in text
     assert "epilogue_lse(" in text[text.index("__global__"):]

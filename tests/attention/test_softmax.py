@@ -11,9 +11,7 @@ from hypothesis import strategies as st
 
 from flashgen.attention.softmax import OnlineSoftmax, online_softmax, scale_row
 from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression
-from flashgen.dsl.hopper_plan import make_hopper_plan
-from flashgen.dsl.plan import make_plan
-from flashgen.emit.kernel import emit
+from flashgen.engines import emit, make_plan
 
 from host_warp import GXX, LANES, HostWarp, needs_gxx  # tests/attention is on sys.path (pytest's prepend mode)
 
@@ -24,8 +22,8 @@ O_VALUES = 12  # an O fragment of 3 chunks
 RULES = [
     online_softmax(make_plan(default_configs()[0])),
     online_softmax(make_plan(kernel_progression()[0])),
-    online_softmax(make_hopper_plan(KernelConfig.wgmma("fp16"))),
-    online_softmax(make_hopper_plan(KernelConfig.wgmma("fp16", B_c=176))),
+    online_softmax(make_plan(KernelConfig.wgmma("fp16"))),
+    online_softmax(make_plan(KernelConfig.wgmma("fp16", B_c=176))),
     OnlineSoftmax(3, (4, 1), True),
     OnlineSoftmax(1, (8,), False),
 ]
@@ -201,7 +199,7 @@ def test_masked_row_gives_zero_probabilities_and_no_nan():
 
 @pytest.mark.parametrize("cfg", [default_configs()[0], kernel_progression()[0], KernelConfig.wgmma("bf16", B_c=176)], ids=str)
 def test_kernels_carry_their_plans_rule(cfg):
-    plan = make_hopper_plan(cfg) if cfg.is_wgmma else make_plan(cfg)
+    plan = make_plan(cfg)
     text = emit(cfg).text
     assert online_softmax(plan).to_cpp() in text
     kernel = text[text.index("__global__"):]
