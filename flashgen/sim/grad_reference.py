@@ -12,6 +12,8 @@ For one head, with ``P = softmax(scale * Q K^T)`` over the kept keys and ``O = P
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import numpy as np
 
@@ -46,9 +48,12 @@ class HeadGradients:
 
 
 def head_gradients(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, scale: float,
-                   keep: np.ndarray | None = None) -> HeadGradients:
+                   keep: np.ndarray | None = None, round16: "Callable[[np.ndarray], np.ndarray] | None" = None) -> HeadGradients:
     """The backward of one head: ``q``, ``do`` ``[seq_q, d]``, ``k``, ``v`` ``[seq_k, d]``; ``keep``
-    ``[seq_q, seq_k]`` (None: every score)."""
+    ``[seq_q, seq_k]`` (None: every score). ``round16``: the kernel's precision, applied where a flash
+    backward rounds to 16 bits (P before dV, dS before dK and dQ, the three gradients); the
+    baseline of the simulator's tolerance."""
+    r = (lambda x: x) if round16 is None else round16
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
     s = scale * (q @ k.T)
     if keep is not None:
@@ -64,13 +69,15 @@ def head_gradients(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, 
         lse = np.where(has, m_safe + np.log(np.where(has, l, 1.0)), -np.inf)
     delta = (do * o).sum(axis=1)
     ds = p * (do @ v.T - delta[:, None])
-    return HeadGradients(o, lse, delta, scale * (ds @ k), scale * (ds.T @ q), p.T @ do)
+    return HeadGradients(o, lse, delta, r(scale * (r(ds) @ k)), r(scale * (r(ds).T @ q)), r(r(p).T @ do))
 
 
 def gradients(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, *, causal: bool = False,
               window: "tuple[int, int] | None" = None, align: str = "top_left",
-              softmax_scale: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq, dk, dv) in float64 with q's, k's and v's shapes (``(batch, seq, heads, d)``)."""
+              softmax_scale: float | None = None, round16: "Callable[[np.ndarray], np.ndarray] | None" = None,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) in float64 with q's, k's and v's shapes (``(batch, seq, heads, d)``); ``round16``:
+    see :func:`head_gradients` (a kv head's dK and dV are rounded per query head, then summed)."""
     B, Sq, H, d = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     if H % Hk:
@@ -83,7 +90,7 @@ def gradients(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, *, ca
     dv = np.zeros(v.shape)
     for b in range(B):
         for h in range(H):
-            g = head_gradients(q[b, :, h], k[b, :, h // group], v[b, :, h // group], do[b, :, h], scale, keep)
+            g = head_gradients(q[b, :, h], k[b, :, h // group], v[b, :, h // group], do[b, :, h], scale, keep, round16)
             dq[b, :, h] = g.dq
             dk[b, :, h // group] += g.dk
             dv[b, :, h // group] += g.dv
