@@ -31,7 +31,9 @@ import attrs
 from ..attention.backward import Recompute, RowDot, ScoreGrad
 from ..attention.query_blocks import QueryBlocks
 from .atoms.copy import (
+    CopyAtom,
     GM2SM_async,
+    GM2SM_f32,
     RF2GM_red,
     RF2SM,
     SM2GM,
@@ -58,16 +60,13 @@ STATS = ("LSE", "D")
 
 @attrs.frozen
 class StatsCopy:
-    """A query block's ``B_r`` fp32 values of ``name`` -> shared memory: thread ``t < B_r / 4`` copies
-    values ``[4t, 4t + 4)`` with one 16-byte ``cp.async`` (rows past seq_q zero-filled)."""
+    """A query block's ``B_r`` fp32 values of ``name`` -> shared memory, value ``i`` by thread
+    ``i % threads`` with a synchronous 4-byte load and store (rows past seq_q become 0). Synchronous:
+    a head's row of values starts 16-byte aligned only when seq_q is a multiple of 4."""
 
     name: str
-    atom: object
+    atom: CopyAtom
     rows: int
-
-    @property
-    def threads(self) -> int:
-        return self.rows // 4
 
 
 @attrs.frozen
@@ -229,7 +228,7 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
     for name in STREAMED + RESIDENT:
         rows = cfg.B_r if name in STREAMED else cfg.B_c
         g2s[name] = TiledCopy(f"g2s_{name}", atom, t[f"g{name}"], t[f"s{name}"], Partition(vector_copy_tv(f"g2s_{name}", rows, D, T)), "cta")
-    stats = {name: StatsCopy(f"g2s_{name}", atom, cfg.B_r) for name in STATS}
+    stats = {name: StatsCopy(f"g2s_{name}", GM2SM_f32(), cfg.B_r) for name in STATS}
     gemms = _gemms(cfg, t, mma)
     mk, nq, nd = kr // 16, cfg.B_r // 8, cfg.d_mma // 8
     r2s = {

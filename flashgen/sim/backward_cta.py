@@ -147,10 +147,13 @@ class _BwdCta:
     def copy(self, step: Copy, j: int) -> None:
         name, cfg = step.arg, self.cfg
         if name in STATS:
-            ev = self.hz.write(name, np.arange(cfg.B_r), CTA, True, self.label(name, j), self.where)
+            atom = self.plan.stats[name].atom
+            ev = self.hz.write(name, np.arange(cfg.B_r), CTA, atom.is_async, self.label(name, j), self.where)
             h, qb = self.work[j]
             src = getattr(self.heads[h], "lse" if name == "LSE" else "delta")[qb * cfg.B_r:(qb + 1) * cfg.B_r]
             self.staged[ev] = ("stats", name, np.pad(src.astype(_F32), (0, cfg.B_r - src.shape[0])))
+            if not atom.is_async:
+                self.land(ev)
             return
         trace = self.tr[f"g2s_{name}"]
         ev = self.hz.write(name, self.rows(trace.name), CTA, trace.atom.is_async, self.label(name, j), self.where)
@@ -163,11 +166,14 @@ class _BwdCta:
 
     def wait(self, step: Wait, j: int) -> None:
         for ev in self.hz.wait(int(step.arg)):
-            kind, a, b = self.staged.pop(ev)
-            if kind == "stats":
-                self.stats[a][:] = b
-            else:
-                self.image[a] = b
+            self.land(ev)
+
+    def land(self, ev: int) -> None:
+        kind, a, b = self.staged.pop(ev)
+        if kind == "stats":
+            self.stats[a][:] = b
+        else:
+            self.image[a] = b
 
     def read(self, tile: str, trace: str, warp: int, j: int, axis: str = "rows") -> None:
         self.hz.read(tile, self.rows(trace, warp, axis), warp, self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
@@ -205,15 +211,14 @@ class _BwdCta:
         self.dq[w] = warp_gemm(g, b, a, np.zeros_like(self.dq[w]))
 
     # -- the backward's rules on the accumulators
-    def _columns(self, w: int, stat: str) -> np.ndarray:
+    def _columns(self, w: int, stat: str, j: int) -> np.ndarray:
         """``stat`` of each accumulator value's column (query row), ``[mk, nq, 32, 4]``."""
-        self.hz.read(stat, np.arange(self.cfg.B_r), w, self.label(stat, self._j), self.where)
+        self.hz.read(stat, np.arange(self.cfg.B_r), w, self.label(stat, j), self.where)
         cols = fr.matrix_to_acc(np.broadcast_to(np.arange(self.cfg.B_r, dtype=_F32), (self.cfg.key_rows_per_warp, self.cfg.B_r)))
         return self.stats[stat][cols.astype(np.int64)]
 
     def recompute_p(self, step: Step, j: int) -> None:
         cfg, prob, plan = self.cfg, self.prob, self.plan
-        self._j = j
         h, qb = self.work[j]
         kr = cfg.key_rows_per_warp
         masked = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
@@ -225,12 +230,11 @@ class _BwdCta:
                 keep = np.array([[plan.query_blocks.keep(int(i), int(c), prob.seq_q, prob.seq_k, *prob.mask_args)
                                   for i in queries] for c in keys])
                 s = np.where(fr.matrix_to_acc(keep), s, _F32(-np.inf)).astype(_F32)
-            self.s[w] = plan.recompute.evaluate(s, self.scale_log2, plan.recompute.lse_log2(self._columns(w, "LSE")))
+            self.s[w] = plan.recompute.evaluate(s, self.scale_log2, plan.recompute.lse_log2(self._columns(w, "LSE", j)))
 
     def grad_scores(self, step: Step, j: int) -> None:
-        self._j = j
         for w in range(self.cfg.n_warps):
-            self.dp[w] = self.plan.score_grad.evaluate(self.s[w], self.dp[w], self._columns(w, "D"))
+            self.dp[w] = self.plan.score_grad.evaluate(self.s[w], self.dp[w], self._columns(w, "D", j))
 
     # -- stores
     def store_rf(self, step: StoreRF, j: int) -> None:

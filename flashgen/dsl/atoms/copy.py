@@ -53,6 +53,11 @@ def GM2SM_async() -> CopyAtom:
     return CopyAtom("SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>", "cp_async", GM, SM, 8, "9.7.9.25.3 cp.async")
 
 
+def GM2SM_f32() -> CopyAtom:
+    """One fp32 value: ``ld.global.f32`` into a register, ``st.shared.f32`` (PTX 9.7.9.8 ld / 9.7.9.10 st)."""
+    return CopyAtom("UniversalCopy<float>", "f32", GM, SM, 2, "9.7.9.8 ld, 9.7.9.10 st")
+
+
 def SM2GM() -> CopyAtom:
     """16-byte ``ld.shared.v4.u32`` then ``st.global.v4.u32`` (PTX 9.7.9.8 / 9.7.9.10)."""
     return CopyAtom("UniversalCopy<uint128_t>", "vec16", SM, GM, 8, "9.7.9.8 ld, 9.7.9.10 st")
