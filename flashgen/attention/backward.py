@@ -90,7 +90,7 @@ __host__ __device__ __forceinline__ float rowdot_partial(const T* dO, const T* O
         for (int e = 0; e < ROWDOT_VEC && c0 + e < d; ++e) acc = fmaf(float(dO[c0 + e]), float(O[c0 + e]), acc);
     return acc;
 }}
-#ifdef __CUDA_ARCH__
+#ifdef __CUDACC__
 // the row's partials summed: lane ^ m for m = ROWDOT_LANES / 2, ..., 1 (every lane ends with D)
 __device__ __forceinline__ float rowdot_reduce(float x) {{
 #pragma unroll

@@ -73,3 +73,13 @@ def test_names_and_round_trip():
     assert B.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="unknown backward config key"):
         B.from_dict({"dtype": "fp16", "async_copy": True})
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_address_splits_hold_for_every_thread(cfg):
+    """The emitter's base ^ xor + add addresses, read off thread 0, equal every thread's and warp's own."""
+    from flashgen.dsl.addressing import split_offsets, split_problems
+
+    plan = make_backward_plan(cfg)
+    bad = [p for _, copy in plan.copies() for p in split_problems(copy, split_offsets(copy), cfg.n_warps)]
+    assert not bad
