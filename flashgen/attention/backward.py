@@ -13,9 +13,10 @@ and ``dP = dO V^T``:
   ``dS`` stays unscaled in the main loop (it is rounded to 16 bits for ``dK += dS^T Q`` and
   ``dQ += dS K``), and ``dK`` and ``dQ`` are multiplied by ``scale`` once, when they are written.
 
-Each class evaluates itself on numpy arrays (the simulators') and renders the same rule as
-``__host__ __device__`` C++ (the emitters'); tests compile the C++ for the host and compare
-(tests/attention/test_backward.py).
+Each class evaluates itself on numpy arrays (the simulators', with the fp32 ``fmaf`` and ``ex2``
+models of :mod:`flashgen.sim.hardware`, imported when evaluating so that plans need no numba) and
+renders the same rule as ``__host__ __device__`` C++ (the emitters'); tests compile the C++ for the
+host and compare (tests/attention/test_backward.py).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import attrs
 import numpy as np
 
 from ..dsl.config import LOG2E
-from ..sim import hardware as hw
 
 _F32 = np.float32
 
@@ -58,6 +58,8 @@ class RowDot:
 
     def partials(self, do: np.ndarray, o: np.ndarray) -> np.ndarray:
         """``[rows, lanes]`` fp32: each lane's own sum (``do``, ``o``: ``[rows, d]`` fp32 values)."""
+        from ..sim import hardware as hw
+
         do, o = np.asarray(do, _F32), np.asarray(o, _F32)
         rows, d = do.shape
         acc = np.zeros((rows, self.lanes), _F32)
@@ -116,6 +118,8 @@ class Recompute:
 
     def evaluate(self, s: np.ndarray, scale_log2: np.float32, lse_log2: np.ndarray) -> np.ndarray:
         """P (fp32) of scores ``s`` (fp32, -inf where masked); ``lse_log2`` broadcasts against ``s``."""
+        from ..sim import hardware as hw
+
         with np.errstate(invalid="ignore"):
             return hw.ex2_approx_ftz(hw.fma32(s, scale_log2, -np.asarray(lse_log2, _F32)))
 
