@@ -30,6 +30,25 @@ from .template import CodeTemplate, compose
 
 __all__ = ["TARGET", "emit_backward"]
 
+#: The launcher's argument struct, field by field: (name, C type, array length or 0, comment). The C
+#: struct is rendered from it, and a caller without the headers (ctypes) can build its own from it.
+ARGS_FIELDS: tuple[tuple[str, str, int, str], ...] = (
+    *((n, "const void*", 0, "") for n in ("q", "k", "v", "o", "dout")),
+    *((n, "void*", 0, "") for n in ("dq", "dk", "dv")),
+    ("lse", "const float*", 0, "the forward's log-sum-exp, (batch, heads, seq_q), contiguous"),
+    *((f"{n}_stride", "int64_t", 3, "(batch, head, seq)") for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
+    *((n, "int", 0, "") for n in ("batch", "heads", "kv_heads", "seq_q", "seq_k")),
+    ("softmax_scale", "float", 0, ""),
+    *((n, "int", 0, "") for n in ("mask_offset", "window_left", "window_right")),
+    ("workspace", "void*", 0, "<name>_workspace's bytes, the first `zeroed` of them zero"),
+)
+
+
+def args_fields() -> list[str]:
+    """The argument struct's member declarations (:data:`ARGS_FIELDS`)."""
+    return [f"{ctype} {name}{f'[{n}]' if n else ''};" + (f"  // {doc}" if doc else "") for name, ctype, n, doc in ARGS_FIELDS]
+
+
 #: shared tensors with an offset function, and the 16-bit tiles with a base address
 _SMEM_TENSORS = ("sK", "sV", "sQ", "sdO", "sdS", "sdS_t", "sdK", "sdV")
 
@@ -407,14 +426,7 @@ _KERNEL = CodeTemplate(
 _LAUNCHER = CodeTemplate(
     r"""// Arguments: (batch, seq, heads, d_head) tensors with element strides (batch, head, seq); d_head contiguous.
 struct ${name}_args {
-    const void* q; const void* k; const void* v; const void* o; const void* dout;
-    void* dq; void* dk; void* dv;
-    const float* lse;  // (batch, heads, seq_q), contiguous
-    int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], do_stride[3], dq_stride[3], dk_stride[3], dv_stride[3];
-    int batch, heads, kv_heads, seq_q, seq_k;
-    float softmax_scale;
-    int mask_offset, window_left, window_right;
-    void* workspace;  // ${name}_workspace's bytes, the first `zeroed` of them zero
+    $args_fields
 };
 
 // The dQ fp32 buffer (zeroed) then D.
@@ -491,7 +503,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"],
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
-        log2e=f"{LOG2E!r}f", bases=_bases(plan),
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), args_fields=args_fields(),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
     ))
     meta = {"name": name, "short_form": cfg.short_form(), "config": cfg.to_dict(), "hash": cfg.content_hash(),

@@ -107,3 +107,26 @@ def test_emitting_is_pure():
     assert emit_backward(make_backward_plan(cfg)).text == emit_backward(make_backward_plan(cfg)).text
     other = emit_backward(make_backward_plan(cfg.replace(swizzled=False))).text
     assert other != emit_backward(make_backward_plan(cfg)).text
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+def test_argument_struct_layout_is_the_field_tables(tmp_path):
+    """The launcher's struct, compiled, has the field table's members at the offsets a ctypes struct
+    built from the table gives (what a caller without the headers relies on)."""
+    import ctypes
+
+    from flashgen.emit.backward_kernel import ARGS_FIELDS
+
+    types = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
+             "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+    layout = type("Args", (ctypes.Structure,), {"_fields_": [(n, types[t] * k if k else types[t]) for n, t, k, _ in ARGS_FIELDS]})
+    src = emit_backward(make_backward_plan(B("fp16", d_head=64)))
+    (tmp_path / f"{src.name}.cu").write_text(src.text)
+    prints = "".join(f'    std::printf("%zu\\n", offsetof({src.name}_args, {n}));\n' for n, *_ in ARGS_FIELDS)
+    (tmp_path / "main.cu").write_text(f'#include "{src.name}.cu"\n#include <cstdio>\n#include <cstddef>\nint main() {{\n{prints}'
+                                      f'    std::printf("%zu\\n", sizeof({src.name}_args));\n    return 0;\n}}\n')
+    exe = tmp_path / "abi"
+    res = subprocess.run([NVCC, "-std=c++17", "-arch=sm_80", "main.cu", "-o", str(exe)], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    assert got == [getattr(layout, n).offset for n, *_ in ARGS_FIELDS] + [ctypes.sizeof(layout)]

@@ -19,22 +19,22 @@ torch = pytest.importorskip("torch")
 from flashgen import reference  # noqa: E402
 from flashgen.dsl.backward_config import BackwardConfig  # noqa: E402
 from flashgen.dsl.backward_plan import make_backward_plan  # noqa: E402
-from flashgen.emit.backward_kernel import emit_backward  # noqa: E402
+from flashgen.emit.backward_kernel import ARGS_FIELDS, emit_backward  # noqa: E402
 from flashgen.sim.grad_reference import gradients as lowp_gradients  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the kernel")]
 
-_P, _I64x3 = ctypes.c_void_p, ctypes.c_int64 * 3
+_CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
+           "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 
 
 class _Args(ctypes.Structure):
-    """``<name>_args`` of flashgen.emit.backward_kernel's launcher, field for field."""
+    """``<name>_args`` of the launcher, from the emitter's own field table."""
 
-    _fields_ = ([(n, _P) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse")]
-                + [(f"{n}_stride", _I64x3) for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")]
-                + [(n, ctypes.c_int) for n in ("batch", "heads", "kv_heads", "seq_q", "seq_k")]
-                + [("softmax_scale", ctypes.c_float)]
-                + [(n, ctypes.c_int) for n in ("mask_offset", "window_left", "window_right")] + [("workspace", _P)])
+    _fields_ = [(n, _CTYPES[t] * k if k else _CTYPES[t]) for n, t, k, _ in ARGS_FIELDS]
+
+
+_I64x3 = ctypes.c_int64 * 3
 
 
 def _library(cfg: BackwardConfig, tmp_path):
