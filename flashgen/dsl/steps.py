@@ -150,6 +150,33 @@ class Softmax(Step):
     op = "softmax"
 
 
+# ---- the backward (flashgen.attention.backward's rules on the accumulators) ---------------------
+
+
+class RecomputeP(Step):
+    """P^T from the S^T accumulator and the query block's lse (the score mask where the block needs it)."""
+
+    op = "recompute_P"
+
+
+class GradScores(Step):
+    """dS^T = P^T * (dP^T - D) in the dP^T accumulator."""
+
+    op = "grad_scores"
+
+
+class StoreRF(Step):
+    """Accumulator ``arg`` -> shared memory, 16 bit (dS^T for the dQ GEMM's other warps)."""
+
+    op = "store_rf"
+
+
+class ReduceGM(Step):
+    """Accumulator ``arg`` added into its fp32 global buffer (``red.global.add.f32``; dQ)."""
+
+    op = "reduce_gm"
+
+
 # ---- wgmma: mbarrier ring, async wgmma groups, pingpong turns ----------------------------------
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from ..dsl.config import KernelConfig, load_config
 from ..emit.source import KernelSource
 from ..targets import Target, named as target_named
-from .base import Engine
+from .base import BackwardKernels, Engine
 from .mma_sync import MmaSyncEngine
 from .wgmma import WgmmaEngine
 
@@ -87,5 +87,20 @@ def simulate_config(cfg: Any, cta: bool = True) -> dict[str, Any]:
     return engine.simulate(engine.make_plan(cfg), verify_config(cfg).to_dict(), cta=cta)
 
 
-__all__ = ["BASELINE", "ENGINES", "Engine", "emit", "engine_named", "engine_of", "make_plan", "preferred",
+def backward_of(cfg: Any) -> BackwardKernels:
+    """The backward kernels of a :class:`~flashgen.dsl.backward_config.BackwardConfig`'s engine."""
+    engine = engine_named(cfg.engine)
+    if engine.backward is None:
+        raise ValueError(f"{cfg.short_form()}: engine {engine.name} has no backward kernels yet; "
+                         f"use one of {', '.join(e.name for e in ENGINES.values() if e.backward is not None)}")
+    return engine.backward
+
+
+def emit_backward(cfg: Any) -> KernelSource:
+    """The CUDA source of a backward config: its engine's backward plan, emitted."""
+    kernels = backward_of(cfg)
+    return kernels.emit(kernels.make_plan(cfg))
+
+
+__all__ = ["BASELINE", "ENGINES", "BackwardKernels", "Engine", "backward_of", "emit", "emit_backward", "engine_named", "engine_of", "make_plan", "preferred",
            "runnable_on", "simulate_config", "verify", "verify_config", "verify_plan"]

@@ -13,8 +13,31 @@ from ..emit.source import KernelSource
 from ..targets import TARGETS, Target
 
 
+class BackwardKernels:
+    """An engine's backward pass (dQ, dK, dV from dO): plan maker, emitter and simulator of a
+    :class:`~flashgen.dsl.backward_config.BackwardConfig`, kept apart from the forward's methods."""
+
+    def make_plan(self, cfg: Any) -> Any:
+        raise NotImplementedError
+
+    def emit(self, plan: Any) -> KernelSource:
+        """The CUDA source of a backward plan (pure, deterministic)."""
+        raise NotImplementedError
+
+    def coverage(self, plan: Any) -> dict:
+        """The copies' coverage checks, keyed by copy name."""
+        raise NotImplementedError
+
+    def simulate(self, plan: Any, q: Any, k: Any, v: Any, do: Any, **mask: Any) -> Any:
+        """dQ, dK, dV of ``(batch, seq, heads, d)`` inputs through every simulated CTA, with the hazards found."""
+        raise NotImplementedError
+
+
 class Engine:
     """One engine. Subclasses set the class attributes and implement the methods."""
+
+    #: its backward kernels, or None where the engine has none yet
+    backward: "BackwardKernels | None" = None
 
     #: the config's ``engine`` knob value
     name: str

@@ -6,16 +6,41 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..dsl.config import DType, KernelConfig, default_configs, tuning_space
 from ..emit.source import KernelSource
 from ..targets import AMPERE, Target
-from .base import Engine
+from .base import BackwardKernels, Engine
 
 if TYPE_CHECKING:
     from ..dsl.plan import KernelPlan
+
+
+class MmaSyncBackward(BackwardKernels):
+    """The backward on mma.sync: one CTA per key block, dQ by fp32 reductions (modules loaded on first use)."""
+
+    def make_plan(self, cfg: Any) -> Any:
+        from ..dsl.backward_plan import make_backward_plan
+
+        return make_backward_plan(cfg)
+
+    def emit(self, plan: Any) -> KernelSource:
+        from ..emit.backward_kernel import emit_backward
+
+        return emit_backward(plan)
+
+    def coverage(self, plan: Any) -> dict:
+        from ..sim.backward_cta import backward_coverage
+
+        return backward_coverage(plan)
+
+    def simulate(self, plan: Any, q: Any, k: Any, v: Any, do: Any, **mask: Any) -> Any:
+        from ..sim.backward_cta import simulate_backward
+
+        return simulate_backward(plan, q, k, v, do, **mask)
 
 
 class MmaSyncEngine(Engine):
     name = "mma_sync"
     instructions = AMPERE
     rank = 0
+    backward = MmaSyncBackward()
 
     @property
     def target(self) -> Target:

@@ -77,8 +77,12 @@ def tensor_elems(layout) -> int:
 def smem_bases(plan: KernelPlan) -> dict[str, int]:
     """Byte offset of each shared tensor in the CTA's dynamic shared memory.
 
-    As the emitted kernel lays it out: sQ at 0, sK after sQ, sV after sK, sO = sQ.
+    As the emitted kernel lays it out: sQ at 0, sK after sQ, sV after sK, sO = sQ; a plan with
+    tiles of its own (the backward's) gives their places as ``plan.smem_layout``.
     """
+    own = getattr(plan, "smem_layout", None)
+    if own is not None:
+        return own
     q = 2 * tensor_elems(plan.tensors["sQ"].layout)
     k = 2 * tensor_elems(plan.tensors["sK"].layout)
     return {"sQ": 0, "sK": q, "sV": q + k, "sO": 0}

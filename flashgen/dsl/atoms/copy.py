@@ -53,6 +53,11 @@ def GM2SM_async() -> CopyAtom:
     return CopyAtom("SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>", "cp_async", GM, SM, 8, "9.7.9.25.3 cp.async")
 
 
+def GM2SM_f32() -> CopyAtom:
+    """One fp32 value: ``ld.global.f32`` into a register, ``st.shared.f32`` (PTX 9.7.9.8 ld / 9.7.9.10 st)."""
+    return CopyAtom("UniversalCopy<float>", "f32", GM, SM, 2, "9.7.9.8 ld, 9.7.9.10 st")
+
+
 def SM2GM() -> CopyAtom:
     """16-byte ``ld.shared.v4.u32`` then ``st.global.v4.u32`` (PTX 9.7.9.8 / 9.7.9.10)."""
     return CopyAtom("UniversalCopy<uint128_t>", "vec16", SM, GM, 8, "9.7.9.8 ld, 9.7.9.10 st")
@@ -102,3 +107,22 @@ def ldmatrix_x4_cols_then_rows(name: str) -> TVMap:
         row=Layout(((8, 2, 2), 1), ((1, 0, 8), 0)),
         col=Layout(((8, 2, 2), 1), ((0, 8, 0), 0)),
     )
+
+
+def ldmatrix_x4_trans_a(name: str) -> TVMap:
+    """The A operand (16x16, ``(m, k)`` coordinates) from a tile stored k-major, under ``.trans``.
+
+    A stored row is 8 consecutive ``m`` at one ``k``; A register i is the quarter ``(m 8*(i%2),
+    k 8*(i/2))``, so lane l points at ``m = 8*((l/8)%2)``, ``k = l%8 + 8*(l/16)``.
+    """
+    return TVMap(
+        name, 32, 1,
+        row=Layout(((8, 2, 2), 1), ((0, 8, 0), 0)),
+        col=Layout(((8, 2, 2), 1), ((1, 0, 8), 0)),
+    )
+
+
+def RF2GM_red() -> CopyAtom:
+    """``red.global.add.f32 [addr], value``: one fp32 accumulator element added in global memory
+    (PTX 9.7.13.6 red); adds from different CTAs to one address commute only up to rounding."""
+    return CopyAtom("SM70_RED_ADD_F32", "red_add_f32", RF, GM, 2, "9.7.13.6 red")  # 4 bytes

@@ -1,0 +1,177 @@
+"""BackwardConfig: the knobs of the attention backward kernel (dQ, dK, dV).
+
+The backward is not a forward config with a direction switch: its CTA owns ``B_c`` *key* rows and
+walks the query blocks of ``B_r`` rows (the forward's roles swapped), and most forward knobs mean
+nothing here (the eager K/V copies, the per-operand k-tile counts, the softmax variant). So it has
+a small config of its own, with the forward's common knobs under the same names and values
+(``dtype``, ``d_head``, ``B_r``, ``B_c``, ``n_warps``, ``swizzled``, ``mask``, ``engine``) and the
+same kind of validity rules, each naming the values it rejects.
+
+Work split (mma.sync): warp ``w`` owns key rows ``[w * B_c/n_warps, ...)`` of S^T, dP^T, dS^T, dK
+and dV, and query rows ``[w * B_r/n_warps, ...)`` of dQ; each is a whole number of the MMA's 16 rows.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+import attrs
+
+from .config import MASKS, MMA_K, MMA_M, SMEM_LIMIT_BYTES, SWIZZLE_TILE_COLS, ConfigError
+from .dtypes import DType
+
+#: registers per thread the accumulators may take (of 255; the rest: addresses, fragments, loop state)
+ACC_REG_LIMIT = 224
+ENGINES = ("mma_sync",)
+
+
+def _dtype(value: Any) -> DType:
+    try:
+        return DType.parse(value)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+@attrs.frozen
+class BackwardConfig:
+    """One backward kernel: ``B_c`` key rows per CTA, query blocks of ``B_r`` rows, ``n_warps`` warps."""
+
+    dtype: DType = attrs.field(converter=_dtype)
+    d_head: int = 128
+    B_r: int = 64
+    B_c: int = 64
+    n_warps: int = 4
+    swizzled: bool = True
+    mask: str = "none"
+    engine: str = "mma_sync"
+
+    def __attrs_post_init__(self) -> None:
+        for rule in _RULES:
+            rule(self)
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def key_rows_per_warp(self) -> int:
+        """Key rows of S^T, dP^T, dS^T, dK and dV owned by one warp."""
+        return self.B_c // self.n_warps
+
+    @property
+    def query_rows_per_warp(self) -> int:
+        """Query rows of dQ owned by one warp."""
+        return self.B_r // self.n_warps
+
+    @property
+    def d_smem(self) -> int:
+        """Columns of a Q/dO/K/V shared tile: d_head rounded up to 64, 128 or 256 (as the forward's)."""
+        blocks = -(-self.d_head // SWIZZLE_TILE_COLS)
+        return SWIZZLE_TILE_COLS * (1 << (blocks - 1).bit_length())
+
+    @property
+    def d_mma(self) -> int:
+        """d_head rounded up to the MMA's k16."""
+        return -(-self.d_head // MMA_K) * MMA_K
+
+    @property
+    def acc_regs(self) -> int:
+        """Accumulator registers per thread at the peak: dK and dV, plus S^T and dP^T (while dS is
+        formed) or dQ (while it is reduced), whichever is more."""
+        kv = 2 * self.key_rows_per_warp * self.d_mma // 32
+        scores = 2 * self.key_rows_per_warp * self.B_r // 32
+        dq = self.query_rows_per_warp * self.d_mma // 32
+        return kv + max(scores, dq)
+
+    @property
+    def smem_bytes(self) -> int:
+        """K, V (resident), Q, dO (per query block), dS^T (B_c x B_r, 16 bit), lse and D (fp32)."""
+        tiles = (2 * self.B_c + 2 * self.B_r) * self.d_smem * self.dtype.size
+        return tiles + self.B_c * self.B_r * self.dtype.size + 2 * 4 * self.B_r
+
+    # ---- names ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["dtype"] = self.dtype.value
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BackwardConfig":
+        unknown = sorted(set(data) - {f.name for f in attrs.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown backward config key(s) {unknown}; valid keys: {', '.join(f.name for f in attrs.fields(cls))}")
+        if "dtype" not in data:
+            raise ConfigError("backward config is missing 'dtype' (fp16 or bf16)")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "BackwardConfig":
+        return attrs.evolve(self, **changes)
+
+    def short_form(self) -> str:
+        """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags."""
+        flags = (["swizzled"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
+        head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
+        return head + (": " + "+".join(flags) if flags else "")
+
+    def __str__(self) -> str:
+        return self.short_form()
+
+    def mangle(self) -> str:
+        """A C identifier naming this config (also the .cu file stem)."""
+        parts = [self.dtype.value, f"d{self.d_head}", f"br{self.B_r}", f"bc{self.B_c}", f"w{self.n_warps}"]
+        parts += (["swz"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
+        return "_".join(["flash_bwd", *parts])
+
+    def content_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- validity rules (each names itself and the values) ---------------------------------
+
+
+def _rule_choices(c: BackwardConfig) -> None:
+    if c.engine not in ENGINES:
+        raise ConfigError(f"engine={c.engine!r}: the backward is built by {', '.join(ENGINES)} so far")
+    if c.mask not in MASKS:
+        raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
+    if not isinstance(c.swizzled, bool):
+        raise ConfigError(f"swizzled={c.swizzled!r}: expected true or false")
+
+
+def _rule_sizes(c: BackwardConfig) -> None:
+    if c.d_head <= 0 or c.d_head % 8 or c.d_head > 256:
+        raise ConfigError(f"d_head={c.d_head}: must be a multiple of 8 between 8 and 256 (rows move in 16-byte vectors)")
+    if c.n_warps <= 0 or c.n_warps & (c.n_warps - 1) or c.n_warps > 16:
+        raise ConfigError(f"n_warps={c.n_warps}: must be a power of two between 1 and 16")
+    if c.B_c <= 0 or c.B_c % (MMA_M * c.n_warps):
+        raise ConfigError(f"B_c={c.B_c} with n_warps={c.n_warps}: each warp owns B_c/n_warps key rows (of dK, dV), "
+                          f"which must be a positive multiple of the MMA's {MMA_M} rows")
+    if c.B_r <= 0 or c.B_r % (MMA_M * c.n_warps):
+        raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}: each warp owns B_r/n_warps query rows of dQ, "
+                          f"which must be a positive multiple of the MMA's {MMA_M} rows")
+    if c.B_r % SWIZZLE_TILE_COLS:
+        raise ConfigError(f"B_r={c.B_r}: the dS^T tile (B_c x B_r) is stored in {SWIZZLE_TILE_COLS}-column swizzle blocks, "
+                          f"so B_r must be a multiple of {SWIZZLE_TILE_COLS}")
+    for name, rows in (("B_r", c.B_r), ("B_c", c.B_c)):
+        chunks = rows * c.d_smem // 8
+        if chunks % c.threads:
+            raise ConfigError(f"{name}={rows}, d_head={c.d_head}, n_warps={c.n_warps}: the {rows}-row tile's {chunks} "
+                              f"16-byte chunks must split evenly over the CTA's {c.threads} threads")
+
+
+def _rule_registers(c: BackwardConfig) -> None:
+    if c.acc_regs > ACC_REG_LIMIT:
+        raise ConfigError(
+            f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}: the accumulators need {c.acc_regs} registers "
+            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {ACC_REG_LIMIT} of 255); use more warps or smaller blocks")
+
+
+def _rule_smem(c: BackwardConfig) -> None:
+    if c.smem_bytes > SMEM_LIMIT_BYTES:
+        raise ConfigError(f"shared memory {c.smem_bytes} bytes (K, V, Q, dO tiles of {c.d_smem} columns, dS^T, lse and D) "
+                          f"exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit")
+
+
+_RULES = (_rule_choices, _rule_sizes, _rule_registers, _rule_smem)

@@ -1,0 +1,247 @@
+"""BackwardPlan: a BackwardConfig turned into DSL objects (mma.sync engine) — the backward's single
+source of truth, built from the forward's pieces (TiledCopy, OperandLoad, WarpGemm, the m16n8k16
+atom's maps, the swizzled tile layout, the step classes) and the shared backward rules.
+
+One CTA owns key/value block ``kb`` (``B_c`` rows of one kv head) and walks the query blocks that
+meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`) of every query head of its group.
+Warp ``w`` owns key rows ``[w*kr, (w+1)*kr)``, ``kr = B_c / n_warps``. Per query block (``B_r``
+rows of Q, dO, lse and D copied to shared memory):
+
+==========  ============================  =======================  ==================================
+GEMM        warp tile (m x n, k)          A operand                B operand
+==========  ============================  =======================  ==================================
+``S``       S^T = K Q^T (kr x B_r, d)     sK, own rows (ldmatrix)  sQ (ldmatrix, as the forward's K)
+``dP``      dP^T = V dO^T (kr x B_r, d)   sV, own rows             sdO (as the forward's K)
+``dV``      dV += P^T dO (kr x d, B_r)    P^T: the S^T accumulator sdO (ldmatrix.trans, as V)
+``dK``      dK += dS^T Q (kr x d, B_r)    dS^T: the dP^T acc.      sQ (ldmatrix.trans)
+``dQ``      dQ = dS K (B_r/n_warps x d,   sdS^T read as dS         sK (ldmatrix.trans)
+            B_c)                          (ldmatrix.trans)
+==========  ============================  =======================  ==================================
+
+dS^T goes registers -> shared (``sdS``, key rows, 16 bit) so that the dQ GEMM, whose warps own
+query rows, can read all of it; ``sdS_t`` is the same memory seen in (query, key) coordinates.
+dQ is added into a ``(batch, heads, seq_q, d)`` fp32 buffer with ``red.global.add.f32`` at the C
+fragment's coordinates; dK (times the softmax scale) and dV go registers -> shared (over sK, sV)
+-> global at the end, as the forward's O.
+"""
+from __future__ import annotations
+
+import attrs
+
+from ..attention.backward import Recompute, RowDot, ScoreGrad
+from ..attention.query_blocks import QueryBlocks
+from .atoms.copy import (
+    CopyAtom,
+    GM2SM_async,
+    GM2SM_f32,
+    RF2GM_red,
+    RF2SM,
+    SM2GM,
+    SM2RF,
+    ldmatrix_x4_cols_then_rows,
+    ldmatrix_x4_rows_then_cols,
+    ldmatrix_x4_trans_a,
+)
+from .atoms.mma import MMA_16x8x16
+from .backward_config import BackwardConfig
+from .layout import Layout
+from .plan import OperandLoad, Schedule, ScoreMask, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
+from .steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, StoreRF, Wait
+from .swizzle import ComposedLayout
+from .tensor import Tensor
+from .tiling import Loop, Partition, vector_copy_tv
+
+#: The tiles of one query block, streamed; and the CTA's key/value block, resident.
+STREAMED = ("Q", "dO")
+RESIDENT = ("K", "V")
+#: fp32 row statistics of a query block: the forward's log-sum-exp and the preprocess's D.
+STATS = ("LSE", "D")
+
+
+@attrs.frozen
+class StatsCopy:
+    """A query block's ``B_r`` fp32 values of ``name`` -> shared memory, value ``i`` by thread
+    ``i % threads`` with a synchronous 4-byte load and store (rows past seq_q become 0). Synchronous:
+    a head's row of values starts 16-byte aligned only when seq_q is a multiple of 4."""
+
+    name: str
+    atom: CopyAtom
+    rows: int
+
+
+@attrs.frozen
+class BackwardPlan:
+    cfg: BackwardConfig
+    tensors: dict
+    g2s: dict  # "Q"/"dO"/"K"/"V" -> TiledCopy
+    stats: dict  # "LSE"/"D" -> StatsCopy
+    gemms: dict  # "S"/"dP"/"dV"/"dK"/"dQ" -> WarpGemm
+    r2s: dict  # "dS"/"dK"/"dV" -> TiledCopy (accumulator -> shared, 16 bit)
+    s2g: dict  # "dK"/"dV" -> TiledCopy
+    red_dQ: TiledCopy  # dQ accumulator -> fp32 global buffer
+    schedule: Schedule
+    row_reduce_lanes: tuple[int, ...]
+    score_mask: ScoreMask
+    query_blocks: QueryBlocks
+    recompute: Recompute
+    score_grad: ScoreGrad
+    row_dot: RowDot  # the preprocess kernel's rule
+    valid_cols: int
+
+    @property
+    def mma(self) -> MMA_16x8x16:
+        return self.gemms["S"].mma
+
+    def copies(self) -> list[tuple[str, TiledCopy]]:
+        """(kind, copy) of every copy through shared memory, in the order of a query block and the epilogue."""
+        out: list[tuple[str, TiledCopy]] = [("g2s", self.g2s[n]) for n in RESIDENT + STREAMED]
+        out += [("s2r", load.copy) for g in self.gemms.values() for load in (g.a, g.b) if load is not None]
+        out += [("r2s", self.r2s[n]) for n in ("dS", "dK", "dV")]
+        return out + [("s2g", self.s2g[n]) for n in ("dK", "dV")]
+
+    @property
+    def smem_layout(self) -> dict[str, int]:
+        """Byte offset of each shared tensor (16-bit tiles; the fp32 statistics after them)."""
+        out, at = {}, 0
+        for name in ("sK", "sV", "sQ", "sdO", "sdS"):
+            out[name] = at
+            at += self.tensors[name].layout.cosize * 2
+        out["sdS_t"], out["sdK"], out["sdV"] = out["sdS"], out["sK"], out["sV"]
+        for name in STATS:
+            out[f"s{name}"] = at
+            at += 4 * self.cfg.B_r
+        out["end"] = at
+        return out
+
+
+def transposed(layout: ComposedLayout) -> ComposedLayout:
+    """The same memory in (col, row) coordinates: ``transposed(L)((c, r)) == L((r, c))``."""
+    inner = layout.layout
+    return ComposedLayout(layout.swizzle, Layout((inner.shape[1], inner.shape[0]), (inner.stride[1], inner.stride[0])))
+
+
+def _tensors(cfg: BackwardConfig) -> dict[str, Tensor]:
+    dt, D = cfg.dtype, cfg.d_smem
+    rows = {"Q": cfg.B_r, "dO": cfg.B_r, "K": cfg.B_c, "V": cfg.B_c}
+    t = {}
+    for name, n in rows.items():
+        t[f"g{name}"] = Tensor(f"g{name}", "GM", dt, Layout((n, D), (D, 1)))
+        t[f"s{name}"] = Tensor(f"s{name}", "SM", dt, smem_tile_layout(n, D, cfg.swizzled))
+    t["sdS"] = Tensor("sdS", "SM", dt, smem_tile_layout(cfg.B_c, cfg.B_r, cfg.swizzled))  # dS^T: (key, query)
+    t["sdS_t"] = Tensor("sdS_t", "SM", dt, transposed(t["sdS"].layout))  # dS: (query, key)
+    # dK and dV are staged over K's and V's shared memory; each warp rewrites only its own key rows
+    t["sdK"] = Tensor("sdK", "SM", dt, t["sK"].layout)
+    t["sdV"] = Tensor("sdV", "SM", dt, t["sV"].layout)
+    t["gdK"] = Tensor("gdK", "GM", dt, Layout((cfg.B_c, D), (D, 1)))
+    t["gdV"] = Tensor("gdV", "GM", dt, Layout((cfg.B_c, D), (D, 1)))
+    return t
+
+
+def _a_load(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int, dt) -> OperandLoad:
+    """A operand from a tile stored (m, k) row-major: the warp's own rows, all k (ldmatrix)."""
+    regs = Tensor(f"r{name}", "RF", dt, Layout((m_tiles, k // 16, 4), (4, 4 * m_tiles, 1)))
+    part = Partition(ldmatrix_x4_rows_then_cols("ldsm_A"), (Loop("mi", m_tiles, 16, 0), Loop("kk", k // 16, 0, 16)), warp_rows)
+    return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4), tile, regs, part, "warp"), k // 8, 1, False)
+
+
+def _a_load_trans(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int, dt) -> OperandLoad:
+    """A operand from a tile stored k-major (``tile`` in (m, k) coordinates): ldmatrix.trans."""
+    regs = Tensor(f"r{name}", "RF", dt, Layout((m_tiles, k // 16, 4), (4, 4 * m_tiles, 1)))
+    part = Partition(ldmatrix_x4_trans_a("ldsm_At"), (Loop("mi", m_tiles, 16, 0), Loop("kk", k // 16, 0, 16)), warp_rows)
+    return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4, trans=True), tile, regs, part, "warp"), k // 8, 1, False)
+
+
+def _b_load(name: str, tile: Tensor, n: int, k: int, dt) -> OperandLoad:
+    """B operand from a tile stored (n, k) row-major, all of it (ldmatrix; the forward's K)."""
+    regs = Tensor(f"r{name}", "RF", dt, Layout((n // 16, k // 16, 4), (4, 4 * n // 16, 1)))
+    part = Partition(ldmatrix_x4_cols_then_rows("ldsm_B"), (Loop("nn", n // 16, 16, 0), Loop("kk", k // 16, 0, 16)))
+    return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4), tile, regs, part, "warp"), k // 8, 1, False)
+
+
+def _b_load_trans(name: str, tile: Tensor, n: int, k: int, dt) -> OperandLoad:
+    """B operand from a tile stored (k, n) row-major, all of it (ldmatrix.trans; the forward's V)."""
+    regs = Tensor(f"r{name}", "RF", dt, Layout((k // 16, n // 16, 4), (4, 4 * k // 16, 1)))
+    part = Partition(ldmatrix_x4_rows_then_cols("ldsm_Bt"), (Loop("kk", k // 16, 16, 0), Loop("nn", n // 16, 0, 16)))
+    return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4, trans=True), tile, regs, part, "warp"), k // 8, 1, False)
+
+
+def _gemms(cfg: BackwardConfig, t: dict[str, Tensor], mma: MMA_16x8x16) -> dict[str, WarpGemm]:
+    dt, DM, BR, BC = cfg.dtype, cfg.d_mma, cfg.B_r, cfg.B_c
+    kr, qr = cfg.key_rows_per_warp, cfg.query_rows_per_warp
+    mk, mq = kr // 16, qr // 16
+    return {
+        "S": WarpGemm("S", mma, mk, BR // 8, DM, _a_load("K", t["sK"], mk, DM, kr, dt), _b_load("Q", t["sQ"], BR, DM, dt)),
+        "dP": WarpGemm("dP", mma, mk, BR // 8, DM, _a_load("V", t["sV"], mk, DM, kr, dt), _b_load("dO", t["sdO"], BR, DM, dt)),
+        "dV": WarpGemm("dV", mma, mk, DM // 8, BR, None, _b_load_trans("dOt", t["sdO"], DM, BR, dt)),
+        "dK": WarpGemm("dK", mma, mk, DM // 8, BR, None, _b_load_trans("Qt", t["sQ"], DM, BR, dt)),
+        "dQ": WarpGemm("dQ", mma, mq, DM // 8, BC, _a_load_trans("dS", t["sdS_t"], mq, BC, qr, dt),
+                       _b_load_trans("Kt", t["sK"], DM, BC, dt)),
+    }
+
+
+def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles: int, warp_rows: int, mma, dt) -> TiledCopy:
+    """An accumulator's C fragments (16x8 tiles ``(mi, nt)`` of the warp's rows) moved by ``atom``."""
+    src = Tensor(src_name, "RF", dt, Layout((m_tiles, n_tiles, 4), (4, 4 * m_tiles, 1)))
+    part = Partition(mma.c_map, (Loop("mi", m_tiles, 16, 0), Loop("nt", n_tiles, 0, 8)), warp_rows)
+    return TiledCopy(name, atom, src, dst, part, "warp")
+
+
+def _schedule() -> Schedule:
+    """Prologue: K and V of the CTA's key block. Body, per query block ``j`` (of every query head of
+    the kv head's group): Q, dO, lse, D in one cp.async group; the five GEMMs and the rules between.
+
+    cp.async groups complete in order, so ``wait_group 0`` after the block's commit also completes K
+    and V in the first block; the barrier at the end keeps the next block's copies off tiles that
+    other warps may still read.
+    """
+    pro = (Copy("K", why="K block (resident)"), Copy("V", why="V block (resident)"), Commit())
+    body = (
+        Copy("Q", J, why="Q_j"), Copy("dO", J, why="dO_j"), Copy("LSE", J, why="lse_j"), Copy("D", J, why="D_j"),
+        Commit(),
+        Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V) have landed"),
+        Barrier(why="... and are visible to all warps"),
+        Gemm("S", why="S^T = K Q_j^T"),
+        RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"),
+        Gemm("dV", why="dV += P^T dO_j"),
+        Gemm("dP", why="dP^T = V dO_j^T"),
+        GradScores(why="dS^T = P^T * (dP^T - D_j)"),
+        Gemm("dK", why="dK += dS^T Q_j"),
+        StoreRF("dS", why="dS^T -> shared memory for the dQ GEMM"),
+        Barrier(why="dS^T visible to all warps"),
+        Gemm("dQ", why="dQ_j = dS K"),
+        ReduceGM("dQ", why="dQ_j added into the fp32 buffer"),
+        Barrier(why="all warps done with Q_j, dO_j, dS before the next block's copies"),
+    )
+    return Schedule(pro, body)
+
+
+def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
+    """The DSL objects of one backward config (pure; equal configs give equal plans)."""
+    if cfg.engine != "mma_sync":
+        raise ValueError(f"{cfg.short_form()}: make_backward_plan builds mma_sync plans, not engine={cfg.engine}")
+    dt, D, T = cfg.dtype, cfg.d_smem, cfg.threads
+    kr, qr = cfg.key_rows_per_warp, cfg.query_rows_per_warp
+    mma = MMA_16x8x16(dt)
+    t = _tensors(cfg)
+    atom = GM2SM_async()
+    g2s = {}
+    for name in STREAMED + RESIDENT:
+        rows = cfg.B_r if name in STREAMED else cfg.B_c
+        g2s[name] = TiledCopy(f"g2s_{name}", atom, t[f"g{name}"], t[f"s{name}"], Partition(vector_copy_tv(f"g2s_{name}", rows, D, T)), "cta")
+    stats = {name: StatsCopy(f"g2s_{name}", GM2SM_f32(), cfg.B_r) for name in STATS}
+    gemms = _gemms(cfg, t, mma)
+    mk, nq, nd = kr // 16, cfg.B_r // 8, cfg.d_mma // 8
+    r2s = {
+        "dS": _acc_copy("r2s_dS", RF2SM(), "rdS", t["sdS"], mk, nq, kr, mma, dt),
+        "dK": _acc_copy("r2s_dK", RF2SM(), "rdK", t["sdK"], mk, nd, kr, mma, dt),
+        "dV": _acc_copy("r2s_dV", RF2SM(), "rdV", t["sdV"], mk, nd, kr, mma, dt),
+    }
+    s2g = {name: TiledCopy(f"s2g_{name}", SM2GM(), t[f"sd{name[1:]}"], t[f"gd{name[1:]}"],
+                           Partition(vector_copy_tv(f"s2g_{name}", kr, D, 32), (), kr), "warp") for name in ("dK", "dV")}
+    gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
+    red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt)
+    mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c)
+    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(), _row_reduce_lanes(mma.c_map), mask,
+                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head)
+
+

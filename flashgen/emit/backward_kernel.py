@@ -1,0 +1,512 @@
+"""BackwardPlan -> CUDA C++ translation unit of the attention backward (mma.sync; pure, deterministic).
+
+Three kernels and one launcher:
+
+* ``preprocess``: ``D = rowsum(dO * O)`` per query row (the plan's :class:`RowDot` rule);
+* ``kernel``: one CTA per (key block, kv head, batch entry) walking the plan's schedule over the
+  query blocks of its group's heads (:class:`QueryBlocks`); dQ added into an fp32 buffer;
+* ``convert_dq``: dQ = the buffer times the softmax scale, in the inputs' dtype;
+* ``<name>_launch``: the three in order; the buffer and D live in the launch's workspace
+  (``<name>_workspace``: its first part, the dQ buffer, zero at launch).
+
+Every shared-memory address comes from the plan's index functions (``<copy>_smem``), every
+fragment's (row, column) from the MMA's C map, every rule from its object's ``to_cpp``; the
+``-DFLASHGEN_INDEX_ONLY`` host build keeps the index functions and rules only.
+"""
+from __future__ import annotations
+
+import json
+
+from ..dsl.atoms.mma import accumulator_as_a_operand
+from ..dsl.backward_plan import STATS, BackwardPlan
+from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
+from ..dsl.steps import Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait
+from ..dsl.addressing import split_offsets
+from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
+from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, vec
+from .ptx.used import HELPERS_MARK, insert_used
+from .source import KernelSource
+from .template import CodeTemplate, compose
+
+__all__ = ["TARGET", "emit_backward"]
+
+#: The launcher's argument struct, field by field: (name, C type, array length or 0, comment). The C
+#: struct is rendered from it, and a caller without the headers (ctypes) can build its own from it.
+ARGS_FIELDS: tuple[tuple[str, str, int, str], ...] = (
+    *((n, "const void*", 0, "") for n in ("q", "k", "v", "o", "dout")),
+    *((n, "void*", 0, "") for n in ("dq", "dk", "dv")),
+    ("lse", "const float*", 0, "the forward's log-sum-exp, (batch, heads, seq_q), contiguous"),
+    *((f"{n}_stride", "int64_t", 3, "(batch, head, seq)") for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
+    *((n, "int", 0, "") for n in ("batch", "heads", "kv_heads", "seq_q", "seq_k")),
+    ("softmax_scale", "float", 0, ""),
+    *((n, "int", 0, "") for n in ("mask_offset", "window_left", "window_right")),
+    ("workspace", "void*", 0, "<name>_workspace's bytes, the first `zeroed` of them zero"),
+)
+
+
+def args_fields() -> list[str]:
+    """The argument struct's member declarations (:data:`ARGS_FIELDS`)."""
+    return [f"{ctype} {name}{f'[{n}]' if n else ''};" + (f"  // {doc}" if doc else "") for name, ctype, n, doc in ARGS_FIELDS]
+
+
+#: shared tensors with an offset function, and the 16-bit tiles with a base address
+_SMEM_TENSORS = ("sK", "sV", "sQ", "sdO", "sdS", "sdS_t", "sdK", "sdV")
+
+
+def _params(copy: TiledCopy) -> list[str]:
+    part = copy.partition
+    thread = "tid" if copy.scope == "cta" else "lane"
+    return [thread, "v"] + (["warp"] if part.warp_row_step else []) + [l.name for l in part.loops]
+
+
+def _call(copy: TiledCopy, suffix: str, **args: str) -> str:
+    """``<copy>_<suffix>(...)`` with the named arguments (``v`` and loops default to 0)."""
+    return f"{copy.name}_{suffix}({', '.join(args.get(p, '0') for p in _params(copy))})"
+
+
+def _addr(copy: TiledCopy, **idx: str) -> str:
+    """Shared-memory byte address of ``copy`` at compile-time index ``idx`` (``v`` and loops, default
+    0): the thread's base, xor and add tables (:func:`flashgen.dsl.addressing.split_offsets`)."""
+    return _smem_addr(copy, [idx.get(n, "0") for n in ["v"] + [l.name for l in copy.partition.loops]])
+
+
+def _bases(plan: BackwardPlan) -> list[str]:
+    """Each shared-memory copy's per-thread base offset (its index 0)."""
+    out = []
+    for _, copy in plan.copies():
+        params = _params(copy)
+        out.append(_base_decl(copy, [params[0]] + (["warp"] if "warp" in params else [])))
+    return out
+
+
+def _red_fns(copy: TiledCopy) -> str:
+    """Row and column functions of the dQ reduction (global side only)."""
+    part = copy.partition
+    r, c = part.coord_cpp("lane", "v")
+    sig = ", ".join(f"uint32_t {p}" for p in _params(copy))
+    return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds {part.warp_row_step} rows\n"
+            f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
+            f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}")
+
+
+def index_functions(plan: BackwardPlan) -> list[tuple[str, list[str]]]:
+    """(function name, parameter names) of every emitted index function, for host tests."""
+    out = [(f"{t}_offset", ["row", "col"]) for t in _SMEM_TENSORS]
+    for _, copy in plan.copies():
+        out += [(f"{copy.name}_{s}", _params(copy)) for s in ("row", "col", "smem")]
+    return out + [(f"{plan.red_dQ.name}_{s}", _params(plan.red_dQ)) for s in ("row", "col")]
+
+
+def _index_section(plan: BackwardPlan) -> str:
+    parts = [_offset_fn(f"{t}_offset", t, plan.tensors[t].layout) for t in _SMEM_TENSORS]
+    parts += [_partition_fns(copy, _params(copy)[0], _params(copy)) for _, copy in plan.copies()]
+    return "\n\n".join(parts + [_red_fns(plan.red_dQ)])
+
+
+# ---- the kernel body's pieces ----------------------------------------------------------
+
+
+def _g2s_lambda(plan: BackwardPlan, name: str) -> str:
+    """``copy_<name>(src, ld, rows_valid)``: rows >= rows_valid and columns >= d_head zero-filled."""
+    copy = plan.g2s[name]
+    n = copy.partition.tv.n_values
+    return (
+        f"// {copy.name}: {copy.atom.name}, {copy.src.name} -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread\n"
+        f"auto copy_{name} = [&](const elem_t* src, int64_t ld, int rows_valid) {{\n"
+        f"    #pragma unroll\n"
+        f"    for (uint32_t v = 0; v < {n}; ++v) {{\n"
+        f"        const uint32_t row = {_call(copy, 'row', tid='tid', v='v')}, col = {_call(copy, 'col', tid='tid', v='v')};\n"
+        f"        const bool ok = (int)row < rows_valid && col < D_HEAD;\n"
+        f"        cp_async_16_zfill({_addr(copy, v='v')}, ok ? src + int64_t(row) * ld + col : src, ok);\n"
+        f"    }}\n"
+        f"}};"
+    )
+
+
+def _load(load: OperandLoad, frag: str, outer: str, extent: str) -> list[str]:
+    """ldmatrix of one k16 step ``kk`` of an operand for every index of its other loop."""
+    copy = load.copy
+    fn = ldmatrix.helper_name(copy.atom)
+    return [f"#pragma unroll", f"for (uint32_t {outer} = 0; {outer} < {extent}; ++{outer}) {fn}({frag}[{outer}], {_addr(copy, kk='kk', **{outer: outer})});"]
+
+
+def _zero(acc: str, m: str, n: str) -> list[str]:
+    return [f"float {acc}[{m}][{n}][4];", f"#pragma unroll", f"for (uint32_t mi = 0; mi < {m}; ++mi)", "    #pragma unroll",
+            f"    for (uint32_t nt = 0; nt < {n}; ++nt) {acc}[mi][nt][0] = {acc}[mi][nt][1] = {acc}[mi][nt][2] = {acc}[mi][nt][3] = 0.f;"]
+
+
+def _gemm(g: WarpGemm, acc: str, a_acc: str | None) -> list[str]:
+    """``acc += A B`` over k16 steps ``kk``; A from shared memory (ldmatrix) or, ``a_acc``, from an
+    accumulator packed to 16 bits (n tiles (2kk, 2kk+1) form A operand kk). B is loaded one x4
+    (two n8 tiles, :meth:`OperandLoad.b_operand_regs`) at a time, so only 4 of its registers live."""
+    mt, nt, steps = g.m_tiles, g.n_tiles, g.k // 16
+    lines = [f"uint32_t a[{mt}][4];"]
+    if a_acc is None:
+        lines += _load(g.a, "a", "mi", str(mt))
+    else:
+        lines += ["#pragma unroll", f"for (uint32_t mi = 0; mi < {mt}; ++mi) {{"]
+        for r in range(4):
+            off, c0 = accumulator_as_a_operand(0, r)
+            lines.append(f"    a[mi][{r}] = pack2({a_acc}[mi][2 * kk + {off}][{c0}], {a_acc}[mi][2 * kk + {off}][{c0 + 1}]);")
+        lines.append("}")
+    per = OperandLoad.N_TILES_PER_X4
+    mmas = []
+    for t in range(per):
+        _, (b0, b1) = OperandLoad.b_operand_regs(t)
+        mmas.append(f"        mma_16816({acc}[mi][nn * {per} + {t}], a[mi], b[{b0}], b[{b1}]);")
+    copy = g.b.copy
+    lines += ["#pragma unroll", f"for (uint32_t nn = 0; nn < {nt // per}; ++nn) {{", "    uint32_t b[4];",
+              f"    {ldmatrix.helper_name(copy.atom)}(b, {_addr(copy, kk='kk', nn='nn')});",
+              "    #pragma unroll", f"    for (uint32_t mi = 0; mi < {mt}; ++mi) {{"] + mmas + ["    }", "}"]
+    return [f"// {g.name}: warp tile {16 * mt} x {8 * nt}, reduction {g.k} in k16 steps", "#pragma unroll",
+            f"for (uint32_t kk = 0; kk < {steps}; ++kk) {{"] + ["    " + l for l in lines] + ["}"]
+
+
+_ACC = {"S": ("s_acc", None), "dP": ("dp_acc", None), "dV": ("dv_acc", "s_acc"), "dK": ("dk_acc", "dp_acc"), "dQ": ("dq_acc", None)}
+
+
+def _gemm_code(plan: BackwardPlan, step: Gemm) -> list[str]:
+    g = plan.gemms[step.arg]
+    acc, a_acc = _ACC[step.arg]
+    fresh = step.arg in ("S", "dP", "dQ")
+    return (_zero(acc, str(g.m_tiles), str(g.n_tiles)) if fresh else []) + ["{"] + ["    " + l for l in _gemm(g, acc, a_acc)] + ["}"]
+
+
+def _per_value(plan: BackwardPlan, lines: list[str]) -> list[str]:
+    """``lines`` for every S^T / dP^T accumulator value (mi, nt, r) with its key row and query column."""
+    c = plan.mma.c_map
+    return [
+        "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
+        "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
+        f"            const int key = kb * int(B_c) + int(warp * KR + mi * 16 + {c.row.to_cpp(['lane', 'r'])});",
+        f"            const int qc = int(nt * 8 + {c.col.to_cpp(['lane', 'r'])});  // query row q_row0 + qc",
+        "            (void)key;",
+    ] + ["            " + l for l in lines] + ["        }"]
+
+
+def _recompute_code(plan: BackwardPlan, step: Step) -> list[str]:
+    return ["const bool masked = bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + _per_value(plan, [
+        "float s = s_acc[mi][nt][r];",
+        "if (masked) {",
+        "    int lo, hi;",
+        "    score_row_range(q_row0 + qc, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
+        "    if (key < lo || key >= hi || q_row0 + qc >= p.seq_q) s = -INFINITY;",
+        "}",
+        "s_acc[mi][nt][r] = bwd_prob(s, p.scale_log2, bwd_lse_log2(sLSE[qc]));",
+    ])
+
+
+def _store_ds_code(plan: BackwardPlan, step: Step) -> list[str]:
+    addr = _addr(plan.r2s["dS"], v="2 * h", mi="mi", nt="nt")
+    return ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
+            "        #pragma unroll", "        for (uint32_t h = 0; h < 2; ++h)",
+            f"            st_shared_b32({addr}, pack2(dp_acc[mi][nt][2 * h], dp_acc[mi][nt][2 * h + 1]));"]
+
+
+def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
+    copy = plan.red_dQ
+    args = dict(lane="lane", v="r", warp="warp", mi="mi", nt="nt")
+    return ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
+            "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
+            f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
+            f"            const uint32_t col = {_call(copy, 'col', **args)};",
+            "            if (row < p.seq_q && col < D_HEAD) red_add_f32(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][nt][r]);",
+            "        }"]
+
+
+def _copy_code(plan: BackwardPlan, step: Copy) -> list[str]:
+    name = step.arg
+    if name in ("K", "V"):
+        return [f"copy_{name}(g{name}, p.{name.lower()}_ld, p.seq_k - kb * int(B_c));"]
+    if name in STATS:
+        src = "gLSE" if name == "LSE" else "gD"
+        return [f"for (uint32_t i = tid; i < B_r; i += THREADS) s{name}[i] = q_row0 + int(i) < p.seq_q ? {src}[q_row0 + int(i)] : 0.f;"]
+    g = "gQ" if name == "Q" else "gdO"
+    ld = "p.q_ld" if name == "Q" else "p.do_ld"
+    return [f"copy_{name}({g} + int64_t(q_row0) * {ld}, {ld}, p.seq_q - q_row0);"]
+
+
+#: step class -> its code
+_STEP_CODE = {
+    Copy: _copy_code,
+    Commit: lambda plan, step: ["cp_async_commit();"],
+    Wait: lambda plan, step: [f"cp_async_wait<{step.arg}>();"],
+    Barrier: lambda plan, step: ["__syncthreads();"],
+    Gemm: _gemm_code,
+    RecomputeP: _recompute_code,
+    GradScores: lambda plan, step: _per_value(plan, ["dp_acc[mi][nt][r] = bwd_dscore(s_acc[mi][nt][r], dp_acc[mi][nt][r], sD[qc]);"]),
+    StoreRF: _store_ds_code,
+    ReduceGM: _reduce_dq_code,
+}
+
+
+def _steps(plan: BackwardPlan, steps) -> list[str]:
+    out = []
+    for step in steps:
+        if step.guard is not None:
+            raise ValueError(f"backward step {step}: guards are not emitted yet")
+        out += [f"// [{step}] {step.why}".rstrip()] + _STEP_CODE[type(step)](plan, step)
+    return out
+
+
+def _epilogue(plan: BackwardPlan) -> list[str]:
+    """dK times the scale; dK, dV -> sK, sV (each warp its own rows), __syncwarp, 16-byte stores."""
+    lines = ["if (work == 0) {  // no query block ran: K and V may still be in flight before their space is reused",
+             "    cp_async_wait<0>();", "    __syncthreads();", "}",
+             "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
+             "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) dk_acc[mi][nt][r] = bwd_grad_scaled(dk_acc[mi][nt][r], p.scale);"]
+    for name, acc, tile in (("dK", "dk_acc", "sK"), ("dV", "dv_acc", "sV")):
+        r2s, s2g = plan.r2s[name], plan.s2g[name]
+        addr = _addr(r2s, v="2 * h", mi="mi", nt="nt")
+        lines += ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
+                  "        #pragma unroll", "        for (uint32_t h = 0; h < 2; ++h)",
+                  f"            st_shared_b32({addr}, pack2({acc}[mi][nt][2 * h], {acc}[mi][nt][2 * h + 1]));",
+                  "__syncwarp();", "#pragma unroll", f"for (uint32_t v = 0; v < {s2g.partition.tv.n_values}; ++v) {{",
+                  f"    const uint32_t row = {_call(s2g, 'row', lane='lane', v='v', warp='warp')}, col = {_call(s2g, 'col', lane='lane', v='v', warp='warp')};",
+                  f"    if (kb * int(B_c) + int(row) < p.seq_k && col < D_HEAD)",
+                  f"        st_global_v4(g{name} + int64_t(row) * p.{name.lower()}_ld + col, ld_shared_v4({_addr(s2g, v='v')}));",
+                  "}"]
+    return lines
+
+
+# ---- the file ------------------------------------------------------------------------------
+
+#: The file's head, index functions, mask and rules (all a -DFLASHGEN_INDEX_ONLY host build keeps).
+_HEADER = CodeTemplate(
+    r"""// Generated by flashgen. Do not edit: change the config and re-emit.
+//
+// $short_form
+// knobs: $knobs_json
+// grid: (ceil(seq_k / $B_c), kv_heads, batch), block: $threads threads, dynamic shared memory: $smem_bytes bytes
+// schedule per query block: $schedule
+#include <stdint.h>
+#ifdef FLASHGEN_INDEX_ONLY
+#ifndef __CUDACC__
+#define __host__
+#define __device__
+#define __forceinline__ inline
+#endif
+#include <math.h>
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math.h>
+#endif
+
+namespace $name {
+
+constexpr uint32_t B_r = $B_r, B_c = $B_c, N_WARPS = $n_warps, THREADS = $threads;
+static_assert(THREADS == 32 * N_WARPS, "one warp = 32 threads");
+constexpr uint32_t D_HEAD = $d_head, D_MMA = $d_mma, D_SMEM = $d_smem;  // data, MMA-covered, shared-memory columns
+static_assert(D_HEAD <= D_MMA && D_MMA <= D_SMEM && D_SMEM % 64 == 0, "tile widths");
+constexpr uint32_t KR = $key_rows, MK = KR / 16;  // key rows (of dK, dV, S^T) per warp, their 16-row MMA tiles
+constexpr uint32_t QR = $query_rows, MQ = QR / 16;  // query rows of dQ per warp
+
+// ---- index functions: every shared-memory address of the kernel comes from these ----
+$index_fns
+
+// ---- the score mask, and the mask seen from a key block ----
+$mask_fns
+$query_block_fns
+
+// ---- the backward's rules ----
+$rule_fns
+
+// ---- address splits: cheap per-thread addressing derived from the functions above ----
+$split_tables
+
+}  // namespace $name"""
+)
+
+#: The device side's element type, PTX helpers and kernel parameters.
+_DEVICE = CodeTemplate(
+    r"""#ifndef FLASHGEN_INDEX_ONLY
+namespace $name {
+
+using elem_t = $elem_t;
+
+// ---- PTX helpers ----
+$ptx_helpers
+
+struct Params {
+    const elem_t* q; const elem_t* k; const elem_t* v; const elem_t* o; const elem_t* dout;
+    elem_t* dq; elem_t* dk; elem_t* dv;
+    const float* lse;  // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
+    float* delta;      // D = rowsum(dO * O), (batch, heads, seq_q): the workspace's
+    float* dq_accum;   // fp32 dQ sums, (batch, heads, seq_q, D_HEAD): the workspace's, zero at launch
+    int64_t q_batch, q_head, q_ld, k_batch, k_head, k_ld, v_batch, v_head, v_ld;
+    int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
+    int64_t dq_batch, dq_head, dq_ld, dk_batch, dk_head, dk_ld, dv_batch, dv_head, dv_ld;
+    int heads, seq_q, seq_k, kv_group;
+    int mask_offset, window_left, window_right;
+    float scale, scale_log2;
+};"""
+)
+
+#: The preprocess (D) and the dQ conversion.
+_AUX_KERNELS = CodeTemplate(
+    r"""// D = rowsum(dO * O): ROWDOT_LANES threads per query row; grid (ceil(seq_q * ROWDOT_LANES / 128), heads, batch)
+__global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params p) {
+    const int row = int((blockIdx.x * 128 + threadIdx.x) / ROWDOT_LANES);
+    const int lane = int(threadIdx.x % ROWDOT_LANES);
+    const bool ok = row < p.seq_q;
+    const int r = ok ? row : 0;
+    const elem_t* dO = p.dout + blockIdx.z * p.do_batch + blockIdx.y * p.do_head + int64_t(r) * p.do_ld;
+    const elem_t* O = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + int64_t(r) * p.o_ld;
+    const float d = rowdot_reduce(ok ? rowdot_partial(dO, O, lane, int(D_HEAD)) : 0.f);
+    if (ok && lane == 0) p.delta[(int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q + row] = d;
+}
+
+// dQ = dq_accum * scale in the inputs' dtype; one thread per element; grid (ceil(seq_q * D_HEAD / 256), heads, batch)
+__global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
+    const int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    if (i >= int64_t(p.seq_q) * D_HEAD) return;
+    const int row = int(i / D_HEAD), col = int(i % D_HEAD);
+    const float acc = p.dq_accum[((int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q) * D_HEAD + i];
+    p.dq[blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head + int64_t(row) * p.dq_ld + col] = elem_t(bwd_grad_scaled(acc, p.scale));
+}"""
+)
+
+#: The main kernel: one key block of one kv head, over the query blocks of its group's heads.
+_KERNEL = CodeTemplate(
+    r"""__global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+    $smem_addrs
+    const uint32_t sdS_t_addr = sdS_addr, sdK_addr = sK_addr, sdV_addr = sV_addr;  // the same memory, other coordinates
+    float* sLSE = reinterpret_cast<float*>(smem_raw + $sLSE_offset);
+    float* sD = reinterpret_cast<float*>(smem_raw + $sD_offset);
+    const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
+    const elem_t* gK = p.k + batch * p.k_batch + kv_head * p.k_head + int64_t(kb) * B_c * p.k_ld;
+    const elem_t* gV = p.v + batch * p.v_batch + kv_head * p.v_head + int64_t(kb) * B_c * p.v_ld;
+    elem_t* gdK = p.dk + batch * p.dk_batch + kv_head * p.dk_head + int64_t(kb) * B_c * p.dk_ld;
+    elem_t* gdV = p.dv + batch * p.dv_batch + kv_head * p.dv_head + int64_t(kb) * B_c * p.dv_ld;
+    int qb_begin, qb_end;  // query blocks holding kept scores of this key block
+    q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
+    const int n_q = qb_end - qb_begin, work = n_q * p.kv_group;  // (query head of the group, query block) pairs
+    $bases
+
+    $g2s_K
+    $g2s_V
+    $g2s_Q
+    $g2s_dO
+
+    float dk_acc[MK][D_MMA / 8][4], dv_acc[MK][D_MMA / 8][4];
+    #pragma unroll
+    for (uint32_t mi = 0; mi < MK; ++mi)
+        #pragma unroll
+        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)
+            #pragma unroll
+            for (uint32_t r = 0; r < 4; ++r) dk_acc[mi][nt][r] = dv_acc[mi][nt][r] = 0.f;
+
+    // ---- prologue ----
+    $prologue
+
+    // ---- the query blocks of every query head of the group ----
+    for (int w = 0; w < work; ++w) {
+        const int head = kv_head * p.kv_group + w / n_q, qb = qb_begin + w % n_q, q_row0 = qb * int(B_r);
+        const elem_t* gQ = p.q + batch * p.q_batch + head * p.q_head;
+        const elem_t* gdO = p.dout + batch * p.do_batch + head * p.do_head;
+        const float* gLSE = p.lse + (int64_t(batch) * p.heads + head) * p.seq_q;
+        const float* gD = p.delta + (int64_t(batch) * p.heads + head) * p.seq_q;
+        float* gdQ = p.dq_accum + (int64_t(batch) * p.heads + head) * p.seq_q * D_HEAD;
+        $body
+    }
+
+    // ---- epilogue ----
+    $epilogue
+}
+
+}  // namespace $name"""
+)
+
+#: The C entry points: the workspace (dQ buffer, D) and the launch of the three kernels.
+_LAUNCHER = CodeTemplate(
+    r"""// Arguments: (batch, seq, heads, d_head) tensors with element strides (batch, head, seq); d_head contiguous.
+struct ${name}_args {
+    $args_fields
+};
+
+// The dQ fp32 buffer (zeroed) then D.
+extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
+    const size_t rows = size_t(a->batch) * a->heads * a->seq_q;
+    *zeroed = rows * $d_head * sizeof(float);
+    *bytes = *zeroed + rows * sizeof(float);
+    return 0;
+}
+
+extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
+    using namespace $name;
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace)
+        return (int)cudaErrorInvalidValue;
+    float* dq_accum = (float*)a->workspace;
+    float* delta = dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head;
+    Params p{(const elem_t*)a->q, (const elem_t*)a->k, (const elem_t*)a->v, (const elem_t*)a->o, (const elem_t*)a->dout,
+             (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, delta, dq_accum,
+             a->q_stride[0], a->q_stride[1], a->q_stride[2], a->k_stride[0], a->k_stride[1], a->k_stride[2],
+             a->v_stride[0], a->v_stride[1], a->v_stride[2], a->o_stride[0], a->o_stride[1], a->o_stride[2],
+             a->do_stride[0], a->do_stride[1], a->do_stride[2], a->dq_stride[0], a->dq_stride[1], a->dq_stride[2],
+             a->dk_stride[0], a->dk_stride[1], a->dk_stride[2], a->dv_stride[0], a->dv_stride[1], a->dv_stride[2],
+             a->heads, a->seq_q, a->seq_k, a->heads / a->kv_heads, a->mask_offset, a->window_left, a->window_right,
+             a->softmax_scale, a->softmax_scale * $log2e};
+    cudaStream_t s = (cudaStream_t)stream;
+    preprocess<<<dim3((a->seq_q * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
+    constexpr int smem = $smem_bytes;
+    static bool attr_set = false;  // the attribute is per function; set it once
+    if (smem > 48 * 1024 && !attr_set) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return (int)e;
+        attr_set = true;
+    }
+    kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
+    convert_dq<<<dim3((a->seq_q * $d_head + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
+    return (int)cudaGetLastError();
+}
+#endif  // FLASHGEN_INDEX_ONLY"""
+)
+
+_FILE = CodeTemplate("""$header_code
+
+$device_code
+
+$aux_code
+
+$kernel_code
+
+$launcher_code
+""")
+_PARTS = [("header_code", _HEADER), ("device_code", _DEVICE), ("aux_code", _AUX_KERNELS), ("kernel_code", _KERNEL),
+          ("launcher_code", _LAUNCHER), ("file", _FILE)]
+
+
+def emit_backward(plan: BackwardPlan) -> KernelSource:
+    """The CUDA source of one mma.sync backward plan. Pure and deterministic."""
+    from ..dsl.config import LOG2E
+
+    cfg = plan.cfg
+    name = cfg.mangle()
+    lay = plan.smem_layout
+    atoms = {load.copy.atom for g in plan.gemms.values() for load in (g.a, g.b) if load is not None}
+    helpers = [cp_async.helpers(plan.g2s["Q"].atom), vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_mma.helper(plan.mma),
+               red.helpers(plan.red_dQ.atom)] + [ldmatrix.helper(a) for a in sorted(atoms, key=lambda a: a.name)]
+    text = compose(_PARTS, dict(
+        name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()),
+        schedule=" | ".join(str(s) for s in plan.schedule.body),
+        B_r=cfg.B_r, B_c=cfg.B_c, n_warps=cfg.n_warps, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
+        d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
+        index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
+        rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
+        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK,
+        smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sQ", "sdO", "sdS")],
+        sLSE_offset=lay["sLSE"], sD_offset=lay["sD"],
+        g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
+        prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), args_fields=args_fields(),
+        split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
+    ))
+    meta = {"name": name, "short_form": cfg.short_form(), "config": cfg.to_dict(), "hash": cfg.content_hash(),
+            "threads": cfg.threads, "smem_bytes": cfg.smem_bytes, "grid": f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)",
+            "launcher": f"{name}_launch", "kind": "backward"}
+    return KernelSource(name, insert_used(text, helpers), meta)

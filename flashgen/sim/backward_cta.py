@@ -1,0 +1,414 @@
+"""The backward's CTAs, step by step through ``plan.schedule``, and a whole backward pass from them.
+
+:class:`_BwdCta` executes one CTA of a :class:`~flashgen.dsl.backward_plan.BackwardPlan`: the
+prologue (K and V of its key block), then the body once per (query head of the group, query block
+of :class:`~flashgen.attention.query_blocks.QueryBlocks`), then the epilogue (dK times the scale;
+dK and dV registers -> shared over sK / sV -> global), on a flat shared-memory image, with the
+forward simulator's :class:`~flashgen.sim.cta.HazardTracker` watching every shared tile:
+
+* copies through the plan's copy traces (:func:`flashgen.sim.copies.trace_plan`; rows past the
+  sequence end and columns past d_head zero-filled), landing when their cp.async group completes;
+* GEMM operands loaded by :func:`hardware.ldmatrix` at the traces' lane addresses, registers
+  paired by :meth:`OperandLoad.b_operand_regs` and :func:`accumulator_as_a_operand` (P^T and dS^T
+  reused as A operands), multiplied by the PTX-semantics MMA (:func:`hardware.mma_batch_f64`);
+* P^T, dS^T, the scale through the plan's rule objects (:mod:`flashgen.attention.backward`), with
+  the query block's lse and D read from the shared copies by each value's column;
+* dS^T and dK / dV stored where the r2s traces put each register, dQ added into the fp32 buffer
+  at the coordinates the ``red_dQ`` partition gives each register (fp32 adds, in CTA order).
+
+:func:`simulate_backward` runs every CTA of a problem (batch, kv heads, key blocks), the
+preprocess (D from the rule, O and lse from a float64 forward of the 16-bit inputs) and the dQ
+conversion, and returns dQ, dK, dV in the inputs' 16-bit type.
+"""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.backward_plan import STATS, BackwardPlan, make_backward_plan
+from flashgen.dsl.plan import OperandLoad, WarpGemm
+from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait, runs
+from flashgen.sim import fragments as fr
+from flashgen.sim import hardware as hw
+from flashgen.sim.copies import VEC_ELEMS, CopyTrace, trace_copy
+from flashgen.sim.cta import CTA, HazardTracker
+
+_F32 = np.float32
+
+
+@attrs.frozen
+class BwdProblem:
+    """What one CTA sees: sequence lengths, its key block ``kb``, the mask's run-time arguments."""
+
+    seq_q: int
+    seq_k: int
+    kb: int
+    mask_offset: int = 0
+    window_left: int = -1
+    window_right: int = -1
+
+    @property
+    def mask_args(self) -> tuple[int, int, int]:
+        return self.mask_offset, self.window_left, self.window_right
+
+
+@attrs.frozen
+class BwdHeadData:
+    """One query head's inputs to the CTA, 16-bit patterns ``[seq_q, d]`` (q, do) and fp32 ``[seq_q]``
+    (the forward's lse and the preprocess's D)."""
+
+    q: np.ndarray
+    do: np.ndarray
+    lse: np.ndarray
+    delta: np.ndarray
+
+
+def trace_backward(plan: BackwardPlan) -> dict[str, CopyTrace]:
+    """Traces of every shared-memory copy of the plan, keyed by copy name."""
+    return {copy.name: trace_copy(plan, kind, copy) for kind, copy in plan.copies()}
+
+
+def operand_regs(load: OperandLoad, image: np.ndarray, trace: CopyTrace, warp: int) -> np.ndarray:
+    """All fragments of an operand for one warp, ``[m or n x4 blocks, k16 steps, 32, 4, 2]``."""
+    addr = fr.operand_addresses(trace)[warp]
+    atom = load.copy.atom
+    regs = hw.ldmatrix(image, addr, atom.num, atom.trans)
+    return regs.swapaxes(0, 1) if load.copy.partition.loops[0].name == "kk" else regs
+
+
+def warp_gemm(gemm: WarpGemm, b_regs: np.ndarray, a_regs: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """``acc [m_tiles, n_tiles, 32, 4] += A B`` over the k16 steps (A ``[m_tiles, k16, 32, 4, 2]``)."""
+    nn_of, regs_of = fr._b_pairs(gemm.n_tiles)
+    for kq in range(gemm.k // 16):
+        x4 = b_regs[nn_of, kq]
+        b = np.take_along_axis(x4, regs_of[:, None, :, None], axis=2)
+        acc = fr._mma_step(acc, a_regs[:, kq], b, gemm.mma.dtype)
+    return acc
+
+
+class _BwdCta:
+    """Executes one CTA; ``dq_accum``: per query head of the group, the ``[seq_q, d]`` fp32 buffer."""
+
+    def __init__(self, plan: BackwardPlan, prob: BwdProblem, traces: dict, k: np.ndarray, v: np.ndarray,
+                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float):
+        cfg = self.cfg = plan.cfg
+        self.plan, self.prob, self.tr, self.heads, self.dq_accum = plan, prob, traces, heads, dq_accum
+        self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
+        qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
+        rows = {"K": cfg.B_c, "V": cfg.B_c, "Q": cfg.B_r, "dO": cfg.B_r, "dS": cfg.B_c, "LSE": cfg.B_r, "D": cfg.B_r}
+        self.hz = HazardTracker(rows, cfg.n_warps)
+        self.image = np.zeros(plan.smem_layout["end"] // 2, np.uint16)
+        self.stats = {name: np.zeros(cfg.B_r, _F32) for name in STATS}
+        self.staged: dict[int, tuple] = {}
+        self.scale = _F32(scale)
+        self.scale_log2 = plan.recompute.scale_log2(scale)
+        W, mk = cfg.n_warps, cfg.key_rows_per_warp // 16
+        nd, nq = plan.gemms["dV"].n_tiles, plan.gemms["S"].n_tiles
+        self.dk = np.zeros((W, mk, nd, 32, 4), _F32)
+        self.dv = np.zeros((W, mk, nd, 32, 4), _F32)
+        self.s = np.zeros((W, mk, nq, 32, 4), _F32)  # S^T, then P^T (fp32)
+        self.dp = np.zeros((W, mk, nq, 32, 4), _F32)  # dP^T, then dS^T
+        self.dq = np.zeros((W, plan.gemms["dQ"].m_tiles, nd, 32, 4), _F32)
+        self.where = ""
+
+    # -- the walk
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        sched = self.plan.schedule
+        n = len(self.work)
+        for i, step in enumerate(sched.prologue):
+            self.where = f"prologue step {i} ({step})"
+            self.step(step, 0)
+        for j in range(n):
+            for i, step in enumerate(sched.body):
+                self.where = f"query block {self.work[j]} step {i} ({step})"
+                if runs(step.guard, j, 0, n):
+                    self.step(step, j)
+        return self.epilogue()
+
+    def step(self, step: Step, j: int) -> None:
+        run = _STEPS.get(type(step))
+        if run is None:
+            self.hz.hazards.append(f"{self.where}: no simulation of step {type(step).__name__}")
+        else:
+            run(self, step, j)
+
+    def rows(self, name: str, warp: int | None = None, axis: str = "rows") -> np.ndarray:
+        t = self.tr[name]
+        r = getattr(t, axis) if warp is None else getattr(t, axis)[warp]
+        ok = t.in_tile if warp is None else t.in_tile[warp]
+        return np.unique(r[ok])
+
+    def label(self, name: str, j: int) -> str:
+        return name if name in ("K", "V") else f"{name}{self.work[j]}"
+
+    # -- copies and the memory model
+    def copy(self, step: Copy, j: int) -> None:
+        name, cfg = step.arg, self.cfg
+        if name in STATS:
+            atom = self.plan.stats[name].atom
+            ev = self.hz.write(name, np.arange(cfg.B_r), CTA, atom.is_async, self.label(name, j), self.where)
+            h, qb = self.work[j]
+            src = getattr(self.heads[h], "lse" if name == "LSE" else "delta")[qb * cfg.B_r:(qb + 1) * cfg.B_r]
+            self.staged[ev] = ("stats", name, np.pad(src.astype(_F32), (0, cfg.B_r - src.shape[0])))
+            if not atom.is_async:
+                self.land(ev)
+            return
+        trace = self.tr[f"g2s_{name}"]
+        ev = self.hz.write(name, self.rows(trace.name), CTA, trace.atom.is_async, self.label(name, j), self.where)
+        if name in ("K", "V"):
+            block = self.kv[name]
+        else:
+            h, qb = self.work[j]
+            block = getattr(self.heads[h], name.lower())[qb * cfg.B_r:(qb + 1) * cfg.B_r]
+        self.staged[ev] = ("image",) + fr.g2s_payload(trace, block)
+
+    def wait(self, step: Wait, j: int) -> None:
+        for ev in self.hz.wait(int(step.arg)):
+            self.land(ev)
+
+    def land(self, ev: int) -> None:
+        kind, a, b = self.staged.pop(ev)
+        if kind == "stats":
+            self.stats[a][:] = b
+        else:
+            self.image[a] = b
+
+    def read(self, tile: str, trace: str, warp: int, j: int, axis: str = "rows") -> None:
+        self.hz.read(tile, self.rows(trace, warp, axis), warp, self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
+
+    # -- GEMMs
+    def gemm(self, step: Gemm, j: int) -> None:
+        g = self.plan.gemms[step.arg]
+        for w in range(self.cfg.n_warps):
+            _GEMMS[step.arg](self, g, w, j)
+
+    def _ab(self, g: WarpGemm, w: int, j: int, a_tile: str | None, b_tile: str) -> tuple:
+        b_trace = g.b.copy.name
+        self.read(b_tile, b_trace, w, j)
+        b = operand_regs(g.b, self.image, self.tr[b_trace], w)
+        if a_tile is None:
+            return None, b
+        self.read(a_tile, g.a.copy.name, w, j, "cols" if a_tile == "dS" else "rows")
+        return operand_regs(g.a, self.image, self.tr[g.a.copy.name], w), b
+
+    def gemm_scores(self, g: WarpGemm, w: int, j: int) -> None:
+        """S^T = K Q^T or dP^T = V dO^T (a fresh accumulator)."""
+        a, b = self._ab(g, w, j, "K" if g.name == "S" else "V", "Q" if g.name == "S" else "dO")
+        out = self.s if g.name == "S" else self.dp
+        out[w] = warp_gemm(g, b, a, np.zeros_like(out[w]))
+
+    def gemm_kv(self, g: WarpGemm, w: int, j: int) -> None:
+        """dV += P^T dO or dK += dS^T Q, A from the S^T / dS^T accumulator (16 bit)."""
+        _, b = self._ab(g, w, j, None, "dO" if g.name == "dV" else "Q")
+        acc = self.dv if g.name == "dV" else self.dk
+        src = self.s if g.name == "dV" else self.dp
+        acc[w] = warp_gemm(g, b, fr.pack_P(src[w], self.cfg.dtype), acc[w])
+
+    def gemm_dq(self, g: WarpGemm, w: int, j: int) -> None:
+        a, b = self._ab(g, w, j, "dS", "K")
+        self.dq[w] = warp_gemm(g, b, a, np.zeros_like(self.dq[w]))
+
+    # -- the backward's rules on the accumulators
+    def _columns(self, w: int, stat: str, j: int) -> np.ndarray:
+        """``stat`` of each accumulator value's column (query row), ``[mk, nq, 32, 4]``."""
+        self.hz.read(stat, np.arange(self.cfg.B_r), w, self.label(stat, j), self.where)
+        cols = fr.matrix_to_acc(np.broadcast_to(np.arange(self.cfg.B_r, dtype=_F32), (self.cfg.key_rows_per_warp, self.cfg.B_r)))
+        return self.stats[stat][cols.astype(np.int64)]
+
+    def recompute_p(self, step: Step, j: int) -> None:
+        cfg, prob, plan = self.cfg, self.prob, self.plan
+        h, qb = self.work[j]
+        kr = cfg.key_rows_per_warp
+        masked = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        for w in range(cfg.n_warps):
+            s = self.s[w]
+            if masked:
+                keys = prob.kb * cfg.B_c + w * kr + np.arange(kr)
+                queries = qb * cfg.B_r + np.arange(cfg.B_r)
+                keep = np.array([[plan.query_blocks.keep(int(i), int(c), prob.seq_q, prob.seq_k, *prob.mask_args)
+                                  for i in queries] for c in keys])
+                s = np.where(fr.matrix_to_acc(keep), s, _F32(-np.inf)).astype(_F32)
+            self.s[w] = plan.recompute.evaluate(s, self.scale_log2, plan.recompute.lse_log2(self._columns(w, "LSE", j)))
+
+    def grad_scores(self, step: Step, j: int) -> None:
+        for w in range(self.cfg.n_warps):
+            self.dp[w] = self.plan.score_grad.evaluate(self.s[w], self.dp[w], self._columns(w, "D", j))
+
+    # -- stores
+    def store_rf(self, step: StoreRF, j: int) -> None:
+        tr = self.tr["r2s_dS"]
+        for w in range(self.cfg.n_warps):
+            self.hz.write("dS", self.rows("r2s_dS", w), w, False, f"dS{self.work[j]}", self.where)
+            _r2s(self.image, tr, self.dp[w], w, self.cfg.dtype)
+
+    def reduce_gm(self, step: ReduceGM, j: int) -> None:
+        cfg = self.cfg
+        h, qb = self.work[j]
+        part = self.plan.red_dQ.partition
+        lane = np.arange(32)
+        for w in range(cfg.n_warps):
+            rows, cols = part.coords(lane, np.full(32, w))  # [32, 4 values, mi, nt]
+            vals = self.dq[w].transpose(2, 3, 0, 1)  # [32, 4, mi, nt]
+            grow = qb * cfg.B_r + rows
+            ok = (grow < self.prob.seq_q) & (cols < cfg.d_head)
+            np.add.at(self.dq_accum[h], (grow[ok], cols[ok]), vals[ok])
+
+    # -- epilogue
+    def epilogue(self) -> tuple[np.ndarray, np.ndarray]:
+        """dK times the scale; dK and dV -> sK / sV (each warp its own rows) -> global."""
+        cfg = self.cfg
+        rows = min(cfg.B_c, self.prob.seq_k - self.prob.kb * cfg.B_c)
+        out = {}
+        if not self.work:  # the last wait (no query block ran): K and V may be in flight
+            self.wait(Wait("0"), 0)
+            self.hz.barrier()
+        self.dk = self.plan.score_grad.scaled(self.dk, self.scale)
+        for name, acc, tile in (("dK", self.dk, "K"), ("dV", self.dv, "V")):
+            out[name] = np.zeros((rows, cfg.d_head), np.uint16)
+            for w in range(cfg.n_warps):
+                self.where = f"epilogue warp {w} (r2s_{name})"
+                self.hz.write(tile, self.rows(f"r2s_{name}", w), w, False, f"{name}(warp {w})", self.where)
+                _r2s(self.image, self.tr[f"r2s_{name}"], acc[w], w, cfg.dtype)
+                self.hz.syncwarp(w)
+                self.where = f"epilogue warp {w} (s2g_{name})"
+                self.hz.read(tile, self.rows(f"s2g_{name}", w), w, f"{name}(warp {w})", self.where)
+                _s2g(self.image, self.tr[f"s2g_{name}"], out[name], w, cfg.d_head)
+        self.hz.finish("end of kernel")
+        return out["dK"], out["dV"]
+
+
+def _r2s(image: np.ndarray, tr: CopyTrace, acc: np.ndarray, w: int, dtype) -> None:
+    """``st.shared.b32 [addr(v=2h, mi, nt)], pack2(acc[mi][nt][2h], acc[mi][nt][2h+1])``."""
+    v, names = tr.index[:, 0], tr.index_names
+    mi, nt = tr.index[:, names.index("mi")], tr.index[:, names.index("nt")]
+    lane = np.arange(32)[None, :]
+    lo = acc[mi[:, None], nt[:, None], lane, v[:, None]]
+    hi = acc[mi[:, None], nt[:, None], lane, v[:, None] + 1]
+    regs = hw.pack2(lo, hi, dtype)
+    dst = tr.base_bytes // 2 + tr.smem_elem[w, :, :, 0]
+    image[dst] = regs[..., 0]
+    image[dst + 1] = regs[..., 1]
+
+
+def _s2g(image: np.ndarray, tr: CopyTrace, out: np.ndarray, w: int, d_head: int) -> None:
+    """16-byte stores of rows below the key tail and columns below d_head."""
+    e = np.arange(VEC_ELEMS)
+    rows, cols = tr.rows[w, :, :, 0].ravel(), tr.cols[w, :, :, 0].ravel()
+    src = tr.base_bytes // 2 + tr.smem_elem[w, :, :, 0].ravel()
+    ok = (rows < out.shape[0]) & (cols < d_head)
+    out[rows[ok][:, None], cols[ok][:, None] + e] = image[src[ok][:, None] + e]
+
+
+#: step class -> how the backward CTA executes it
+_STEPS = {
+    Copy: _BwdCta.copy,
+    Commit: lambda cta, step, j: cta.hz.commit(),
+    Wait: _BwdCta.wait,
+    Barrier: lambda cta, step, j: cta.hz.barrier(),
+    Gemm: _BwdCta.gemm,
+    RecomputeP: _BwdCta.recompute_p,
+    GradScores: _BwdCta.grad_scores,
+    StoreRF: _BwdCta.store_rf,
+    ReduceGM: _BwdCta.reduce_gm,
+}
+_GEMMS = {"S": _BwdCta.gemm_scores, "dP": _BwdCta.gemm_scores, "dV": _BwdCta.gemm_kv, "dK": _BwdCta.gemm_kv,
+          "dQ": _BwdCta.gemm_dq}
+
+
+# ---- a whole backward pass ---------------------------------------------------------------------------
+
+
+@attrs.define
+class BackwardResult:
+    """dq, dk, dv as float64 values of the 16-bit outputs, the forward's o and lse used, and every
+    CTA's hazards (empty = ok)."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    hazards: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.hazards
+
+
+def _forward(cfg: BackwardConfig, q, k, v, scale: float, keep) -> tuple[np.ndarray, np.ndarray]:
+    """The forward's outputs the backward reads: o rounded to the dtype, lse in fp32."""
+    from flashgen.sim.grad_reference import head_gradients
+
+    g = head_gradients(q, k, v, np.zeros_like(q), scale, keep)
+    return hw.encode(g.o, cfg.dtype), g.lse.astype(_F32)
+
+
+def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      do: np.ndarray, *, causal: bool = False, window: "tuple[int, int] | None" = None,
+                      align: str = "top_left", softmax_scale: float | None = None) -> BackwardResult:
+    """The backward of ``(batch, seq, heads, d_head)`` float inputs (rounded to the config's dtype
+    first; k and v may have fewer heads): every CTA of the grid (batch, kv head, key block) with the
+    preprocess before and the dQ conversion after. The config's mask must match ``causal`` / ``window``."""
+    from flashgen.sim.grad_reference import keep_mask
+
+    plan = cfg_or_plan if isinstance(cfg_or_plan, BackwardPlan) else make_backward_plan(cfg_or_plan)
+    cfg = plan.cfg
+    kind = "causal" if causal else "window" if window is not None else "none"
+    if kind != cfg.mask:
+        raise ValueError(f"the call's mask is {kind!r}, the config's {cfg.mask!r}")
+    B, Sq, H, d = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    group = H // Hk
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    bits = {n: hw.encode(x, cfg.dtype) for n, x in (("q", q), ("k", k), ("v", v), ("do", do))}
+    val = {n: hw.decode(x, cfg.dtype).astype(np.float64) for n, x in bits.items()}
+    keep = keep_mask(Sq, Sk, causal, window, align)
+    left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
+    offset = Sk - Sq if align == "bottom_right" else 0
+    traces = trace_backward(plan)
+    dq_acc = np.zeros((B, H, Sq, d), _F32)
+    dk = np.zeros((B, Sk, Hk, d), np.uint16)
+    dv = np.zeros((B, Sk, Hk, d), np.uint16)
+    hazards: list[str] = []
+    for b in range(B):
+        for hk in range(Hk):
+            heads = []
+            for h in range(hk * group, (hk + 1) * group):
+                o, lse = _forward(cfg, val["q"][b, :, h], val["k"][b, :, hk], val["v"][b, :, hk], scale, keep)
+                delta = plan.row_dot.evaluate(val["do"][b, :, h], hw.decode(o, cfg.dtype))
+                heads.append(BwdHeadData(bits["q"][b, :, h], bits["do"][b, :, h], lse, delta))
+            for kb in range(-(-Sk // cfg.B_c)):
+                cta = _BwdCta(plan, BwdProblem(Sq, Sk, kb, offset, left, right), traces, bits["k"][b, :, hk],
+                              bits["v"][b, :, hk], heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], scale)
+                dk_blk, dv_blk = cta.run()
+                dk[b, kb * cfg.B_c:kb * cfg.B_c + dk_blk.shape[0], hk] = dk_blk
+                dv[b, kb * cfg.B_c:kb * cfg.B_c + dv_blk.shape[0], hk] = dv_blk
+                hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hz.hazards]
+    dq = hw.encode(plan.score_grad.scaled(dq_acc, scale), cfg.dtype).transpose(0, 2, 1, 3)
+    return BackwardResult(*(hw.decode(x, cfg.dtype).astype(np.float64) for x in (dq, dk, dv)), hazards)
+
+
+def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = None) -> dict:
+    """The forward's coverage checks (:mod:`flashgen.sim.copies`) on every backward copy: each g2s
+    chunk written once; each warp's ldmatrix loads deliver exactly its operand tile (A: the warp's
+    own key rows, or for dS its own query rows; B: the whole tile); each r2s writes every element of
+    the warp's rows once, at its layout offset; each s2g reads the warp's rows once."""
+    from flashgen.sim import copies as cp
+
+    cfg = plan.cfg
+    traces = trace_backward(plan) if traces is None else traces
+    own_a = {g.a.copy.name: (cfg.key_rows_per_warp if g.name != "dQ" else cfg.query_rows_per_warp)
+             for g in plan.gemms.values() if g.a is not None}
+    out = {}
+    for kind, copy in plan.copies():
+        tr = traces[copy.name]
+        if kind == "g2s":
+            out[copy.name] = cp.check_g2s(tr)
+        elif kind == "s2r":
+            need = cfg.B_c if copy.name == "s2r_dS" else cfg.d_mma
+            out[copy.name] = cp.check_ldmatrix(tr, own_a.get(copy.name), need)
+        elif kind == "r2s":
+            out[copy.name] = cp.check_r2s(tr, cfg.key_rows_per_warp, cfg.B_r if copy.name == "r2s_dS" else cfg.d_head)
+        else:
+            out[copy.name] = cp.check_s2g(tr, cfg.key_rows_per_warp)
+    return out

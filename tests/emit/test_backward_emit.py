@@ -1,0 +1,132 @@
+"""The emitted backward (flashgen.emit.backward_kernel): its index functions and address splits,
+compiled for the host, equal the plan's objects at every thread, warp and index; its kernels compile
+with nvcc for sm_80 and sm_90a without spills; emitting is pure."""
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from flashgen.check import compile_command, parse_ptxas
+from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.backward_plan import make_backward_plan
+from flashgen.emit.backward_kernel import emit_backward, index_functions
+from flashgen.sim.layout_eval import offsets
+
+B = BackwardConfig
+GXX, NVCC = shutil.which("g++"), shutil.which("nvcc")
+#: configs whose kernels must compile without spills (d_head 128 needs more registers than the
+#: one-warp-per-16-key-rows split leaves: see the report of flashgen check)
+CLEAN = [B("bf16", d_head=64), B("fp16", d_head=64, B_r=128, B_c=128, n_warps=8, mask="causal"),
+         B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window")]
+
+
+def _domain(plan, copy, params):
+    ext = {params[0]: copy.partition.tv.n_threads, "v": copy.partition.tv.n_values, "warp": plan.cfg.n_warps,
+           **{l.name: l.extent for l in copy.partition.loops}}
+    return [ext[p] for p in params]
+
+
+def _main(plan, name):
+    """main() printing, per copy and index: smem offset, its split form, row, col."""
+    copies = {c.name: c for _, c in plan.copies()}
+    body = []
+    for fn, params in index_functions(plan):
+        if not fn.endswith("_smem"):
+            continue
+        cname = fn[: -len("_smem")]
+        args = ", ".join(params)
+        zero = ", ".join("0" if p not in (params[0], "warp") else p for p in params)
+        sub = "".join(f"[{p}]" for p in params if p not in (params[0], "warp"))
+        loops = "".join(f"for (uint32_t {p} = 0; {p} < {n}u; ++{p}) " for p, n in zip(params, _domain(plan, copies[cname], params)))
+        body.append(f'    {loops}std::printf("%u %u %u %u\\n", {cname}_smem({args}), ({cname}_smem({zero}) ^ {cname}_xor{sub}) + {cname}_add{sub}, '
+                    f"{cname}_row({args}), {cname}_col({args}));")
+    red = plan.red_dQ
+    params = ["lane", "v", "warp"] + [l.name for l in red.partition.loops]
+    loops = "".join(f"for (uint32_t {p} = 0; {p} < {n}u; ++{p}) " for p, n in zip(params, _domain(plan, red, params)))
+    body.append(f'    {loops}std::printf("%u %u\\n", {red.name}_row({", ".join(params)}), {red.name}_col({", ".join(params)}));')
+    return f'#include "{name}.cu"\n#include <cstdio>\nint main() {{\n    using namespace {name};\n' + "\n".join(body) + "\n    return 0;\n}\n"
+
+
+def _expected(plan):
+    out = []
+    for fn, params in index_functions(plan):
+        if not fn.endswith("_smem"):
+            continue
+        copy = next(c for _, c in plan.copies() if c.name == fn[: -len("_smem")])
+        table, rows = offsets(copy.smem.layout), copy.smem.layout.layout[0].size
+        for idx in itertools.product(*(range(n) for n in _domain(plan, copy, params))):
+            kw = dict(zip(params, idx))
+            r, c = copy.partition.coord(idx[0], kw["v"], kw.get("warp", 0), **{l.name: kw[l.name] for l in copy.partition.loops})
+            s = int(table[r + rows * c])
+            out += [s, s, r, c]
+    red = plan.red_dQ
+    params = ["lane", "v", "warp"] + [l.name for l in red.partition.loops]
+    for idx in itertools.product(*(range(n) for n in _domain(plan, red, params))):
+        kw = dict(zip(params, idx))
+        out += list(red.partition.coord(idx[0], kw["v"], kw["warp"], **{l.name: kw[l.name] for l in red.partition.loops}))
+    return np.array(out, dtype=np.int64)
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
+@pytest.mark.parametrize("cfg", [B("fp16")] + CLEAN, ids=str)
+def test_emitted_index_functions_and_splits_equal_the_plan(tmp_path, cfg):
+    plan = make_backward_plan(cfg)
+    src = emit_backward(plan)
+    (tmp_path / f"{src.name}.cu").write_text(src.text)
+    (tmp_path / "main.cpp").write_text(_main(plan, src.name))
+    exe = tmp_path / "index_fns"
+    res = subprocess.run([GXX, "-std=c++17", "-O1", "-x", "c++", "-DFLASHGEN_INDEX_ONLY", "main.cpp", "-o", str(exe)],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = np.array(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split(), dtype=np.int64)
+    want = _expected(plan)
+    assert got.shape == want.shape and np.array_equal(got, want), f"first difference at {int(np.flatnonzero(got != want)[0])}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("cfg", CLEAN, ids=str)
+def test_kernels_compile_without_spills(tmp_path, cfg, arch):
+    src = emit_backward(make_backward_plan(cfg))
+    cu = tmp_path / f"{src.name}.cu"
+    cu.write_text(src.text)
+    res = subprocess.run(compile_command(NVCC, cu, arch, tmp_path / "k.o"), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    stats = parse_ptxas(res.stderr)
+    assert len(stats) == 3, res.stderr[-2000:]  # preprocess, kernel, convert_dq
+    dirty = [(s.function, s.registers, s.spill_stores, s.stack_frame) for s in stats if not s.clean]
+    assert not dirty
+
+
+def test_emitting_is_pure():
+    cfg = B("fp16", mask="causal")
+    assert emit_backward(make_backward_plan(cfg)).text == emit_backward(make_backward_plan(cfg)).text
+    other = emit_backward(make_backward_plan(cfg.replace(swizzled=False))).text
+    assert other != emit_backward(make_backward_plan(cfg)).text
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+def test_argument_struct_layout_is_the_field_tables(tmp_path):
+    """The launcher's struct, compiled, has the field table's members at the offsets a ctypes struct
+    built from the table gives (what a caller without the headers relies on)."""
+    import ctypes
+
+    from flashgen.emit.backward_kernel import ARGS_FIELDS
+
+    types = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
+             "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+    layout = type("Args", (ctypes.Structure,), {"_fields_": [(n, types[t] * k if k else types[t]) for n, t, k, _ in ARGS_FIELDS]})
+    src = emit_backward(make_backward_plan(B("fp16", d_head=64)))
+    (tmp_path / f"{src.name}.cu").write_text(src.text)
+    prints = "".join(f'    std::printf("%zu\\n", offsetof({src.name}_args, {n}));\n' for n, *_ in ARGS_FIELDS)
+    (tmp_path / "main.cu").write_text(f'#include "{src.name}.cu"\n#include <cstdio>\n#include <cstddef>\nint main() {{\n{prints}'
+                                      f'    std::printf("%zu\\n", sizeof({src.name}_args));\n    return 0;\n}}\n')
+    exe = tmp_path / "abi"
+    res = subprocess.run([NVCC, "-std=c++17", "-arch=sm_80", "main.cu", "-o", str(exe)], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    assert got == [getattr(layout, n).offset for n, *_ in ARGS_FIELDS] + [ctypes.sizeof(layout)]
