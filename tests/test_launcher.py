@@ -1,10 +1,12 @@
 """The real thing without a GPU: nvcc builds a kernel library, the launcher (g++ against torch's headers)
 loads it, and the operator checks a call before launching. Each case runs in a fresh interpreter
-(a launcher library can be loaded once per process) with its own cache folder.
+(a launcher library can be loaded once per process) with its own cache folder, which starts with
+the launcher built once for the module (building it is what takes time).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +33,25 @@ def run(code: str, cache: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_a_kernel_library_loads_and_the_operator_checks_its_inputs(tmp_path, nvcc):
+@pytest.fixture(scope="module")
+def built_launcher(tmp_path_factory, nvcc) -> Path:
+    """A cache folder holding only the launcher."""
+    cache = tmp_path_factory.mktemp("launcher-cache")
+    proc = subprocess.run([sys.executable, "-c", "from flashgen import launcher; launcher.library()"], cwd=REPO,
+                          env={**os.environ, "FLASHGEN_CACHE": str(cache)}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return cache
+
+
+@pytest.fixture
+def cache(tmp_path, built_launcher) -> Path:
+    """This test's cache folder, starting with the module's launcher."""
+    folder = tmp_path / "cache"
+    shutil.copytree(built_launcher, folder)
+    return folder
+
+
+def test_a_kernel_library_loads_and_the_operator_checks_its_inputs(cache):
     proc = run("""
 built = build(cfg, (8, 0))
 handle = runtime._load(built, False)
@@ -42,26 +62,26 @@ for args, words in (((q, q, q, handle), "q is on cpu"), ((q, q, q, handle + 1), 
         print("no error for", words)
     except (ValueError, RuntimeError) as exc:
         print(type(exc).__name__, exc)
-""", tmp_path)
+""", cache)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ValueError") and "q is on cpu; flashgen kernels run on CUDA devices" in lines[0]
     assert lines[1].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[1]
 
 
-def test_a_library_that_does_not_load_is_rebuilt(tmp_path, nvcc):
-    first = run("built = build(cfg, (8, 0)); print(built.library)", tmp_path)
+def test_a_library_that_does_not_load_is_rebuilt(cache):
+    first = run("built = build(cfg, (8, 0)); print(built.library)", cache)
     assert first.returncode == 0, first.stderr
     library = Path(first.stdout.split()[-1])
     size = library.stat().st_size
     library.write_bytes(b"\0" * size)  # same size, not a library: only loading it tells
-    second = run("built = build(cfg, (8, 0)); print(runtime._load(built, False))", tmp_path)
+    second = run("built = build(cfg, (8, 0)); print(runtime._load(built, False))", cache)
     assert second.returncode == 0, second.stderr
     assert "does not load" in second.stderr and "rebuilding" in second.stderr
     assert second.stdout.split()[-1] == "0" and library.read_bytes()[:4] == b"\x7fELF"
 
 
-def test_the_eager_entry_points_run_nothing_they_cannot_check(tmp_path, nvcc):
+def test_the_eager_entry_points_run_nothing_they_cannot_check(cache):
     proc = run("""
 from flashgen import launcher
 attn = runtime.Attention(build(cfg, (8, 0)))
@@ -83,7 +103,7 @@ for bad in (lambda: native.call(q, q, q, None, attn._handle + 1, None, -1, -1, "
         print("no error")
     except Exception as exc:
         print(type(exc).__name__, str(exc).splitlines()[0])
-""", tmp_path)
+""", cache)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "None" and lines[2] == "None"
