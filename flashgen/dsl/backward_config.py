@@ -198,7 +198,8 @@ def _rule_d_split(c: BackwardConfig) -> None:
 def _rule_registers(c: BackwardConfig) -> None:
     if c.acc_regs > ACC_REG_LIMIT:
         raise ConfigError(
-            f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}: the accumulators need {c.acc_regs} registers "
+            f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}"
+            f"{f', d_split={c.d_split}' if c.d_split > 1 else ''}: the accumulators need {c.acc_regs} registers "
             f"per thread (dK + dV + max(S^T + dP^T, dQ); > {ACC_REG_LIMIT} of 255); use more warps, d_split or smaller blocks")
 
 
