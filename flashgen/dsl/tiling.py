@@ -97,6 +97,12 @@ class Partition:
         col = f"({warp} % {self.warp_cols}u) * {self.warp_col_step}u" if self.warp_col_step else "0"
         return row, col
 
+    def warp_text(self) -> str:
+        """What warp ``w`` adds, for comments: ``16 rows`` or ``((w / 2u) * 16u, (w % 2u) * 64u)``."""
+        if self.warp_cols == 1 and not self.warp_col_step:
+            return f"{self.warp_row_step} rows"
+        return "({}, {})".format(*self.warp_offset_cpp("w"))
+
     def coord(self, thread: int, value: int, warp: int = 0, **idx: int) -> tuple[int, int]:
         r, c = self.tv(thread, value)
         dr, dc = self.warp_offset(warp)

@@ -84,8 +84,7 @@ def _red_fns(copy: TiledCopy) -> str:
     part = copy.partition
     r, c = part.coord_cpp("lane", "v")
     sig = ", ".join(f"uint32_t {p}" for p in _params(copy))
-    dr, dc = part.warp_offset_cpp("w")
-    return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds ({dr}, {dc})\n"
+    return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds {part.warp_text()}\n"
             f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
             f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}")
 

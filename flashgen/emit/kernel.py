@@ -56,7 +56,7 @@ def _partition_fns(copy: TiledCopy, thread: str, params: list[str]) -> str:
     smem = copy.smem
     return (
         f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; loops: {loops}"
-        + (f"; warp w adds {part.warp_row_step} rows" if part.warp_row_step else "")
+        + (f"; warp w adds {part.warp_text()}" if part.uses_warp else "")
         + "\n"
         f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
         f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}\n"
