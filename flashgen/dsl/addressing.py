@@ -50,7 +50,7 @@ class OffsetSplit:
 def thread_domain(copy: TiledCopy, n_warps: int) -> list[tuple[int, int]]:
     """The runtime (thread, warp) pairs a copy runs on."""
     n = copy.partition.tv.n_threads
-    warps = range(n_warps) if copy.partition.warp_row_step else range(1)
+    warps = range(n_warps) if copy.partition.uses_warp else range(1)
     return [(t, w) for w in warps for t in range(n)]
 
 

@@ -7,8 +7,14 @@ a small config of its own, with the forward's common knobs under the same names 
 (``dtype``, ``d_head``, ``B_r``, ``B_c``, ``n_warps``, ``swizzled``, ``mask``, ``engine``) and the
 same kind of validity rules, each naming the values it rejects.
 
-Work split (mma.sync): warp ``w`` owns key rows ``[w * B_c/n_warps, ...)`` of S^T, dP^T, dS^T, dK
-and dV, and query rows ``[w * B_r/n_warps, ...)`` of dQ; each is a whole number of the MMA's 16 rows.
+Work split (mma.sync): the warps form ``n_warps / d_split`` groups of ``d_split``; warp ``w`` is
+in group ``g = w // d_split`` at place ``h = w % d_split``. Group ``g`` owns key rows
+``[g * B_c/groups, ...)`` of S^T, dP^T, dS^T, dK and dV and query rows ``[g * B_r/groups, ...)`` of
+dQ; of those rows' dK, dV and dQ, warp ``h`` owns the ``d_mma / d_split`` columns from
+``h * d_mma/d_split``. Every warp of a group computes the group's S^T and dP^T (the A operands of
+its dV and dK columns) itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
+by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. Row counts are whole
+numbers of the MMA's 16 rows, column counts of its k16.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class BackwardConfig:
     swizzled: bool = True
     mask: str = "none"
     engine: str = "mma_sync"
+    d_split: int = 1
 
     def __attrs_post_init__(self) -> None:
         for rule in _RULES:
@@ -56,14 +63,24 @@ class BackwardConfig:
         return 32 * self.n_warps
 
     @property
+    def warp_groups(self) -> int:
+        """Groups of ``d_split`` warps; each owns a share of the key rows and of dQ's query rows."""
+        return self.n_warps // self.d_split
+
+    @property
     def key_rows_per_warp(self) -> int:
-        """Key rows of S^T, dP^T, dS^T, dK and dV owned by one warp."""
-        return self.B_c // self.n_warps
+        """Key rows of S^T, dP^T, dS^T, dK and dV owned by one warp (and its group)."""
+        return self.B_c // self.warp_groups
 
     @property
     def query_rows_per_warp(self) -> int:
-        """Query rows of dQ owned by one warp."""
-        return self.B_r // self.n_warps
+        """Query rows of dQ owned by one warp (and its group)."""
+        return self.B_r // self.warp_groups
+
+    @property
+    def d_cols_per_warp(self) -> int:
+        """Columns of dK, dV and dQ owned by one warp: its share of ``d_mma``."""
+        return self.d_mma // self.d_split
 
     @property
     def d_smem(self) -> int:
@@ -80,9 +97,9 @@ class BackwardConfig:
     def acc_regs(self) -> int:
         """Accumulator registers per thread at the peak: dK and dV, plus S^T and dP^T (while dS is
         formed) or dQ (while it is reduced), whichever is more."""
-        kv = 2 * self.key_rows_per_warp * self.d_mma // 32
+        kv = 2 * self.key_rows_per_warp * self.d_cols_per_warp // 32
         scores = 2 * self.key_rows_per_warp * self.B_r // 32
-        dq = self.query_rows_per_warp * self.d_mma // 32
+        dq = self.query_rows_per_warp * self.d_cols_per_warp // 32
         return kv + max(scores, dq)
 
     @property
@@ -110,8 +127,10 @@ class BackwardConfig:
         return attrs.evolve(self, **changes)
 
     def short_form(self) -> str:
-        """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags."""
+        """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
+        (``d_split=2`` among them when the warps split d)."""
         flags = (["swizzled"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
+        flags += [f"d_split={self.d_split}"] if self.d_split > 1 else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
         return head + (": " + "+".join(flags) if flags else "")
 
@@ -122,6 +141,7 @@ class BackwardConfig:
         """A C identifier naming this config (also the .cu file stem)."""
         parts = [self.dtype.value, f"d{self.d_head}", f"br{self.B_r}", f"bc{self.B_c}", f"w{self.n_warps}"]
         parts += (["swz"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
+        parts += [f"ds{self.d_split}"] if self.d_split > 1 else []
         return "_".join(["flash_bwd", *parts])
 
     def content_hash(self) -> str:
@@ -145,11 +165,12 @@ def _rule_sizes(c: BackwardConfig) -> None:
         raise ConfigError(f"d_head={c.d_head}: must be a multiple of 8 between 8 and 256 (rows move in 16-byte vectors)")
     if c.n_warps <= 0 or c.n_warps & (c.n_warps - 1) or c.n_warps > 16:
         raise ConfigError(f"n_warps={c.n_warps}: must be a power of two between 1 and 16")
-    if c.B_c <= 0 or c.B_c % (MMA_M * c.n_warps):
-        raise ConfigError(f"B_c={c.B_c} with n_warps={c.n_warps}: each warp owns B_c/n_warps key rows (of dK, dV), "
+    groups = f"n_warps={c.n_warps}" + (f" in groups of d_split={c.d_split}" if c.d_split > 1 else "")
+    if c.B_c <= 0 or c.B_c % (MMA_M * c.warp_groups):
+        raise ConfigError(f"B_c={c.B_c} with {groups}: each warp group owns B_c/{c.warp_groups} key rows (of dK, dV), "
                           f"which must be a positive multiple of the MMA's {MMA_M} rows")
-    if c.B_r <= 0 or c.B_r % (MMA_M * c.n_warps):
-        raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}: each warp owns B_r/n_warps query rows of dQ, "
+    if c.B_r <= 0 or c.B_r % (MMA_M * c.warp_groups):
+        raise ConfigError(f"B_r={c.B_r} with {groups}: each warp group owns B_r/{c.warp_groups} query rows of dQ, "
                           f"which must be a positive multiple of the MMA's {MMA_M} rows")
     if c.B_r % SWIZZLE_TILE_COLS:
         raise ConfigError(f"B_r={c.B_r}: the dS^T tile (B_c x B_r) is stored in {SWIZZLE_TILE_COLS}-column swizzle blocks, "
@@ -161,11 +182,25 @@ def _rule_sizes(c: BackwardConfig) -> None:
                               f"16-byte chunks must split evenly over the CTA's {c.threads} threads")
 
 
+def _rule_d_split(c: BackwardConfig) -> None:
+    if not isinstance(c.d_split, int) or c.d_split < 1 or c.d_split & (c.d_split - 1) or c.n_warps % c.d_split:
+        raise ConfigError(f"d_split={c.d_split!r} with n_warps={c.n_warps}: must be a power of two dividing n_warps")
+    if c.d_split == 1:
+        return
+    if c.d_mma != c.d_smem:
+        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: the warps of a group split the shared tiles of dK and "
+                          f"dV ({c.d_smem} columns) as they split d_head, so d_head must be 64, 128 or 256")
+    if c.d_cols_per_warp % MMA_K:
+        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: each warp's {c.d_cols_per_warp} columns of dK, dV and dQ "
+                          f"must be a multiple of {MMA_K} (B operands load two n8 tiles at a time)")
+
+
 def _rule_registers(c: BackwardConfig) -> None:
     if c.acc_regs > ACC_REG_LIMIT:
         raise ConfigError(
-            f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}: the accumulators need {c.acc_regs} registers "
-            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {ACC_REG_LIMIT} of 255); use more warps or smaller blocks")
+            f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}"
+            f"{f', d_split={c.d_split}' if c.d_split > 1 else ''}: the accumulators need {c.acc_regs} registers "
+            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {ACC_REG_LIMIT} of 255); use more warps, d_split or smaller blocks")
 
 
 def _rule_smem(c: BackwardConfig) -> None:
@@ -174,4 +209,4 @@ def _rule_smem(c: BackwardConfig) -> None:
                           f"exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit")
 
 
-_RULES = (_rule_choices, _rule_sizes, _rule_registers, _rule_smem)
+_RULES = (_rule_choices, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)

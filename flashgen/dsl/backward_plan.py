@@ -4,22 +4,27 @@ atom's maps, the swizzled tile layout, the step classes) and the shared backward
 
 One CTA owns key/value block ``kb`` (``B_c`` rows of one kv head) and walks the query blocks that
 meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`) of every query head of its group.
-Warp ``w`` owns key rows ``[w*kr, (w+1)*kr)``, ``kr = B_c / n_warps``. Per query block (``B_r``
-rows of Q, dO, lse and D copied to shared memory):
+Warp ``w`` is warp ``h = w % d_split`` of group ``g = w // d_split``; the group owns key rows
+``[g*kr, (g+1)*kr)``, ``kr = B_c / groups``, and query rows ``[g*qr, (g+1)*qr)`` of dQ, and warp
+``h`` of them the ``dw = d_mma / d_split`` columns from ``h*dw`` of dK, dV and dQ (every warp's
+partitions carry that grid: ``warp_cols = d_split``). Per query block (``B_r`` rows of Q, dO, lse
+and D copied to shared memory):
 
 ==========  ============================  =======================  ==================================
 GEMM        warp tile (m x n, k)          A operand                B operand
 ==========  ============================  =======================  ==================================
 ``S``       S^T = K Q^T (kr x B_r, d)     sK, own rows (ldmatrix)  sQ (ldmatrix, as the forward's K)
 ``dP``      dP^T = V dO^T (kr x B_r, d)   sV, own rows             sdO (as the forward's K)
-``dV``      dV += P^T dO (kr x d, B_r)    P^T: the S^T accumulator sdO (ldmatrix.trans, as V)
-``dK``      dK += dS^T Q (kr x d, B_r)    dS^T: the dP^T acc.      sQ (ldmatrix.trans)
-``dQ``      dQ = dS K (B_r/n_warps x d,   sdS^T read as dS         sK (ldmatrix.trans)
-            B_c)                          (ldmatrix.trans)
+``dV``      dV += P^T dO (kr x dw, B_r)   P^T: the S^T accumulator sdO, own columns (ldmatrix.trans)
+``dK``      dK += dS^T Q (kr x dw, B_r)   dS^T: the dP^T acc.      sQ, own columns (ldmatrix.trans)
+``dQ``      dQ = dS K (qr x dw, B_c)      sdS^T read as dS, own    sK, own columns (ldmatrix.trans)
+                                          rows (ldmatrix.trans)
 ==========  ============================  =======================  ==================================
 
-dS^T goes registers -> shared (``sdS``, key rows, 16 bit) so that the dQ GEMM, whose warps own
-query rows, can read all of it; ``sdS_t`` is the same memory seen in (query, key) coordinates.
+S^T and dP^T (kr x B_r) are computed by every warp of the group (each needs all of them as the A
+operand of its dV and dK columns). dS^T goes registers -> shared (``sdS``, key rows, 16 bit; stored
+by the first warp of each group, :attr:`BackwardPlan.ds_store_every`) so that the dQ GEMM, whose
+warps own query rows, can read all of it; ``sdS_t`` is the same memory in (query, key) coordinates.
 dQ is added into a ``(batch, heads, seq_q, d)`` fp32 buffer with ``red.global.add.f32`` at the C
 fragment's coordinates; dK (times the softmax scale) and dV go registers -> shared (over sK, sV)
 -> global at the end, as the forward's O.
@@ -87,6 +92,9 @@ class BackwardPlan:
     score_grad: ScoreGrad
     row_dot: RowDot  # the preprocess kernel's rule
     valid_cols: int
+    #: dS^T is stored by warps ``w % ds_store_every == 0``, the first of each group (the group's
+    #: other warps hold the same values)
+    ds_store_every: int = 1
 
     @property
     def mma(self) -> MMA_16x8x16:
@@ -137,17 +145,19 @@ def _tensors(cfg: BackwardConfig) -> dict[str, Tensor]:
     return t
 
 
-def _a_load(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int, dt) -> OperandLoad:
-    """A operand from a tile stored (m, k) row-major: the warp's own rows, all k (ldmatrix)."""
+def _a_load(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int, split: int, dt) -> OperandLoad:
+    """A operand from a tile stored (m, k) row-major: the warp group's own rows, all k (ldmatrix)."""
     regs = Tensor(f"r{name}", "RF", dt, Layout((m_tiles, k // 16, 4), (4, 4 * m_tiles, 1)))
-    part = Partition(ldmatrix_x4_rows_then_cols("ldsm_A"), (Loop("mi", m_tiles, 16, 0), Loop("kk", k // 16, 0, 16)), warp_rows)
+    part = Partition(ldmatrix_x4_rows_then_cols("ldsm_A"), (Loop("mi", m_tiles, 16, 0), Loop("kk", k // 16, 0, 16)), warp_rows,
+                     warp_cols=split)
     return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4), tile, regs, part, "warp"), k // 8, 1, False)
 
 
-def _a_load_trans(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int, dt) -> OperandLoad:
+def _a_load_trans(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int, split: int, dt) -> OperandLoad:
     """A operand from a tile stored k-major (``tile`` in (m, k) coordinates): ldmatrix.trans."""
     regs = Tensor(f"r{name}", "RF", dt, Layout((m_tiles, k // 16, 4), (4, 4 * m_tiles, 1)))
-    part = Partition(ldmatrix_x4_trans_a("ldsm_At"), (Loop("mi", m_tiles, 16, 0), Loop("kk", k // 16, 0, 16)), warp_rows)
+    part = Partition(ldmatrix_x4_trans_a("ldsm_At"), (Loop("mi", m_tiles, 16, 0), Loop("kk", k // 16, 0, 16)), warp_rows,
+                     warp_cols=split)
     return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4, trans=True), tile, regs, part, "warp"), k // 8, 1, False)
 
 
@@ -158,31 +168,35 @@ def _b_load(name: str, tile: Tensor, n: int, k: int, dt) -> OperandLoad:
     return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4), tile, regs, part, "warp"), k // 8, 1, False)
 
 
-def _b_load_trans(name: str, tile: Tensor, n: int, k: int, dt) -> OperandLoad:
-    """B operand from a tile stored (k, n) row-major, all of it (ldmatrix.trans; the forward's V)."""
+def _b_load_trans(name: str, tile: Tensor, n: int, k: int, split: int, dt) -> OperandLoad:
+    """B operand from a tile stored (k, n) row-major (ldmatrix.trans; the forward's V): all k, the
+    warp's ``n`` columns from ``(w % split) * n`` (all of them when ``split`` is 1)."""
     regs = Tensor(f"r{name}", "RF", dt, Layout((k // 16, n // 16, 4), (4, 4 * k // 16, 1)))
-    part = Partition(ldmatrix_x4_rows_then_cols("ldsm_Bt"), (Loop("kk", k // 16, 16, 0), Loop("nn", n // 16, 0, 16)))
+    part = Partition(ldmatrix_x4_rows_then_cols("ldsm_Bt"), (Loop("kk", k // 16, 16, 0), Loop("nn", n // 16, 0, 16)),
+                     warp_col_step=n if split > 1 else 0, warp_cols=split)
     return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4, trans=True), tile, regs, part, "warp"), k // 8, 1, False)
 
 
 def _gemms(cfg: BackwardConfig, t: dict[str, Tensor], mma: MMA_16x8x16) -> dict[str, WarpGemm]:
-    dt, DM, BR, BC = cfg.dtype, cfg.d_mma, cfg.B_r, cfg.B_c
+    dt, DM, DW, BR, BC, sp = cfg.dtype, cfg.d_mma, cfg.d_cols_per_warp, cfg.B_r, cfg.B_c, cfg.d_split
     kr, qr = cfg.key_rows_per_warp, cfg.query_rows_per_warp
     mk, mq = kr // 16, qr // 16
     return {
-        "S": WarpGemm("S", mma, mk, BR // 8, DM, _a_load("K", t["sK"], mk, DM, kr, dt), _b_load("Q", t["sQ"], BR, DM, dt)),
-        "dP": WarpGemm("dP", mma, mk, BR // 8, DM, _a_load("V", t["sV"], mk, DM, kr, dt), _b_load("dO", t["sdO"], BR, DM, dt)),
-        "dV": WarpGemm("dV", mma, mk, DM // 8, BR, None, _b_load_trans("dOt", t["sdO"], DM, BR, dt)),
-        "dK": WarpGemm("dK", mma, mk, DM // 8, BR, None, _b_load_trans("Qt", t["sQ"], DM, BR, dt)),
-        "dQ": WarpGemm("dQ", mma, mq, DM // 8, BC, _a_load_trans("dS", t["sdS_t"], mq, BC, qr, dt),
-                       _b_load_trans("Kt", t["sK"], DM, BC, dt)),
+        "S": WarpGemm("S", mma, mk, BR // 8, DM, _a_load("K", t["sK"], mk, DM, kr, sp, dt), _b_load("Q", t["sQ"], BR, DM, dt)),
+        "dP": WarpGemm("dP", mma, mk, BR // 8, DM, _a_load("V", t["sV"], mk, DM, kr, sp, dt), _b_load("dO", t["sdO"], BR, DM, dt)),
+        "dV": WarpGemm("dV", mma, mk, DW // 8, BR, None, _b_load_trans("dOt", t["sdO"], DW, BR, sp, dt)),
+        "dK": WarpGemm("dK", mma, mk, DW // 8, BR, None, _b_load_trans("Qt", t["sQ"], DW, BR, sp, dt)),
+        "dQ": WarpGemm("dQ", mma, mq, DW // 8, BC, _a_load_trans("dS", t["sdS_t"], mq, BC, qr, sp, dt),
+                       _b_load_trans("Kt", t["sK"], DW, BC, sp, dt)),
     }
 
 
-def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles: int, warp_rows: int, mma, dt) -> TiledCopy:
-    """An accumulator's C fragments (16x8 tiles ``(mi, nt)`` of the warp's rows) moved by ``atom``."""
+def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles: int, warp_rows: int, mma, dt,
+              split: int = 1, warp_cols: int = 0) -> TiledCopy:
+    """An accumulator's C fragments (16x8 tiles ``(mi, nt)`` of the warp group's rows, from column
+    ``(w % split) * warp_cols``) moved by ``atom``."""
     src = Tensor(src_name, "RF", dt, Layout((m_tiles, n_tiles, 4), (4, 4 * m_tiles, 1)))
-    part = Partition(mma.c_map, (Loop("mi", m_tiles, 16, 0), Loop("nt", n_tiles, 0, 8)), warp_rows)
+    part = Partition(mma.c_map, (Loop("mi", m_tiles, 16, 0), Loop("nt", n_tiles, 0, 8)), warp_rows, warp_cols, split)
     return TiledCopy(name, atom, src, dst, part, "warp")
 
 
@@ -230,18 +244,21 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
         g2s[name] = TiledCopy(f"g2s_{name}", atom, t[f"g{name}"], t[f"s{name}"], Partition(vector_copy_tv(f"g2s_{name}", rows, D, T)), "cta")
     stats = {name: StatsCopy(f"g2s_{name}", GM2SM_f32(), cfg.B_r) for name in STATS}
     gemms = _gemms(cfg, t, mma)
-    mk, nq, nd = kr // 16, cfg.B_r // 8, cfg.d_mma // 8
+    sp, dw = cfg.d_split, cfg.d_cols_per_warp
+    mk, nq, nd = kr // 16, cfg.B_r // 8, dw // 8
+    own = dw if sp > 1 else 0  # a warp's column offset per place in its group
     r2s = {
-        "dS": _acc_copy("r2s_dS", RF2SM(), "rdS", t["sdS"], mk, nq, kr, mma, dt),
-        "dK": _acc_copy("r2s_dK", RF2SM(), "rdK", t["sdK"], mk, nd, kr, mma, dt),
-        "dV": _acc_copy("r2s_dV", RF2SM(), "rdV", t["sdV"], mk, nd, kr, mma, dt),
+        "dS": _acc_copy("r2s_dS", RF2SM(), "rdS", t["sdS"], mk, nq, kr, mma, dt, sp),
+        "dK": _acc_copy("r2s_dK", RF2SM(), "rdK", t["sdK"], mk, nd, kr, mma, dt, sp, own),
+        "dV": _acc_copy("r2s_dV", RF2SM(), "rdV", t["sdV"], mk, nd, kr, mma, dt, sp, own),
     }
     s2g = {name: TiledCopy(f"s2g_{name}", SM2GM(), t[f"sd{name[1:]}"], t[f"gd{name[1:]}"],
-                           Partition(vector_copy_tv(f"s2g_{name}", kr, D, 32), (), kr), "warp") for name in ("dK", "dV")}
+                           Partition(vector_copy_tv(f"s2g_{name}", kr, D // sp, 32), (), kr, D // sp if sp > 1 else 0, sp), "warp")
+           for name in ("dK", "dV")}
     gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
-    red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt)
+    red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt, sp, own)
     mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c)
     return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(), _row_reduce_lanes(mma.c_map), mask,
-                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head)
+                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, sp)
 
 

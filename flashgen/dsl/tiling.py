@@ -65,16 +65,48 @@ class Partition:
     """Coordinates one thread touches in a tile: ``tv(thread, value) + sum(i * step)`` over loops.
 
     ``thread`` is the thread index the TVMap is written for (lane for warp-level
-    copies, threadIdx for CTA-wide copies); ``warp_row_step`` offsets warp-owned tiles.
+    copies, threadIdx for CTA-wide copies). Warp-owned tiles sit on a grid of warps
+    ``warp_cols`` wide (warp ``w`` at grid row ``w // warp_cols``, column ``w % warp_cols``),
+    offset by ``warp_row_step`` rows per grid row and ``warp_col_step`` columns per grid
+    column; ``warp_cols == 1`` is the one-dimensional split (warp ``w`` adds ``w * warp_row_step`` rows).
     """
 
     tv: TVMap
     loops: tuple[Loop, ...] = ()
     warp_row_step: int = 0
+    warp_col_step: int = 0
+    warp_cols: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.warp_cols < 1:
+            raise ValueError(f"Partition {self.tv.name}: warp_cols={self.warp_cols} must be at least 1")
+
+    @property
+    def uses_warp(self) -> bool:
+        """Whether the coordinates depend on the warp index (a warp-owned tile)."""
+        return bool(self.warp_row_step or self.warp_col_step)
+
+    def warp_offset(self, warp):
+        """``(row, col)`` offset of warp ``warp``'s tile (ints or int arrays)."""
+        return (warp // self.warp_cols) * self.warp_row_step, (warp % self.warp_cols) * self.warp_col_step
+
+    def warp_offset_cpp(self, warp: str = "warp") -> tuple[str, str]:
+        """C++ expressions of :meth:`warp_offset` ("0" where there is none)."""
+        grid_row = warp if self.warp_cols == 1 else f"({warp} / {self.warp_cols}u)"
+        row = f"{grid_row} * {self.warp_row_step}u" if self.warp_row_step else "0"
+        col = f"({warp} % {self.warp_cols}u) * {self.warp_col_step}u" if self.warp_col_step else "0"
+        return row, col
+
+    def warp_text(self) -> str:
+        """What warp ``w`` adds, for comments: ``16 rows`` or ``((w / 2u) * 16u, (w % 2u) * 64u)``."""
+        if self.warp_cols == 1 and not self.warp_col_step:
+            return f"{self.warp_row_step} rows"
+        return "({}, {})".format(*self.warp_offset_cpp("w"))
 
     def coord(self, thread: int, value: int, warp: int = 0, **idx: int) -> tuple[int, int]:
         r, c = self.tv(thread, value)
-        r += warp * self.warp_row_step
+        dr, dc = self.warp_offset(warp)
+        r, c = r + dr, c + dc
         for loop in self.loops:
             i = idx.get(loop.name, 0)
             r += i * loop.row_step
@@ -95,7 +127,9 @@ class Partition:
         tv_rows, tv_cols = self.tv.tables()
         rows = tv_rows[t].reshape(t.shape + (self.tv.n_values,) + extra)
         cols = tv_cols[t].reshape(t.shape + (self.tv.n_values,) + extra)
-        rows = rows + (np.asarray(warps, dtype=np.int64) * self.warp_row_step).reshape(t.shape + (1,) + extra)
+        dr, dc = self.warp_offset(np.asarray(warps, dtype=np.int64))
+        rows = rows + dr.reshape(t.shape + (1,) + extra)
+        cols = cols + dc.reshape(t.shape + (1,) + extra)
         for k, loop in enumerate(self.loops):
             i = np.arange(loop.extent).reshape((1, 1) + tuple(-1 if j == k else 1 for j in range(len(self.loops))))
             rows = rows + i * loop.row_step
@@ -106,8 +140,9 @@ class Partition:
         """C++ expressions for (row, col); loop indices are the loops' own names."""
         r, c = self.tv.to_cpp(thread, value)
         rows, cols = [r], [c]
-        if self.warp_row_step:
-            rows.append(f"{warp} * {self.warp_row_step}u")
+        dr, dc = self.warp_offset_cpp(warp)
+        rows += [dr] if self.warp_row_step else []
+        cols += [dc] if self.warp_col_step else []
         for loop in self.loops:
             if loop.row_step:
                 rows.append(f"{loop.name} * {loop.row_step}u")

@@ -56,7 +56,7 @@ _SMEM_TENSORS = ("sK", "sV", "sQ", "sdO", "sdS", "sdS_t", "sdK", "sdV")
 def _params(copy: TiledCopy) -> list[str]:
     part = copy.partition
     thread = "tid" if copy.scope == "cta" else "lane"
-    return [thread, "v"] + (["warp"] if part.warp_row_step else []) + [l.name for l in part.loops]
+    return [thread, "v"] + (["warp"] if part.uses_warp else []) + [l.name for l in part.loops]
 
 
 def _call(copy: TiledCopy, suffix: str, **args: str) -> str:
@@ -84,7 +84,7 @@ def _red_fns(copy: TiledCopy) -> str:
     part = copy.partition
     r, c = part.coord_cpp("lane", "v")
     sig = ", ".join(f"uint32_t {p}" for p in _params(copy))
-    return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds {part.warp_row_step} rows\n"
+    return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds {part.warp_text()}\n"
             f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
             f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}")
 
@@ -173,12 +173,14 @@ def _gemm_code(plan: BackwardPlan, step: Gemm) -> list[str]:
 
 
 def _per_value(plan: BackwardPlan, lines: list[str]) -> list[str]:
-    """``lines`` for every S^T / dP^T accumulator value (mi, nt, r) with its key row and query column."""
+    """``lines`` for every S^T / dP^T accumulator value (mi, nt, r) with its key row (the warp's rows
+    of the S GEMM's A operand) and query column."""
     c = plan.mma.c_map
+    warp_rows, _ = plan.gemms["S"].a.copy.partition.warp_offset_cpp("warp")
     return [
         "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
         "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
-        f"            const int key = kb * int(B_c) + int(warp * KR + mi * 16 + {c.row.to_cpp(['lane', 'r'])});",
+        f"            const int key = kb * int(B_c) + int({warp_rows} + mi * 16 + {c.row.to_cpp(['lane', 'r'])});",
         f"            const int qc = int(nt * 8 + {c.col.to_cpp(['lane', 'r'])});  // query row q_row0 + qc",
         "            (void)key;",
     ] + ["            " + l for l in lines] + ["        }"]
@@ -198,15 +200,19 @@ def _recompute_code(plan: BackwardPlan, step: Step) -> list[str]:
 
 def _store_ds_code(plan: BackwardPlan, step: Step) -> list[str]:
     addr = _addr(plan.r2s["dS"], v="2 * h", mi="mi", nt="nt")
-    return ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
-            "        #pragma unroll", "        for (uint32_t h = 0; h < 2; ++h)",
-            f"            st_shared_b32({addr}, pack2(dp_acc[mi][nt][2 * h], dp_acc[mi][nt][2 * h + 1]));"]
+    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
+             "        #pragma unroll", "        for (uint32_t h = 0; h < 2; ++h)",
+             f"            st_shared_b32({addr}, pack2(dp_acc[mi][nt][2 * h], dp_acc[mi][nt][2 * h + 1]));"]
+    every = plan.ds_store_every
+    if every == 1:
+        return lines
+    return [f"if (warp % {every}u == 0) {{  // the group's other warps hold the same dS^T"] + ["    " + l for l in lines] + ["}"]
 
 
 def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
     copy = plan.red_dQ
     args = dict(lane="lane", v="r", warp="warp", mi="mi", nt="nt")
-    return ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
+    return ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
             "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
             f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
             f"            const uint32_t col = {_call(copy, 'col', **args)};",
@@ -253,12 +259,12 @@ def _epilogue(plan: BackwardPlan) -> list[str]:
     """dK times the scale; dK, dV -> sK, sV (each warp its own rows), __syncwarp, 16-byte stores."""
     lines = ["if (work == 0) {  // no query block ran: K and V may still be in flight before their space is reused",
              "    cp_async_wait<0>();", "    __syncthreads();", "}",
-             "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
+             "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
              "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) dk_acc[mi][nt][r] = bwd_grad_scaled(dk_acc[mi][nt][r], p.scale);"]
     for name, acc, tile in (("dK", "dk_acc", "sK"), ("dV", "dv_acc", "sV")):
         r2s, s2g = plan.r2s[name], plan.s2g[name]
         addr = _addr(r2s, v="2 * h", mi="mi", nt="nt")
-        lines += ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)",
+        lines += ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
                   "        #pragma unroll", "        for (uint32_t h = 0; h < 2; ++h)",
                   f"            st_shared_b32({addr}, pack2({acc}[mi][nt][2 * h], {acc}[mi][nt][2 * h + 1]));",
                   "__syncwarp();", "#pragma unroll", f"for (uint32_t v = 0; v < {s2g.partition.tv.n_values}; ++v) {{",
@@ -302,6 +308,7 @@ constexpr uint32_t D_HEAD = $d_head, D_MMA = $d_mma, D_SMEM = $d_smem;  // data,
 static_assert(D_HEAD <= D_MMA && D_MMA <= D_SMEM && D_SMEM % 64 == 0, "tile widths");
 constexpr uint32_t KR = $key_rows, MK = KR / 16;  // key rows (of dK, dV, S^T) per warp, their 16-row MMA tiles
 constexpr uint32_t QR = $query_rows, MQ = QR / 16;  // query rows of dQ per warp
+constexpr uint32_t DW = $d_cols;  // columns of dK, dV and dQ per warp (of D_MMA)
 
 // ---- index functions: every shared-memory address of the kernel comes from these ----
 $index_fns
@@ -393,11 +400,11 @@ _KERNEL = CodeTemplate(
     $g2s_Q
     $g2s_dO
 
-    float dk_acc[MK][D_MMA / 8][4], dv_acc[MK][D_MMA / 8][4];
+    float dk_acc[MK][DW / 8][4], dv_acc[MK][DW / 8][4];
     #pragma unroll
     for (uint32_t mi = 0; mi < MK; ++mi)
         #pragma unroll
-        for (uint32_t nt = 0; nt < D_MMA / 8; ++nt)
+        for (uint32_t nt = 0; nt < DW / 8; ++nt)
             #pragma unroll
             for (uint32_t r = 0; r < 4; ++r) dk_acc[mi][nt][r] = dv_acc[mi][nt][r] = 0.f;
 
@@ -496,6 +503,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         schedule=" | ".join(str(s) for s in plan.schedule.body),
         B_r=cfg.B_r, B_c=cfg.B_c, n_warps=cfg.n_warps, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
+        d_cols=8 * plan.gemms["dV"].n_tiles,
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK,

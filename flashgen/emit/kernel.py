@@ -56,7 +56,7 @@ def _partition_fns(copy: TiledCopy, thread: str, params: list[str]) -> str:
     smem = copy.smem
     return (
         f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; loops: {loops}"
-        + (f"; warp w adds {part.warp_row_step} rows" if part.warp_row_step else "")
+        + (f"; warp w adds {part.warp_text()}" if part.uses_warp else "")
         + "\n"
         f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
         f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}\n"
@@ -81,7 +81,7 @@ def _copies_with_params(plan: KernelPlan) -> list[tuple[TiledCopy, list[str]]]:
         res.append((plan.g2s[op], ["tid", "v"]))
     for op in "QKV":
         copy = plan.s2r[op].copy
-        params = ["lane", "v"] + (["warp"] if copy.partition.warp_row_step else []) + [l.name for l in copy.partition.loops]
+        params = ["lane", "v"] + (["warp"] if copy.partition.uses_warp else []) + [l.name for l in copy.partition.loops]
         res.append((copy, params))
     res.append((plan.r2s_O, ["lane", "v", "warp"] + [l.name for l in plan.r2s_O.partition.loops]))
     res.append((plan.s2g_O, ["lane", "v", "warp"]))

@@ -97,8 +97,10 @@ class _BwdCta:
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
         self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
+        # K and V are tracked per (row, column part): the warps of a group stage dK / dV over them side by side
+        self.parts = {"K": cfg.d_split, "V": cfg.d_split}
         rows = {"K": cfg.B_c, "V": cfg.B_c, "Q": cfg.B_r, "dO": cfg.B_r, "dS": cfg.B_c, "LSE": cfg.B_r, "D": cfg.B_r}
-        self.hz = HazardTracker(rows, cfg.n_warps)
+        self.hz = HazardTracker({t: n * self.parts.get(t, 1) for t, n in rows.items()}, cfg.n_warps)
         self.image = np.zeros(plan.smem_layout["end"] // 2, np.uint16)
         self.stats = {name: np.zeros(cfg.B_r, _F32) for name in STATS}
         self.staged: dict[int, tuple] = {}
@@ -134,10 +136,15 @@ class _BwdCta:
         else:
             run(self, step, j)
 
-    def rows(self, name: str, warp: int | None = None, axis: str = "rows") -> np.ndarray:
+    def rows(self, name: str, warp: int | None = None, axis: str = "rows", tile: str = "") -> np.ndarray:
+        """The hazard tracker's units of ``tile`` that copy ``name`` touches (of one warp, or all):
+        its rows (``axis``: the trace's rows or columns), for K and V (row, column part) pairs."""
         t = self.tr[name]
-        r = getattr(t, axis) if warp is None else getattr(t, axis)[warp]
-        ok = t.in_tile if warp is None else t.in_tile[warp]
+        sel = (lambda a: a) if warp is None else (lambda a: a[warp])
+        r, ok = sel(getattr(t, axis)), sel(t.in_tile)
+        parts = self.parts.get(tile, 1)
+        if parts > 1:
+            r = r * parts + sel(t.cols) // (t.tile[1] // parts)
         return np.unique(r[ok])
 
     def label(self, name: str, j: int) -> str:
@@ -156,7 +163,7 @@ class _BwdCta:
                 self.land(ev)
             return
         trace = self.tr[f"g2s_{name}"]
-        ev = self.hz.write(name, self.rows(trace.name), CTA, trace.atom.is_async, self.label(name, j), self.where)
+        ev = self.hz.write(name, self.rows(trace.name, tile=name), CTA, trace.atom.is_async, self.label(name, j), self.where)
         if name in ("K", "V"):
             block = self.kv[name]
         else:
@@ -176,7 +183,7 @@ class _BwdCta:
             self.image[a] = b
 
     def read(self, tile: str, trace: str, warp: int, j: int, axis: str = "rows") -> None:
-        self.hz.read(tile, self.rows(trace, warp, axis), warp, self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
+        self.hz.read(tile, self.rows(trace, warp, axis, tile), warp, self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
 
     # -- GEMMs
     def gemm(self, step: Gemm, j: int) -> None:
@@ -225,7 +232,7 @@ class _BwdCta:
         for w in range(cfg.n_warps):
             s = self.s[w]
             if masked:
-                keys = prob.kb * cfg.B_c + w * kr + np.arange(kr)
+                keys = prob.kb * cfg.B_c + plan.gemms["S"].a.copy.partition.warp_offset(w)[0] + np.arange(kr)
                 queries = qb * cfg.B_r + np.arange(cfg.B_r)
                 keep = np.array([[plan.query_blocks.keep(int(i), int(c), prob.seq_q, prob.seq_k, *prob.mask_args)
                                   for i in queries] for c in keys])
@@ -239,7 +246,7 @@ class _BwdCta:
     # -- stores
     def store_rf(self, step: StoreRF, j: int) -> None:
         tr = self.tr["r2s_dS"]
-        for w in range(self.cfg.n_warps):
+        for w in range(0, self.cfg.n_warps, self.plan.ds_store_every):
             self.hz.write("dS", self.rows("r2s_dS", w), w, False, f"dS{self.work[j]}", self.where)
             _r2s(self.image, tr, self.dp[w], w, self.cfg.dtype)
 
@@ -269,11 +276,11 @@ class _BwdCta:
             out[name] = np.zeros((rows, cfg.d_head), np.uint16)
             for w in range(cfg.n_warps):
                 self.where = f"epilogue warp {w} (r2s_{name})"
-                self.hz.write(tile, self.rows(f"r2s_{name}", w), w, False, f"{name}(warp {w})", self.where)
+                self.hz.write(tile, self.rows(f"r2s_{name}", w, tile=tile), w, False, f"{name}(warp {w})", self.where)
                 _r2s(self.image, self.tr[f"r2s_{name}"], acc[w], w, cfg.dtype)
                 self.hz.syncwarp(w)
                 self.where = f"epilogue warp {w} (s2g_{name})"
-                self.hz.read(tile, self.rows(f"s2g_{name}", w), w, f"{name}(warp {w})", self.where)
+                self.hz.read(tile, self.rows(f"s2g_{name}", w, tile=tile), w, f"{name}(warp {w})", self.where)
                 _s2g(self.image, self.tr[f"s2g_{name}"], out[name], w, cfg.d_head)
         self.hz.finish("end of kernel")
         return out["dK"], out["dV"]
@@ -397,18 +404,28 @@ def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = 
 
     cfg = plan.cfg
     traces = trace_backward(plan) if traces is None else traces
-    own_a = {g.a.copy.name: (cfg.key_rows_per_warp if g.name != "dQ" else cfg.query_rows_per_warp)
-             for g in plan.gemms.values() if g.a is not None}
+    kr, qr, dw, sp = cfg.key_rows_per_warp, cfg.query_rows_per_warp, cfg.d_cols_per_warp, cfg.d_split
+    # warp w = place h of group g: the group's rows, the place's columns (of d) -- from the config alone
+    group, place = [w // sp for w in range(cfg.n_warps)], [w % sp for w in range(cfg.n_warps)]
+    keys = [(g * kr, 0) for g in group]
+    own_d = {n: [(0, h * dw) for h in place] for n in ("s2r_dOt", "s2r_Qt", "s2r_Kt")}
+    own_a = {"s2r_K": (kr, keys), "s2r_V": (kr, keys), "s2r_dS": (qr, [(g * qr, 0) for g in group])}
+    whole_d = sp == 1  # one warp per row: its dK / dV rows reach d_head, the padding columns included
     out = {}
     for kind, copy in plan.copies():
         tr = traces[copy.name]
         if kind == "g2s":
             out[copy.name] = cp.check_g2s(tr)
         elif kind == "s2r":
-            need = cfg.B_c if copy.name == "s2r_dS" else cfg.d_mma
-            out[copy.name] = cp.check_ldmatrix(tr, own_a.get(copy.name), need)
+            need = cfg.B_c if copy.name == "s2r_dS" else dw if copy.name in own_d else cfg.d_mma
+            rows, origins = own_a.get(copy.name, (None, own_d.get(copy.name)))
+            out[copy.name] = cp.check_ldmatrix(tr, rows, need, origins)
+        elif copy.name == "r2s_dS":
+            out[copy.name] = cp.check_r2s(tr, kr, cfg.B_r, origins=keys)
         elif kind == "r2s":
-            out[copy.name] = cp.check_r2s(tr, cfg.key_rows_per_warp, cfg.B_r if copy.name == "r2s_dS" else cfg.d_head)
+            out[copy.name] = cp.check_r2s(tr, kr, cfg.d_head if whole_d else dw, origins=[(g * kr, h * dw) for g, h in zip(group, place)],
+                                          owned_cols=None if whole_d else dw)
         else:
-            out[copy.name] = cp.check_s2g(tr, cfg.key_rows_per_warp)
+            cols = cfg.d_smem // sp
+            out[copy.name] = cp.check_s2g(tr, kr, [(g * kr, h * cols) for g, h in zip(group, place)], cols)
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable
+from typing import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -192,8 +192,9 @@ def trace_copy(plan: KernelPlan, kind: str, copy: TiledCopy) -> CopyTrace:
     d_col = index[:, 1:] @ col_step if part.loops else np.zeros(len(index), np.int64)
     t = threads[:, None, :, None]  # [W, 1, 32, 1]
     vv = v[None, :, None, :]  # [1, I, 1, vpi]
-    rows = row_tab[t, vv] + (warp_coord * part.warp_row_step)[:, None, None, None] + d_row[None, :, None, None]
-    cols = col_tab[t, vv] + d_col[None, :, None, None]
+    warp_row, warp_col = part.warp_offset(warp_coord)
+    rows = row_tab[t, vv] + warp_row[:, None, None, None] + d_row[None, :, None, None]
+    cols = col_tab[t, vv] + warp_col[:, None, None, None] + d_col[None, :, None, None]
 
     layout = copy.smem.layout
     R, C = tile_shape(layout)
@@ -334,36 +335,47 @@ def check_g2s(trace: CopyTrace) -> Coverage:
     )
 
 
-def check_s2g(trace: CopyTrace, owned_rows: int) -> Coverage:
-    """Each warp reads every 16-byte chunk of its own ``owned_rows`` O rows exactly once."""
+def _origin(origins: Sequence[tuple[int, int]] | None, w: int, owned_rows: int | None) -> tuple[int, int]:
+    """Warp ``w``'s first (row, col): ``origins[w]``, or by default rows ``w * owned_rows`` from column 0."""
+    return tuple(origins[w]) if origins is not None else (w * (owned_rows or 0), 0)
+
+
+def check_s2g(trace: CopyTrace, owned_rows: int, origins: Sequence[tuple[int, int]] | None = None,
+              owned_cols: int | None = None) -> Coverage:
+    """Each warp reads every 16-byte chunk of its own ``owned_rows x owned_cols`` block exactly once
+    (from ``origins[w]``; by default rows ``w * owned_rows``, all columns)."""
     problems: list[str] = []
     _chunk_checks(trace, problems)
     R, C = trace.tile
+    C = C if owned_cols is None else owned_cols
     cpr = C // VEC_ELEMS
     for w in range(trace.n_warps):
-        lo, hi = w * owned_rows, (w + 1) * owned_rows
+        lo, c0 = _origin(origins, w, owned_rows)
+        hi = lo + owned_rows
         r, c = trace.rows[w, ..., 0], trace.cols[w, ..., 0]
         ok = trace.in_tile[w, ..., 0] & (c % VEC_ELEMS == 0)
-        foreign = ok & ((r < lo) | (r >= hi))
+        foreign = ok & ((r < lo) | (r >= hi) | (c < c0) | (c >= c0 + C))
         if foreign.any():
-            problems.append(f"warp {w} reads {int(foreign.sum())} chunk(s) of rows outside its own [{lo}, {hi})")
+            problems.append(f"warp {w} reads {int(foreign.sum())} chunk(s) outside its own rows [{lo}, {hi}), columns [{c0}, {c0 + C})")
         mine = ok & ~foreign
-        chunk = (r[mine] - lo) * cpr + c[mine] // VEC_ELEMS
+        chunk = (r[mine] - lo) * cpr + (c[mine] - c0) // VEC_ELEMS
         counts = np.bincount(chunk, minlength=(hi - lo) * cpr)
-        _count_once(counts, f"chunk(s) of warp {w}", lambda i: f"(row {lo + i // cpr}, col {VEC_ELEMS * (i % cpr)})", problems)
+        _count_once(counts, f"chunk(s) of warp {w}", lambda i: f"(row {lo + i // cpr}, col {c0 + VEC_ELEMS * (i % cpr)})", problems)
     if problems:
         return _fail(trace.name, problems)
-    return Coverage(trace.name, True, f"each warp reads its {owned_rows}x{C} O rows: every 16-byte chunk once")
+    return Coverage(trace.name, True, f"each warp reads its {owned_rows}x{C} O block: every 16-byte chunk once")
 
 
-def check_ldmatrix(trace: CopyTrace, owned_rows: int | None = None, need_cols: int | None = None) -> Coverage:
+def check_ldmatrix(trace: CopyTrace, owned_rows: int | None = None, need_cols: int | None = None,
+                   origins: Sequence[tuple[int, int]] | None = None) -> Coverage:
     """Per warp: the elements ldmatrix delivers (plan's lane addresses + PTX ldmatrix
     semantics) are exactly the warp's operand tile, each delivered once.
 
     The operand tile of warp ``w`` is rows ``[w*owned_rows, (w+1)*owned_rows)`` (the A
     operand: a warp's own query rows) or, with ``owned_rows`` None, the whole tile (a B
     operand, K or V, which every warp reads in full); columns ``[0, need_cols)`` (the
-    head dimension rounded up to the MMA's 16; default: the tile's width).
+    head dimension rounded up to the MMA's 16; default: the tile's width). ``origins[w]``,
+    when given, moves warp ``w``'s first row (with ``owned_rows``) and first column.
     """
     problems: list[str] = []
     atom = trace.atom
@@ -388,17 +400,18 @@ def check_ldmatrix(trace: CopyTrace, owned_rows: int | None = None, need_cols: i
             continue
         flat = inv[off]  # row + R * col
         rows, cols = flat % R, flat // R
-        lo, hi = (0, R) if owned_rows is None else (w * owned_rows, (w + 1) * owned_rows)
+        r0, c0 = _origin(origins, w, owned_rows)
+        lo, hi = (0, R) if owned_rows is None else (r0, r0 + owned_rows)
         foreign = (rows < lo) | (rows >= hi)
         if foreign.any():
             problems.append(f"warp {w}: {int(foreign.sum())} element(s) from rows outside its operand rows [{lo}, {hi})")
-        beyond = ~foreign & (cols >= C)
+        beyond = ~foreign & ((cols < c0) | (cols >= c0 + C))
         if beyond.any():
-            problems.append(f"warp {w}: {int(beyond.sum())} element(s) from columns >= {C}, beyond the operand")
+            problems.append(f"warp {w}: {int(beyond.sum())} element(s) from columns outside its operand's [{c0}, {c0 + C})")
             foreign |= beyond
         keep = ~foreign
-        counts = np.bincount((rows[keep] - lo) * C + cols[keep], minlength=(hi - lo) * C)
-        _count_once(counts, f"element(s) for warp {w}", lambda i: f"(row {lo + i // C}, col {i % C})", problems)
+        counts = np.bincount((rows[keep] - lo) * C + cols[keep] - c0, minlength=(hi - lo) * C)
+        _count_once(counts, f"element(s) for warp {w}", lambda i: f"(row {lo + i // C}, col {c0 + i % C})", problems)
     if problems:
         return _fail(trace.name, problems)
     rows = R if owned_rows is None else owned_rows
@@ -409,11 +422,13 @@ def check_ldmatrix(trace: CopyTrace, owned_rows: int | None = None, need_cols: i
     )
 
 
-def check_r2s(trace: CopyTrace, owned_rows: int, need_cols: int | None = None, m_tile: int = 16, n_tile: int = 8) -> Coverage:
+def check_r2s(trace: CopyTrace, owned_rows: int, need_cols: int | None = None, m_tile: int = 16, n_tile: int = 8,
+              origins: Sequence[tuple[int, int]] | None = None, owned_cols: int | None = None) -> Coverage:
     """Each warp writes every element of its O rows exactly once, at its own place.
 
     Columns ``[0, need_cols)`` (d_head; default the tile's width) must be written once;
-    padding columns beyond may be written at most once.
+    padding columns beyond may be written at most once. With ``origins``, warp ``w``'s block
+    starts at ``origins[w]`` and is ``owned_cols`` wide (``need_cols`` then counts within it).
 
     Instruction ``(v, mi, nt)`` stores accumulator registers ``v, v+1`` of the 16x8
     tile ``(mi, nt)`` (rows ``warp*owned_rows + 16*mi``, cols ``8*nt``) as one 32-bit
@@ -437,26 +452,28 @@ def check_r2s(trace: CopyTrace, owned_rows: int, need_cols: int | None = None, m
     mi = trace.index_of("mi") if "mi" in trace.index_names else np.zeros_like(v)
     nt = trace.index_of("nt") if "nt" in trace.index_names else np.zeros_like(v)
     lane = np.arange(32)
+    R_tile, C = R, C if owned_cols is None else owned_cols
     for w in range(trace.n_warps):
+        r0, c0 = _origin(origins, w, owned_rows)
         counts = np.zeros(owned_rows * C, dtype=np.int64)
         for e in range(2):
             reg = v + e  # [I]
-            true_r = w * owned_rows + m_tile * mi[:, None] + hw.C_ROW[lane[None, :], reg[:, None]]  # [I, 32]
-            true_c = n_tile * nt[:, None] + hw.C_COL[lane[None, :], reg[:, None]]
-            inside_true = (true_r >= w * owned_rows) & (true_r < (w + 1) * owned_rows) & (true_c < C)
+            true_r = r0 + m_tile * mi[:, None] + hw.C_ROW[lane[None, :], reg[:, None]]  # [I, 32]
+            true_c = c0 + n_tile * nt[:, None] + hw.C_COL[lane[None, :], reg[:, None]]
+            inside_true = (true_r >= r0) & (true_r < r0 + owned_rows) & (true_c < c0 + C)
             if not inside_true.all():
                 problems.append(f"warp {w}: accumulator elements outside the warp's rows")
                 continue
-            want = table[true_r + R * true_c]
+            want = table[true_r + R_tile * true_c]
             wrong = want != addr[w] + e
             if wrong.any():
                 problems.append(
                     _first(wrong[None], lambda i: fmt((w,) + i[1:]), f"half-word(s) {e} stored away from their element")
                 )
-            np.add.at(counts, (true_r - w * owned_rows).ravel() * C + true_c.ravel(), 1)
+            np.add.at(counts, (true_r - r0).ravel() * C + (true_c - c0).ravel(), 1)
         need = C if need_cols is None else need_cols
         grid = counts.reshape(owned_rows, C)
-        _count_once(grid[:, :need].ravel(), f"element(s) of warp {w}", lambda i: f"(row {w * owned_rows + i // need}, col {i % need})", problems)
+        _count_once(grid[:, :need].ravel(), f"element(s) of warp {w}", lambda i: f"(row {r0 + i // need}, col {c0 + i % need})", problems)
         if (grid[:, need:] > 1).any():
             problems.append(f"warp {w}: padding columns written more than once")
     if problems:

@@ -15,7 +15,8 @@ from flashgen.sim.copies import wavefronts
 
 B = BackwardConfig
 CONFIGS = [B("fp16"), B("bf16", d_head=64, B_r=128, B_c=128, n_warps=8), B("fp16", d_head=40, swizzled=False, mask="causal"),
-           B("bf16", d_head=96, B_r=64, B_c=32, n_warps=2, mask="window")]
+           B("bf16", d_head=96, B_r=64, B_c=32, n_warps=2, mask="window"), B("fp16", n_warps=8, d_split=2),
+           B("bf16", d_head=64, B_r=128, B_c=32, n_warps=8, d_split=4, swizzled=False)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
@@ -24,9 +25,10 @@ def test_every_copy_covers_its_tile_once(cfg):
     assert not bad
 
 
+@pytest.mark.parametrize("d_split", [1, 2])
 @pytest.mark.parametrize("swizzled", [True, False])
-def test_swizzled_tiles_are_conflict_free(swizzled):
-    traces = trace_backward(make_backward_plan(B("fp16", swizzled=swizzled)))
+def test_swizzled_tiles_are_conflict_free(swizzled, d_split):
+    traces = trace_backward(make_backward_plan(B("fp16", swizzled=swizzled, n_warps=4 * d_split, d_split=d_split)))
     ratios = {name: wavefronts(t)[0].sum() / wavefronts(t)[1].sum() for name, t in traces.items()}
     ldsm = [r for name, r in ratios.items() if name.startswith(("s2r", "r2s"))]
     assert (max(ratios.values()) == 1.0) if swizzled else (min(ldsm) > 1.0)
@@ -45,6 +47,23 @@ def test_a_coverage_check_catches_a_wrong_operand_map():
     assert not backward_coverage(plan)["s2r_dS"].ok
 
 
+@pytest.mark.parametrize("name", ["s2r_Kt", "r2s_dK", "s2g_dV"])
+def test_a_coverage_check_catches_warps_of_a_group_on_the_same_columns(name):
+    """With d_split, a copy whose partition forgets the column offset of a warp's place in its
+    group gives two warps the same columns of dK, dV or K^T: the coverage check says so."""
+    plan = make_backward_plan(B("fp16", n_warps=8, d_split=2))
+    copies = {c.name: c for _, c in plan.copies()}
+    wrong = attrs.evolve(copies[name], partition=attrs.evolve(copies[name].partition, warp_col_step=0))
+    if name == "s2r_Kt":
+        g = plan.gemms["dQ"]
+        plan = attrs.evolve(plan, gemms={**plan.gemms, "dQ": attrs.evolve(g, b=attrs.evolve(g.b, copy=wrong))})
+    else:
+        field = "r2s" if name.startswith("r2s") else "s2g"
+        table = getattr(plan, field)
+        plan = attrs.evolve(plan, **{field: {**table, name[4:]: wrong}})
+    assert backward_coverage(plan)[name].ok is False
+
+
 def test_transposed_layout_reads_the_same_memory():
     lay = smem_tile_layout(64, 128, True)
     t = transposed(lay)
@@ -59,6 +78,12 @@ def test_transposed_layout_reads_the_same_memory():
     ({"d_head": 256}, ["d_head=256", "registers"]),
     ({"mask": "diagonal"}, ["mask='diagonal'"]),
     ({"engine": "wgmma"}, ["engine='wgmma'"]),
+    ({"d_split": 3, "n_warps": 8, "B_c": 128, "B_r": 128}, ["d_split=3", "power of two"]),
+    ({"d_split": 8, "n_warps": 4}, ["d_split=8", "n_warps=4"]),
+    ({"d_split": 2, "d_head": 96, "n_warps": 8}, ["d_split=2", "d_head=96", "64, 128 or 256"]),
+    ({"d_split": 8, "d_head": 64, "n_warps": 8, "B_c": 16}, ["d_split=8", "8 columns", "multiple of 16"]),
+    ({"d_split": 2, "n_warps": 8, "B_c": 128, "B_r": 128}, ["d_split=2", "registers"]),
+    ({"d_split": 2, "n_warps": 8, "B_c": 32}, ["B_c=32", "d_split=2", "16 rows"]),
 ])
 def test_invalid_configs_name_the_rule_and_values(knobs, words):
     with pytest.raises(ConfigError) as e:
@@ -71,6 +96,10 @@ def test_names_and_round_trip():
     assert cfg.short_form() == "bwd(BF16, 64, 64, 64, 4): swizzled+causal"
     assert cfg.mangle() == "flash_bwd_bf16_d64_br64_bc64_w4_swz_causal"
     assert B.from_dict(cfg.to_dict()) == cfg
+    split = B("fp16", n_warps=8, d_split=2)
+    assert split.short_form() == "bwd(FP16, 128, 64, 64, 8): swizzled+d_split=2"
+    assert split.mangle() == "flash_bwd_fp16_d128_br64_bc64_w8_swz_ds2"
+    assert B.from_dict(split.to_dict()) == split
     with pytest.raises(ConfigError, match="unknown backward config key"):
         B.from_dict({"dtype": "fp16", "async_copy": True})
 

@@ -18,10 +18,12 @@ from flashgen.sim.layout_eval import offsets
 
 B = BackwardConfig
 GXX, NVCC = shutil.which("g++"), shutil.which("nvcc")
-#: configs whose kernels must compile without spills (d_head 128 needs more registers than the
-#: one-warp-per-16-key-rows split leaves: see the report of flashgen check)
+#: configs whose kernels must compile without spills; d_head 128 needs its dK, dV and dQ columns
+#: split over two warps (d_split=2): one warp's 16 key rows of both at full width leave too few registers
 CLEAN = [B("bf16", d_head=64), B("fp16", d_head=64, B_r=128, B_c=128, n_warps=8, mask="causal"),
-         B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window")]
+         B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"),
+         B("fp16", n_warps=8, d_split=2), B("bf16", n_warps=8, d_split=2, mask="causal"),
+         B("fp16", n_warps=8, d_split=2, mask="window")]
 
 
 def _domain(plan, copy, params):

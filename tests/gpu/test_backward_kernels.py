@@ -77,6 +77,8 @@ CASES = [
     (BackwardConfig("fp16", d_head=64, B_r=128, B_c=128, n_warps=8, mask="causal"), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
     (BackwardConfig("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"), 1, 200, 77, 2, 2, {"window": (30, 5)}),
     (BackwardConfig("bf16", d_head=128), 1, 257, 129, 1, 1, {}),
+    (BackwardConfig("fp16", n_warps=8, d_split=2), 2, 257, 129, 4, 2, {}),
+    (BackwardConfig("bf16", n_warps=8, d_split=2, mask="causal"), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
 ]
 
 

@@ -23,6 +23,10 @@ CASES = [
     (B("fp16", d_head=40, mask="causal"), 17, 113, 4, 2, {"causal": True, "align": "bottom_right"}),
     (B("fp16", d_head=64, B_c=32, n_warps=2, mask="window"), 113, 17, 2, 1, {"window": (9, 4)}),
     (B("bf16", d_head=32, B_r=128, B_c=128, n_warps=8, mask="causal"), 113, 1, 1, 1, {"causal": True, "align": "bottom_right"}),
+    # the warps of a group split d: d_head 128 as the nvcc tests build it, and four warps on 16-column shares
+    (B("fp16", n_warps=8, d_split=2), 17, 113, 2, 1, {}),
+    (B("bf16", n_warps=8, d_split=2, mask="causal"), 113, 70, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (B("fp16", d_head=64, B_c=16, n_warps=4, d_split=4, mask="window"), 70, 33, 2, 1, {"window": (9, 4)}),
 ]
 
 
@@ -67,6 +71,14 @@ def test_a_missing_step_is_a_hazard(step, words):
     broken = _without(plan, plan.schedule.body.index(step))
     res = simulate_backward(broken, *_inputs(0, 130, 70, 1, 1, 64))
     assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+def test_a_missing_ds_store_is_a_hazard():
+    """With d_split 2, dS^T stored by every fourth warp instead of every second leaves half the key
+    rows unwritten: the dQ GEMM reads rows never written."""
+    plan = attrs.evolve(make_backward_plan(B("fp16", n_warps=8, d_split=2)), ds_store_every=4)
+    res = simulate_backward(plan, *_inputs(0, 64, 64, 1, 1, 128))
+    assert any("never written" in h for h in res.hazards), res.hazards[:3]
 
 
 def test_a_wrong_fragment_pairing_gives_wrong_gradients():
