@@ -20,7 +20,7 @@ from .build import BuildError, Built, build
 from .engines import engine_of
 from .targets import of_capability
 from .dsl import configs
-from .dsl.config import KernelConfig, load_config
+from .dsl.config import KernelConfig
 from .policy import lookup, seq_bucket
 
 

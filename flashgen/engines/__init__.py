@@ -16,7 +16,6 @@ import functools
 from typing import Any
 
 from ..dsl.backward_config import BackwardConfig
-from ..dsl.config import KernelConfig
 from ..dsl.configs import AnyConfig, load as load_config
 from ..emit.source import KernelSource
 from ..targets import Target, named as target_named
