@@ -420,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise CommandError("bench needs a CUDA GPU")
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
-    cfgs = (list(resolve_configs(args.configs).configs) if args.configs
+    cfgs = (list(resolve_configs(args.configs, forward_only="flashgen bench").configs) if args.configs
             else default_bench_configs(torch.cuda.get_device_capability(), [s for s, _ in shapes]))
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds,

@@ -26,7 +26,8 @@ from pathlib import Path
 import attrs
 
 from . import cache
-from .dsl.config import KernelConfig
+from .dsl import configs
+from .dsl.configs import AnyConfig
 from .engines import emit, engine_of, verify
 from .targets import TARGETS, of_capability
 from .toolchain import find_nvcc, nvcc_identity, require_nvcc
@@ -61,7 +62,7 @@ def repro(folder: Path, name: str, capability: tuple[int, int]) -> str:
     return f"cd {shlex.quote(str(folder))} && {shlex.join(library_command(name, capability))}"
 
 
-def check_capability(cfg: KernelConfig, capability: tuple[int, int]) -> None:
+def check_capability(cfg: AnyConfig, capability: tuple[int, int]) -> None:
     """BuildError when ``cfg``'s engine cannot run on a GPU of ``capability``."""
     engine = engine_of(cfg)
     if not engine.runs_on(of_capability(capability)):
@@ -86,10 +87,11 @@ def generator_fingerprint() -> str:
     return h.hexdigest()
 
 
-def cache_key(cfg: KernelConfig, capability: tuple[int, int]) -> str:
-    """The cache entry of ``cfg`` built for ``capability``, computed without emitting."""
+def cache_key(cfg: AnyConfig, capability: tuple[int, int]) -> str:
+    """The cache entry of ``cfg`` built for ``capability``, computed without emitting (the config's
+    record names its kind, so a backward config's key is never a forward one's)."""
     nvcc = find_nvcc()
-    parts = (json.dumps(cfg.to_dict(), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS),
+    parts = (json.dumps(configs.to_record(cfg), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS),
              nvcc_identity(nvcc) if nvcc else "no nvcc", of_capability(capability).arch)
     h = hashlib.sha256()
     for part in parts:
@@ -101,7 +103,7 @@ def cache_key(cfg: KernelConfig, capability: tuple[int, int]) -> str:
 class Built:
     """A kernel library in the cache (``directory``): its source, library and build record."""
 
-    cfg: KernelConfig
+    cfg: AnyConfig
     name: str
     key: str
     directory: Path
@@ -127,7 +129,7 @@ class Built:
         return self.cu_path.read_text()
 
 
-def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose: bool = False) -> Built:
+def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bool = False) -> Built:
     """Find ``cfg``'s kernel library in the cache, or build it, for ``capability`` (default: the current GPU)."""
     capability = tuple(capability) if capability is not None else _current_capability()
     check_capability(cfg, capability)
@@ -143,7 +145,7 @@ def build(cfg: KernelConfig, capability: tuple[int, int] | None = None, verbose:
     with cache.staging(entry) as tmp:
         _compile(cfg, name, capability, tmp, final=entry)
         seconds = round(time.perf_counter() - t0, 2)
-        cache.write_record(tmp, {"config": cfg.to_dict(), "short_form": cfg.short_form(), "name": name,
+        cache.write_record(tmp, {"config": configs.to_record(cfg), "short_form": cfg.short_form(), "name": name,
                                  "arch": of_capability(capability).arch, "seconds": seconds,
                                  "command": repro(entry, name, capability)},
                            (f"{name}.so", f"{name}.cu"))
@@ -165,7 +167,7 @@ def _current_capability() -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability())
 
 
-def _compile(cfg: KernelConfig, name: str, capability: tuple[int, int], folder: Path, final: Path) -> None:
+def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Path, final: Path) -> None:
     """Verify ``cfg``'s plan (the proofs the emitter relies on), emit it into ``folder`` and compile its library
     there; BuildError with a repro command on failure."""
     from .sim.verify import VerificationError
@@ -187,7 +189,7 @@ def _compile(cfg: KernelConfig, name: str, capability: tuple[int, int], folder: 
 
 def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool, str]:
     cfg_dict, capability = args
-    cfg = KernelConfig.from_dict(cfg_dict)
+    cfg = configs.from_dict(cfg_dict)
     try:
         built = build(cfg, capability)
         return cfg.short_form(), built.compile_seconds, built.cache_hit, ""
@@ -195,12 +197,12 @@ def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool,
         return cfg.short_form(), 0.0, False, str(exc)
 
 
-def job_label(cfg: KernelConfig, capability: tuple[int, int]) -> str:
+def job_label(cfg: AnyConfig, capability: tuple[int, int]) -> str:
     return f"{cfg.short_form()} for {of_capability(capability).name}"
 
 
-def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | None = None,
-               progress: bool = True) -> dict[tuple[KernelConfig, tuple[int, int]], str]:
+def build_jobs(jobs: list[tuple[AnyConfig, tuple[int, int]]], workers: int | None = None,
+               progress: bool = True) -> dict[tuple[AnyConfig, tuple[int, int]], str]:
     """Build (config, capability) pairs in parallel processes, a progress line per kernel; {job: error} of
     failures. Ctrl-C or SIGTERM stops every build at once (:mod:`flashgen.workers`); finished ones stay cached."""
     from .workers import run_parallel
@@ -215,11 +217,11 @@ def build_jobs(jobs: list[tuple[KernelConfig, tuple[int, int]]], workers: int | 
             status = "FAILED" if err else ("in the cache" if hit else f"{seconds:.1f} s")
             print(f"[flashgen] [{done}/{len(jobs)}] {job_label(*jobs[index])}: {status}", file=sys.stderr, flush=True)
 
-    results = run_parallel(_build_worker, [(c.to_dict(), tuple(cap)) for c, cap in jobs], workers, report)
+    results = run_parallel(_build_worker, [(configs.to_record(c), tuple(cap)) for c, cap in jobs], workers, report)
     return {job: err for job, (_, _, _, err) in zip(jobs, results) if err}
 
 
-def build_many(cfgs: list[KernelConfig], capability: tuple[int, int], jobs: int | None = None,
+def build_many(cfgs: list[AnyConfig], capability: tuple[int, int], jobs: int | None = None,
                progress: bool = True) -> dict[str, str]:
     """Build many configs for one GPU in parallel processes (warming the cache); {short form: error} of failures."""
     failures = build_jobs([(c, tuple(capability)) for c in cfgs], jobs, progress)

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Sequence
 import attrs
 
 from .build import NVCC_FLAGS
-from .dsl.config import KernelConfig
+from .dsl.configs import AnyConfig
 from .emit.source import KernelSource
 from .engines import emit, engine_of
 from .targets import CHECK_DEFAULT, TARGETS, UnknownTarget, named as target_named
@@ -162,14 +162,27 @@ def parse_ptxas(log: str) -> list[PtxasStats]:
     return out
 
 
+def combined(entries: Sequence[PtxasStats]) -> PtxasStats:
+    """The report of a translation unit of several entry functions (a backward file has three): the
+    most registers, stack frame, static shared memory and barriers of any, the spills of all."""
+    if len(entries) == 1:
+        return entries[0]
+    return PtxasStats(
+        "+".join(e.function for e in entries), max(e.registers for e in entries), sum(e.spill_stores for e in entries),
+        sum(e.spill_loads for e in entries), max(e.stack_frame for e in entries), max(e.static_smem for e in entries),
+        max(e.barriers for e in entries),
+    )
+
+
 # ---- results ----------------------------------------------------------------------------
 
 
 @attrs.frozen
 class CheckResult:
-    """One (config, arch) compile: ``ok`` and ptxas's numbers, or the failure and its repro."""
+    """One (config, arch) compile: ``ok`` and ptxas's numbers (``stats``: of the whole file, see
+    :func:`combined`; ``entries``: per entry function), or the failure and its repro."""
 
-    cfg: KernelConfig
+    cfg: AnyConfig
     arch: str
     ok: bool
     stats: PtxasStats | None
@@ -178,6 +191,7 @@ class CheckResult:
     log: str  # nvcc's stdout + stderr
     seconds: float
     cached: bool = False
+    entries: tuple[PtxasStats, ...] = ()
 
     @property
     def dynamic_smem(self) -> int:
@@ -209,6 +223,7 @@ class CheckResult:
                 static_smem_bytes=self.stats.static_smem,
                 smem_bytes=self.smem_bytes,
                 barriers=self.stats.barriers,
+                functions=[attrs.asdict(e) for e in self.entries],
             )
         else:
             d["error"] = _error_lines(self.log)
@@ -230,7 +245,7 @@ def default_workdir() -> Path:
 
 
 @functools.lru_cache(maxsize=512)
-def source_of(cfg: KernelConfig) -> KernelSource:
+def source_of(cfg: AnyConfig) -> KernelSource:
     """``emit(cfg)``, memoized: emit is pure, so a process may keep what it emitted."""
     return emit(cfg)
 
@@ -255,7 +270,7 @@ def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
     return d
 
 
-def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult:  # worker of run_parallel
+def _compile_one(task: tuple[AnyConfig, str, str, Path, bool]) -> CheckResult:  # worker of run_parallel
     cfg, arch, nvcc, workdir, use_cache = task
     src = source_of(cfg)
     d = _kernel_dir(workdir, src, nvcc, "check")
@@ -268,7 +283,7 @@ def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult
         log = log_path.read_text()
         stats = parse_ptxas(log)
         if stats:
-            return CheckResult(cfg, arch, True, stats[0], cu, command, log, 0.0, cached=True)
+            return CheckResult(cfg, arch, True, combined(stats), cu, command, log, 0.0, cached=True, entries=tuple(stats))
     t0 = time.perf_counter()
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
@@ -288,17 +303,17 @@ def _compile_one(task: tuple[KernelConfig, str, str, Path, bool]) -> CheckResult
         os.replace(tmp, log_path)
     else:
         log_path.unlink(missing_ok=True)
-    return CheckResult(cfg, arch, ok, stats[0] if stats else None, cu, command, log, seconds)
+    return CheckResult(cfg, arch, ok, combined(stats) if stats else None, cu, command, log, seconds, entries=tuple(stats))
 
 
-def arch_refusal(cfg: KernelConfig, arch: str) -> str | None:
+def arch_refusal(cfg: AnyConfig, arch: str) -> str | None:
     """Why ``cfg`` cannot be compiled for ``arch``; None when it can."""
     return engine_of(cfg).refusal(_target(arch))
 
 
 def plan_checks(
-    cfgs: Iterable[KernelConfig], archs: Sequence[str]
-) -> tuple[list[tuple[KernelConfig, str]], list[tuple[KernelConfig, str, str]]]:
+    cfgs: Iterable[AnyConfig], archs: Sequence[str]
+) -> tuple[list[tuple[AnyConfig, str]], list[tuple[AnyConfig, str, str]]]:
     """The (config, arch) pairs to compile, in that order, and those that cannot be, with why."""
     tasks, refused = [], []
     for cfg, arch in itertools.product(dict.fromkeys(cfgs), dict.fromkeys(archs)):
@@ -311,7 +326,7 @@ def plan_checks(
 
 
 def check_configs(
-    cfgs: Iterable[KernelConfig],
+    cfgs: Iterable[AnyConfig],
     archs: Sequence[str] = DEFAULT_ARCHS,
     jobs: int | None = None,
     workdir: "str | Path | None" = None,
@@ -343,7 +358,7 @@ def check_configs(
     return run_parallel(_compile_one, work, jobs, report if progress else None)
 
 
-def ptx_text(cfg: KernelConfig, arch: str | None = None, workdir: "str | Path | None" = None) -> str:
+def ptx_text(cfg: AnyConfig, arch: str | None = None, workdir: "str | Path | None" = None) -> str:
     """The PTX nvcc generates for ``cfg`` on ``arch`` (default: its engine's target; ``nvcc -ptx``), cached like the checks."""
     arch = arch or engine_of(cfg).target.name
     nvcc = _nvcc()
@@ -422,7 +437,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also exit non-zero when a kernel spills or has a stack frame")
 
 
-def refusal_lines(refused: Sequence[tuple[KernelConfig, str, str]], verbose: bool = False) -> list[str]:
+def refusal_lines(refused: Sequence[tuple[AnyConfig, str, str]], verbose: bool = False) -> list[str]:
     """The pairs :func:`plan_checks` refused: a count per (arch, reason), or (``verbose``) each config."""
     if verbose:
         return [f"not compiled for {arch}: {cfg.short_form()}: {why}" for cfg, arch, why in refused]
@@ -430,7 +445,7 @@ def refusal_lines(refused: Sequence[tuple[KernelConfig, str, str]], verbose: boo
     return [f"{n} config(s) not compiled for {arch}: {why}" for (arch, why), n in counts.items()]
 
 
-def run(cfgs: Sequence[KernelConfig], args: argparse.Namespace) -> int:
+def run(cfgs: Sequence[AnyConfig], args: argparse.Namespace) -> int:
     """Check ``cfgs`` as the options in ``args`` say; print the table (stdout) and failures (stderr).
 
     Notes and progress go to stderr unless ``args.quiet``; CheckError when no pair can be compiled.

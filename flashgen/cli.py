@@ -42,7 +42,8 @@ EXIT_SIGNAL_BASE = 128
 def _cfg_help() -> str:
     return (
         "YAML file (one config, a list or a sweep), a quoted short form like "
-        "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\", "
+        "\"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax\" "
+        "or, for the backward kernels, \"bwd(FP16, 128, 64, 64, 4): swizzled+causal\", "
         f"or a named set: {sets.listing()}"
     )
 
@@ -62,7 +63,10 @@ def _epilog() -> str:
     text = textwrap.fill(
         "CFG may be a YAML file (see examples/) whose keys are the knobs below, a quoted short form "
         "\"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+...\" with the flags below, or one "
-        f"of the named sets {sets.listing()}.", width=79, break_on_hyphens=False,
+        f"of the named sets {sets.listing()}. The backward kernels (dQ, dK, dV) are named "
+        "\"bwd(DTYPE, d_head, B_r, B_c, n_warps): swizzled+causal\" (flags: swizzled and a mask), "
+        "or in YAML by 'kind: backward' and those knobs; emit, check, simulate and build take them.",
+        width=79, break_on_hyphens=False,
     )
     listing = "\n".join(textwrap.fill(line, width=79, initial_indent="  ", subsequent_indent="      ",
                                       break_on_hyphens=False) for line in knobs.describe())
@@ -93,14 +97,21 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 # ---- config arguments ---------------------------------------------------------------------
 
 
-def resolve_configs(specs: Sequence[str], verbose: bool = False):
-    """The SweepResult of the CFG arguments; CommandError (with the reasons) when no config is valid."""
+def resolve_configs(specs: Sequence[str], verbose: bool = False, forward_only: str = ""):
+    """The SweepResult of the CFG arguments; CommandError (with the reasons) when no config is valid,
+    or (``forward_only``: the command, which runs forward attention) when one is a backward config."""
+    from .dsl.configs import kind_of
     from .emit.sweep import merge, resolve
 
     result = merge(resolve(s) for s in specs)
     if not result.configs:
         head = f"no valid config in {' '.join(specs)}: all {len(result.skipped)} combination(s) skipped:"
         raise CommandError("\n".join([head, *skip_lines(result.skipped, verbose)]))
+    backward = [c for c in result.configs if kind_of(c) == "backward"]
+    if forward_only and backward:
+        more = f" (and {len(backward) - 1} more)" if len(backward) > 1 else ""
+        raise CommandError(f"{forward_only} runs forward kernels; {backward[0].short_form()}{more} is a backward config "
+                           "(flashgen emit, check, simulate and build take those)")
     return result
 
 
@@ -242,7 +253,8 @@ def _add_simulate(sub) -> None:
             "Evaluate each config's plan with the Numba simulator (flashgen.sim). mma.sync configs: "
             "copy coverage, shared-memory bank conflicts per instruction and MMA fragment checks. "
             "wgmma configs: the schedule's barrier and hazard check, one CTA with tails against "
-            "float64, and the wave-tail split's merge."
+            "float64, and the wave-tail split's merge. Backward configs: copy coverage and bank conflicts, "
+            "and the whole backward pass (every CTA) against float64 gradients."
         ),
         epilog="example:\n  flashgen simulate defaults --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,

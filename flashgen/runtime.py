@@ -19,7 +19,8 @@ from . import cache, launcher, tracing
 from .build import BuildError, Built, build
 from .engines import engine_of
 from .targets import of_capability
-from .dsl.config import KernelConfig, load_config
+from .dsl import configs
+from .dsl.config import KernelConfig
 from .policy import lookup, seq_bucket
 
 
@@ -312,5 +313,5 @@ def compile(cfg: Any, verbose: bool = False) -> "Attention | AutoAttention":  # 
     """
     if isinstance(cfg, str) and cfg.strip() == "auto":
         return AutoAttention(verbose)
-    config = load_config(cfg)
+    config = configs.forward(cfg, "flashgen.compile")
     return Attention(build(config, verbose=verbose), verbose)

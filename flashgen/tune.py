@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise CommandError("tune needs a CUDA GPU")
     capability = torch.cuda.get_device_capability()
-    space = list(resolve_configs(args.configs).configs) if args.configs else default_space(args.dtypes, capability)
+    space = list(resolve_configs(args.configs, forward_only="flashgen tune").configs) if args.configs else default_space(args.dtypes, capability)
     space = [c for c in space if c.dtype.value in args.dtypes]
     if not space:
         raise CommandError(f"no config of dtype {' or '.join(args.dtypes)} to tune")

@@ -100,7 +100,7 @@ def test_help_lists_the_named_sets_of_the_registry(argv, capsys, monkeypatch):
     from flashgen.dsl import sets
 
     monkeypatch.setitem(sets.NAMED_SETS, "my-new-set", lambda: [])
-    assert "defaults, progression, progression-all, tuning-space, hopper, my-new-set" in _help(capsys, *argv)
+    assert "defaults, progression, progression-all, tuning-space, hopper, backward, my-new-set" in _help(capsys, *argv)
 
 
 def test_help_names_only_files_that_exist(capsys):

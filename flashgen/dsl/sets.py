@@ -9,14 +9,28 @@ import difflib
 from pathlib import PurePath
 from typing import Callable
 
+from .backward_config import BackwardConfig
 from .config import KernelConfig, default_configs, hopper_configs, kernel_progression, tuning_space
+from .dtypes import DType
 
-NAMED_SETS: dict[str, Callable[[], list[KernelConfig]]] = {
+#: head sizes the backward set ships
+BACKWARD_HEADS = (64, 128)
+
+
+def backward_configs() -> list[BackwardConfig]:
+    """The shipped backward kernels (mma.sync, the only engine with a backward): each dtype and head
+    size of :data:`BACKWARD_HEADS`, unmasked and causal, at the config's default blocks (64 query
+    and 64 key rows, 4 warps, swizzled)."""
+    return [BackwardConfig(dt, d_head=d, mask=m) for dt in DType for d in BACKWARD_HEADS for m in ("none", "causal")]
+
+
+NAMED_SETS: dict[str, Callable[[], list[KernelConfig | BackwardConfig]]] = {
     "defaults": default_configs,
     "progression": kernel_progression,
     "progression-all": lambda: kernel_progression(all_block_sizes=True),
     "tuning-space": tuning_space,
     "hopper": hopper_configs,
+    "backward": backward_configs,
 }
 
 

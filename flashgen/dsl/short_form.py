@@ -9,10 +9,14 @@ in any order; a knob whose flag is left out takes its ``absent`` value (a switch
 that a required flag (``load_Q_K_V_tiles``) must be given. The engine flag (``wgmma``) chooses the
 engine; a flag of another engine's knob is refused. :func:`values` returns the knob values a text
 names, for :meth:`KernelConfig.from_dict`; :func:`render` writes a config's values back.
+
+The backward kernels' name is the same head and flags after ``bwd`` (the flags optional), limited
+to the knobs the backward has: ``bwd(FP16, 128, 64, 64, 4): swizzled+causal``
+(:func:`backward_values`).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import attrs
 
@@ -22,6 +26,7 @@ from .knobs import (DEFAULT_ENGINE, ENGINE_FLAG, FLAGS, HEAD, Spelled, engine, e
                     with_defaults)
 
 _FORM = FORMS["config"]
+_BACKWARD_FORM = FORMS["backward"]
 
 
 @attrs.frozen
@@ -35,9 +40,10 @@ class _Flag:
     column: int
     end_line: int
     end_column: int
+    form: str = _FORM
 
     def error(self, problem: str, detail: str, text: str) -> NotationError:
-        return NotationError(problem, text, self.line, self.column, detail, _FORM)
+        return NotationError(problem, text, self.line, self.column, detail, self.form)
 
 
 @attrs.frozen
@@ -99,17 +105,42 @@ def _other_engine(f: _Flag, engine_name: str, text: str) -> NotationError:
     return f.error(f"flag '{f.text}' needs the {owner.label} engine", detail, text)
 
 
-def _flag(tok) -> _Flag:
+def _flag(tok, form: str = _FORM) -> _Flag:
     group, values = read_flag(str(tok))  # the FLAG terminal matches flag words only
-    return _Flag(group, str(tok), tuple(values.items()), tok.line, tok.column, tok.end_line, tok.end_column)
+    return _Flag(group, str(tok), tuple(values.items()), tok.line, tok.column, tok.end_line, tok.end_column, form)
+
+
+def _sizes(sizes) -> tuple[tuple[str, int], ...]:
+    """The head's sizes: HEAD is dtype, d_head, B_r, B_c, n_warps; ``sizes3`` leaves out d_head."""
+    head = HEAD[1:] if sizes.data == "sizes4" else HEAD[2:]
+    return tuple((k.name, int(n)) for k, n in zip(head, sizes.children))
 
 
 def values(text: str) -> dict[str, Any]:
     """The knob values a short form names (NotationError for a malformed text or misused flags)."""
     dtype, sizes, flag_list = parse_tree(text, "config").children  # config: "(" DTYPE "," sizes ")" ":" flags
-    head = HEAD[1:] if sizes.data == "sizes4" else HEAD[2:]  # HEAD: dtype, d_head, B_r, B_c, n_warps; sizes3 leaves out d_head
-    given = tuple((k.name, int(n)) for k, n in zip(head, sizes.children))
-    return _ShortForm(str(dtype), given, tuple(_flag(t) for t in flag_list.children)).values(text)
+    return _ShortForm(str(dtype), _sizes(sizes), tuple(_flag(t) for t in flag_list.children)).values(text)
+
+
+def backward_values(text: str, fields: Collection[str]) -> dict[str, Any]:
+    """The knob values a backward short form names (``fields``: the backward config's knobs): the
+    head, and each flag of a knob it has at most once; a knob whose flag is left out takes its
+    ``absent`` value (``swizzled`` false, ``mask`` none)."""
+    dtype, sizes, *rest = parse_tree(text, "backward").children  # backward: "bwd" "(" DTYPE "," sizes ")" [":" flags]
+    given = tuple(_flag(t, _BACKWARD_FORM) for part in rest if part is not None for t in part.children)
+    groups = [g for g in FLAGS if all(k.name in fields for k in g.knobs)]
+    seen: dict[Spelled, _Flag] = {}
+    for f in given:
+        if f.group not in groups:
+            words = ", ".join(w for g in groups for w in g.words())
+            raise f.error(f"flag '{f.text}' is not a backward knob", f"the backward takes {words}", text)
+        if f.group in seen:
+            raise _repeated(seen[f.group], f, text)
+        seen[f.group] = f
+    out: dict[str, Any] = {HEAD[0].name: str(dtype), **dict(_sizes(sizes))}
+    for group in groups:
+        out.update(dict(seen[group].values) if group in seen else group.absent())
+    return out
 
 
 def render(values: Mapping[str, Any]) -> str:

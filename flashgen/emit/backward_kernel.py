@@ -25,7 +25,7 @@ from ..dsl.addressing import split_offsets
 from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, vec
 from .ptx.used import HELPERS_MARK, insert_used
-from .source import KernelSource
+from .source import KernelSource, kernel_meta
 from .template import CodeTemplate, compose
 
 __all__ = ["TARGET", "emit_backward"]
@@ -514,7 +514,6 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         log2e=f"{LOG2E!r}f", bases=_bases(plan), args_fields=args_fields(),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
     ))
-    meta = {"name": name, "short_form": cfg.short_form(), "config": cfg.to_dict(), "hash": cfg.content_hash(),
-            "threads": cfg.threads, "smem_bytes": cfg.smem_bytes, "grid": f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)",
-            "launcher": f"{name}_launch", "kind": "backward"}
+    meta = {**kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", kind="backward"),
+            "arguments": f"{name}_args", "workspace": f"{name}_workspace"}
     return KernelSource(name, insert_used(text, helpers), meta)

@@ -1,11 +1,14 @@
 """What an emitter returns: the kernel's text and its manifest entry (both engines)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..dsl.config import KernelConfig
+
+if TYPE_CHECKING:
+    from ..dsl.backward_config import BackwardConfig
 
 
 @attrs.frozen
@@ -21,13 +24,14 @@ class KernelSource:
         return f"{self.name}_launch"
 
 
-def kernel_meta(cfg: KernelConfig, name: str, threads: int, smem_bytes: int, grid: str = "", arch: str | None = None,
-                **extra: Any) -> dict:
+def kernel_meta(cfg: "KernelConfig | BackwardConfig", name: str, threads: int, smem_bytes: int, grid: str = "",
+                arch: str | None = None, kind: str = "forward", **extra: Any) -> dict:
     """The manifest entry of an emitted kernel; ``arch``: the one target it runs on (None: any that
-    has its instructions); ``extra`` adds to ``requires``."""
+    has its instructions); ``kind``: forward or backward; ``extra`` adds to ``requires``."""
     grid = grid or f"(ceil(seq_q / {cfg.B_r}), heads, batch)"
     return {
         "name": name,
+        "kind": kind,
         "short_form": cfg.short_form(),
         "config": cfg.to_dict(),
         "hash": cfg.content_hash(),

@@ -1,4 +1,4 @@
-"""Config files: one config, a list of configs, or a sweep -> valid KernelConfigs + skips.
+"""Config files: one config, a list of configs, or a sweep -> valid configs (forward or backward) + skips.
 
 The format (one rule: **a knob given as a list is swept**)::
 
@@ -19,9 +19,14 @@ The format (one rule: **a knob given as a list is swept**)::
     - "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"
     - {dtype: bf16, B_c: [32, 64]}
 
+    # backward kernels: kind: backward, then the knobs of BackwardConfig (swept the same way),
+    # or a backward short form
+    - {kind: backward, dtype: fp16, d_head: [64, 128], mask: causal}
+    - "bwd(BF16, 128, 64, 64, 4): swizzled"
+
 A document that is a single short-form string is one config too.
 
-``prune`` is the one key that is not a knob. ``prune: seed`` applies
+``prune`` and ``kind`` are the keys that are not knobs. ``prune: seed`` applies
 :func:`flashgen.dsl.config.is_tuning_candidate` (the seed's register-pressure and
 speed heuristics) to that mapping's combinations; ``prune: none`` (the default)
 keeps every valid one. Pruned combinations are reported like invalid ones, with a
@@ -46,7 +51,9 @@ from typing import Any, Iterable
 import attrs
 import yaml
 
-from ..dsl.config import HOPPER_KNOBS, KNOBS, ConfigError, KernelConfig, is_tuning_candidate
+from ..dsl import configs
+from ..dsl.config import HOPPER_KNOBS, KNOBS, ConfigError, is_tuning_candidate
+from ..dsl.configs import AnyConfig
 
 __all__ = ["PRUNE_MODES", "Skipped", "SweepError", "SweepResult", "load_sweep", "parse_sweep", "resolve"]
 
@@ -93,7 +100,7 @@ _TRAILING_WHY = re.compile(r"\s*\([^()]*\)\s*$")
 class SweepResult:
     """Valid configs (deduplicated, document order), skipped combinations, duplicates dropped."""
 
-    configs: tuple[KernelConfig, ...]
+    configs: tuple[AnyConfig, ...]
     skipped: tuple[Skipped, ...] = ()
     duplicates: int = 0
 
@@ -200,11 +207,11 @@ def _load_yaml(text: str, source: str) -> Any:
 
 class _Collector:
     def __init__(self) -> None:
-        self.configs: dict[KernelConfig, None] = {}
+        self.configs: dict[AnyConfig, None] = {}
         self.skipped: list[Skipped] = []
         self.duplicates = 0
 
-    def add(self, cfg: KernelConfig) -> None:
+    def add(self, cfg: AnyConfig) -> None:
         if cfg in self.configs:
             self.duplicates += 1
         else:
@@ -218,22 +225,43 @@ def _line(obj: Any, default: int = 0) -> int:
     return getattr(obj, "line", default) or default
 
 
-def _expand_mapping(m: dict, source: str, line: int, out: _Collector) -> None:
-    key_lines = getattr(m, "key_lines", {})
-    at = lambda key: f"{source}:{key_lines.get(key, line)}"  # noqa: E731
+#: the keys of a mapping that are not knobs
+_NOT_KNOBS = ("prune", "kind")
+
+
+def _knob_names(kind: str) -> tuple[str, ...]:
+    if kind == configs.DEFAULT_KIND:
+        return tuple(KNOBS + HOPPER_KNOBS)
+    return tuple(f.name for f in attrs.fields(configs.KINDS[kind]))
+
+
+def _kind_and_prune(m: dict, at) -> tuple[str, str]:
+    """The mapping's ``kind`` (its keys checked against that kind's knobs) and ``prune`` mode."""
+    kind = m.get("kind", configs.DEFAULT_KIND)
+    if kind not in configs.KINDS:
+        raise SweepError(f"{at('kind')}: kind must be one of {', '.join(configs.KINDS)}, got {kind!r}")
+    names = _knob_names(kind)
     for key in m:
-        if key != "prune" and key not in KNOBS + HOPPER_KNOBS:
-            raise SweepError(
-                f"{at(key)}: unknown config key {key!r}; valid keys: {', '.join(KNOBS + HOPPER_KNOBS)} (and 'prune')"
-            )
+        if key not in _NOT_KNOBS and key not in names:
+            what = "config key" if kind == configs.DEFAULT_KIND else f"{kind} config key"
+            raise SweepError(f"{at(key)}: unknown {what} {key!r}; valid keys: {', '.join(names)} (and 'prune', 'kind')")
     prune = m.get("prune", "none")
     if prune is None or prune is False:
         prune = "none"
     if prune not in PRUNE_MODES:
         raise SweepError(f"{at('prune')}: prune must be one of {', '.join(PRUNE_MODES)}, got {prune!r}")
+    if prune != "none" and kind != configs.DEFAULT_KIND:
+        raise SweepError(f"{at('prune')}: prune: {prune} applies the forward's tuning heuristics; a {kind} sweep has none")
+    return kind, prune
+
+
+def _expand_mapping(m: dict, source: str, line: int, out: _Collector) -> None:
+    key_lines = getattr(m, "key_lines", {})
+    at = lambda key: f"{source}:{key_lines.get(key, line)}"  # noqa: E731
+    kind, prune = _kind_and_prune(m, at)
     axes: list[tuple[str, list]] = []
     for key, value in m.items():
-        if key == "prune":
+        if key in _NOT_KNOBS:
             continue
         if isinstance(value, list):
             if not value:
@@ -256,7 +284,7 @@ def _expand_mapping(m: dict, source: str, line: int, out: _Collector) -> None:
     for values in itertools.product(*(v for _, v in axes)):
         knobs = dict(zip(names, values))
         try:
-            cfg = KernelConfig.from_dict(knobs)
+            cfg = configs.KINDS[kind].from_dict(knobs)
         except (ConfigError, TypeError, ValueError) as exc:  # a knob's value or a rule
             out.skipped.append(Skipped(knobs, where, str(exc)))
             continue
@@ -267,10 +295,10 @@ def _expand_mapping(m: dict, source: str, line: int, out: _Collector) -> None:
 
 
 def _expand_short_form(text: str, where: str, out: _Collector) -> None:
-    from ..dsl.notation import NotationError, parse_config
+    from ..dsl.notation import NotationError
 
     try:
-        out.add(parse_config(text))
+        out.add(configs.parse_short_form(text))
     except NotationError as exc:
         raise SweepError(f"{where}: malformed short form: {exc}") from None
     except ConfigError as exc:
@@ -340,10 +368,8 @@ def resolve(spec: "str | Path") -> SweepResult:
     text = str(spec).strip()
     if text in NAMED_SETS:
         return SweepResult(tuple(dict.fromkeys(NAMED_SETS[text]())))
-    if text.startswith("("):
-        from ..dsl.notation import parse_config
-
-        return SweepResult((parse_config(text),))
+    if text.startswith("(") or configs.is_backward_text(text):
+        return SweepResult((configs.parse_short_form(text),))
     path = Path(text)
     if path.exists():
         return load_sweep(path)

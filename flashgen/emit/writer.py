@@ -29,7 +29,8 @@ from typing import Callable, Sequence
 
 import attrs
 
-from ..dsl.config import KernelConfig
+from ..dsl import configs
+from ..dsl.configs import AnyConfig
 from ..workers import run_parallel
 from ..engines import emit
 from .source import KernelSource
@@ -58,9 +59,11 @@ def _sha256(text: str) -> str:
 def manifest_entry(src: KernelSource) -> dict:
     """One kernel's manifest record: ``KernelSource.meta`` plus its files and their sha256.
 
-    Fields: name, short_form, config (the knobs), hash (of the config), threads,
-    smem_bytes (dynamic), grid (rule), launcher (C symbol), requires (shape rules),
-    files {kernel}, sha256 {file name: digest of its text}.
+    Fields: name, kind (forward or backward), short_form, config (the knobs), hash (of the
+    config), threads, smem_bytes (dynamic), grid (rule of the main kernel), launcher (C symbol),
+    requires (shape rules), files {kernel}, sha256 {file name: digest of its text}; a backward
+    kernel adds arguments (the launcher's struct), workspace (its C symbol) and kernels (the
+    ``__global__`` functions the launcher runs, in order).
     """
     files = kernel_files(src)
     (cu,) = files
@@ -82,10 +85,10 @@ def manifest_text(sources: Sequence[KernelSource]) -> str:
 
 
 def _emit_dict(knobs: dict) -> KernelSource:  # worker of run_parallel (top level: picklable)
-    return emit(KernelConfig.from_dict(knobs))
+    return emit(configs.from_dict(knobs))
 
 
-def emit_all(cfgs: Sequence[KernelConfig], jobs: int = 1, progress: Progress | None = None) -> list[KernelSource]:
+def emit_all(cfgs: Sequence[AnyConfig], jobs: int = 1, progress: Progress | None = None) -> list[KernelSource]:
     """The sources of ``cfgs`` in order; ``jobs > 1`` emits in that many processes, which Ctrl-C
     and SIGTERM stop at once (:func:`flashgen.workers.run_parallel`)."""
     done = itertools.count(1)
@@ -93,7 +96,7 @@ def emit_all(cfgs: Sequence[KernelConfig], jobs: int = 1, progress: Progress | N
     def report(i: int, src: KernelSource) -> None:
         progress(f"[{next(done)}/{len(cfgs)}] emitted {src.name}")  # type: ignore[misc]
 
-    return run_parallel(_emit_dict, [c.to_dict() for c in cfgs], jobs, report if progress else None)
+    return run_parallel(_emit_dict, [configs.to_record(c) for c in cfgs], jobs, report if progress else None)
 
 
 def render(sources: Sequence[KernelSource]) -> dict[str, bytes]:
@@ -237,7 +240,7 @@ def _move_in(staged: Path, backup: Path, out: Path, files: dict[str, bytes]) -> 
 
 
 def emit_to_folder(
-    cfgs: Sequence[KernelConfig],
+    cfgs: Sequence[AnyConfig],
     out_dir: "str | Path",
     force: bool = False,
     jobs: int = 1,

@@ -6,14 +6,17 @@ instead of asking which engine or which compute capability it has. ``runnable_on
 the engines a target runs, preferred first.
 
 Config-level entry points: :func:`emit` (config -> plan -> KernelSource), :func:`verify` (the
-cached proofs of a config's plan) and :func:`simulate_config` (``flashgen simulate``'s report).
+cached proofs of a config's plan) and :func:`simulate_config` (``flashgen simulate``'s report). They
+take either kind of config (:mod:`flashgen.dsl.configs`): :func:`kernels_of` is the one place that
+picks a forward config's engine or a backward config's engine's :class:`BackwardKernels`.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from ..dsl.config import KernelConfig, load_config
+from ..dsl.backward_config import BackwardConfig
+from ..dsl.configs import AnyConfig, load as load_config
 from ..emit.source import KernelSource
 from ..targets import Target, named as target_named
 from .base import BackwardKernels, Engine
@@ -33,9 +36,15 @@ def engine_named(name: str) -> Engine:
         raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}") from None
 
 
-def engine_of(cfg: KernelConfig) -> Engine:
-    """The engine that builds ``cfg``."""
+def engine_of(cfg: AnyConfig) -> Engine:
+    """The engine that builds ``cfg`` (a backward config's: the engine of its backward kernels)."""
     return engine_named(cfg.engine)
+
+
+def kernels_of(cfg: AnyConfig) -> "Engine | BackwardKernels":
+    """What plans, emits, verifies and reports on ``cfg``: its engine, or for a backward config that
+    engine's backward kernels (all four through the same method names)."""
+    return backward_of(cfg) if isinstance(cfg, BackwardConfig) else engine_of(cfg)
 
 
 def runnable_on(target: Target | None) -> list[Engine]:
@@ -52,25 +61,25 @@ def preferred(target: Target | None) -> Engine:
 def make_plan(cfg: Any):
     """The plan of a config (object, dict, YAML path or short form), by its engine."""
     cfg = load_config(cfg)
-    return engine_of(cfg).make_plan(cfg)
+    return kernels_of(cfg).make_plan(cfg)
 
 
 def emit(cfg: Any) -> KernelSource:
-    """The CUDA source of a config: its engine's plan, emitted."""
+    """The CUDA source of a config (forward or backward): its plan, emitted."""
     cfg = load_config(cfg)
-    engine = engine_of(cfg)
-    return engine.emit(engine.make_plan(cfg))
+    kernels = kernels_of(cfg)
+    return kernels.emit(kernels.make_plan(cfg))
 
 
 def verify_plan(plan: Any):
     """Every proof of one plan (:mod:`flashgen.sim.verify`; not cached: tests hand it altered plans)."""
     from ..sim.verify import Verification
 
-    return Verification(plan.cfg.short_form(), engine_of(plan.cfg).verify_checks(plan))
+    return Verification(plan.cfg.short_form(), kernels_of(plan.cfg).verify_checks(plan))
 
 
 @functools.lru_cache(maxsize=None)
-def verify_config(cfg: KernelConfig):
+def verify_config(cfg: AnyConfig):
     """The proofs of ``cfg``'s plan (memoized: a config is verified once per process)."""
     return verify_plan(make_plan(cfg))
 
@@ -83,8 +92,8 @@ def verify(cfg: Any):
 def simulate_config(cfg: Any, cta: bool = True) -> dict[str, Any]:
     """``flashgen simulate``'s report of one config (JSON-able; its engine's checks and the proofs)."""
     cfg = load_config(cfg)
-    engine = engine_of(cfg)
-    return engine.simulate(engine.make_plan(cfg), verify_config(cfg).to_dict(), cta=cta)
+    kernels = kernels_of(cfg)
+    return kernels.report(kernels.make_plan(cfg), verify_config(cfg).to_dict(), cta=cta)
 
 
 def backward_of(cfg: Any) -> BackwardKernels:
@@ -98,9 +107,12 @@ def backward_of(cfg: Any) -> BackwardKernels:
 
 def emit_backward(cfg: Any) -> KernelSource:
     """The CUDA source of a backward config: its engine's backward plan, emitted."""
-    kernels = backward_of(cfg)
-    return kernels.emit(kernels.make_plan(cfg))
+    cfg = load_config(cfg)
+    if not isinstance(cfg, BackwardConfig):
+        raise ValueError(f"{cfg.short_form()} is a forward config; emit_backward takes a backward one")
+    return emit(cfg)
 
 
-__all__ = ["BASELINE", "ENGINES", "BackwardKernels", "Engine", "backward_of", "emit", "emit_backward", "engine_named", "engine_of", "make_plan", "preferred",
+__all__ = ["BASELINE", "ENGINES", "BackwardKernels", "Engine", "backward_of", "emit", "emit_backward", "engine_named", "engine_of", "kernels_of",
+           "make_plan", "preferred",
            "runnable_on", "simulate_config", "verify", "verify_config", "verify_plan"]

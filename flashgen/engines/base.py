@@ -32,6 +32,14 @@ class BackwardKernels:
         """dQ, dK, dV of ``(batch, seq, heads, d)`` inputs through every simulated CTA, with the hazards found."""
         raise NotImplementedError
 
+    def verify_checks(self, plan: Any) -> tuple:
+        """The proofs (:class:`flashgen.sim.verify.Check`) of what the emitter takes from ``plan`` on trust."""
+        raise NotImplementedError
+
+    def report(self, plan: Any, verification: dict, cta: bool = True) -> dict[str, Any]:
+        """``flashgen simulate``'s report of one backward plan (``verification``: the proofs' ``to_dict``)."""
+        raise NotImplementedError
+
 
 class Engine:
     """One engine. Subclasses set the class attributes and implement the methods."""
@@ -87,6 +95,10 @@ class Engine:
     def simulate(self, plan: Any, verification: dict, cta: bool = True) -> dict[str, Any]:
         """``flashgen simulate``'s report of one plan (``verification``: the proofs' ``to_dict``)."""
         raise NotImplementedError
+
+    def report(self, plan: Any, verification: dict, cta: bool = True) -> dict[str, Any]:
+        """The report under the name both kinds of kernels share (:class:`BackwardKernels` too)."""
+        return self.simulate(plan, verification, cta=cta)
 
     # ---- shipped configs ---------------------------------------------------------------------
 

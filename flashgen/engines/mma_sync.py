@@ -35,6 +35,16 @@ class MmaSyncBackward(BackwardKernels):
 
         return simulate_backward(plan, q, k, v, do, **mask)
 
+    def verify_checks(self, plan: Any) -> tuple:
+        from ..sim.verify import backward_checks
+
+        return backward_checks(plan)
+
+    def report(self, plan: Any, verification: dict, cta: bool = True) -> dict[str, Any]:
+        from ..sim.backward_report import simulate_backward_report
+
+        return simulate_backward_report(plan, verification, cta=cta)
+
 
 class MmaSyncEngine(Engine):
     name = "mma_sync"

@@ -35,13 +35,14 @@ def _per(plan: KernelPlan, trace: CopyTrace) -> str:
     return "kv_block"
 
 
-def copy_stats(plan: KernelPlan, trace: CopyTrace) -> dict[str, Any]:
-    """Instructions, wavefronts and bytes of one execution of a copy (see :func:`simulate_mma_sync`)."""
+def copy_stats(plan: KernelPlan, trace: CopyTrace, per: str | None = None) -> dict[str, Any]:
+    """Instructions, wavefronts and bytes of one execution of a copy (see :func:`simulate_mma_sync`;
+    ``per``: how often it runs, where the plan is not a forward one)."""
     stats: dict[str, Any] = {
         "name": trace.name,
         "kind": trace.kind,
         "atom": trace.atom.name,
-        "per": _per(plan, trace),
+        "per": per or _per(plan, trace),
         "instructions_per_warp": int(trace.n_instr),
         "bytes_per_cta": int(trace.n_warps * trace.n_instr * 32 * trace.atom.bytes_per_thread),
     }
@@ -233,10 +234,16 @@ def format_report(results: list[dict[str, Any]]) -> str:
         lines += _verification_lines(res)
         if "cta" in res:
             lines.append(f"  CTA forward pass: {_ok(res['cta']['ok'])} - {res['cta']['detail']}")
+        if "grads" in res:
+            lines.append(f"  backward pass (dQ, dK, dV vs float64): {_ok(res['grads']['ok'])} - {res['grads']['detail']}")
         if "split" in res:
             lines.append(f"  wave-tail split (2 parts merged): {_ok(res['split']['ok'])} - {res['split']['detail']}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+#: how often a copy runs, in the copies' table
+_RUNS = {"cta": "per CTA", "kv_block": "per KV block", "query_block": "per query block"}
 
 
 def _copy_lines(copies: list[dict[str, Any]]) -> list[str]:
@@ -246,7 +253,7 @@ def _copy_lines(copies: list[dict[str, Any]]) -> list[str]:
     for c in copies:
         ratio = c.get("conflict_ratio")
         rows.append((
-            c["name"], c["atom"], "per CTA" if c["per"] == "cta" else "per KV block",
+            c["name"], c["atom"], _RUNS[c["per"]],
             str(c["instructions_per_warp"]),
             "-" if c.get("wavefronts_per_warp") is None else str(c["wavefronts_per_warp"]),
             "-" if c.get("ideal_wavefronts_per_warp") is None else str(c["ideal_wavefronts_per_warp"]),
@@ -263,10 +270,13 @@ def _copy_lines(copies: list[dict[str, Any]]) -> list[str]:
 
 
 def _schedule_lines(sc: dict[str, Any]) -> list[str]:
-    """The schedule check: the key-block ranges walked (mma.sync) or the blocks and tiles run (wgmma)."""
+    """The schedule check: the key-block ranges walked (mma.sync), the walk described (backward) or
+    the blocks and tiles run (wgmma)."""
     if "walks" in sc:
         walks = ", ".join(f"{jb}..{n - 1}" if n > jb else "none" for jb, n in sc["walks"])
         lines = [f"  schedule (key blocks walked: {walks}): {_ok(sc['ok'])}"]
+    elif "walk" in sc:
+        lines = [f"  schedule ({sc['walk']}): {_ok(sc['ok'])}"]
     else:
         walk = "1, 2 and 5 key blocks" + (f", {sc['tiles']} tiles" if sc.get("tiles", 1) > 1 else "")
         lines = [f"  schedule ({walk}; TMA ring, wgmma groups, pingpong turns): {_ok(sc['ok'])}"]

@@ -8,6 +8,7 @@ config, over every thread, warp and index, and caches the result per config:
   thread 0 by :mod:`flashgen.dsl.addressing`) is exact at every thread, warp and compile-time
   index; the MMA's C fragment map holds values ``(2h, 2h+1)`` of a lane in one row, neighbouring
   columns (the softmax masks and reduces them as a pair);
+* mma.sync backward: every shared-memory copy's address split, as the forward's;
 * wgmma: the P-from-S register table (derived from thread 0) names, in every thread, the S
   accumulator value holding the P element each A register needs; the accumulator maps of both
   GEMMs follow the ``(chunk, half, e)`` pattern the softmax, rescale and epilogue index by; the
@@ -22,7 +23,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from flashgen.dsl.addressing import plan_splits, smem_copies, split_problems
+from flashgen.dsl.addressing import plan_splits, smem_copies, split_offsets, split_problems
+from flashgen.dsl.backward_plan import BackwardPlan
 from flashgen.dsl.config import WGMMA_M
 from flashgen.dsl.hopper_plan import HopperPlan
 from flashgen.dsl.plan import KernelPlan
@@ -86,6 +88,13 @@ def mma_sync_checks(plan: KernelPlan) -> tuple[Check, ...]:
         Check(f"address split {c.name}", tuple(split_problems(c, splits[c.name], plan.cfg.n_warps, SHOWN)))
         for c in smem_copies(plan)
     ) + (Check("C fragment row pairs", tuple(c_row_pair_problems(plan.mma.c_map))),)
+
+
+def backward_checks(plan: BackwardPlan) -> tuple[Check, ...]:
+    """The proofs of an mma.sync backward plan: every shared-memory copy's address split (the
+    emitter renders each copy's addresses from its thread-0 split)."""
+    return tuple(Check(f"address split {c.name}", tuple(split_problems(c, split_offsets(c), plan.cfg.n_warps, SHOWN)))
+                 for _, c in plan.copies())
 
 
 def _mismatches(what: str, got: np.ndarray, want: np.ndarray, where) -> list[str]:

@@ -214,3 +214,37 @@ def test_wgmma_knobs_sweep_and_default_like_the_constructor():
 def test_example_single():
     (cfg,) = load_sweep(EXAMPLES / "single.yaml").configs
     assert cfg == KernelConfig(dtype="fp16") == parse_config(BEST)
+
+
+# ---- backward configs --------------------------------------------------------------------------
+
+
+def test_a_kind_backward_mapping_sweeps_the_backward_knobs():
+    from flashgen.dsl.backward_config import BackwardConfig
+
+    r = parse_sweep("- {kind: backward, dtype: fp16, d_head: [64, 128, 264], mask: causal}\n"
+                    "- 'bwd(BF16, 128, 64, 64, 4): swizzled'\n- {dtype: fp16}\n", "b.yaml")
+    assert r.configs == (BackwardConfig("fp16", d_head=64, mask="causal"), BackwardConfig("fp16", d_head=128, mask="causal"),
+                         BackwardConfig("bf16", d_head=128), KernelConfig("fp16"))
+    (skip,) = r.skipped
+    assert skip.where == "b.yaml:1" and skip.knobs["d_head"] == 264 and "d_head=264" in skip.reason
+
+
+@pytest.mark.parametrize("text, words", [
+    ("kind: backward\ndtype: fp16\nasync_copy: true\n", ["s.yaml:3", "unknown backward config key 'async_copy'", "swizzled"]),
+    ("kind: backward\ndtype: fp16\nprune: seed\n", ["s.yaml:3", "a backward sweep has none"]),
+    ("kind: sideways\ndtype: fp16\n", ["s.yaml:1", "kind must be one of forward, backward"]),
+])
+def test_a_backward_mapping_with_a_forward_key_is_an_error_with_its_line(text, words):
+    with pytest.raises(SweepError) as err:
+        parse_sweep(text, "s.yaml")
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_resolve_reads_the_backward_set_and_backward_names():
+    from flashgen.dsl.sets import backward_configs
+
+    assert list(resolve("backward").configs) == backward_configs()
+    (cfg,) = resolve("bwd(FP16, 64, 64, 64, 4): swizzled+causal").configs
+    assert cfg == backward_configs()[1]

@@ -28,6 +28,8 @@ FORMS = {
     "any_layout": "SHAPE:STRIDE or Sw<B,M,S> o SHAPE:STRIDE, e.g. (64,64):(64,1)",
     "config": f"(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+... (d_head may be left out: {SHORT_FORM_D_HEAD}), "
     "e.g. (FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax",
+    "backward": f"bwd(DTYPE, d_head, B_r, B_c, n_warps): flag+flag+... (the flags may be left out; d_head too: "
+    f"{SHORT_FORM_D_HEAD}), e.g. bwd(FP16, 128, 64, 64, 4): swizzled+causal",
 }
 
 
