@@ -128,9 +128,9 @@ class BackwardConfig:
 
     def short_form(self) -> str:
         """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
-        (``d_split=2`` among them when the warps split d)."""
+        (``d_split_2`` among them when the warps split d)."""
         flags = (["swizzled"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
-        flags += [f"d_split={self.d_split}"] if self.d_split > 1 else []
+        flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
         return head + (": " + "+".join(flags) if flags else "")
 

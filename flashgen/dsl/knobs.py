@@ -291,14 +291,23 @@ FLAG_WORDS: tuple[str, ...] = tuple(w for g in FLAGS for w in g.words())
 ENGINE_FLAG = next(g for g in FLAGS if ENGINE_KNOB in g.knobs)
 
 
+#: Knobs only the backward kernels have (:class:`flashgen.dsl.backward_config.BackwardConfig`): their
+#: flags share the short form's grammar; no forward engine takes them.
+BACKWARD_ONLY: tuple[Knob, ...] = (
+    Knob("d_split", int, "backward: warps per group that split dK, dV and dQ's columns", default=1, engines=(), off=1,
+         flag=Pattern("d_split_{}", "d_split_N", (1,)), mangled=Pattern("ds{}")),
+)
+BACKWARD_FLAGS: tuple[Spelled, ...] = _groups(BACKWARD_ONLY, "flag")
+
+
 def flag_regex() -> str:
     """One regular expression matching exactly the flag words (each a whole word)."""
-    return "(?:" + "|".join(g.regex() for g in FLAGS) + r")\b"
+    return "(?:" + "|".join(g.regex() for g in FLAGS + BACKWARD_FLAGS) + r")\b"
 
 
 def read_flag(word: str) -> tuple[Spelled, dict[str, Any]]:
     """The flag a word is and the knob values it sets; KeyError for no flag."""
-    for group in FLAGS:
+    for group in FLAGS + BACKWARD_FLAGS:
         values = group.read(word)
         if values is not None:
             return group, values

@@ -22,7 +22,7 @@ import attrs
 
 from .dtypes import DType
 from .grammar import FORMS, NotationError, parse_tree
-from .knobs import (DEFAULT_ENGINE, ENGINE_FLAG, FLAGS, HEAD, Spelled, engine, engine_flags, flags, read_flag,
+from .knobs import (BACKWARD_FLAGS, DEFAULT_ENGINE, ENGINE_FLAG, FLAGS, HEAD, Spelled, engine, engine_flags, flags, read_flag,
                     with_defaults)
 
 _FORM = FORMS["config"]
@@ -64,6 +64,10 @@ class _ShortForm:
         chosen = seen.get(ENGINE_FLAG)
         this = engine(dict(chosen.values)["engine"] if chosen else DEFAULT_ENGINE)
         for f in self.flags:
+            if f.group in BACKWARD_FLAGS:
+                raise f.error(f"flag '{f.text}' is a knob of the backward kernels",
+                              f"a backward short form starts with bwd(...); {this.named} kernel takes "
+                              f"{engine_flags(this.name)}", text)
             if this.name not in f.group.engines:
                 raise _other_engine(f, this.name, text)
         out: dict[str, Any] = {HEAD[0].name: self.dtype, **dict(self.sizes)}
@@ -128,7 +132,7 @@ def backward_values(text: str, fields: Collection[str]) -> dict[str, Any]:
     ``absent`` value (``swizzled`` false, ``mask`` none)."""
     dtype, sizes, *rest = parse_tree(text, "backward").children  # backward: "bwd" "(" DTYPE "," sizes ")" [":" flags]
     given = tuple(_flag(t, _BACKWARD_FORM) for part in rest if part is not None for t in part.children)
-    groups = [g for g in FLAGS if all(k.name in fields for k in g.knobs)]
+    groups = [g for g in FLAGS + BACKWARD_FLAGS if all(k.name in fields for k in g.knobs)]
     seen: dict[Spelled, _Flag] = {}
     for f in given:
         if f.group not in groups:

@@ -97,7 +97,7 @@ def test_names_and_round_trip():
     assert cfg.mangle() == "flash_bwd_bf16_d64_br64_bc64_w4_swz_causal"
     assert B.from_dict(cfg.to_dict()) == cfg
     split = B("fp16", n_warps=8, d_split=2)
-    assert split.short_form() == "bwd(FP16, 128, 64, 64, 8): swizzled+d_split=2"
+    assert split.short_form() == "bwd(FP16, 128, 64, 64, 8): swizzled+d_split_2"
     assert split.mangle() == "flash_bwd_fp16_d128_br64_bc64_w8_swz_ds2"
     assert B.from_dict(split.to_dict()) == split
     with pytest.raises(ConfigError, match="unknown backward config key"):

@@ -78,3 +78,9 @@ def test_the_forward_loader_refuses_a_backward_config_by_name():
         with pytest.raises(ConfigError, match=r"flashgen.compile runs forward attention; bwd\(.*is a backward config.*no autograd"):
             configs.forward(source, "flashgen.compile")
     assert configs.forward("(FP16, 128, 64, 4): load_2_2_2_tiles") == KernelConfig.from_short_form("(FP16, 128, 64, 4): load_2_2_2_tiles")
+
+
+def test_a_backward_knob_in_a_forward_short_form_is_refused_by_name():
+    text = "(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax+d_split_2"
+    with pytest.raises(NotationError, match="flag 'd_split_2' is a knob of the backward kernels"):
+        KernelConfig.from_short_form(text)
