@@ -87,17 +87,23 @@ def test_emitted_grid_and_rounds_agree_with_python(tmp_path, name):
     """For many launches: the same (CTAs, parts) from sched_grid, and for every CTA the same sequence of
     (tile, part) from sched_work, round by round, as TileScheduler.grid / work."""
     s = SCHEDULERS[name]
-    want, body = [], []
+    want, rows = [], []
     for n_q, hb, sms, lo, equal in LAUNCHES:
         tiles = n_q * hb
         ctas, parts = s.grid(tiles, sms, lo, n_q, equal)
         want.append([ctas, parts])
-        body.append(f'    sched_grid({tiles}, {sms}, {lo}, {n_q}, {str(equal).lower()}, &c, &n); printf("%d %d\\n", c, n);\n')
-        for cta in range(ctas):
-            want.append([x for w in s.work(cta, ctas, tiles, parts) for x in w])
-            body.append(f'    for (int r = 0; sched_work(r, {cta}, c, {tiles}, n, &t, &p); ++r) printf("%d %d ", t, p);\n'
-                        '    printf("\\n");\n')
-    got = _run_cpp(tmp_path, s, "".join(body))
+        want += [[x for w in s.work(cta, ctas, tiles, parts) for x in w] for cta in range(ctas)]
+        rows.append(f"{{{tiles}, {sms}, {lo}, {n_q}, {int(equal)}}}")
+    # the launches as data and the CTAs walked by a loop: one short program whatever the count of CTAs
+    body = ("    const int launches[][5] = {" + ", ".join(rows) + "};\n"
+            "    for (const auto& l : launches) {\n"
+            "        sched_grid(l[0], l[1], l[2], l[3], l[4] != 0, &c, &n); printf(\"%d %d\\n\", c, n);\n"
+            "        for (int cta = 0; cta < c; ++cta) {\n"
+            "            for (int r = 0; sched_work(r, cta, c, l[0], n, &t, &p); ++r) printf(\"%d %d \", t, p);\n"
+            "            printf(\"\\n\");\n"
+            "        }\n"
+            "    }\n")
+    got = _run_cpp(tmp_path, s, body)
     assert got == want
 
 
