@@ -3,7 +3,9 @@ compiled for the host, equal the plan's objects at every thread, warp and index;
 with nvcc for sm_80 and sm_90a without spills; emitting is pure."""
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import os
 import shutil
 import subprocess
 
@@ -89,17 +91,37 @@ def test_emitted_index_functions_and_splits_equal_the_plan(tmp_path, cfg):
     assert got.shape == want.shape and np.array_equal(got, want), f"first difference at {int(np.flatnonzero(got != want)[0])}"
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+ARCHS = ("sm_80", "sm_90a")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """nvcc's (returncode, stderr) for every clean config and arch, compiled in parallel (one nvcc per CPU)."""
+    if NVCC is None:
+        pytest.skip("nvcc not found on PATH")
+    root = tmp_path_factory.mktemp("backward-nvcc")
+
+    def compile_one(job):
+        cfg, arch = job
+        src = emit_backward(make_backward_plan(cfg))
+        folder = root / f"{src.name}-{arch}"
+        folder.mkdir()
+        cu = folder / f"{src.name}.cu"
+        cu.write_text(src.text)
+        res = subprocess.run(compile_command(NVCC, cu, arch, folder / "k.o"), capture_output=True, text=True)
+        return job, (res.returncode, res.stderr)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(pool.map(compile_one, [(cfg, arch) for cfg in CLEAN for arch in ARCHS]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", CLEAN, ids=str)
-def test_kernels_compile_without_spills(tmp_path, cfg, arch):
-    src = emit_backward(make_backward_plan(cfg))
-    cu = tmp_path / f"{src.name}.cu"
-    cu.write_text(src.text)
-    res = subprocess.run(compile_command(NVCC, cu, arch, tmp_path / "k.o"), capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    stats = parse_ptxas(res.stderr)
-    assert len(stats) == 3, res.stderr[-2000:]  # preprocess, kernel, convert_dq
+def test_kernels_compile_without_spills(compiled, cfg, arch):
+    returncode, stderr = compiled[(cfg, arch)]
+    assert returncode == 0, stderr[-3000:]
+    stats = parse_ptxas(stderr)
+    assert len(stats) == 3, stderr[-2000:]  # preprocess, kernel, convert_dq
     dirty = [(s.function, s.registers, s.spill_stores, s.stack_frame) for s in stats if not s.clean]
     assert not dirty
 
