@@ -24,11 +24,16 @@ from typing import Any, Mapping
 
 import attrs
 
+from ..targets import TARGETS
 from .config import MASKS, MMA_K, MMA_M, SMEM_LIMIT_BYTES, SWIZZLE_TILE_COLS, ConfigError
 from .dtypes import DType
 
-#: registers per thread the accumulators may take (of 255; the rest: addresses, fragments, loop state)
-ACC_REG_LIMIT = 224
+#: registers a thread may have: 255, or fewer where the CTA's threads share one register file
+MAX_THREAD_REGS = 255
+#: registers per thread kept for addresses, fragments and loop state beside the accumulators
+OTHER_REGS = MAX_THREAD_REGS - 224
+#: the register file one CTA may use (the smallest of the targets')
+REGS_PER_CTA = min(t.regs_per_sm for t in TARGETS.values())
 ENGINES = ("mma_sync",)
 
 
@@ -195,12 +200,20 @@ def _rule_d_split(c: BackwardConfig) -> None:
                           f"must be a multiple of {MMA_K} (B operands load two n8 tiles at a time)")
 
 
+def acc_reg_limit(threads: int) -> int:
+    """Accumulator registers a thread of a ``threads``-thread CTA may hold: its share of the register
+    file (whole multiples of 8, at most 255) less the registers everything else needs."""
+    return min(MAX_THREAD_REGS, REGS_PER_CTA // threads // 8 * 8) - OTHER_REGS
+
+
 def _rule_registers(c: BackwardConfig) -> None:
-    if c.acc_regs > ACC_REG_LIMIT:
+    limit = acc_reg_limit(c.threads)
+    if c.acc_regs > limit:
         raise ConfigError(
             f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}"
             f"{f', d_split={c.d_split}' if c.d_split > 1 else ''}: the accumulators need {c.acc_regs} registers "
-            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {ACC_REG_LIMIT} of 255); use more warps, d_split or smaller blocks")
+            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {limit} for {c.threads} threads); use d_split, "
+            "smaller blocks or (up to 8) more warps")
 
 
 def _rule_smem(c: BackwardConfig) -> None:

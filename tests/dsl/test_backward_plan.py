@@ -84,6 +84,8 @@ def test_transposed_layout_reads_the_same_memory():
     ({"d_split": 8, "d_head": 64, "n_warps": 8, "B_c": 16}, ["d_split=8", "8 columns", "multiple of 16"]),
     ({"d_split": 2, "n_warps": 8, "B_c": 128, "B_r": 128}, ["d_split=2", "registers"]),
     ({"d_split": 2, "n_warps": 8, "B_c": 32}, ["B_c=32", "d_split=2", "16 rows"]),
+    # 512 threads share the register file: 128 registers a thread (ptxas spilled this config)
+    ({"d_head": 256, "n_warps": 16, "d_split": 4}, ["d_split=4", "> 97 for 512 threads"]),
 ])
 def test_invalid_configs_name_the_rule_and_values(knobs, words):
     with pytest.raises(ConfigError) as e:
