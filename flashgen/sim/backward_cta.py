@@ -79,11 +79,11 @@ def operand_regs(load: OperandLoad, image: np.ndarray, trace: CopyTrace, warp: i
 
 def warp_gemm(gemm: WarpGemm, b_regs: np.ndarray, a_regs: np.ndarray, acc: np.ndarray) -> np.ndarray:
     """``acc [m_tiles, n_tiles, 32, 4] += A B`` over the k16 steps (A ``[m_tiles, k16, 32, 4, 2]``)."""
-    nn_of, regs_of = fr._b_pairs(gemm.n_tiles)
+    nn_of, regs_of = fr.b_operand_pairs(gemm.n_tiles)
     for kq in range(gemm.k // 16):
         x4 = b_regs[nn_of, kq]
         b = np.take_along_axis(x4, regs_of[:, None, :, None], axis=2)
-        acc = fr._mma_step(acc, a_regs[:, kq], b, gemm.mma.dtype)
+        acc = fr.mma_step(acc, a_regs[:, kq], b, gemm.mma.dtype)
     return acc
 
 

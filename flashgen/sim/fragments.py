@@ -139,7 +139,7 @@ def reduction_steps(k: int, k_step: int, what: str) -> int:
     return k // k_step
 
 
-def _b_pairs(n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
+def b_operand_pairs(n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
     """(x4 index, [reg b0, reg b1]) of each n8 tile, from ``OperandLoad.b_operand_regs``."""
     nn = np.empty(n_tiles, dtype=np.int64)
     regs = np.empty((n_tiles, 2), dtype=np.int64)
@@ -149,7 +149,7 @@ def _b_pairs(n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
     return nn, regs
 
 
-def _mma_step(acc: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: object) -> np.ndarray:
+def mma_step(acc: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: object) -> np.ndarray:
     """acc ``[M, N, 32, 4]`` += a ``[M, 32, 4, 2]`` x b ``[N, 32, 2, 2]`` for every (m, n) pair."""
     M, N = acc.shape[:2]
     a_v = hw.decode(a, dtype).astype(np.float64)
@@ -181,7 +181,7 @@ def warp_gemm_S(
     kk = k.k_step // 16
     steps = reduction_steps(plan.gemm_S.k, k.k_step, "S = Q K^T")
     n_tiles = plan.gemm_S.n_tiles
-    nn_of, regs_of = _b_pairs(n_tiles)
+    nn_of, regs_of = b_operand_pairs(n_tiles)
     if q.resident and q_res is None:
         raise ValueError("warp_gemm_S: the plan keeps Q resident; pass its fragments (q_res)")
     if not q.resident and q.k_step != k.k_step:
@@ -203,7 +203,7 @@ def warp_gemm_S(
             a = q_res[:, step * kk + kq] if q.resident else q_buf[buf, :, kq]  # [mt, 32, 4, 2]
             x4 = k_buf[buf, nn_of, kq]  # [n_tiles, 32, 4, 2]
             b = np.take_along_axis(x4, regs_of[:, None, :, None], axis=2)  # [n_tiles, 32, 2, 2]
-            s_acc = _mma_step(s_acc, a, b, dt)
+            s_acc = mma_step(s_acc, a, b, dt)
 
     _k_loop(steps, k.buffers, load, mma)
     return s_acc
@@ -220,7 +220,7 @@ def warp_gemm_O(
     kk = v.k_step // 16
     steps = reduction_steps(plan.gemm_O.k, v.k_step, "O = P V")
     n_tiles = plan.gemm_O.n_tiles
-    nn_of, regs_of = _b_pairs(n_tiles)
+    nn_of, regs_of = b_operand_pairs(n_tiles)
     v_buf = np.zeros((v.buffers, kk, addr_v.shape[2], 32, 4, 2), dtype=np.uint16)
     atom = v.copy.atom
 
@@ -233,7 +233,7 @@ def warp_gemm_O(
             a = p_frag[:, step * kk + kq]
             x4 = v_buf[buf, kq, nn_of]
             b = np.take_along_axis(x4, regs_of[:, None, :, None], axis=2)
-            o_acc = _mma_step(o_acc, a, b, plan.cfg.dtype)
+            o_acc = mma_step(o_acc, a, b, plan.cfg.dtype)
 
     _k_loop(steps, v.buffers, load, mma)
     return o_acc
