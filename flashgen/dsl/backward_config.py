@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import attrs
 
 from ..targets import TARGETS
-from .config import MASKS, MMA_K, MMA_M, SMEM_LIMIT_BYTES, SWIZZLE_TILE_COLS, ConfigError
+from .config import MASKS, MMA_K, MMA_M, SMEM_LIMIT_BYTES, SWIZZLE_TILE_COLS, ConfigError, mma_cols, smem_cols
 from .dtypes import DType
 
 #: registers a thread may have: 255, or fewer where the CTA's threads share one register file
@@ -90,13 +90,12 @@ class BackwardConfig:
     @property
     def d_smem(self) -> int:
         """Columns of a Q/dO/K/V shared tile: d_head rounded up to 64, 128 or 256 (as the forward's)."""
-        blocks = -(-self.d_head // SWIZZLE_TILE_COLS)
-        return SWIZZLE_TILE_COLS * (1 << (blocks - 1).bit_length())
+        return smem_cols(self.d_head)
 
     @property
     def d_mma(self) -> int:
         """d_head rounded up to the MMA's k16."""
-        return -(-self.d_head // MMA_K) * MMA_K
+        return mma_cols(self.d_head)
 
     @property
     def acc_regs(self) -> int:

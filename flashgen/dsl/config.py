@@ -81,6 +81,18 @@ def _field(knob: Knob):
     return attrs.field(default=default)
 
 
+def smem_cols(d_head: int) -> int:
+    """Columns of a shared-memory tile of ``d_head``: rounded up to 64, 128 or 256 (whole 64-wide
+    swizzle blocks, a power-of-two count so 16-byte chunks split evenly over the threads)."""
+    blocks = -(-d_head // SWIZZLE_TILE_COLS)
+    return SWIZZLE_TILE_COLS * (1 << (blocks - 1).bit_length())
+
+
+def mma_cols(d_head: int) -> int:
+    """``d_head`` rounded up to the MMA's k16 (the columns past d_head are zero-filled)."""
+    return -(-d_head // MMA_K) * MMA_K
+
+
 @attrs.frozen(order=False, these={k.name: _field(k) for k in TABLE})
 class KernelConfig:
     """One FlashAttention forward kernel: one field per row of :data:`flashgen.dsl.knobs.TABLE`.
@@ -158,13 +170,12 @@ class KernelConfig:
     def d_smem(self) -> int:
         """Columns of a shared-memory tile: d_head rounded up to 64, 128 or 256 (whole 64-wide
         swizzle blocks, a power-of-two count so 16-byte chunks split evenly over the threads)."""
-        blocks = -(-self.d_head // SWIZZLE_TILE_COLS)
-        return SWIZZLE_TILE_COLS * (1 << (blocks - 1).bit_length())
+        return smem_cols(self.d_head)
 
     @property
     def d_mma(self) -> int:
         """d_head rounded up to the MMA's k16; columns in [d_head, d_mma) are zero-filled."""
-        return -(-self.d_head // MMA_K) * MMA_K
+        return mma_cols(self.d_head)
 
     @property
     def smem_bytes(self) -> int:
