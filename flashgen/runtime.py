@@ -80,7 +80,6 @@ class Attention:
         self._mask = self.cfg.mask
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
-        self._devices_ok: set[torch.device] = set()  # devices whose compute capability was checked
         self._variants: dict[str, Attention] = {}
 
     @property
@@ -91,13 +90,13 @@ class Attention:
         return f"flashgen.Attention({self.cfg.short_form()!r})"
 
     def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> None:
-        """Raise :class:`InputError` for anything the kernel does not support (every eager call runs this)."""
+        """Raise :class:`InputError` for anything the kernel does not support; on success the launcher runs
+        this kernel on ``q``'s device from then on. Eager calls run it when the launcher refuses them (to
+        explain why) and on their first call on a device."""
         for name, t in (("q", q), ("k", k), ("v", v)) + ((("out", out),) if out is not None else ()):
             _check_tensor(name, t, q, self._dtype, self.cfg)
-        if q.device not in self._devices_ok:
-            self._check_capability(q.device)
-            self._native.allow_device(self._handle, _device_index(q.device))
-            self._devices_ok.add(q.device)
+        self._check_capability(q.device)
+        self._native.allow_device(self._handle, _device_index(q.device))
         _check_shapes(q, k, v, out)
 
     def _check_capability(self, device: torch.device) -> None:
