@@ -45,16 +45,17 @@ print("AB-PICKS " + json.dumps(out))
 """
 
 
-def checkout(before: str, into: Path) -> Path:
-    """The source tree of ``before``: a folder holding a ``flashgen`` package, or a git revision of this
+def checkout(version: str, into: Path) -> Path:
+    """The source tree of ``version``: a folder holding a ``flashgen`` package, or a git revision of this
     repository (exported with ``git archive``)."""
-    path = Path(before)
+    path = Path(version)
     if (path / "flashgen" / "__init__.py").exists():
         return path.resolve()
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", before, "flashgen"], capture_output=True, check=False)
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", version, "flashgen"], capture_output=True, check=False)
     if tar.returncode:
-        raise SystemExit(f"--before {before!r} is neither a folder with a flashgen package nor a git revision: "
+        raise SystemExit(f"{version!r} is neither a folder with a flashgen package nor a git revision: "
                          f"{tar.stderr.decode().strip()}")
+    into.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=tar.stdout, check=True)
     return into
 
@@ -72,11 +73,11 @@ def pick(source: Path, cache: Path, rows: list[dict]) -> dict:
     return json.loads(picks[-1][len("AB-PICKS "):])
 
 
-def shape_rows(seqs, dtypes) -> list[dict]:
+def shape_rows(seqs, dtypes, masks=("none", "causal")) -> list[dict]:
     from flashgen.bench import SHAPES
 
-    return [{"seq": seq, "batch": batch, "d_head": 128, "heads": 16, "dtype": dtype, "causal": causal}
-            for seq, batch in SHAPES if seq in seqs for dtype in dtypes for causal in (False, True)]
+    return [{"seq": seq, "batch": batch, "d_head": 128, "heads": 16, "dtype": dtype, "causal": mask == "causal"}
+            for seq, batch in SHAPES if seq in seqs for dtype in dtypes for mask in masks]
 
 
 def time_row(row: dict, kernels: dict, rounds: int) -> dict:
@@ -129,18 +130,20 @@ def report(results: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="a git revision of this repository, or a folder holding a flashgen package")
+    p.add_argument("--after", default=None, help="the same for the other side (default: this checkout)")
     p.add_argument("-o", "--out", type=Path, default=Path("."), help="folder for ab.json (default: .)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (default: 3)")
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384], help="sequence lengths")
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    p.add_argument("--masks", nargs="+", default=["none", "causal"], choices=["none", "causal"])
     args = p.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    rows = shape_rows(args.seqs, args.dtypes)
+    rows = shape_rows(args.seqs, args.dtypes, args.masks)
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"before": checkout(args.before, Path(tmp) / "before"), "after": REPO}
+        sides = {"before": checkout(args.before, Path(tmp) / "before"), "after": checkout(args.after, Path(tmp) / "after") if args.after else REPO}
         picks = {side: pick(src, Path(tmp) / f"cache-{side}", rows) for side, src in sides.items()}
         if picks["before"]["abi"] != picks["after"]["abi"]:
             raise SystemExit("the two versions' kernels take different argument structs (flashgen/emit/abi.py)")
@@ -151,7 +154,7 @@ def main() -> int:
                   f"{results[-1]['after_over_before']:.3f}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                  "before": args.before, "rows": results}, indent=1))
+                                                  "before": args.before, "after": args.after or "this checkout", "rows": results}, indent=1))
     print(report(results))
     return 0
 
