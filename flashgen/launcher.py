@@ -7,7 +7,8 @@ small library, built once per torch/CUDA version into the cache, that
 
 * loads a kernel library (``flashgen::load_kernel(path, name, ...) -> handle``) and
   remembers what it was built for (dtype, d_head, compute capability);
-* defines the operators ``flashgen::attention`` and ``flashgen::attention_out`` that
+* defines the operators ``flashgen::attention``, ``flashgen::attention_out`` and
+  ``flashgen::attention_backward`` that
   take a kernel handle, check every input (in C++: no Python on the call
   path), fill the argument struct and launch on the current stream;
 * is also a Python module (:func:`native`) whose entry points do the same without
@@ -38,6 +39,11 @@ ATTENTION_SCHEMA = ("attention(Tensor q, Tensor k, Tensor v, int kernel, float s
                     "int window_left, int window_right, bool return_lse) -> (Tensor, Tensor)")
 ATTENTION_OUT_SCHEMA = ("attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int kernel, float softmax_scale, "
                         "int mask_offset, int window_left, int window_right, bool return_lse) -> Tensor")
+#: ``attention_backward(dout, q, k, v, out, lse, dlse, kernel, ...) -> (dq, dk, dv)`` through a backward kernel;
+#: ``dlse`` (optional) is the gradient of the forward's returned lse.
+ATTENTION_BACKWARD_SCHEMA = ("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                             "Tensor? dlse, int kernel, float softmax_scale, int mask_offset, int window_left, "
+                             "int window_right) -> (Tensor, Tensor, Tensor)")
 
 class LauncherError(RuntimeError):
     """The launcher library could not be built; the message holds the compiler's output."""
@@ -46,6 +52,7 @@ class LauncherError(RuntimeError):
 _LIB = torch.library.Library("flashgen", "DEF")
 _LIB.define(ATTENTION_SCHEMA)
 _LIB.define(ATTENTION_OUT_SCHEMA)
+_LIB.define(ATTENTION_BACKWARD_SCHEMA)
 
 
 def _lse_like(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
@@ -63,14 +70,20 @@ def _attention_out_fake(q, k, v, out, kernel, softmax_scale, mask_offset, window
     return _lse_like(q, return_lse)
 
 
+@torch.library.register_fake("flashgen::attention_backward")
+def _attention_backward_fake(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 SOURCE = Path(__file__).parent / "native" / "launcher.cpp"
 
 
 def args_header() -> str:
-    """``flashgen_args.h``: the argument struct every kernel embeds, for the launcher to include."""
-    from .emit.abi import args_struct
+    """``flashgen_args.h``: the argument structs every forward and every backward kernel embeds, for the
+    launcher to include."""
+    from .emit.abi import args_struct, backward_args_struct
 
-    return f"#pragma once\n#include <cstdint>\n\n{args_struct('flashgen')}\n"
+    return f"#pragma once\n#include <cstdint>\n\n{args_struct('flashgen')}\n\n{backward_args_struct('flashgen_bwd')}\n"
 
 
 def _fingerprint() -> str:
@@ -142,7 +155,7 @@ def _build(entry: Path) -> ModuleType:
     return module
 
 
-def load_kernel(path: Path, name: str, short_form: str, dtype: torch.dtype, d_head: int) -> int:
-    """Load a kernel library; the handle the operators take."""
+def load_kernel(path: Path, name: str, short_form: str, dtype: torch.dtype, d_head: int, backward: bool = False) -> int:
+    """Load a kernel library (``backward``: a backward kernel's); the handle the operators take."""
     native()
-    return int(torch.ops.flashgen.load_kernel(str(path), name, short_form, dtype, d_head))
+    return int(torch.ops.flashgen.load_kernel(str(path), name, short_form, dtype, d_head, backward))

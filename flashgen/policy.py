@@ -82,3 +82,14 @@ def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = N
         if cfg is not None:
             return cfg
     raise ConfigError(f"no engine has a default config for d_head={d_head}")
+
+
+def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int, int] | None = None):
+    """The backward config that differentiates a forward kernel of this dtype, head size and score mask:
+    the default of the first engine the GPU runs (preferred first) that has a backward taking the head size."""
+    target = of_capability(capability) if capability is not None else None
+    for engine in engines.runnable_on(target):
+        cfg = engine.backward.default_config(dtype, d_head, mask) if engine.backward is not None else None
+        if cfg is not None:
+            return cfg
+    raise ConfigError(f"no backward kernel takes d_head={d_head} (the mma_sync backward takes d_head <= 96, 128 and 256)")

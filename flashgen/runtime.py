@@ -2,7 +2,8 @@
 
 Inputs are ``(batch, seq, heads, d_head)`` tensors (any strides with a contiguous,
 16-byte aligned ``d_head``; a ``(batch, heads, seq, d)`` tensor passes as its
-``.transpose(1, 2)`` view). Every unsupported input is refused before launch, in C++ by
+``.transpose(1, 2)`` view). Calls whose inputs require grad are differentiable
+(:mod:`flashgen.autograd`). Every unsupported input is refused before launch, in C++ by
 the launcher (see :mod:`flashgen.launcher`): eager calls go straight to its Python entry
 points, whose failures :meth:`Attention.check` turns into an :class:`InputError` that says
 what is supported; calls traced by ``torch.compile`` go through its operators.
@@ -15,13 +16,14 @@ from typing import Any
 
 import torch
 
-from . import cache, launcher, tracing
+from . import autograd, cache, launcher, tracing
 from .build import BuildError, Built, build
 from .engines import engine_of
 from .targets import of_capability
 from .dsl import configs
-from .dsl.config import KernelConfig
-from .policy import lookup, seq_bucket
+from .dsl.backward_config import BackwardConfig
+from .dsl.config import ConfigError, KernelConfig
+from .policy import backward_lookup, lookup, seq_bucket
 
 
 class InputError(ValueError):
@@ -57,7 +59,8 @@ def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, in
 def _load(built: Built, verbose: bool) -> int:
     """The launcher handle of a built kernel; an entry whose library does not load is rebuilt once."""
     def load(b: Built) -> int:
-        return launcher.load_kernel(b.library, b.name, b.cfg.short_form(), b.cfg.dtype.torch, b.cfg.d_head)
+        return launcher.load_kernel(b.library, b.name, b.cfg.short_form(), b.cfg.dtype.torch, b.cfg.d_head,
+                                    backward=isinstance(b.cfg, BackwardConfig))
 
     try:
         return load(built)
@@ -81,6 +84,7 @@ class Attention:
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
         self._variants: dict[str, Attention] = {}
+        autograd.register(self._handle, self._load_backward)
 
     @property
     def compile_seconds(self) -> float:
@@ -104,6 +108,18 @@ class Attention:
         engine = engine_of(self.cfg)
         if not engine.runs_on(of_capability((major, minor))):
             raise InputError(f"{name} has compute capability {major}.{minor}; {engine.name}-engine kernels need {engine.needs}")
+
+    def backward_config(self) -> BackwardConfig:
+        """The backward kernel that differentiates this one (same dtype, head size and mask)."""
+        capability = self.built.capability
+        try:
+            return backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, capability)
+        except ConfigError as exc:
+            raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
+
+    def _load_backward(self) -> int:
+        """Build (or load from the cache) and load the backward kernel: its launcher handle."""
+        return _load(build(self.backward_config(), self.built.capability, verbose=self.verbose), self.verbose)
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""
@@ -133,6 +149,10 @@ class Attention:
         A kernel compiled without that mask builds its masked variant on first use.
         ``return_lse``: also return the fp32 log-sum-exp of the scaled scores, (batch, heads, seq_q);
         rows without any kept key give o = 0 and lse = -inf.
+
+        Differentiable: when q, k or v requires grad (and grad mode is on), autograd records the call and
+        its backward kernel (same dtype, head size and mask) is built with the first such call. Gradients
+        reach q, k and v through o and through the returned lse; ``out=`` cannot be differentiated.
         """
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
@@ -143,12 +163,15 @@ class Attention:
         check (or a device not yet checked for this kernel) by :meth:`check`; traced calls by the operator
         when the graph runs."""
         if torch.compiler.is_compiling():
-            return _traced_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
+            return _op_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
         args = (q, k, v, out, self._handle, softmax_scale, left, right, align, return_lse)
         try:
             result = self._native.call(*args)
-            if result is None:  # the first call on this device: check everything, the capability included
+            if result is None:  # the first call on this device, or a call to differentiate: check everything
                 self.check(q, k, v, out)
+                if autograd.needs_grad(q, k, v):
+                    return _op_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align,
+                                      return_lse)
                 result = self._native.call(*args)
         except InputError:
             raise
@@ -158,9 +181,10 @@ class Attention:
         return result
 
 
-def _traced_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,
-            return_lse: bool):
-    """A traced call: the operator with kernel ``handle`` on the call's tensors and mask window."""
+def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,
+               return_lse: bool):
+    """A call through the operators (kernel ``handle``, the call's tensors and mask window): traced calls, and
+    calls autograd records (those keep the lse for the backward even when the caller does not want it)."""
     scale = default_scale if softmax_scale is None else float(softmax_scale)
     if align == "top_left":
         offset = 0
@@ -168,8 +192,14 @@ def _traced_launch(handle: int, default_scale: float, q, k, v, out, softmax_scal
         offset = k.shape[1] - q.shape[1]
     else:
         raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
+    differentiate = autograd.needs_grad(q, k, v)
+    if differentiate:
+        if out is not None:
+            raise InputError("out= cannot be differentiated (the operator that writes into it has no backward); "
+                             "call without out= when q, k or v requires grad")
+        autograd.backward_handle(handle)  # built with the forward: a head size it cannot take fails at this call
     if out is None:
-        out, lse = _attention(q, k, v, handle, scale, offset, left, right, return_lse)
+        out, lse = _attention(q, k, v, handle, scale, offset, left, right, return_lse or differentiate)
     else:
         lse = _attention_out(q, k, v, out, handle, scale, offset, left, right, return_lse)
     return (out, lse) if return_lse else out
@@ -246,7 +276,7 @@ class AutoAttention:
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
             handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
-            return _traced_launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
+            return _op_launch(handle, 1.0 / math.sqrt(q.shape[3]), q, k, v, out, softmax_scale, left, right, align, return_lse)
         code = _MASK_CODES[mask]
         native = self._native or self._connect()
         try:

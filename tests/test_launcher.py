@@ -111,3 +111,26 @@ for bad in (lambda: native.call(q, q, q, None, attn._handle + 1, None, -1, -1, "
     assert lines[3].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[3]
     assert lines[4].startswith("ValueError") and "4-D CUDA tensor" in lines[4]
     assert lines[5].startswith("TypeError")
+
+
+def test_the_backward_operator_runs_backward_kernels_only_and_checks_its_inputs(cache):
+    proc = run("""
+from flashgen.dsl.backward_config import BackwardConfig
+forward = runtime._load(build(cfg, (8, 0)), False)
+backward = runtime._load(build(BackwardConfig("fp16", d_head=64), (8, 0)), False)
+q = torch.zeros(1, 8, 1, 64, dtype=torch.float16)
+lse = torch.zeros(1, 1, 8)
+for name, call in (("fwd kernel", lambda: torch.ops.flashgen.attention_backward(q, q, q, q, q, lse, None, forward, 0.125, 0, -1, -1)),
+                   ("bwd kernel", lambda: torch.ops.flashgen.attention(q, q, q, backward, 0.125, 0, -1, -1, False)),
+                   ("cpu", lambda: torch.ops.flashgen.attention_backward(q, q, q, q, q, lse, None, backward, 0.125, 0, -1, -1))):
+    try:
+        call()
+        print(name, "no error")
+    except (ValueError, RuntimeError) as exc:
+        print(name, type(exc).__name__, str(exc).splitlines()[0])
+""", cache)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "is a forward kernel; the backward operator cannot run it" in lines[0]
+    assert "is a backward kernel; the forward operator cannot run it" in lines[1]
+    assert lines[2].startswith("cpu ValueError") and "q is on cpu" in lines[2]

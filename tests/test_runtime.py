@@ -46,7 +46,7 @@ class Kernels:
 
 class Native:
     """The launcher's eager entry points, as their contract says (flashgen/native/launcher.cpp): ``call`` runs a
-    kernel or returns None for a device not yet allowed for it; ``dispatch`` runs the kernel a table holds for
+    kernel or returns None for a device not yet allowed for it and for a call autograd must record; ``dispatch`` runs the kernel a table holds for
     the call's key or returns None; a failed check raises ValueError."""
 
     def __init__(self, kernels: Kernels):
@@ -58,7 +58,7 @@ class Native:
         self.allowed.add(kernel)
 
     def call(self, q, k, v, out, kernel, scale, left, right, align, return_lse):
-        if kernel not in self.allowed:
+        if kernel not in self.allowed or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
             return None
         if align not in ("top_left", "bottom_right"):
             raise ValueError(f"align='{align}': expected 'top_left' or 'bottom_right'")

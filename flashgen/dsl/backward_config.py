@@ -58,6 +58,18 @@ class BackwardConfig:
     engine: str = "mma_sync"
     d_split: int = 1
 
+    @classmethod
+    def default(cls, dtype: "DType | str", d_head: int, mask: str = "none") -> "BackwardConfig | None":
+        """The shipped config of a dtype, head size and mask: 64 query and 64 key rows, swizzled. Up to
+        96 columns, 4 warps each hold all of d_head's accumulators; d_head 128 and 256 take 8 warps in
+        pairs that split dK, dV and dQ's columns (``d_split=2``: 4 warps holding d_head 128 spill on
+        sm_90a). Other head sizes above 96: None (a split needs d_head 64, 128 or 256)."""
+        if d_head <= 96:
+            return cls(dtype, d_head=d_head, mask=mask)
+        if d_head in (128, 256):
+            return cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2)
+        return None
+
     def __attrs_post_init__(self) -> None:
         for rule in _RULES:
             rule(self)

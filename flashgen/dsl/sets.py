@@ -14,16 +14,13 @@ from .config import KernelConfig, default_configs, hopper_configs, kernel_progre
 from .dtypes import DType
 
 #: head sizes the backward set ships
-BACKWARD_HEADS = (64, 128)
+BACKWARD_HEADS = (64, 128, 256)
 
 
 def backward_configs() -> list[BackwardConfig]:
-    """The shipped backward kernels (mma.sync, the only engine with a backward): each dtype and head
-    size of :data:`BACKWARD_HEADS`, unmasked and causal, at 64 query and 64 key rows, swizzled. Head
-    sizes above 64 take 8 warps in pairs that split dK, dV and dQ's columns (``d_split=2``): one warp
-    holding all of d_head 128's accumulators spills on sm_90a."""
-    return [BackwardConfig(dt, d_head=d, mask=m, **({"n_warps": 8, "d_split": 2} if d > 64 else {}))
-            for dt in DType for d in BACKWARD_HEADS for m in ("none", "causal")]
+    """The shipped backward kernels (mma.sync, the only engine with a backward): the default config of
+    each dtype and head size of :data:`BACKWARD_HEADS`, unmasked and causal."""
+    return [BackwardConfig.default(dt, d, m) for dt in DType for d in BACKWARD_HEADS for m in ("none", "causal")]
 
 
 NAMED_SETS: dict[str, Callable[[], list[KernelConfig | BackwardConfig]]] = {

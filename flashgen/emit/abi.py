@@ -29,3 +29,27 @@ struct {name}_args {{
     int window_left, window_right; // sliding-window sizes, -1 = unbounded
     void* workspace;               // scratch of {name}_workspace's size (its zeroed part zero), or nullptr
 }};"""
+
+
+#: The backward launcher's argument struct, field by field: (name, C type, array length or 0, comment).
+#: The C struct is rendered from it; a caller without the headers (ctypes) can build its own from it.
+BACKWARD_FIELDS: tuple[tuple[str, str, int, str], ...] = (
+    *((n, "const void*", 0, "") for n in ("q", "k", "v", "o", "dout")),
+    *((n, "void*", 0, "") for n in ("dq", "dk", "dv")),
+    ("lse", "const float*", 0, "the forward's log-sum-exp, (batch, heads, seq_q), contiguous"),
+    ("dlse", "const float*", 0, "the gradient of that lse, the same layout, or nullptr"),
+    *((f"{n}_stride", "int64_t", 3, "(batch, head, seq)") for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
+    *((n, "int", 0, "") for n in ("batch", "heads", "kv_heads", "seq_q", "seq_k")),
+    ("softmax_scale", "float", 0, ""),
+    *((n, "int", 0, "") for n in ("mask_offset", "window_left", "window_right")),
+    ("workspace", "void*", 0, "<name>_workspace's bytes, the first `zeroed` of them zero"),
+)
+
+
+def backward_args_struct(name: str) -> str:
+    """The argument struct of a backward kernel's launcher ``name`` (:data:`BACKWARD_FIELDS`); the same
+    for every backward kernel, so one launcher calls them all."""
+    fields = [f"    {ctype} {field}{f'[{n}]' if n else ''};" + (f"  // {doc}" if doc else "")
+              for field, ctype, n, doc in BACKWARD_FIELDS]
+    return "\n".join([f"// Arguments of {name}_launch: (batch, seq, heads, d_head) tensors with element strides",
+                      "// (batch, head, seq); d_head contiguous.", f"struct {name}_args {{", *fields, "};"])

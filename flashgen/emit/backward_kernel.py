@@ -25,29 +25,11 @@ from ..dsl.addressing import split_offsets
 from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, vec
 from .ptx.used import HELPERS_MARK, insert_used
+from .abi import backward_args_struct
 from .source import KernelSource, kernel_meta
 from .template import CodeTemplate, compose
 
 __all__ = ["TARGET", "emit_backward"]
-
-#: The launcher's argument struct, field by field: (name, C type, array length or 0, comment). The C
-#: struct is rendered from it, and a caller without the headers (ctypes) can build its own from it.
-ARGS_FIELDS: tuple[tuple[str, str, int, str], ...] = (
-    *((n, "const void*", 0, "") for n in ("q", "k", "v", "o", "dout")),
-    *((n, "void*", 0, "") for n in ("dq", "dk", "dv")),
-    ("lse", "const float*", 0, "the forward's log-sum-exp, (batch, heads, seq_q), contiguous"),
-    *((f"{n}_stride", "int64_t", 3, "(batch, head, seq)") for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
-    *((n, "int", 0, "") for n in ("batch", "heads", "kv_heads", "seq_q", "seq_k")),
-    ("softmax_scale", "float", 0, ""),
-    *((n, "int", 0, "") for n in ("mask_offset", "window_left", "window_right")),
-    ("workspace", "void*", 0, "<name>_workspace's bytes, the first `zeroed` of them zero"),
-)
-
-
-def args_fields() -> list[str]:
-    """The argument struct's member declarations (:data:`ARGS_FIELDS`)."""
-    return [f"{ctype} {name}{f'[{n}]' if n else ''};" + (f"  // {doc}" if doc else "") for name, ctype, n, doc in ARGS_FIELDS]
-
 
 #: shared tensors with an offset function, and the 16-bit tiles with a base address
 _SMEM_TENSORS = ("sK", "sV", "sQ", "sdO", "sdS", "sdS_t", "sdK", "sdV")
@@ -340,7 +322,8 @@ struct Params {
     const elem_t* q; const elem_t* k; const elem_t* v; const elem_t* o; const elem_t* dout;
     elem_t* dq; elem_t* dk; elem_t* dv;
     const float* lse;  // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
-    float* delta;      // D = rowsum(dO * O), (batch, heads, seq_q): the workspace's
+    const float* dlse; // the gradient of the returned lse, the same shape, or nullptr
+    float* delta;      // D = rowsum(dO * O) - dlse, (batch, heads, seq_q): the workspace's
     float* dq_accum;   // fp32 dQ sums, (batch, heads, seq_q, D_HEAD): the workspace's, zero at launch
     int64_t q_batch, q_head, q_ld, k_batch, k_head, k_ld, v_batch, v_head, v_ld;
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
@@ -353,7 +336,7 @@ struct Params {
 
 #: The preprocess (D) and the dQ conversion.
 _AUX_KERNELS = CodeTemplate(
-    r"""// D = rowsum(dO * O): ROWDOT_LANES threads per query row; grid (ceil(seq_q * ROWDOT_LANES / 128), heads, batch)
+    r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil(seq_q * ROWDOT_LANES / 128), heads, batch)
 __global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params p) {
     const int row = int((blockIdx.x * 128 + threadIdx.x) / ROWDOT_LANES);
     const int lane = int(threadIdx.x % ROWDOT_LANES);
@@ -362,7 +345,9 @@ __global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params
     const elem_t* dO = p.dout + blockIdx.z * p.do_batch + blockIdx.y * p.do_head + int64_t(r) * p.do_ld;
     const elem_t* O = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + int64_t(r) * p.o_ld;
     const float d = rowdot_reduce(ok ? rowdot_partial(dO, O, lane, int(D_HEAD)) : 0.f);
-    if (ok && lane == 0) p.delta[(int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q + row] = d;
+    // lse's gradient g adds scale * P * g to the scores' (d lse / dS = scale * P): the same as D - g
+    const int64_t at = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q + row;
+    if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;
 }
 
 // dQ = dq_accum * scale in the inputs' dtype; one thread per element; grid (ceil(seq_q * D_HEAD / 256), heads, batch)
@@ -431,10 +416,7 @@ _KERNEL = CodeTemplate(
 
 #: The C entry points: the workspace (dQ buffer, D) and the launch of the three kernels.
 _LAUNCHER = CodeTemplate(
-    r"""// Arguments: (batch, seq, heads, d_head) tensors with element strides (batch, head, seq); d_head contiguous.
-struct ${name}_args {
-    $args_fields
-};
+    r"""$args_struct
 
 // The dQ fp32 buffer (zeroed) then D.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
@@ -451,7 +433,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     float* dq_accum = (float*)a->workspace;
     float* delta = dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head;
     Params p{(const elem_t*)a->q, (const elem_t*)a->k, (const elem_t*)a->v, (const elem_t*)a->o, (const elem_t*)a->dout,
-             (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, delta, dq_accum,
+             (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, a->dlse, delta, dq_accum,
              a->q_stride[0], a->q_stride[1], a->q_stride[2], a->k_stride[0], a->k_stride[1], a->k_stride[2],
              a->v_stride[0], a->v_stride[1], a->v_stride[2], a->o_stride[0], a->o_stride[1], a->o_stride[2],
              a->do_stride[0], a->do_stride[1], a->do_stride[2], a->dq_stride[0], a->dq_stride[1], a->dq_stride[2],
@@ -511,7 +493,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"],
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
-        log2e=f"{LOG2E!r}f", bases=_bases(plan), args_fields=args_fields(),
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), args_struct=backward_args_struct(name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
     ))
     meta = {**kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", kind="backward"),

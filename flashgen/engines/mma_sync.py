@@ -45,6 +45,11 @@ class MmaSyncBackward(BackwardKernels):
 
         return simulate_backward_report(plan, verification, cta=cta)
 
+    def default_config(self, dtype: DType, d_head: int, mask: str = "none") -> Any:
+        from ..dsl.backward_config import BackwardConfig
+
+        return BackwardConfig.default(dtype, d_head, mask)
+
 
 class MmaSyncEngine(Engine):
     name = "mma_sync"

@@ -13,13 +13,14 @@
 #include <vector>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor caster: the eager entry points
 
-#include "flashgen_args.h"  // written next to this file from flashgen.emit.abi.args_struct("flashgen")
+#include "flashgen_args.h"  // written next to this file from flashgen.emit.abi: flashgen_args, flashgen_bwd_args
 
 namespace {
 
@@ -48,17 +49,30 @@ template <typename Error, typename... Parts>
 #define FG_REQUIRE(cond, ...) do { if (!(cond)) raise<std::invalid_argument>(__VA_ARGS__); } while (0)
 #define FG_CHECK(cond, ...) do { if (!(cond)) raise<std::runtime_error>(__VA_ARGS__); } while (0)
 
-using launch_fn = int (*)(const flashgen_args*, void*);
-using workspace_fn = int (*)(const flashgen_args*, size_t*, size_t*);
+// A library's two entry points, typed by its argument struct (a forward's or a backward's).
+template <class Args>
+struct EntryPoints {
+    int (*launch)(const Args*, void*);
+    int (*workspace)(const Args*, size_t*, size_t*);
+};
 
 // What a loaded kernel library was built for: the calls it may take.
 struct Kernel {
     std::string name, short_form;
-    launch_fn launch;
-    workspace_fn workspace;
+    bool backward;  // a backward library (flashgen_bwd_args) rather than a forward one
+    void* launch;
+    void* workspace;
     c10::ScalarType dtype;
     int64_t d_head;
     std::atomic<uint64_t> devices_ok{0};  // bit i: flashgen.runtime checked CUDA device i can run this kernel
+
+    template <class Args>
+    EntryPoints<Args> entry_points() const {
+        FG_CHECK((backward == std::is_same_v<Args, flashgen_bwd_args>), "flashgen: kernel ", name, " is a ",
+             backward ? "backward" : "forward", " kernel, called as the other kind");
+        return {reinterpret_cast<int (*)(const Args*, void*)>(launch),
+                reinterpret_cast<int (*)(const Args*, size_t*, size_t*)>(workspace)};
+    }
 };
 
 constexpr int64_t kMaxKernels = 1 << 16;
@@ -67,20 +81,20 @@ std::atomic<int64_t> n_kernels{0};
 std::mutex load_mutex;
 
 int64_t load_kernel(const std::string& path, const std::string& name, const std::string& short_form,
-                    c10::ScalarType dtype, int64_t d_head) {
+                    c10::ScalarType dtype, int64_t d_head, bool backward) {
     std::lock_guard<std::mutex> lock(load_mutex);
     void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
         const char* why = dlerror();
         raise<std::runtime_error>("flashgen: cannot load the kernel library ", path, ": ", why ? why : "unknown error");
     }
-    auto launch = reinterpret_cast<launch_fn>(dlsym(lib, (name + "_launch").c_str()));
-    auto workspace = reinterpret_cast<workspace_fn>(dlsym(lib, (name + "_workspace").c_str()));
+    void* launch = dlsym(lib, (name + "_launch").c_str());
+    void* workspace = dlsym(lib, (name + "_workspace").c_str());
     FG_CHECK(launch != nullptr && workspace != nullptr, "flashgen: ", path, " does not export ", name,
                 "_launch and ", name, "_workspace");
     const int64_t id = n_kernels.load();
     FG_CHECK(id < kMaxKernels, "flashgen: more than ", kMaxKernels, " kernels loaded in one process");
-    registry[id] = new Kernel{name, short_form, launch, workspace, dtype, d_head};
+    registry[id] = new Kernel{name, short_form, backward, launch, workspace, dtype, d_head};
     n_kernels.store(id + 1);
     return id;
 }
@@ -88,6 +102,16 @@ int64_t load_kernel(const std::string& path, const std::string& name, const std:
 const Kernel& kernel_at(int64_t id) {
     FG_CHECK(id >= 0 && id < n_kernels.load(), "flashgen: no kernel with handle ", id, " is loaded");
     return *registry[id];
+}
+
+// A kernel that an operator of the other kind (forward or backward) is asked to run is refused before
+// anything else is checked: the argument structs differ.
+const Kernel& kernel_at(int64_t id, bool backward) {
+    const Kernel& kn = kernel_at(id);
+    FG_CHECK(kn.backward == backward, "flashgen: kernel ", id, " (", kn.short_form, ") is a ",
+             kn.backward ? "backward" : "forward", " kernel; the ", backward ? "backward" : "forward",
+             " operator cannot run it");
+    return kn;
 }
 
 // The guards of a launch; flashgen.runtime turns a failure into an InputError with the full explanation.
@@ -120,28 +144,16 @@ void check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     if (out != nullptr) FG_REQUIRE(out->sizes() == q.sizes(), "out has shape ", out->sizes(), ", expected ", q.sizes());
 }
 
-at::Tensor launch(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                  double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right, bool return_lse) {
-    const c10::DeviceGuard guard(q.device());
-    at::Tensor lse = at::empty(return_lse ? at::IntArrayRef{q.size(0), q.size(2), q.size(1)} : at::IntArrayRef{0},
-                               q.options().dtype(at::kFloat));
-    flashgen_args a{};
-    a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.o = out.data_ptr();
-    a.lse = return_lse ? lse.data_ptr<float>() : nullptr;
-    const at::Tensor* ts[4] = {&q, &k, &v, &out};
-    int64_t* strides[4] = {a.q_stride, a.k_stride, a.v_stride, a.o_stride};
-    for (int i = 0; i < 4; ++i) {  // (batch, head, seq): the struct's order
-        strides[i][0] = ts[i]->stride(0); strides[i][1] = ts[i]->stride(2); strides[i][2] = ts[i]->stride(1);
-    }
-    if (return_lse) { a.lse_stride[0] = lse.stride(0); a.lse_stride[1] = lse.stride(1); }
-    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
-    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
-    a.softmax_scale = float(softmax_scale);
-    a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
-    // scratch the launch asks for (a persistent kernel's wave-tail split), from torch's allocator on this
-    // stream: freed when this returns, reused only by work queued after the launch
+// (batch, head, seq) element strides of a (batch, seq, heads, d_head) tensor: the argument structs' order
+void strides_of(const at::Tensor& t, int64_t* s) { s[0] = t.stride(0); s[1] = t.stride(2); s[2] = t.stride(1); }
+
+// Ask the library for the scratch a launch with `a` uses, take it from torch's allocator on q's stream (freed
+// when this returns, reused only by work queued after the launch), and launch there.
+template <class Args>
+void run_library(const Kernel& kn, Args& a, const at::Tensor& q) {
+    const EntryPoints<Args> entry = kn.entry_points<Args>();
     size_t ws_bytes = 0, ws_zeroed = 0;
-    int err = kn.workspace(&a, &ws_bytes, &ws_zeroed);
+    int err = entry.workspace(&a, &ws_bytes, &ws_zeroed);
     FG_CHECK(err == 0, kn.name, ": workspace query failed with cudaError_t ", err);
     at::Tensor ws;
     if (ws_bytes) {
@@ -150,16 +162,70 @@ at::Tensor launch(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, co
         a.workspace = ws.data_ptr();
     }
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(q.device().type())->getStream(q.device());
-    err = kn.launch(&a, stream.native_handle());
+    err = entry.launch(&a, stream.native_handle());
     FG_CHECK(err == 0, kn.name, ": launch failed with cudaError_t ", err,
              err == 209 ? " (no kernel image for this GPU: check its compute capability)" : "");
+}
+
+at::Tensor launch(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                  double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right, bool return_lse) {
+    const c10::DeviceGuard guard(q.device());
+    at::Tensor lse = at::empty(return_lse ? at::IntArrayRef{q.size(0), q.size(2), q.size(1)} : at::IntArrayRef{0},
+                               q.options().dtype(at::kFloat));
+    flashgen_args a{};
+    a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.o = out.data_ptr();
+    a.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+    strides_of(q, a.q_stride); strides_of(k, a.k_stride); strides_of(v, a.v_stride); strides_of(out, a.o_stride);
+    if (return_lse) { a.lse_stride[0] = lse.stride(0); a.lse_stride[1] = lse.stride(1); }
+    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
+    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
+    a.softmax_scale = float(softmax_scale);
+    a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
+    run_library(kn, a, q);
     return lse;
+}
+
+// lse or its gradient: fp32 (batch, heads, seq_q), contiguous, on q's device
+void check_row_stats(const char* what, const at::Tensor& t, const at::Tensor& q) {
+    FG_REQUIRE(t.device() == q.device(), what, " is on ", t.device(), " but q is on ", q.device());
+    FG_REQUIRE(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
+    FG_REQUIRE(t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(2) && t.size(2) == q.size(1), what,
+               " must have shape (batch, heads, seq_q) = [", q.size(0), ", ", q.size(2), ", ", q.size(1), "], got ", t.sizes());
+    FG_REQUIRE(t.is_contiguous(), what, " must be contiguous");
+}
+
+// dq, dk, dv of the attention whose forward gave `out` and `lse`, through backward kernel `kernel`
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+        const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+        const at::Tensor& lse, const std::optional<at::Tensor>& dlse, int64_t kernel, double softmax_scale,
+        int64_t mask_offset, int64_t window_left, int64_t window_right) {
+    const Kernel& kn = kernel_at(kernel, true);
+    check_call(q, k, v, &out, kn);
+    check_tensor("dout", dout, q, kn);
+    FG_REQUIRE(dout.sizes() == q.sizes(), "dout has shape ", dout.sizes(), ", expected ", q.sizes());
+    check_row_stats("lse", lse, q);
+    if (dlse.has_value()) check_row_stats("dlse", *dlse, q);
+    const c10::DeviceGuard guard(q.device());
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    flashgen_bwd_args a{};
+    a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.o = out.data_ptr(); a.dout = dout.data_ptr();
+    a.dq = dq.data_ptr(); a.dk = dk.data_ptr(); a.dv = dv.data_ptr();
+    a.lse = lse.data_ptr<float>();
+    a.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
+    strides_of(q, a.q_stride); strides_of(k, a.k_stride); strides_of(v, a.v_stride); strides_of(out, a.o_stride);
+    strides_of(dout, a.do_stride); strides_of(dq, a.dq_stride); strides_of(dk, a.dk_stride); strides_of(dv, a.dv_stride);
+    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
+    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
+    a.softmax_scale = float(softmax_scale);
+    a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
+    run_library(kn, a, q);
+    return {dq, dk, dv};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t kernel,
                                              double softmax_scale, int64_t mask_offset, int64_t window_left,
                                              int64_t window_right, bool return_lse) {
-    const Kernel& kn = kernel_at(kernel);
+    const Kernel& kn = kernel_at(kernel, false);
     check_call(q, k, v, nullptr, kn);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse);
@@ -169,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 at::Tensor attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, int64_t kernel,
                          double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right,
                          bool return_lse) {
-    const Kernel& kn = kernel_at(kernel);
+    const Kernel& kn = kernel_at(kernel, false);
     check_call(q, k, v, &out, kn);
     return launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse);
 }
@@ -180,7 +246,8 @@ at::Tensor attention_out(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // operators'. A failed check raises here and this library's own pybind11 handlers turn it into a Python
 // exception (ValueError / RuntimeError; TypeError for arguments of the wrong type); Python then explains
 // it with an InputError. A call returns None when Python has something to do first: check the device's
-// compute capability for this kernel (once per device), or pick the kernel for a new shape.
+// compute capability for this kernel (once per device), pick the kernel for a new shape, or record a call
+// to differentiate through the operator.
 // Every entry point runs under the GIL, which serialises the tables below.
 namespace py = pybind11;
 
@@ -203,8 +270,10 @@ int64_t mask_offset(const std::string& align, const at::Tensor& q, const at::Ten
 py::object call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const py::object& out, int64_t kernel,
                 const py::object& softmax_scale, int64_t window_left, int64_t window_right, const std::string& align,
                 bool return_lse) {
-    const Kernel& kn = kernel_at(kernel);
+    const Kernel& kn = kernel_at(kernel, false);
     if (!device_checked(kn, q)) return py::none();
+    if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
+        return py::none();  // a call to differentiate: Python takes the operator, which autograd records
     const double scale = softmax_scale.is_none() ? 1.0 / std::sqrt(double(kn.d_head)) : softmax_scale.cast<double>();
     at::Tensor o;
     if (out.is_none()) {
@@ -270,15 +339,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 
 TORCH_LIBRARY_FRAGMENT(flashgen, m) {
-    m.def("load_kernel(str path, str name, str short_form, ScalarType dtype, int d_head) -> int", &load_kernel);
+    m.def("load_kernel(str path, str name, str short_form, ScalarType dtype, int d_head, bool backward=False) -> int",
+          &load_kernel);
 }
 
 // CPU too, so a CPU tensor gets the device check's message rather than "no kernel for CPU".
 TORCH_LIBRARY_IMPL(flashgen, CUDA, m) {
     m.impl("attention", &attention);
     m.impl("attention_out", &attention_out);
+    m.impl("attention_backward", &attention_backward);
 }
 TORCH_LIBRARY_IMPL(flashgen, CPU, m) {
     m.impl("attention", &attention);
     m.impl("attention_out", &attention_out);
+    m.impl("attention_backward", &attention_backward);
 }

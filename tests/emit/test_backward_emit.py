@@ -139,7 +139,7 @@ def test_argument_struct_layout_is_the_field_tables(tmp_path):
     built from the table gives (what a caller without the headers relies on)."""
     import ctypes
 
-    from flashgen.emit.backward_kernel import ARGS_FIELDS
+    from flashgen.emit.abi import BACKWARD_FIELDS as ARGS_FIELDS
 
     types = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
              "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}

@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 from flashgen import reference  # noqa: E402
 from flashgen.dsl.backward_config import BackwardConfig  # noqa: E402
 from flashgen.dsl.backward_plan import make_backward_plan  # noqa: E402
-from flashgen.emit.backward_kernel import ARGS_FIELDS, emit_backward  # noqa: E402
+from flashgen.emit.abi import BACKWARD_FIELDS
+from flashgen.emit.backward_kernel import emit_backward  # noqa: E402
 from flashgen.sim.grad_reference import gradients as lowp_gradients  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the kernel")]
@@ -31,7 +32,7 @@ _CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const floa
 class _Args(ctypes.Structure):
     """``<name>_args`` of the launcher, from the emitter's own field table."""
 
-    _fields_ = [(n, _CTYPES[t] * k if k else _CTYPES[t]) for n, t, k, _ in ARGS_FIELDS]
+    _fields_ = [(n, _CTYPES[t] * k if k else _CTYPES[t]) for n, t, k, _ in BACKWARD_FIELDS]
 
 
 _I64x3 = ctypes.c_int64 * 3
@@ -59,7 +60,7 @@ def _run(cfg, tmp_path, q, k, v, do, mask):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     Sq, Sk = q.shape[1], k.shape[1]
     left, right = (-1, 0) if mask.get("causal") else mask.get("window", (-1, -1))
-    a = _Args(*(t.data_ptr() for t in (q, k, v, o, do, dq, dk, dv, lse)), *(_strides(t) for t in (q, k, v, o, do, dq, dk, dv)),
+    a = _Args(*(t.data_ptr() for t in (q, k, v, o, do, dq, dk, dv, lse)), None, *(_strides(t) for t in (q, k, v, o, do, dq, dk, dv)),
               q.shape[0], q.shape[2], k.shape[2], Sq, Sk, 1 / math.sqrt(q.shape[3]),
               Sk - Sq if mask.get("align") == "bottom_right" else 0, left, right, None)
     size, zeroed = ctypes.c_size_t(), ctypes.c_size_t()

@@ -1,0 +1,84 @@
+"""Training through flashgen attention: the autograd formula of the ``flashgen::attention`` operator.
+
+A differentiable call runs the forward operator with ``return_lse`` (the backward recomputes the
+probabilities from the log-sum-exp) and autograd saves q, k, v, o and lse. Its backward calls
+``flashgen::attention_backward`` with the backward kernel of the forward kernel's dtype, head size
+and score mask: every loaded forward kernel that can be differentiated registers here how to build
+that kernel (:func:`register`), and it is built once, on the first differentiable call. Both run
+under ``torch.compile`` too: the backward kernel's handle is a constant of the traced graph.
+
+A gradient that reaches the returned lse is taken into account (``d lse_i / d s_ij = scale * p_ij``
+folds into the backward's ``D = rowsum(dO * O)`` as ``D - dlse``).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from . import launcher  # noqa: F401  (defines the operators this module registers a formula for)
+
+#: forward kernel handle -> what builds and loads its backward kernel (returning that kernel's handle)
+_factories: dict[int, Callable[[], int]] = {}
+#: forward kernel handle -> its loaded backward kernel's handle
+_handles: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def register(forward: int, factory: Callable[[], int]) -> None:
+    """Forward kernel ``forward`` is differentiated by the kernel ``factory`` builds and loads."""
+    _factories[forward] = factory
+
+
+def backward_handle(forward: int) -> int:
+    """The backward kernel of forward kernel ``forward``, built and loaded on first use."""
+    handle = _handles.get(forward)
+    if handle is None:
+        with _lock:
+            handle = _handles.get(forward)
+            if handle is None:
+                factory = _factories.get(forward)
+                if factory is None:
+                    raise RuntimeError(f"flashgen: forward kernel {forward} has no backward registered; "
+                                       "differentiate calls of the objects flashgen.compile returns")
+                handle = _handles[forward] = factory()
+    return handle
+
+
+def needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd records a call with these inputs."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _launchable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if the kernels can read it (contiguous d_head, rows 16-byte aligned), else a contiguous copy:
+    incoming gradients may be expanded or sliced (``o.sum().backward()`` gives stride 0)."""
+    if t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.storage_offset() % 8 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, kernel, softmax_scale, mask_offset, window_left, window_right, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.call = (kernel, softmax_scale, mask_offset, window_left, window_right)
+    ctx.set_materialize_grads(False)  # an unused lse (or o) gets no zero-filled gradient
+
+
+def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    kernel, softmax_scale, mask_offset, window_left, window_right = ctx.call
+    if lse.numel() == 0:
+        raise RuntimeError("flashgen::attention was called with return_lse=False, so its backward has no "
+                           "log-sum-exp to recompute the probabilities from; flashgen's callables pass "
+                           "return_lse=True themselves when a call needs gradients")
+    dout = torch.zeros_like(out) if dout is None else _launchable(dout)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel),
+                                                       softmax_scale, mask_offset, window_left, window_right)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flashgen::attention", _backward, setup_context=_setup_context)

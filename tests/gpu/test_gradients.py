@@ -1,0 +1,164 @@
+"""Training through flashgen on a GPU: dq, dk, dv of differentiable calls against float64 autograd.
+
+Rule (FlashAttention's backward tests): each gradient's max error against the float64 gradients
+(:func:`flashgen.reference.gradients`) is at most 2x the error of the same gradients computed at
+16-bit precision (:func:`flashgen.sim.grad_reference.gradients`, the inputs and every 16-bit
+operand of the backward rounded as a kernel rounds them) plus a small slack. Before each backward
+the allocator is handed blocks full of NaN of the gradients' sizes, so a gradient element the
+kernels never write shows up as NaN. Inputs are fresh random normals.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen import reference  # noqa: E402
+from flashgen.dsl.backward_config import BackwardConfig  # noqa: E402
+from flashgen.sim.grad_reference import gradients as lowp_gradients  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+#: (dtype, d_head, batch, seq_q, seq_k, heads, kv_heads, call keywords)
+CASES = [
+    ("fp16", 128, 2, 1, 1, 2, 2, {}),
+    ("fp16", 128, 1, 17, 17, 4, 2, {"causal": True}),
+    ("bf16", 128, 2, 113, 113, 4, 1, {"causal": True}),
+    ("fp16", 128, 1, 1000, 1000, 2, 2, {}),
+    ("bf16", 128, 1, 2047, 2047, 2, 1, {"causal": True}),
+    ("fp16", 128, 1, 113, 1000, 2, 2, {"causal": True, "align": "bottom_right"}),
+    ("fp16", 128, 1, 1000, 113, 2, 2, {"causal": True}),
+    ("bf16", 128, 1, 777, 500, 4, 2, {"window": (100, 20)}),
+    ("fp16", 128, 2, 300, 300, 2, 2, {"softmax_scale": 0.05}),
+    ("fp16", 64, 2, 1000, 777, 8, 2, {}),
+    ("bf16", 64, 1, 513, 513, 4, 4, {"causal": True, "align": "bottom_right"}),
+    ("fp16", 256, 1, 400, 400, 2, 1, {"causal": True}),
+    ("bf16", 96, 1, 300, 257, 2, 2, {}),
+]
+
+
+def _mask_of(kw: dict) -> str:
+    return "causal" if kw.get("causal") else "window" if "window" in kw else "none"
+
+
+@pytest.fixture(scope="module")
+def auto():
+    """compile("auto"), with every backward kernel the cases need built first, in parallel."""
+    from flashgen.build import build_many
+
+    cfgs = sorted({BackwardConfig.default(dt, d, _mask_of(kw)) for dt, d, *_, kw in CASES}, key=str)
+    failures = build_many(cfgs, torch.cuda.get_device_capability())
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    return flashgen.compile("auto")
+
+
+def _poison_allocator(*tensors: torch.Tensor) -> None:
+    """Free NaN-filled blocks of these tensors' sizes: the gradients about to be allocated get them."""
+    blocks = [torch.full_like(t, float("nan")) for t in tensors]
+    del blocks
+
+
+def _inputs(dt, d, b, sq, sk, h, hk, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dt])
+    q, do = (torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def _check_gradients(got, q, k, v, do, what, **kw):
+    want = reference.gradients(q, k, v, do, **kw)
+    dtype = q.dtype
+    vals = [x.to(torch.float64).cpu().numpy() for x in (q, k, v, do)]
+    rnd = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dtype).to(torch.float64).numpy()  # noqa: E731
+    base = lowp_gradients(*vals, **kw, round16=rnd)
+    for name, x, w, lowp in zip(("dq", "dk", "dv"), got, want, base):
+        assert x.shape == w.shape and x.dtype == dtype, f"{what} {name}: {tuple(x.shape)} {x.dtype}"
+        reference.check_close(x, w, torch.from_numpy(lowp).to(x.device), what=f"{what} {name}")
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: f"{CASES[i][0]}-d{CASES[i][1]}-{CASES[i][3]}x{CASES[i][4]}-"
+                         f"h{CASES[i][5]}/{CASES[i][6]}-{_mask_of(CASES[i][7])}")
+def test_gradients_match_float64_autograd(auto, case):
+    dt, d, b, sq, sk, h, hk, kw = CASES[case]
+    q, k, v, do = _inputs(dt, d, b, sq, sk, h, hk, seed=case)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = auto(*leaves, **kw)
+    reference.check_attention(o.detach(), q, k, v, f"case {case} o", **kw)
+    _poison_allocator(q, k, v)
+    got = torch.autograd.grad(o, leaves, do)
+    _check_gradients(got, q, k, v, do, f"case {case}", **kw)
+
+
+def test_strided_inputs_and_an_mma_sync_forward():
+    """(batch, heads, seq, d) tensors passed as transposed views, through a fixed mma.sync forward kernel."""
+    from flashgen.dsl.config import default_configs
+
+    cfg = next(c for c in default_configs() if c.dtype.value == "bf16").replace(d_head=64)
+    attn = flashgen.compile(cfg)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(2, 4, 333, 64, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+                   for _ in range(4))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = attn(*leaves, causal=True)
+    got = torch.autograd.grad(o, leaves, do)
+    assert all(x.stride() == t.stride() for x, t in zip(got, (q, k, v)))  # gradients keep the inputs' layout
+    _check_gradients(got, q, k, v, do, "strided", causal=True)
+
+
+def test_a_gradient_through_the_returned_lse(auto):
+    q, k, v, do = _inputs("fp16", 128, 1, 300, 400, 2, 2, seed=11)
+    dlse = torch.randn(1, 2, 300, device="cuda", dtype=torch.float64)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o, lse = auto(*leaves, causal=True, return_lse=True)
+    got = torch.autograd.grad((o.double() * do.double()).sum() + (lse.double() * dlse).sum(), leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_o, ref_lse = reference.attention(*ref_leaves, causal=True, return_lse=True)
+    want = torch.autograd.grad((ref_o * do.double()).sum() + (ref_lse * dlse).sum(), ref_leaves)
+    for name, x, w in zip(("dq", "dk", "dv"), got, want):
+        err = (x.double() - w).abs().max().item()
+        assert math.isfinite(err) and err <= 2e-2 * max(1.0, w.abs().max().item()), f"{name}: max error {err:.3e}"
+
+
+def test_training_steps_under_torch_compile_match_eager(auto):
+    q, k, v, do = _inputs("bf16", 128, 2, 512, 512, 4, 2, seed=5)
+
+    def step(q, k, v):
+        return torch.autograd.grad(auto(q, k, v, causal=True), (q, k, v), do)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager = step(*leaves)
+    compiled = torch.compile(lambda q, k, v: auto(q, k, v, causal=True), fullgraph=True)
+    traced = torch.autograd.grad(compiled(*leaves), leaves, do)
+    for a, b in zip(eager, traced):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=0)  # dq's fp32 atomics add in a varying order
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+@pytest.mark.parametrize("args", [["(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+causal", "37", "2", "4", "91", "2", "bottom_right"],
+                                  ["(BF16, 64, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax", "130", "1", "2", "77", "1"]],
+                         ids=["wgmma-fwd-causal-gqa", "mma_sync-fwd-mqa"])
+def test_compute_sanitizer_clean(args, tool):
+    """The backward's three kernels (and the forward) on odd lengths: no out-of-bounds access, no race."""
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    if "wgmma" in args[0] and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma forward needs sm_90a")
+    res = subprocess.run([exe, "--tool", tool, "--error-exitcode", "9", sys.executable, str(REPO / "tests/gpu/run_one.py"),
+                          *args, "--backward"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-6000:]
+    assert "ERROR SUMMARY: 0 errors" in text or "(0 errors, 0 warnings)" in text, text[-3000:]
