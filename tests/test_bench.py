@@ -137,7 +137,9 @@ def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
            "flashgen": {cfg: {"tflops": 550.0, "rounds_tflops": [540.0, 550.0, 562.0], "correct": True},
                         "other": {"tflops": 400.0, "rounds_tflops": [400.0], "correct": True}}}
     res = {"gpu": "GPU", "torch": "t", "cuda": "c", "heads": 16, "rounds": 3, "rows": [row], "matmul_tflops": {"fp16": 700.0}}
-    line = bench.format_table(res).splitlines()[2]
+    lines = bench.format_table(res).splitlines()
+    assert lines[1] == "forward (fwd):"  # one table per pass, each under its title
+    line = lines[3]
     fields = line.split()
     assert fields[:6] == ["fp16", "128", "-", "2048", "550", "4.0%"]  # (562 - 540) / 550
     assert fields[6:9] == ["300", "500", "-"] and fields[9:11] == ["1.833", "1.100"]
@@ -145,9 +147,9 @@ def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
     assert line.endswith(cfg) and " yes " in line
     # with cuDNN's rounds: each round's ratio pairs the two kernels' timings of that round
     row["peer_rounds_tflops"] = {"CUDNN_ATTENTION": [540.0, 500.0, 480.0]}
-    fields = bench.format_table(res).splitlines()[2].split()
+    fields = bench.format_table(res).splitlines()[3].split()
     assert fields[12] == "1.000-1.171"  # 540 / 540, 550 / 500, 562 / 480
-    assert "x cudnn by round" in bench.format_table(res).splitlines()[1]
+    assert "x cudnn by round" in bench.format_table(res).splitlines()[2]
     assert "median of 3 interleaved round(s)" in bench.format_table(res)
 
 
