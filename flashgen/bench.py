@@ -8,6 +8,12 @@ config's output is checked against the float64 reference in the same run (FlashA
 :func:`flashgen.reference.check_close`). Results go
 to JSON and a PNG; a ratio table is printed last.
 
+Each row times one pass (:mod:`flashgen.bench_passes`): the forward, the backward alone (dq, dk,
+dv of a recorded forward, by ``torch.autograd.grad``; SDPA's own backward for the peers) or both;
+a backward row checks flashgen's gradients against float64 and counts 2.5 forwards' FLOPs, a
+forward + backward row 3.5. One table per pass; a config that fails or is wrong is named under
+the tables, and the exit status is 1.
+
 Shared GPUs drift (clocks, neighbours) by a few percent over seconds, which would tilt
 a ratio of two timings taken one after the other. So every kernel of a shape (the peers
 and the configs) is timed in ``rounds`` interleaved rounds and each reports the median of its
@@ -299,6 +305,7 @@ def bench_row(spec: RowSpec, kernels: dict, peers: dict, rounds: int, timer: Cal
     t0 = time.monotonic()
     times = interleaved(calls, rounds, timer)
     state = monitor.window(t0, time.monotonic()) if monitor is not None else None
+    calls.clear()  # the recorded forwards of the backward pass: their memory goes before the checks
     flops = spec.flops()
     row: dict[str, Any] = {"pass": spec.pass_, "dtype": spec.dtype, "d_head": spec.d_head, "causal": spec.causal,
                            "seq": spec.seq, "batch": spec.batch, "flashgen": {}, "peers": {},
@@ -393,7 +400,7 @@ def check_kernel(spec: RowSpec, attn, q, k, v, out, device: str = "cuda") -> dic
     errors = gradient_errors(grads, q, k, v, do, causal=spec.causal, softmax_scale=scale)
     outputs = dict(zip(("dq", "dk", "dv"), grads))
     if spec.pass_ == "fwd+bwd":
-        errors = {"o": reference_error(o.detach(), q, k, v, scale, spec.causal), **errors}
+        errors = {"o": reference_error(o.detach(), q.detach(), k.detach(), v.detach(), scale, spec.causal), **errors}
         outputs["o"] = o
     finite = all(bool(torch.isfinite(t).all()) for t in outputs.values())
     return {"max_err": {n: e[0] for n, e in errors.items()}, "torch_err": {n: e[1] for n, e in errors.items()},
@@ -429,7 +436,8 @@ def format_table(results: dict) -> str:
     for i, pass_ in enumerate(passes):
         lines += [""] * (i > 0) + [f"{TITLES[pass_]}:", _HEADER]
         lines += [_row_line(r) for r in results["rows"] if r.get("pass", "fwd") == pass_ and r["flashgen"]]
-    lines += _failure_lines(results["rows"])
+    failures = _failure_lines(results["rows"])
+    lines += [""] * bool(failures) + failures
     for dt, tf in results.get("matmul_tflops", {}).items():
         lines.append(f"dense {dt} 8192^3 matmul (practical ceiling): {tf:.0f} TFLOP/s")
     if results.get("gpu_state"):
