@@ -13,11 +13,15 @@ from pathlib import Path
 
 
 def row_line(row: dict) -> str:
-    """One benchmark row: its peers, then each config as ``TFLOP/s (x flash, x cuDNN)``."""
+    """One benchmark row (its pass: fwd, bwd or fwd+bwd): its peers, then each config as ``TFLOP/s (x flash, x cuDNN)``."""
     flash, cudnn = row["peers"].get("FLASH_ATTENTION"), row["peers"].get("CUDNN_ATTENTION")
-    head = f"{row['dtype']} d{row['d_head']} {'causal' if row['causal'] else 'full  '} seq {row['seq']:>5}"
+    head = (f"{row.get('pass', 'fwd'):7} {row['dtype']} d{row['d_head']} {'causal' if row['causal'] else 'full  '} "
+            f"seq {row['seq']:>5}")
     cells = [f"flash {flash or 0:.0f} cudnn {cudnn or 0:.0f}"]
     for name, r in row["flashgen"].items():
+        if "tflops" not in r:  # failed its first call: not timed
+            cells.append(f"{name} FAILED")
+            continue
         wrong = "" if r["correct"] else " WRONG"
         cells.append(f"{name} {r['tflops']:.0f} ({r['tflops'] / (flash or 1):.3f}, {r['tflops'] / (cudnn or 1):.3f}){wrong}")
     board = row.get("gpu_state")  # nvidia-smi's record while the row was timed

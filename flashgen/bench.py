@@ -8,6 +8,12 @@ config's output is checked against the float64 reference in the same run (FlashA
 :func:`flashgen.reference.check_close`). Results go
 to JSON and a PNG; a ratio table is printed last.
 
+Each row times one pass (:mod:`flashgen.bench_passes`): the forward, the backward alone (dq, dk,
+dv of a recorded forward, by ``torch.autograd.grad``; SDPA's own backward for the peers) or both;
+a backward row checks flashgen's gradients against float64 and counts 2.5 forwards' FLOPs, a
+forward + backward row 3.5. One table per pass; a config that fails or is wrong is named under
+the tables, and the exit status is 1.
+
 Shared GPUs drift (clocks, neighbours) by a few percent over seconds, which would tilt
 a ratio of two timings taken one after the other. So every kernel of a shape (the peers
 and the configs) is timed in ``rounds`` interleaved rounds and each reports the median of its
@@ -23,13 +29,17 @@ row in the JSON, for the run under the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable
+
+from .bench_passes import FLOP_FACTOR, PASSES, TITLES, gradient_errors, needs_grad, pass_call
 
 SHAPES = ((512, 16), (1024, 16), (2048, 16), (4096, 16), (8192, 8), (16384, 4))  # (seq, batch)
 PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
@@ -157,18 +167,89 @@ def matmul_ceiling(dtype) -> float:
     return 2 * n**3 / ms / 1e9
 
 
+@dataclass(frozen=True)
+class RowSpec:
+    """What one row times: the pass ``pass_`` (:data:`flashgen.bench_passes.PASSES`) of ``heads``-head
+    attention in ``dtype`` ("fp16" or "bf16") at one (seq, batch), top-left causal or unmasked."""
+
+    pass_: str
+    dtype: str
+    d_head: int
+    causal: bool
+    seq: int
+    batch: int
+    heads: int
+
+    def flops(self) -> float:
+        """The pass's FLOPs: :data:`FLOP_FACTOR` forwards of :func:`attention_flops`."""
+        return FLOP_FACTOR[self.pass_] * attention_flops(self.batch, self.heads, self.seq, self.seq, self.d_head, self.causal)
+
+    def describe(self) -> str:
+        return f"{self.pass_} {self.dtype} d{self.d_head}{' causal' if self.causal else ''} seq {self.seq}"
+
+
 def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS,
-              rounds: int = 3, settle_s: float = SETTLE_S) -> dict:
-    """Time every (dtype, d_head, causal) x shape: the given configs (d_head adapted) and the SDPA
-    peers, in ``rounds`` interleaved rounds (medians reported), each timing after ``settle_s``
-    seconds of the kernel itself."""
+              rounds: int = 3, settle_s: float = SETTLE_S, passes=("fwd",), auto: bool = False) -> dict:
+    """Time every (dtype, d_head, causal) x shape x pass: the given configs (d_head adapted), with ``auto``
+    also ``flashgen.compile("auto")`` (named "auto"), and the SDPA peers, in ``rounds`` interleaved
+    rounds (medians reported), each timing after ``settle_s`` seconds of the kernel itself."""
     import torch
 
-    from .build import build_many
     from .gpu_monitor import GpuMonitor, nvidia_smi_id
     from .runtime import compile as fg_compile
 
-    cap = torch.cuda.get_device_capability()
+    attns = _build(cfgs, dtypes, d_heads, causal_modes)
+    if not attns and not auto:
+        from .cli import CommandError
+
+        raise CommandError(f"no config matches dtypes {' '.join(dtypes)}")
+    auto_attn = fg_compile("auto") if auto else None  # builds each kernel on its first call, before the timing
+    results: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "heads": heads,
+        "rounds": rounds,
+        "settle_s": settle_s,
+        "d_heads": list(d_heads),
+        "passes": list(passes),
+        "rows": [],
+        "matmul_tflops": {},
+        "gpu_state": None,
+    }
+    makers = {peer: functools.partial(sdpa_peer, peer) for peer in peers}
+    # nvidia-smi in the background for the whole run (stopped even if a row raises)
+    with GpuMonitor(nvidia_smi_id(torch.cuda.current_device())) as monitor:
+        if not monitor.running:
+            log("nvidia-smi not found: no clock / power record")
+        run_t0 = time.monotonic()
+        for dt_name in dtypes:
+            dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt_name]
+            results["matmul_tflops"][dt_name] = matmul_ceiling(dt)
+            log(f"dense {dt_name} 8192^3 matmul: {results['matmul_tflops'][dt_name]:.0f} TFLOP/s")
+            for d_head in d_heads:
+                for causal in causal_modes:
+                    mine = {c.replace(mask="none").short_form(): attns[c] for c in attns
+                            if c.dtype.value == dt_name and c.d_head == d_head and (c.mask == "causal") == causal}
+                    if auto_attn is not None:
+                        mine["auto"] = auto_attn
+                    for seq, batch in shapes:
+                        for pass_ in passes:
+                            spec = RowSpec(pass_, dt_name, d_head, causal, seq, batch, heads)
+                            results["rows"].append(bench_row(spec, mine, makers, rounds, lambda fn: time_ms(fn, settle_s), monitor))
+        whole = monitor.window(run_t0, time.monotonic())
+    results["gpu_state"] = whole.to_dict() if whole else None
+    return results
+
+
+def _build(cfgs, dtypes, d_heads, causal_modes) -> dict:
+    """{config with its d_head and mask: Attention} of every config of ``dtypes`` at every d_head and
+    mask, built in parallel; a config that cannot take a d_head, or fails to build, is logged and left out."""
+    import torch
+
+    from .build import build_many
+    from .runtime import compile as fg_compile
+
     todo: dict = {}
     for c in cfgs:
         if c.dtype.value not in dtypes:
@@ -182,50 +263,21 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
             for causal in causal_modes:
                 todo[cd.replace(mask="causal" if causal else "none")] = None
     if not todo:
-        from .cli import CommandError
-
-        raise CommandError(f"no config matches dtypes {' '.join(dtypes)}")
+        return {}
     log(f"building {len(todo)} kernel(s) in parallel")
     t0 = time.perf_counter()
-    failures = build_many(list(todo), cap)
+    failures = build_many(list(todo), torch.cuda.get_device_capability())
     for name, err in failures.items():
         log(f"build failed: {name}\n{err}")
     attns = {c: fg_compile(c) for c in todo if c.short_form() not in failures}
     log(f"builds ready in {time.perf_counter() - t0:.0f} s")
-    results: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "heads": heads,
-        "rounds": rounds,
-        "settle_s": settle_s,
-        "d_heads": list(d_heads),
-        "rows": [],
-        "matmul_tflops": {},
-        "gpu_state": None,
-    }
-    # nvidia-smi in the background for the whole run (stopped even if a row raises)
-    with GpuMonitor(nvidia_smi_id(torch.cuda.current_device())) as monitor:
-        if not monitor.running:
-            log("nvidia-smi not found: no clock / power record")
-        run_t0 = time.monotonic()
-        for dt_name in dtypes:
-            dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt_name]
-            results["matmul_tflops"][dt_name] = matmul_ceiling(dt)
-            log(f"dense {dt_name} 8192^3 matmul: {results['matmul_tflops'][dt_name]:.0f} TFLOP/s")
-            for d_head in d_heads:
-                for causal in causal_modes:
-                    mine = {c: attns[c] for c in attns if c.dtype.value == dt_name and c.d_head == d_head and (c.mask == "causal") == causal}
-                    for seq, batch in shapes:
-                        results["rows"].append(_bench_row(mine, dt, dt_name, d_head, causal, seq, batch, heads, peers, rounds, settle_s, monitor))
-        whole = monitor.window(run_t0, time.monotonic())
-    results["gpu_state"] = whole.to_dict() if whole else None
-    return results
+    return attns
 
 
 def sdpa_peer(backend: str, q, k, v, causal: bool) -> Callable[[], Any]:
     """A call of PyTorch's SDPA forced onto ``backend`` (an SDPBackend name) for (batch, seq, heads,
-    d_head) tensors, which SDPA takes as (batch, heads, seq, d_head) views."""
+    d_head) tensors, which SDPA takes as (batch, heads, seq, d_head) views; its o is (batch, heads,
+    seq, d_head), recorded by autograd when q, k or v require grad (the backward runs the backend's own)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -238,55 +290,123 @@ def sdpa_peer(backend: str, q, k, v, causal: bool) -> Callable[[], Any]:
     return run
 
 
-def _bench_row(mine: dict, dt, dt_name: str, d_head: int, causal: bool, seq: int, batch: int, heads: int, peers,
-               rounds: int, settle_s: float, monitor) -> dict:
-    """One table row: the peers and ``mine`` ({config: Attention}) timed in interleaved rounds on fresh
-    random inputs, then each config checked against float64 on a NaN-poisoned output."""
+def bench_row(spec: RowSpec, kernels: dict, peers: dict, rounds: int, timer: Callable[[Callable[[], Any]], float],
+              monitor=None, device: str = "cuda") -> dict:
+    """One table row: ``spec``'s pass of the peers ({name: maker(q, k, v, causal) -> call returning o as
+    (batch, heads, seq, d)}, like :func:`sdpa_peer`) and of ``kernels`` ({name: flashgen attention}),
+    timed by ``timer`` in ``rounds`` interleaved rounds on fresh random inputs; then each kernel is
+    checked against float64 (:func:`check_kernel`). One that fails its first call is not timed: a
+    peer's figure is None, a kernel's entry holds the error and is not correct."""
+    q, k, v, do = _inputs(spec, spec.seq, device)
+    forwards, outs = _forwards(spec, kernels, peers, q, k, v, do)
+    calls, failed = _first_calls(spec.pass_, forwards, (q, k, v))
+    for name, msg in failed.items():
+        log(f"{name} {'unavailable' if name in peers else 'FAILED'} at {spec.describe()}: {msg}")
+    t0 = time.monotonic()
+    times = interleaved(calls, rounds, timer)
+    state = monitor.window(t0, time.monotonic()) if monitor is not None else None
+    calls.clear()  # the recorded forwards of the backward pass: their memory goes before the checks
+    flops = spec.flops()
+    row: dict[str, Any] = {"pass": spec.pass_, "dtype": spec.dtype, "d_head": spec.d_head, "causal": spec.causal,
+                           "seq": spec.seq, "batch": spec.batch, "flashgen": {}, "peers": {},
+                           "gpu_state": state.to_dict() if state else None}
+    for peer in peers:
+        row["peers"][peer] = flops / median(times[peer]) / 1e9 if peer in times else None
+    row["peer_rounds_tflops"] = {n: [flops / ms / 1e9 for ms in t] for n, t in times.items() if n in peers}
+    for name, attn in kernels.items():
+        if name in failed:
+            row["flashgen"][name] = {"error": failed[name], "correct": False}
+            continue
+        row["flashgen"][name] = {"tflops": flops / median(times[name]) / 1e9,
+                                 "rounds_tflops": [flops / t / 1e9 for t in times[name]],
+                                 **check_kernel(spec, attn, q, k, v, outs.get(name), device)}
+    timed = {n: e for n, e in row["flashgen"].items() if "tflops" in e}
+    row["best"] = max(timed, key=lambda n: timed[n]["tflops"], default=None)
+    if row["best"]:
+        fa = row["peers"].get("FLASH_ATTENTION")
+        log(f"{spec.describe()}: best {timed[row['best']]['tflops']:.0f} TFLOP/s ({row['best']}), sdpa flash "
+            f"{fa or float('nan'):.0f}" + (f"; board {state.describe()}" if state else ""))
+    return row
+
+
+def _inputs(spec: RowSpec, seed: int, device: str) -> tuple:
+    """(q, k, v, do): random normal (batch, seq, heads, d_head) tensors of ``spec``, requiring grad
+    when its pass runs a backward (do is None when it does not)."""
+    import torch
+
+    torch.manual_seed(seed)
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    grad = needs_grad(spec.pass_)
+    shape = (spec.batch, spec.seq, spec.heads, spec.d_head)
+    q, k, v = (torch.randn(shape, device=device, dtype=dt).requires_grad_(grad) for _ in range(3))
+    return q, k, v, torch.randn(shape, device=device, dtype=dt) if grad else None
+
+
+def _forwards(spec: RowSpec, kernels: dict, peers: dict, q, k, v, do) -> tuple[dict, dict]:
+    """({name: (call returning o, o's gradient in o's layout or None)}, peers first; {kernel name:
+    output buffer of the forward pass}). The forward pass writes into a buffer the check poisons
+    first, so a kernel that writes nothing fails; the backward passes let autograd allocate o."""
+    import torch
+
+    forwards = {name: (make(q, k, v, spec.causal), None if do is None else do.transpose(1, 2))
+                for name, make in peers.items()}
+    outs = {}
+    for name, attn in kernels.items():
+        if do is None:
+            out = outs[name] = torch.empty_like(q)
+            forwards[name] = (lambda attn=attn, out=out: attn(q, k, v, out=out, causal=spec.causal), None)
+        else:
+            forwards[name] = (lambda attn=attn: attn(q, k, v, causal=spec.causal), do)
+    return forwards, outs
+
+
+def _first_calls(pass_: str, forwards: dict, leaves) -> tuple[dict, dict]:
+    """({name: the pass's timed call}, {name: first line of its error}): each call made and run once,
+    so a backend that rejects the input, or a kernel that fails, drops out before the timing."""
+    calls, failed = {}, {}
+    for name, (forward, do) in forwards.items():
+        try:
+            call = pass_call(pass_, forward, leaves, do)
+            call()
+        except (RuntimeError, ValueError) as exc:  # a backend or kernel that does not take this input
+            failed[name] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            continue
+        calls[name] = call
+    return calls, failed
+
+
+def check_kernel(spec: RowSpec, attn, q, k, v, out, device: str = "cuda") -> dict:
+    """``{"max_err", "torch_err", "bound", "correct"}`` of ``attn`` against float64: the forward pass
+    checks ``out`` (NaN-poisoned, written again) on the timed inputs (:func:`reference_error`); the
+    backward passes check dq, dk, dv (:func:`flashgen.bench_passes.gradient_errors`), and fwd+bwd also
+    o, on fresh inputs, so gradients left over from the timed calls cannot pass. Errors and bounds
+    are per output ("o", "dq", "dk", "dv") in the backward passes; correct needs every error within
+    its bound and every output finite."""
     import torch
 
     from .reference import tolerance
 
-    torch.manual_seed(seq)
-    q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=dt) for _ in range(3))
-    flops = attention_flops(batch, heads, seq, seq, d_head, causal)
-    row: dict[str, Any] = {"dtype": dt_name, "d_head": d_head, "causal": causal, "seq": seq, "batch": batch, "flashgen": {}, "peers": {}}
-    fns: dict[str, Callable[[], Any]] = {}
-    for peer in peers:
-        run_peer = sdpa_peer(peer, q, k, v, causal)
-        try:
-            run_peer()
-            fns[peer] = run_peer
-        except RuntimeError as exc:  # backend not available for this input
-            row["peers"][peer] = None
-            log(f"{peer} unavailable at seq {seq}: {str(exc).splitlines()[0]}")
-    outs = {c: torch.empty_like(q) for c in mine}
-    for c, attn in mine.items():
-        fns[c.short_form()] = lambda attn=attn, out=outs[c]: attn(q, k, v, out=out, causal=causal)
-    t0 = time.monotonic()
-    times = interleaved(fns, rounds, lambda fn: time_ms(fn, settle_s))
-    state = monitor.window(t0, time.monotonic())
-    row["gpu_state"] = state.to_dict() if state else None
-    for peer in peers:
-        if peer in times:
-            row["peers"][peer] = flops / median(times[peer]) / 1e9
-    row["peer_rounds_tflops"] = {n: [flops / ms / 1e9 for ms in t] for n, t in times.items() if n in peers}
-    for cfg, attn in mine.items():
-        out = outs[cfg]
+    scale = 1 / math.sqrt(spec.d_head)
+    if not needs_grad(spec.pass_):
         out.fill_(float("nan"))
-        attn(q, k, v, out=out, causal=causal)
-        err, err_t = reference_error(out, q, k, v, 1 / math.sqrt(d_head), causal)
-        ok = bool(err <= tolerance(err_t)) and not bool(torch.isnan(out).any())
-        ms = times[cfg.short_form()]
-        row["flashgen"][cfg.replace(mask="none").short_form()] = {
-            "tflops": flops / median(ms) / 1e9, "rounds_tflops": [flops / t / 1e9 for t in ms],
-            "max_err": err, "torch_err": err_t, "correct": ok}
-    best = max(row["flashgen"].items(), key=lambda kv: kv[1]["tflops"], default=None)
-    row["best"] = best[0] if best else None
-    if best:
-        fa = row["peers"].get("FLASH_ATTENTION")
-        log(f"{dt_name} d{d_head}{' causal' if causal else ''} seq {seq}: best {best[1]['tflops']:.0f} TFLOP/s "
-            f"({best[0]}), sdpa flash {fa or float('nan'):.0f}" + (f"; board {state.describe()}" if state else ""))
-    return row
+        attn(q, k, v, out=out, causal=spec.causal)
+        err, err_t = reference_error(out, q, k, v, scale, spec.causal)
+        finite = not bool(torch.isnan(out).any())
+        return {"max_err": err, "torch_err": err_t, "bound": tolerance(err_t), "correct": bool(err <= tolerance(err_t)) and finite,
+                **({} if finite else {"nonfinite": True})}
+    q, k, v, do = _inputs(spec, spec.seq + 1, device)
+    o = attn(q, k, v, causal=spec.causal)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    errors = gradient_errors(grads, q, k, v, do, causal=spec.causal, softmax_scale=scale)
+    outputs = dict(zip(("dq", "dk", "dv"), grads))
+    if spec.pass_ == "fwd+bwd":
+        errors = {"o": reference_error(o.detach(), q.detach(), k.detach(), v.detach(), scale, spec.causal), **errors}
+        outputs["o"] = o
+    finite = all(bool(torch.isfinite(t).all()) for t in outputs.values())
+    return {"max_err": {n: e[0] for n, e in errors.items()}, "torch_err": {n: e[1] for n, e in errors.items()},
+            "bound": {n: tolerance(e[1]) for n, e in errors.items()},
+            "correct": finite and all(bool(e[0] <= tolerance(e[1])) for e in errors.values()),
+            **({} if finite else {"nonfinite": True})}
 
 
 def paired_ratio_range(mine: list[float] | None, peer: list[float] | None) -> str:
@@ -299,35 +419,25 @@ def paired_ratio_range(mine: list[float] | None, peer: list[float] | None) -> st
     return f"{min(ratios):.3f}-{max(ratios):.3f}"
 
 
+_HEADER = (f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} "
+           f"{'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9} {'x cudnn by round':>16}  ok  best config")
+
+
 def format_table(results: dict) -> str:
+    """The printed result: a title, one table per pass (rows without any timed config say why), the
+    entries that failed or were wrong with their errors, the matmul ceilings and the board's state."""
     lines = [
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
         f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s)"
         + (f", each timing after {results['settle_s']:g} s of the kernel itself" if results.get("settle_s") else "")
         + " (causal counts half the FLOPs; ratio = flashgen / peer)",
-        f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} {'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9} {'x cudnn by round':>16}  ok  best config",
     ]
-    for row in results["rows"]:
-        if not row["best"]:
-            continue
-        fg = row["flashgen"][row["best"]]
-        p = row["peers"]
-
-        def num(x):
-            return f"{x:7.0f}" if x else "      -"
-
-        def ratio(x, w):
-            return f"{fg['tflops'] / x:{w}.3f}" if x else " " * (w - 1) + "-"
-
-        # (max - min) / median of the best config's rounds: how far one timing could have moved its ratios
-        r = fg.get("rounds_tflops") or []
-        spread = f"{(max(r) - min(r)) / median(r):6.1%}" if len(r) > 1 else "     -"
-        by_round = f"{paired_ratio_range(r, row.get('peer_rounds_tflops', {}).get('CUDNN_ATTENTION')):>16}"
-        lines.append(
-            f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6} {fg['tflops']:9.0f} {spread} {num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} "
-            f"{num(p.get('EFFICIENT_ATTENTION'))} {ratio(p.get('FLASH_ATTENTION'), 8)} {ratio(p.get('CUDNN_ATTENTION'), 8)} "
-            f"{ratio(p.get('EFFICIENT_ATTENTION'), 9)} {by_round}  {'yes' if fg['correct'] else 'NO '} {row['best']}"
-        )
+    passes = [p for p in PASSES if any(r.get("pass", "fwd") == p for r in results["rows"])] or ["fwd"]
+    for i, pass_ in enumerate(passes):
+        lines += [""] * (i > 0) + [f"{TITLES[pass_]}:", _HEADER]
+        lines += [_row_line(r) for r in results["rows"] if r.get("pass", "fwd") == pass_ and r["flashgen"]]
+    failures = _failure_lines(results["rows"])
+    lines += [""] * bool(failures) + failures
     for dt, tf in results.get("matmul_tflops", {}).items():
         lines.append(f"dense {dt} 8192^3 matmul (practical ceiling): {tf:.0f} TFLOP/s")
     if results.get("gpu_state"):
@@ -335,6 +445,56 @@ def format_table(results: dict) -> str:
 
         lines.append(f"board while timing (nvidia-smi; per row in the JSON): {GpuState(**results['gpu_state']).describe()}")
     return "\n".join(lines)
+
+
+def _row_line(row: dict) -> str:
+    """One row of a pass's table: its best config's TFLOP/s and ratios; without a timed config, dashes
+    and FAILED (the failures are listed under the tables)."""
+    p = row["peers"]
+    head = f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6}"
+
+    def num(x):
+        return f"{x:7.0f}" if x else "      -"
+
+    peers = f"{num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} {num(p.get('EFFICIENT_ATTENTION'))}"
+    if not row["best"]:
+        return f"{head} {'-':>9} {'-':>6} {peers} {'-':>8} {'-':>8} {'-':>9} {'-':>16}  FAILED {' '.join(row['flashgen'])}"
+    fg = row["flashgen"][row["best"]]
+
+    def ratio(x, w):
+        return f"{fg['tflops'] / x:{w}.3f}" if x else " " * (w - 1) + "-"
+
+    # (max - min) / median of the best config's rounds: how far one timing could have moved its ratios
+    r = fg.get("rounds_tflops") or []
+    spread = f"{(max(r) - min(r)) / median(r):6.1%}" if len(r) > 1 else "     -"
+    by_round = f"{paired_ratio_range(r, row.get('peer_rounds_tflops', {}).get('CUDNN_ATTENTION')):>16}"
+    return (f"{head} {fg['tflops']:9.0f} {spread} {peers} {ratio(p.get('FLASH_ATTENTION'), 8)} "
+            f"{ratio(p.get('CUDNN_ATTENTION'), 8)} {ratio(p.get('EFFICIENT_ATTENTION'), 9)} {by_round}  "
+            f"{'yes' if fg['correct'] else 'NO '} {row['best']}")
+
+
+def _failure_lines(rows) -> list[str]:
+    """``FAILED``/``WRONG`` lines for every flashgen entry that raised or was not correct: the error, or
+    each output whose max error exceeds its bound (2x the 16-bit baseline's + slack) or is not finite."""
+    lines = []
+    for row in rows:
+        where = (f"{row.get('pass', 'fwd')} {row['dtype']} d{row['d_head']}{' causal' if row['causal'] else ''} "
+                 f"seq {row['seq']}")
+        for name, e in row["flashgen"].items():
+            if e["correct"]:
+                continue
+            if "error" in e:
+                lines.append(f"FAILED {where} {name}: {e['error']}")
+                continue
+            errs, bounds = e.get("max_err"), e.get("bound")
+            if not isinstance(errs, dict):
+                errs, bounds = {"o": errs}, {"o": bounds}
+            bad = [f"{n} max error {x:.3e} > {bounds[n]:.3e}" for n, x in errs.items()
+                   if bounds and bounds.get(n) is not None and not x <= bounds[n]]
+            if e.get("nonfinite"):
+                bad.append("NaN/Inf in the outputs")
+            lines.append(f"WRONG {where} {name}: " + ("; ".join(bad) or "not correct"))
+    return lines
 
 
 def plot(results: dict, path: Path) -> bool:
@@ -346,14 +506,18 @@ def plot(results: dict, path: Path) -> bool:
     except ImportError:
         log("matplotlib is not installed: no PNG written (pip install matplotlib)")
         return False
-    panels = sorted({(r["dtype"], r["d_head"], r["causal"]) for r in results["rows"]})
+    def panel(r):
+        return PASSES.index(r.get("pass", "fwd")), r["dtype"], r["d_head"], r["causal"]
+
+    panels = sorted({panel(r) for r in results["rows"]})
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 4 * nrow), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (dt, d_head, causal) in zip(axes.flat, panels):
-        rows = [r for r in results["rows"] if (r["dtype"], r["d_head"], r["causal"]) == (dt, d_head, causal)]
+    for ax, key in zip(axes.flat, panels):
+        pass_, dt, d_head, causal = PASSES[key[0]], *key[1:]
+        rows = [r for r in results["rows"] if panel(r) == key]
         seqs = [r["seq"] for r in rows]
         series = {"flashgen (best)": [r["flashgen"][r["best"]]["tflops"] if r["best"] else None for r in rows]}
         for peer in PEERS:
@@ -365,7 +529,7 @@ def plot(results: dict, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{dt}, d_head {d_head}{', causal' if causal else ''}", fontsize=10)
+        ax.set_title(f"{pass_}, {dt}, d_head {d_head}{', causal' if causal else ''}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -375,7 +539,8 @@ def plot(results: dict, path: Path) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("configs", nargs="*",
-                   help="configs: YAML files, short forms or named sets (default: the mma.sync defaults and, on "
+                   help="configs: YAML files, short forms, named sets or 'auto' (flashgen.compile('auto'), its kernel "
+                        "picked per shape; named 'auto' in the table) (default: the mma.sync defaults and, on "
                         "compute capability 9.0, the wgmma configs compile('auto') ships for d_head 128)")
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"],
                    help="element types (default: fp16 bf16)")
@@ -383,6 +548,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sequence lengths among {' '.join(str(s) for s, _ in SHAPES)} (default: all)")
     p.add_argument("--d-heads", nargs="+", type=int, default=[128], help="head dimensions (default: 128)")
     p.add_argument("--causal", choices=["no", "yes", "both"], default="no", help="non-causal, causal or both")
+    p.add_argument("--passes", "--pass", nargs="+", choices=PASSES, default=["fwd"], metavar="PASS",
+                   help="what to time, one table each: fwd (the forward), bwd (the backward alone: dq, dk, dv of a "
+                        "recorded forward, 2.5x its FLOPs, gradients checked against float64) or fwd+bwd (both, 3.5x) "
+                        "(default: fwd)")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved timing rounds per shape; each kernel reports its median (default: 3)")
     p.add_argument("--settle", type=float, default=SETTLE_S,
@@ -420,11 +589,15 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise CommandError("bench needs a CUDA GPU")
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
-    cfgs = (list(resolve_configs(args.configs, forward_only="flashgen bench").configs) if args.configs
-            else default_bench_configs(torch.cuda.get_device_capability(), [s for s, _ in shapes]))
+    specs = [c for c in args.configs if c.strip() != "auto"]
+    auto = len(specs) < len(args.configs)
+    if specs:
+        cfgs = list(resolve_configs(specs, forward_only="flashgen bench").configs)
+    else:
+        cfgs = [] if auto else default_bench_configs(torch.cuda.get_device_capability(), [s for s, _ in shapes])
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds,
-                        settle_s=args.settle)
+                        settle_s=args.settle, passes=tuple(dict.fromkeys(args.passes)), auto=auto)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True))
