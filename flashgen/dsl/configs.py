@@ -93,7 +93,7 @@ def forward(source: Any, what: str = "this") -> KernelConfig:
     """A forward config; a backward one is refused by name (``what``: the caller, for the message)."""
     cfg = load(source)
     if isinstance(cfg, BackwardConfig):
-        raise ConfigError(f"{what} runs forward attention; {cfg.short_form()} is a backward config, whose kernels "
-                          "the tools emit, check, simulate and build (flashgen emit/check/simulate/build) but nothing "
-                          "calls from PyTorch yet (no autograd wiring)")
+        raise ConfigError(f"{what} runs forward attention; {cfg.short_form()} is a backward config. Backward "
+                          "kernels run through autograd: compile a forward config and call it with inputs that "
+                          "require grad (flashgen emit/check/simulate/build take backward configs)")
     return cfg

@@ -25,7 +25,7 @@ def test_a_backward_config_reads_back_from_its_name_and_its_record(cfg):
 def test_the_backward_set_holds_both_dtypes_and_head_sizes_unmasked_and_causal():
     cfgs = NAMED_SETS["backward"]()
     assert {(c.dtype.value, c.d_head, c.mask) for c in cfgs} == {
-        (dt, d, m) for dt in ("fp16", "bf16") for d in (64, 128) for m in ("none", "causal")}
+        (dt, d, m) for dt in ("fp16", "bf16") for d in (64, 128, 256) for m in ("none", "causal")}
     assert all(isinstance(c, BackwardConfig) for c in cfgs)
 
 
