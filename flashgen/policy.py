@@ -89,7 +89,10 @@ def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int,
     the default of the first engine the GPU runs (preferred first) that has a backward taking the head size."""
     target = of_capability(capability) if capability is not None else None
     for engine in engines.runnable_on(target):
-        cfg = engine.backward.default_config(dtype, d_head, mask) if engine.backward is not None else None
+        cfg = engine.backward.default_config(dtype, d_head, mask, target) if engine.backward is not None else None
         if cfg is not None:
             return cfg
-    raise ConfigError(f"no backward kernel takes d_head={d_head} (the mma_sync backward takes d_head <= 96, 128 and 256)")
+    where = f" within the {target.smem_per_block}-byte shared memory per block of compute capability " \
+            f"{target.capability[0]}.{target.capability[1]}" if target is not None else ""
+    raise ConfigError(f"no backward kernel takes d_head={d_head}{where} (the mma_sync backward takes d_head <= 96, "
+                      "128 and 256, d_head 256 on GPUs with more than 136 KiB of shared memory per block)")

@@ -57,17 +57,26 @@ class BackwardConfig:
     mask: str = "none"
     engine: str = "mma_sync"
     d_split: int = 1
+    stages: int = 1
 
     @classmethod
-    def default(cls, dtype: "DType | str", d_head: int, mask: str = "none") -> "BackwardConfig | None":
+    def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
+                smem_limit: int = SMEM_LIMIT_BYTES) -> "BackwardConfig | None":
         """The shipped config of a dtype, head size and mask: 64 query and 64 key rows, swizzled. Up to
         96 columns, 4 warps each hold all of d_head's accumulators; d_head 128 and 256 take 8 warps in
         pairs that split dK, dV and dQ's columns (``d_split=2``: 4 warps holding d_head 128 spill on
-        sm_90a). Other head sizes above 96: None (a split needs d_head 64, 128 or 256)."""
+        sm_90a). Two stages (the next query block loads under this one's GEMMs: about 10% faster on an
+        H100) where they fit ``smem_limit``, a GPU's shared memory per block; else one. None where even
+        one stage does not fit, and for other head sizes above 96 (a split needs d_head 64, 128 or 256)."""
         if d_head <= 96:
-            return cls(dtype, d_head=d_head, mask=mask)
-        if d_head in (128, 256):
-            return cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2)
+            cfg = cls(dtype, d_head=d_head, mask=mask, stages=2)
+        elif d_head in (128, 256):
+            cfg = cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2, stages=2)
+        else:
+            return None
+        for stages in (2, 1):
+            if cfg.replace(stages=stages).smem_bytes <= smem_limit:
+                return cfg.replace(stages=stages)
         return None
 
     def __attrs_post_init__(self) -> None:
@@ -120,9 +129,9 @@ class BackwardConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """K, V (resident), Q, dO (per query block), dS^T (B_c x B_r, 16 bit), lse and D (fp32)."""
-        tiles = (2 * self.B_c + 2 * self.B_r) * self.d_smem * self.dtype.size
-        return tiles + self.B_c * self.B_r * self.dtype.size + 2 * 4 * self.B_r
+        """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit)."""
+        streamed = self.stages * (2 * self.B_r * self.d_smem * self.dtype.size + 2 * 4 * self.B_r)
+        return 2 * self.B_c * self.d_smem * self.dtype.size + streamed + self.B_c * self.B_r * self.dtype.size
 
     # ---- names ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -147,6 +156,7 @@ class BackwardConfig:
         (``d_split_2`` among them when the warps split d)."""
         flags = (["swizzled"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
+        flags += [f"stages_{self.stages}"] if self.stages > 1 else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
         return head + (": " + "+".join(flags) if flags else "")
 
@@ -158,6 +168,7 @@ class BackwardConfig:
         parts = [self.dtype.value, f"d{self.d_head}", f"br{self.B_r}", f"bc{self.B_c}", f"w{self.n_warps}"]
         parts += (["swz"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
         parts += [f"ds{self.d_split}"] if self.d_split > 1 else []
+        parts += [f"s{self.stages}"] if self.stages > 1 else []
         return "_".join(["flash_bwd", *parts])
 
     def content_hash(self) -> str:
@@ -233,4 +244,10 @@ def _rule_smem(c: BackwardConfig) -> None:
                           f"exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit")
 
 
-_RULES = (_rule_choices, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)
+def _rule_stages(c: BackwardConfig) -> None:
+    if c.stages not in (1, 2):
+        raise ConfigError(f"stages={c.stages!r}: 1 (each query block's Q, dO, lse and D loaded before it is used) "
+                          "or 2 (the next block's loaded while this one is computed)")
+
+
+_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)

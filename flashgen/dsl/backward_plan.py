@@ -38,6 +38,7 @@ from ..attention.query_blocks import QueryBlocks
 from .atoms.copy import (
     CopyAtom,
     GM2SM_async,
+    GM2SM_async_f32,
     GM2SM_f32,
     RF2GM_red,
     RF2SM,
@@ -51,7 +52,7 @@ from .atoms.mma import MMA_16x8x16
 from .backward_config import BackwardConfig
 from .layout import Layout
 from .plan import OperandLoad, Schedule, ScoreMask, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
-from .steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, StoreRF, Wait
+from .steps import BEGIN, HAS_NEXT, J, NEXT, Barrier, Guard, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, StoreRF, Wait
 from .swizzle import ComposedLayout
 from .tensor import Tensor
 from .tiling import Loop, Partition, vector_copy_tv
@@ -66,8 +67,9 @@ STATS = ("LSE", "D")
 @attrs.frozen
 class StatsCopy:
     """A query block's ``B_r`` fp32 values of ``name`` -> shared memory, value ``i`` by thread
-    ``i % threads`` with a synchronous 4-byte load and store (rows past seq_q become 0). Synchronous:
-    a head's row of values starts 16-byte aligned only when seq_q is a multiple of 4."""
+    ``i % threads``, 4 bytes at a time (rows past seq_q become 0): a cp.async in the block's group
+    (``atom.is_async``) or a load and a store. Four bytes: a head's row of values starts 16-byte
+    aligned only when seq_q is a multiple of 4."""
 
     name: str
     atom: CopyAtom
@@ -109,17 +111,24 @@ class BackwardPlan:
 
     @property
     def smem_layout(self) -> dict[str, int]:
-        """Byte offset of each shared tensor (16-bit tiles; the fp32 statistics after them)."""
+        """Byte offset of each shared tensor (16-bit tiles; the fp32 statistics after them); a streamed
+        tile's offset is its stage 0's, stage ``s`` at ``+ s *`` :attr:`stage_bytes`."""
         out, at = {}, 0
         for name in ("sK", "sV", "sQ", "sdO", "sdS"):
             out[name] = at
-            at += self.tensors[name].layout.cosize * 2
+            at += self.tensors[name].layout.cosize * 2 * (self.cfg.stages if name[1:] in STREAMED else 1)
         out["sdS_t"], out["sdK"], out["sdV"] = out["sdS"], out["sK"], out["sV"]
         for name in STATS:
             out[f"s{name}"] = at
-            at += 4 * self.cfg.B_r
+            at += 4 * self.cfg.B_r * self.cfg.stages
         out["end"] = at
         return out
+
+    @property
+    def stage_bytes(self) -> dict[str, int]:
+        """Bytes from one stage of each streamed tile (and row statistic) to the next."""
+        out = {name: self.tensors[f"s{name}"].layout.cosize * 2 for name in STREAMED}
+        return out | {name: 4 * self.cfg.B_r for name in STATS}
 
 
 def transposed(layout: ComposedLayout) -> ComposedLayout:
@@ -200,19 +209,31 @@ def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles
     return TiledCopy(name, atom, src, dst, part, "warp")
 
 
-def _schedule() -> Schedule:
+#: the loop has a first block (a key block that meets no query block has none)
+ANY_BLOCK = Guard(0, "<", "end")
+
+
+def _schedule(stages: int) -> Schedule:
     """Prologue: K and V of the CTA's key block. Body, per query block ``j`` (of every query head of
     the kv head's group): Q, dO, lse, D in one cp.async group; the five GEMMs and the rules between.
 
-    cp.async groups complete in order, so ``wait_group 0`` after the block's commit also completes K
-    and V in the first block; the barrier at the end keeps the next block's copies off tiles that
-    other warps may still read.
+    One stage: block j's copies, then ``wait_group 0``. Two: the prologue copies block 0, and block j
+    first issues block j+1's copies into the other stage (freed by the previous block's closing
+    barrier) and waits for all but that newest group, so the loads run under block j's GEMMs. Groups
+    complete in order, so the first wait also completes K and V; the barrier at the end keeps the
+    next copies off tiles that other warps may still read.
     """
-    pro = (Copy("K", why="K block (resident)"), Copy("V", why="V block (resident)"), Commit())
-    body = (
-        Copy("Q", J, why="Q_j"), Copy("dO", J, why="dO_j"), Copy("LSE", J, why="lse_j"), Copy("D", J, why="D_j"),
-        Commit(),
-        Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V) have landed"),
+    def copies(block, guard=None, which="j"):
+        return tuple(Copy(n, block, guard, why=f"{n.lower() if n in STATS else n}_{which}") for n in STREAMED + STATS)
+
+    pro = (Copy("K", why="K block (resident)"), Copy("V", why="V block (resident)"))
+    if stages == 1:
+        pro, head = pro + (Commit(),), copies(J) + (Commit(), Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V) have landed"))
+    else:
+        pro += copies(BEGIN, ANY_BLOCK, "first") + (Commit(),)
+        head = copies(NEXT, HAS_NEXT, "j+1") + (Commit(why="(empty in the last block: the wait below counts it)"),
+                                                Wait("1", why="all but block j+1's group: Q_j, dO_j, lse_j, D_j (and K, V)"))
+    body = head + (
         Barrier(why="... and are visible to all warps"),
         Gemm("S", why="S^T = K Q_j^T"),
         RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"),
@@ -242,7 +263,9 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
     for name in STREAMED + RESIDENT:
         rows = cfg.B_r if name in STREAMED else cfg.B_c
         g2s[name] = TiledCopy(f"g2s_{name}", atom, t[f"g{name}"], t[f"s{name}"], Partition(vector_copy_tv(f"g2s_{name}", rows, D, T)), "cta")
-    stats = {name: StatsCopy(f"g2s_{name}", GM2SM_f32(), cfg.B_r) for name in STATS}
+    # one stage waits for its copies right away: plain loads (no cp.async addresses to keep) do as well
+    stats_atom = GM2SM_async_f32() if cfg.stages > 1 else GM2SM_f32()
+    stats = {name: StatsCopy(f"g2s_{name}", stats_atom, cfg.B_r) for name in STATS}
     gemms = _gemms(cfg, t, mma)
     sp, dw = cfg.d_split, cfg.d_cols_per_warp
     mk, nq, nd = kr // 16, cfg.B_r // 8, dw // 8
@@ -258,7 +281,7 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
     gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
     red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt, sp, own)
     mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c)
-    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(), _row_reduce_lanes(mma.c_map), mask,
+    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages), _row_reduce_lanes(mma.c_map), mask,
                         QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, sp)
 
 

@@ -20,7 +20,7 @@ import json
 from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.backward_plan import STATS, BackwardPlan
 from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
-from ..dsl.steps import Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait
+from ..dsl.steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait
 from ..dsl.addressing import split_offsets
 from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, vec
@@ -46,10 +46,11 @@ def _call(copy: TiledCopy, suffix: str, **args: str) -> str:
     return f"{copy.name}_{suffix}({', '.join(args.get(p, '0') for p in _params(copy))})"
 
 
-def _addr(copy: TiledCopy, **idx: str) -> str:
+def _addr(copy: TiledCopy, base: str | None = None, **idx: str) -> str:
     """Shared-memory byte address of ``copy`` at compile-time index ``idx`` (``v`` and loops, default
-    0): the thread's base, xor and add tables (:func:`flashgen.dsl.addressing.split_offsets`)."""
-    return _smem_addr(copy, [idx.get(n, "0") for n in ["v"] + [l.name for l in copy.partition.loops]])
+    0) from the tile's address ``base``: the thread's base, xor and add tables
+    (:func:`flashgen.dsl.addressing.split_offsets`)."""
+    return _smem_addr(copy, [idx.get(n, "0") for n in ["v"] + [l.name for l in copy.partition.loops]], base)
 
 
 def _bases(plan: BackwardPlan) -> list[str]:
@@ -89,17 +90,18 @@ def _index_section(plan: BackwardPlan) -> str:
 
 
 def _g2s_lambda(plan: BackwardPlan, name: str) -> str:
-    """``copy_<name>(src, ld, rows_valid)``: rows >= rows_valid and columns >= d_head zero-filled."""
+    """``copy_<name>(tile, src, ld, rows_valid)``: to the tile at shared address ``tile``; rows >=
+    rows_valid and columns >= d_head zero-filled."""
     copy = plan.g2s[name]
     n = copy.partition.tv.n_values
     return (
         f"// {copy.name}: {copy.atom.name}, {copy.src.name} -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread\n"
-        f"auto copy_{name} = [&](const elem_t* src, int64_t ld, int rows_valid) {{\n"
+        f"auto copy_{name} = [&](uint32_t tile, const elem_t* src, int64_t ld, int rows_valid) {{\n"
         f"    #pragma unroll\n"
         f"    for (uint32_t v = 0; v < {n}; ++v) {{\n"
         f"        const uint32_t row = {_call(copy, 'row', tid='tid', v='v')}, col = {_call(copy, 'col', tid='tid', v='v')};\n"
         f"        const bool ok = (int)row < rows_valid && col < D_HEAD;\n"
-        f"        cp_async_16_zfill({_addr(copy, v='v')}, ok ? src + int64_t(row) * ld + col : src, ok);\n"
+        f"        cp_async_16_zfill({_addr(copy, 'tile', v='v')}, ok ? src + int64_t(row) * ld + col : src, ok);\n"
         f"    }}\n"
         f"}};"
     )
@@ -202,16 +204,39 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
             "        }"]
 
 
+#: a streamed tensor's (source base, row stride) in the kernel's parameters, per query head ``it.head``
+_SOURCES = {"Q": ("p.q + batch * p.q_batch + it.head * p.q_head", "p.q_ld"),
+            "dO": ("p.dout + batch * p.do_batch + it.head * p.do_head", "p.do_ld"),
+            "LSE": ("p.lse + (int64_t(batch) * p.heads + it.head) * p.seq_q", ""),
+            "D": ("p.delta + (int64_t(batch) * p.heads + it.head) * p.seq_q", "")}
+
+
 def _copy_code(plan: BackwardPlan, step: Copy) -> list[str]:
+    """K and V of the key block; a streamed tile or statistic of work item ``step.block`` into its stage."""
     name = step.arg
     if name in ("K", "V"):
-        return [f"copy_{name}(g{name}, p.{name.lower()}_ld, p.seq_k - kb * int(B_c));"]
-    if name in STATS:
-        src = "gLSE" if name == "LSE" else "gD"
-        return [f"for (uint32_t i = tid; i < B_r; i += THREADS) s{name}[i] = q_row0 + int(i) < p.seq_q ? {src}[q_row0 + int(i)] : 0.f;"]
-    g = "gQ" if name == "Q" else "gdO"
-    ld = "p.q_ld" if name == "Q" else "p.do_ld"
-    return [f"copy_{name}({g} + int64_t(q_row0) * {ld}, {ld}, p.seq_q - q_row0);"]
+        return [f"copy_{name}(s{name}_addr, g{name}, p.{name.lower()}_ld, p.seq_k - kb * int(B_c));"]
+    block = step.block or J
+    w = block.to_cpp(j="w", begin="0", end="work")
+    src, ld = _SOURCES[name]
+    stage = f" + uint32_t({w} % STAGES) * {plan.stage_bytes[name]}u" if block.base == "j" else ""  # the first: stage 0
+    dst = f"s{name}_stage0{stage}"
+    if name in STATS and plan.stats[name].atom.is_async:
+        copy = [f"const float* src = {src};", f"const uint32_t dst = {dst};",
+                "for (uint32_t i = tid; i < B_r; i += THREADS) {",
+                "    const bool ok = it.q_row0 + int(i) < p.seq_q;",
+                "    cp_async_4_zfill(dst + 4u * i, ok ? src + it.q_row0 + int(i) : src, ok);", "}"]
+    elif name in STATS:
+        copy = [f"const float* src = {src};", f"float* dst = reinterpret_cast<float*>(smem_raw + ({dst} - smem));",
+                "for (uint32_t i = tid; i < B_r; i += THREADS) dst[i] = it.q_row0 + int(i) < p.seq_q ? src[it.q_row0 + int(i)] : 0.f;"]
+    else:
+        copy = [f"copy_{name}({dst}, {src} + int64_t(it.q_row0) * {ld}, {ld}, p.seq_q - it.q_row0);"]
+    this = "Item{head, q_row0}" if block == J else f"item({w})"  # the loop's own block: its variables
+    lines = ["{", f"    const Item it = {this};"] + ["    " + l for l in copy] + ["}"]
+    if step.guard is None:
+        return lines
+    cond = step.guard.to_cpp(begin="0", end="work", j="w" if block.base == "j" else w)
+    return [f"if ({cond}) " + lines[0]] + lines[1:]
 
 
 #: step class -> its code
@@ -231,8 +256,8 @@ _STEP_CODE = {
 def _steps(plan: BackwardPlan, steps) -> list[str]:
     out = []
     for step in steps:
-        if step.guard is not None:
-            raise ValueError(f"backward step {step}: guards are not emitted yet")
+        if step.guard is not None and not isinstance(step, Copy):
+            raise ValueError(f"backward step {step}: only copies take guards")
         out += [f"// [{step}] {step.why}".rstrip()] + _STEP_CODE[type(step)](plan, step)
     return out
 
@@ -285,6 +310,7 @@ _HEADER = CodeTemplate(
 namespace $name {
 
 constexpr uint32_t B_r = $B_r, B_c = $B_c, N_WARPS = $n_warps, THREADS = $threads;
+constexpr uint32_t STAGES = $stages;  // query blocks whose Q, dO, lse and D are in shared memory at once
 static_assert(THREADS == 32 * N_WARPS, "one warp = 32 threads");
 constexpr uint32_t D_HEAD = $d_head, D_MMA = $d_mma, D_SMEM = $d_smem;  // data, MMA-covered, shared-memory columns
 static_assert(D_HEAD <= D_MMA && D_MMA <= D_SMEM && D_SMEM % 64 == 0, "tile widths");
@@ -367,8 +393,7 @@ _KERNEL = CodeTemplate(
     const uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
     $smem_addrs
     const uint32_t sdS_t_addr = sdS_addr, sdK_addr = sK_addr, sdV_addr = sV_addr;  // the same memory, other coordinates
-    float* sLSE = reinterpret_cast<float*>(smem_raw + $sLSE_offset);
-    float* sD = reinterpret_cast<float*>(smem_raw + $sD_offset);
+    const uint32_t sLSE_stage0 = smem + $sLSE_offset, sD_stage0 = smem + $sD_offset;
     const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
     const elem_t* gK = p.k + batch * p.k_batch + kv_head * p.k_head + int64_t(kb) * B_c * p.k_ld;
@@ -378,6 +403,8 @@ _KERNEL = CodeTemplate(
     int qb_begin, qb_end;  // query blocks holding kept scores of this key block
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
     const int n_q = qb_end - qb_begin, work = n_q * p.kv_group;  // (query head of the group, query block) pairs
+    struct Item { int head, q_row0; };  // work item w: its query head and first query row
+    auto item = [&](int w) { return Item{kv_head * p.kv_group + w / n_q, (qb_begin + w % n_q) * int(B_r)}; };
     $bases
 
     $g2s_K
@@ -398,12 +425,12 @@ _KERNEL = CodeTemplate(
 
     // ---- the query blocks of every query head of the group ----
     for (int w = 0; w < work; ++w) {
-        const int head = kv_head * p.kv_group + w / n_q, qb = qb_begin + w % n_q, q_row0 = qb * int(B_r);
-        const elem_t* gQ = p.q + batch * p.q_batch + head * p.q_head;
-        const elem_t* gdO = p.dout + batch * p.do_batch + head * p.do_head;
-        const float* gLSE = p.lse + (int64_t(batch) * p.heads + head) * p.seq_q;
-        const float* gD = p.delta + (int64_t(batch) * p.heads + head) * p.seq_q;
+        const int head = item(w).head, q_row0 = item(w).q_row0, qb = q_row0 / int(B_r);
         float* gdQ = p.dq_accum + (int64_t(batch) * p.heads + head) * p.seq_q * D_HEAD;
+        const uint32_t stage = uint32_t(w % STAGES);  // this block's Q, dO, lse and D
+        $stage_addrs
+        const float* sLSE = reinterpret_cast<const float*>(smem_raw + (sLSE_stage0 - smem) + stage * $stats_bytes);
+        const float* sD = reinterpret_cast<const float*>(smem_raw + (sD_stage0 - smem) + stage * $stats_bytes);
         $body
     }
 
@@ -480,6 +507,8 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
     atoms = {load.copy.atom for g in plan.gemms.values() for load in (g.a, g.b) if load is not None}
     helpers = [cp_async.helpers(plan.g2s["Q"].atom), vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_mma.helper(plan.mma),
                red.helpers(plan.red_dQ.atom)] + [ldmatrix.helper(a) for a in sorted(atoms, key=lambda a: a.name)]
+    if plan.stats["LSE"].atom.is_async:
+        helpers.append(cp_async.helpers(plan.stats["LSE"].atom))
     text = compose(_PARTS, dict(
         name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()),
         schedule=" | ".join(str(s) for s in plan.schedule.body),
@@ -489,8 +518,10 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK,
-        smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sQ", "sdO", "sdS")],
-        sLSE_offset=lay["sLSE"], sD_offset=lay["sD"],
+        smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS")]
+                   + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
+        stage_addrs=[f"const uint32_t s{n}_addr = s{n}_stage0 + stage * {plan.stage_bytes[n]}u;" for n in ("Q", "dO")],
+        sLSE_offset=lay["sLSE"], sD_offset=lay["sD"], stats_bytes=f"{plan.stage_bytes['LSE']}u", stages=cfg.stages,
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
         log2e=f"{LOG2E!r}f", bases=_bases(plan), args_struct=backward_args_struct(name),

@@ -130,10 +130,11 @@ def _row_walk_step(split: OffsetSplit) -> int | None:
     return None
 
 
-def _smem_addr(copy: TiledCopy, idx: list[str]) -> str:
-    """Byte address in shared memory of ``copy`` at compile-time index ``idx`` = (v, loops...)."""
+def _smem_addr(copy: TiledCopy, idx: list[str], base: str | None = None) -> str:
+    """Byte address in shared memory of ``copy`` at compile-time index ``idx`` = (v, loops...), from the
+    tile's address ``base`` (default ``<tile>_addr``)."""
     sub = "".join(f"[{i}]" for i in idx)
-    return f"{copy.smem.name}_addr + 2u * ({copy.name}_base ^ {copy.name}_xor{sub}) + 2u * {copy.name}_add{sub}"
+    return f"{base or copy.smem.name + '_addr'} + 2u * ({copy.name}_base ^ {copy.name}_xor{sub}) + 2u * {copy.name}_add{sub}"
 
 
 def _base_decl(copy: TiledCopy, thread_args: list[str]) -> str:

@@ -40,9 +40,10 @@ class BackwardKernels:
         """``flashgen simulate``'s report of one backward plan (``verification``: the proofs' ``to_dict``)."""
         raise NotImplementedError
 
-    def default_config(self, dtype: DType, d_head: int, mask: str = "none") -> Any:
-        """The shipped backward config of a dtype, head size and score mask, or None where this engine's
-        backward does not take the head size."""
+    def default_config(self, dtype: DType, d_head: int, mask: str = "none", target: Target | None = None) -> Any:
+        """The shipped backward config of a dtype, head size and score mask for ``target`` (None: the
+        largest shared memory of the engine's targets), or None where this engine's backward does not
+        take the head size."""
         raise NotImplementedError
 
 

@@ -45,10 +45,12 @@ class MmaSyncBackward(BackwardKernels):
 
         return simulate_backward_report(plan, verification, cta=cta)
 
-    def default_config(self, dtype: DType, d_head: int, mask: str = "none") -> Any:
+    def default_config(self, dtype: DType, d_head: int, mask: str = "none", target: Target | None = None) -> Any:
         from ..dsl.backward_config import BackwardConfig
 
-        return BackwardConfig.default(dtype, d_head, mask)
+        if target is None:
+            return BackwardConfig.default(dtype, d_head, mask)
+        return BackwardConfig.default(dtype, d_head, mask, smem_limit=target.smem_per_block)
 
 
 class MmaSyncEngine(Engine):

@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 
 from flashgen.dsl.backward_config import BackwardConfig
-from flashgen.dsl.backward_plan import STATS, BackwardPlan, make_backward_plan
+from flashgen.dsl.backward_plan import STATS, STREAMED, BackwardPlan, make_backward_plan
 from flashgen.dsl.plan import OperandLoad, WarpGemm
 from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait, runs
 from flashgen.sim import fragments as fr
@@ -99,10 +99,11 @@ class _BwdCta:
         self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
         # K and V are tracked per (row, column part): the warps of a group stage dK / dV over them side by side
         self.parts = {"K": cfg.d_split, "V": cfg.d_split}
-        rows = {"K": cfg.B_c, "V": cfg.B_c, "Q": cfg.B_r, "dO": cfg.B_r, "dS": cfg.B_c, "LSE": cfg.B_r, "D": cfg.B_r}
+        rows = {"K": cfg.B_c, "V": cfg.B_c, "dS": cfg.B_c}
+        rows |= {self.tile(n, s): cfg.B_r for n in STREAMED + STATS for s in range(cfg.stages)}
         self.hz = HazardTracker({t: n * self.parts.get(t, 1) for t, n in rows.items()}, cfg.n_warps)
         self.image = np.zeros(plan.smem_layout["end"] // 2, np.uint16)
-        self.stats = {name: np.zeros(cfg.B_r, _F32) for name in STATS}
+        self.stats = {self.tile(name, s): np.zeros(cfg.B_r, _F32) for name in STATS for s in range(cfg.stages)}
         self.staged: dict[int, tuple] = {}
         self.scale = _F32(scale)
         self.scale_log2 = plan.recompute.scale_log2(scale)
@@ -115,13 +116,25 @@ class _BwdCta:
         self.dq = np.zeros((W, plan.gemms["dQ"].m_tiles, nd, 32, 4), _F32)
         self.where = ""
 
+    def tile(self, name: str, j: int) -> str:
+        """The hazard tracker's name of the stage of streamed tile (or statistic) ``name`` that work item
+        ``j`` uses (K, V and dS have one)."""
+        return f"{name}@{j % self.cfg.stages}" if self.cfg.stages > 1 and name in STREAMED + STATS else name
+
+    def stage_image(self, name: str, j: int) -> np.ndarray:
+        """The shared-memory image as seen from the stage of ``name`` that item ``j`` uses (a view)."""
+        if name not in STREAMED:
+            return self.image
+        return self.image[(j % self.cfg.stages) * self.plan.stage_bytes[name] // 2:]
+
     # -- the walk
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         sched = self.plan.schedule
         n = len(self.work)
         for i, step in enumerate(sched.prologue):
             self.where = f"prologue step {i} ({step})"
-            self.step(step, 0)
+            if runs(step.guard, 0, 0, n):
+                self.step(step, 0)
         for j in range(n):
             for i, step in enumerate(sched.body):
                 self.where = f"query block {self.work[j]} step {i} ({step})"
@@ -153,23 +166,28 @@ class _BwdCta:
     # -- copies and the memory model
     def copy(self, step: Copy, j: int) -> None:
         name, cfg = step.arg, self.cfg
+        if name not in ("K", "V"):
+            j = step.block.index(j, 0, len(self.work)) if step.block is not None else j  # the item it loads
+        tile = self.tile(name, j)
         if name in STATS:
             atom = self.plan.stats[name].atom
-            ev = self.hz.write(name, np.arange(cfg.B_r), CTA, atom.is_async, self.label(name, j), self.where)
+            ev = self.hz.write(tile, np.arange(cfg.B_r), CTA, atom.is_async, self.label(name, j), self.where)
             h, qb = self.work[j]
             src = getattr(self.heads[h], "lse" if name == "LSE" else "delta")[qb * cfg.B_r:(qb + 1) * cfg.B_r]
-            self.staged[ev] = ("stats", name, np.pad(src.astype(_F32), (0, cfg.B_r - src.shape[0])))
+            self.staged[ev] = ("stats", tile, np.pad(src.astype(_F32), (0, cfg.B_r - src.shape[0])))
             if not atom.is_async:
                 self.land(ev)
             return
         trace = self.tr[f"g2s_{name}"]
-        ev = self.hz.write(name, self.rows(trace.name, tile=name), CTA, trace.atom.is_async, self.label(name, j), self.where)
+        ev = self.hz.write(tile, self.rows(trace.name, tile=name), CTA, trace.atom.is_async, self.label(name, j), self.where)
         if name in ("K", "V"):
             block = self.kv[name]
         else:
             h, qb = self.work[j]
             block = getattr(self.heads[h], name.lower())[qb * cfg.B_r:(qb + 1) * cfg.B_r]
-        self.staged[ev] = ("image",) + fr.g2s_payload(trace, block)
+        at, values = fr.g2s_payload(trace, block)
+        offset = (j % cfg.stages) * self.plan.stage_bytes[name] // 2 if name in STREAMED else 0
+        self.staged[ev] = ("image", at + offset, values)
 
     def wait(self, step: Wait, j: int) -> None:
         for ev in self.hz.wait(int(step.arg)):
@@ -183,7 +201,8 @@ class _BwdCta:
             self.image[a] = b
 
     def read(self, tile: str, trace: str, warp: int, j: int, axis: str = "rows") -> None:
-        self.hz.read(tile, self.rows(trace, warp, axis, tile), warp, self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
+        self.hz.read(self.tile(tile, j), self.rows(trace, warp, axis, tile), warp,
+                     self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
 
     # -- GEMMs
     def gemm(self, step: Gemm, j: int) -> None:
@@ -194,11 +213,11 @@ class _BwdCta:
     def _ab(self, g: WarpGemm, w: int, j: int, a_tile: str | None, b_tile: str) -> tuple:
         b_trace = g.b.copy.name
         self.read(b_tile, b_trace, w, j)
-        b = operand_regs(g.b, self.image, self.tr[b_trace], w)
+        b = operand_regs(g.b, self.stage_image(b_tile, j), self.tr[b_trace], w)
         if a_tile is None:
             return None, b
         self.read(a_tile, g.a.copy.name, w, j, "cols" if a_tile == "dS" else "rows")
-        return operand_regs(g.a, self.image, self.tr[g.a.copy.name], w), b
+        return operand_regs(g.a, self.stage_image(a_tile, j), self.tr[g.a.copy.name], w), b
 
     def gemm_scores(self, g: WarpGemm, w: int, j: int) -> None:
         """S^T = K Q^T or dP^T = V dO^T (a fresh accumulator)."""
@@ -220,9 +239,9 @@ class _BwdCta:
     # -- the backward's rules on the accumulators
     def _columns(self, w: int, stat: str, j: int) -> np.ndarray:
         """``stat`` of each accumulator value's column (query row), ``[mk, nq, 32, 4]``."""
-        self.hz.read(stat, np.arange(self.cfg.B_r), w, self.label(stat, j), self.where)
+        self.hz.read(self.tile(stat, j), np.arange(self.cfg.B_r), w, self.label(stat, j), self.where)
         cols = fr.matrix_to_acc(np.broadcast_to(np.arange(self.cfg.B_r, dtype=_F32), (self.cfg.key_rows_per_warp, self.cfg.B_r)))
-        return self.stats[stat][cols.astype(np.int64)]
+        return self.stats[self.tile(stat, j)][cols.astype(np.int64)]
 
     def recompute_p(self, step: Step, j: int) -> None:
         cfg, prob, plan = self.cfg, self.prob, self.plan

@@ -16,7 +16,8 @@ from flashgen.sim.copies import wavefronts
 B = BackwardConfig
 CONFIGS = [B("fp16"), B("bf16", d_head=64, B_r=128, B_c=128, n_warps=8), B("fp16", d_head=40, swizzled=False, mask="causal"),
            B("bf16", d_head=96, B_r=64, B_c=32, n_warps=2, mask="window"), B("fp16", n_warps=8, d_split=2),
-           B("bf16", d_head=64, B_r=128, B_c=32, n_warps=8, d_split=4, swizzled=False)]
+           B("bf16", d_head=64, B_r=128, B_c=32, n_warps=8, d_split=4, swizzled=False),
+           B("bf16", n_warps=8, d_split=2, mask="causal", stages=2)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)

@@ -80,6 +80,10 @@ CASES = [
     (BackwardConfig("bf16", d_head=128), 1, 257, 129, 1, 1, {}),
     (BackwardConfig("fp16", n_warps=8, d_split=2), 2, 257, 129, 4, 2, {}),
     (BackwardConfig("bf16", n_warps=8, d_split=2, mask="causal"), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (BackwardConfig("fp16", n_warps=8, d_split=2, stages=2), 2, 1000, 777, 4, 2, {}),
+    (BackwardConfig("bf16", n_warps=8, d_split=2, mask="causal", stages=2), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (BackwardConfig("fp16", d_head=64, mask="window", stages=2), 1, 513, 200, 2, 2, {"window": (50, 7)}),
+    (BackwardConfig("bf16", d_head=256, n_warps=8, d_split=2, stages=2), 1, 1, 1, 1, 1, {}),
 ]
 
 

@@ -27,6 +27,10 @@ CASES = [
     (B("fp16", n_warps=8, d_split=2), 17, 113, 2, 1, {}),
     (B("bf16", n_warps=8, d_split=2, mask="causal"), 113, 70, 4, 2, {"causal": True, "align": "bottom_right"}),
     (B("fp16", d_head=64, B_c=16, n_warps=4, d_split=4, mask="window"), 70, 33, 2, 1, {"window": (9, 4)}),
+    # two stages: the next query block's copies in flight under this one's GEMMs
+    (B("fp16", d_head=64, stages=2), 1, 1, 1, 1, {}),
+    (B("bf16", n_warps=8, d_split=2, mask="causal", stages=2), 200, 130, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (B("fp16", d_head=64, B_c=32, n_warps=2, mask="window", stages=2), 150, 70, 2, 1, {"window": (20, 3)}),
 ]
 
 
@@ -71,6 +75,29 @@ def test_a_missing_step_is_a_hazard(step, words):
     broken = _without(plan, plan.schedule.body.index(step))
     res = simulate_backward(broken, *_inputs(0, 130, 70, 1, 1, 64))
     assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+@pytest.mark.parametrize("step, words", [
+    (Barrier(why="all warps done with Q_j, dO_j, dS before the next block's copies"), "write-after-read"),
+    (Wait("1", why="all but block j+1's group: Q_j, dO_j, lse_j, D_j (and K, V)"), "in flight"),
+])
+def test_a_missing_step_of_the_two_stage_schedule_is_a_hazard(step, words):
+    """Without the closing barrier the next block's copies overwrite a stage other warps still read;
+    without the wait the GEMMs read a block still in flight."""
+    plan = make_backward_plan(B("fp16", d_head=64, stages=2))
+    broken = _without(plan, plan.schedule.body.index(step))
+    res = simulate_backward(broken, *_inputs(0, 200, 70, 1, 1, 64))
+    assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+def test_waiting_for_the_newest_group_only_is_a_hazard():
+    """``wait_group 2`` leaves block j's own group in flight when its GEMMs read it."""
+    plan = make_backward_plan(B("fp16", d_head=64, stages=2))
+    at = next(i for i, s in enumerate(plan.schedule.body) if isinstance(s, Wait))
+    body = plan.schedule.body[:at] + (Wait("2"),) + plan.schedule.body[at + 1:]
+    broken = attrs.evolve(plan, schedule=attrs.evolve(plan.schedule, body=body))
+    res = simulate_backward(broken, *_inputs(0, 200, 70, 1, 1, 64))
+    assert any("in flight" in h for h in res.hazards), res.hazards[:3]
 
 
 def test_a_missing_ds_store_is_a_hazard():

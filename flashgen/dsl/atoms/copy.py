@@ -58,6 +58,11 @@ def GM2SM_f32() -> CopyAtom:
     return CopyAtom("UniversalCopy<float>", "f32", GM, SM, 2, "9.7.9.8 ld, 9.7.9.10 st")
 
 
+def GM2SM_async_f32() -> CopyAtom:
+    """``cp.async.ca.shared.global [dst], [src], 4``: one fp32 value, in the 16-byte copies' groups (PTX 9.7.9.25.3)."""
+    return CopyAtom("SM80_CP_ASYNC_CACHEALWAYS<float>", "cp_async", GM, SM, 2, "9.7.9.25.3 cp.async")
+
+
 def SM2GM() -> CopyAtom:
     """16-byte ``ld.shared.v4.u32`` then ``st.global.v4.u32`` (PTX 9.7.9.8 / 9.7.9.10)."""
     return CopyAtom("UniversalCopy<uint128_t>", "vec16", SM, GM, 8, "9.7.9.8 ld, 9.7.9.10 st")
