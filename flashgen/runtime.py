@@ -165,20 +165,21 @@ class Attention:
         if torch.compiler.is_compiling():
             return _op_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
         args = (q, k, v, out, self._handle, softmax_scale, left, right, align, return_lse)
-        try:
-            result = self._native.call(*args)
-            if result is None:  # the first call on this device, or a call to differentiate: check everything
-                self.check(q, k, v, out)
-                if autograd.needs_grad(q, k, v):
-                    return _op_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align,
-                                      return_lse)
-                result = self._native.call(*args)
-        except InputError:
-            raise
-        except (TypeError, ValueError) as exc:  # a check failed in the launcher
-            self.check(q, k, v, out)  # raises the InputError that explains it
-            raise InputError(str(exc)) from None
+        result = self._eager(args)
+        if result is None:  # the first call on this device, or a call to differentiate: check everything
+            self.check(q, k, v, out)
+            if autograd.needs_grad(q, k, v):
+                return _op_launch(self._handle, self._scale, q, k, v, out, softmax_scale, left, right, align, return_lse)
+            result = self._eager(args)
         return result
+
+    def _eager(self, args: tuple):
+        """The launcher's eager entry point on ``args``; a check it fails raises the InputError explaining it."""
+        try:
+            return self._native.call(*args)
+        except (TypeError, ValueError) as exc:  # a check failed in the launcher
+            self.check(*args[:4])  # raises the InputError that explains it
+            raise InputError(str(exc)) from None
 
 
 def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,

@@ -193,14 +193,28 @@ def _store_ds_code(plan: BackwardPlan, step: Step) -> list[str]:
     return [f"if (warp % {every}u == 0) {{  // the group's other warps hold the same dS^T"] + ["    " + l for l in lines] + ["}"]
 
 
+def _adjacent_pairs(copy: TiledCopy) -> bool:
+    """Whether every thread's values ``2h`` and ``2h+1`` of the reduction sit in one row, in adjacent
+    columns from an even one: what lets one 8-byte vector reduction add both."""
+    import numpy as np
+
+    part = copy.partition
+    rows, cols = part.coords(np.arange(32), np.zeros(32, dtype=np.int64))  # [lane, value, loops...]
+    return bool((rows[:, 0::2] == rows[:, 1::2]).all() and (cols[:, 1::2] == cols[:, 0::2] + 1).all()
+                and (cols[:, 0::2] % 2 == 0).all())
+
+
 def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
     copy = plan.red_dQ
+    if not _adjacent_pairs(copy):
+        raise ValueError(f"{copy.name}: values 2h and 2h+1 are not adjacent columns of one row; the dQ reduction adds them as pairs")
     args = dict(lane="lane", v="r", warp="warp", mi="mi", nt="nt")
     return ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
-            "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
+            "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
             f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
             f"            const uint32_t col = {_call(copy, 'col', **args)};",
-            "            if (row < p.seq_q && col < D_HEAD) red_add_f32(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][nt][r]);",
+            "            if (row < p.seq_q && col < D_HEAD)",
+            "                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][nt][r], dq_acc[mi][nt][r + 1]);",
             "        }"]
 
 
