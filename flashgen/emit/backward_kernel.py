@@ -447,16 +447,18 @@ _KERNEL = CodeTemplate(
 _LAUNCHER = CodeTemplate(
     r"""$args_struct
 
+namespace $name {
 // Turn counters of the ordered dQ adds: one per (batch, query head, query block) where deterministic, else none.
-static size_t dq_turn_count(const ${name}_args* a) {
+inline size_t dq_turn_count(const ${name}_args* a) {
     (void)a;
     return $turn_count;
 }
+}  // namespace $name
 
 // The dQ fp32 buffer and the turn counters (zeroed), then D.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     const size_t rows = size_t(a->batch) * a->heads * a->seq_q;
-    *zeroed = rows * $d_head * sizeof(float) + dq_turn_count(a) * sizeof(int);
+    *zeroed = rows * $d_head * sizeof(float) + $name::dq_turn_count(a) * sizeof(int);
     *bytes = *zeroed + rows * sizeof(float);
     return 0;
 }
