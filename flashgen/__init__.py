@@ -15,15 +15,17 @@ __all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_conf
 __version__ = "0.1.0"
 
 
-def compile(cfg, verbose: bool = False):  # noqa: A001
+def compile(cfg, verbose: bool = False, deterministic: bool = False):  # noqa: A001
     """Build (or load from the on-disk cache) the kernel for ``cfg`` and return a callable.
 
     ``cfg``: a KernelConfig, a dict of knobs, a YAML path or a short form such as
     ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``.
+    ``deterministic``: every backward of the callable gives bit-identical gradients run to run (as every
+    backward does while ``torch.use_deterministic_algorithms(True)`` holds at the forward call).
     """
     from .runtime import compile as _compile
 
-    return _compile(cfg, verbose=verbose)
+    return _compile(cfg, verbose=verbose, deterministic=deterministic)
 
 
 def __getattr__(name: str):

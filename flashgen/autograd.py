@@ -7,6 +7,12 @@ and score mask: every loaded forward kernel that can be differentiated registers
 that kernel (:func:`register`), and it is built once, on the first differentiable call. Both run
 under ``torch.compile`` too: the backward kernel's handle is a constant of the traced graph.
 
+Deterministic backward (bit-identical dQ, dK, dV run to run; its dQ adds wait for their turn): for
+every call of a forward kernel registered ``deterministic`` (``flashgen.compile(..., deterministic=True)``),
+and for any call made while ``torch.are_deterministic_algorithms_enabled()``. The choice is made at
+the forward call and kept with the saved tensors; each of a kernel's two backward variants is built
+on first use.
+
 A gradient that reaches the returned lse is taken into account (``d lse_i / d s_ij = scale * p_ij``
 folds into the backward's ``D = rowsum(dO * O)`` as ``D - dlse``).
 """
@@ -19,30 +25,45 @@ import torch
 
 from . import launcher  # noqa: F401  (defines the operators this module registers a formula for)
 
-#: forward kernel handle -> what builds and loads its backward kernel (returning that kernel's handle)
-_factories: dict[int, Callable[[], int]] = {}
-#: forward kernel handle -> its loaded backward kernel's handle
-_handles: dict[int, int] = {}
+#: forward kernel handle -> what builds and loads its backward kernel, ``factory(deterministic)``
+#: (returning that kernel's handle)
+_factories: dict[int, Callable[[bool], int]] = {}
+#: (forward kernel handle, deterministic) -> the loaded backward kernel's handle
+_handles: dict[tuple[int, bool], int] = {}
+#: forward kernels whose every backward is the deterministic one
+_always_deterministic: set[int] = set()
 _lock = threading.Lock()
 
 
-def register(forward: int, factory: Callable[[], int]) -> None:
-    """Forward kernel ``forward`` is differentiated by the kernel ``factory`` builds and loads."""
+def register(forward: int, factory: Callable[[bool], int], deterministic: bool = False) -> None:
+    """Forward kernel ``forward`` is differentiated by the kernel ``factory(deterministic)`` builds and
+    loads; ``deterministic``: always by its deterministic variant."""
     _factories[forward] = factory
+    if deterministic:
+        _always_deterministic.add(forward)
+    else:
+        _always_deterministic.discard(forward)
 
 
-def backward_handle(forward: int) -> int:
-    """The backward kernel of forward kernel ``forward``, built and loaded on first use."""
-    handle = _handles.get(forward)
+def deterministic(forward: int) -> bool:
+    """Whether a differentiable call of forward kernel ``forward`` made now gets the deterministic backward."""
+    return forward in _always_deterministic or torch.are_deterministic_algorithms_enabled()
+
+
+def backward_handle(forward: int, deterministic: bool = False) -> int:
+    """The backward kernel (``deterministic``: its variant with ordered dQ adds) of forward kernel
+    ``forward``, built and loaded on first use."""
+    key = (forward, bool(deterministic))
+    handle = _handles.get(key)
     if handle is None:
         with _lock:
-            handle = _handles.get(forward)
+            handle = _handles.get(key)
             if handle is None:
                 factory = _factories.get(forward)
                 if factory is None:
                     raise RuntimeError(f"flashgen: forward kernel {forward} has no backward registered; "
                                        "differentiate calls of the objects flashgen.compile returns")
-                handle = _handles[forward] = factory()
+                handle = _handles[key] = factory(key[1])
     return handle
 
 
@@ -64,6 +85,7 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.call = (kernel, softmax_scale, mask_offset, window_left, window_right)
+    ctx.deterministic = deterministic(kernel)  # decided at the forward call, as torch's own setting is read
     ctx.set_materialize_grads(False)  # an unused lse (or o) gets no zero-filled gradient
 
 
@@ -76,7 +98,7 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
                            "return_lse=True themselves when a call needs gradients")
     dout = torch.zeros_like(out) if dout is None else _launchable(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
-    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel),
+    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel, ctx.deterministic),
                                                        softmax_scale, mask_offset, window_left, window_right)
     return dq, dk, dv, None, None, None, None, None, None
 

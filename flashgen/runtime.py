@@ -74,17 +74,18 @@ def _load(built: Built, verbose: bool) -> int:
 class Attention:
     """A compiled kernel: ``attn(q, k, v, out=None, softmax_scale=None, causal=False, window=None, ...) -> o``."""
 
-    def __init__(self, built: Built, verbose: bool = False) -> None:
+    def __init__(self, built: Built, verbose: bool = False, deterministic: bool = False) -> None:
         self.built = built
         self.cfg: KernelConfig = built.cfg
         self.verbose = verbose
+        self.deterministic = deterministic  # every backward deterministic, not only under torch's setting
         self._handle = _load(built, verbose)
         self._native = launcher.native()
         self._mask = self.cfg.mask
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
         self._variants: dict[str, Attention] = {}
-        autograd.register(self._handle, self._load_backward)
+        autograd.register(self._handle, self._load_backward, deterministic)
 
     @property
     def compile_seconds(self) -> float:
@@ -109,24 +110,27 @@ class Attention:
         if not engine.runs_on(of_capability((major, minor))):
             raise InputError(f"{name} has compute capability {major}.{minor}; {engine.name}-engine kernels need {engine.needs}")
 
-    def backward_config(self) -> BackwardConfig:
-        """The backward kernel that differentiates this one (same dtype, head size and mask)."""
+    def backward_config(self, deterministic: bool | None = None) -> BackwardConfig:
+        """The backward kernel that differentiates this one (same dtype, head size and mask);
+        ``deterministic`` (default: this object's setting) chooses its variant with ordered dQ adds."""
         capability = self.built.capability
         try:
-            return backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, capability)
+            cfg = backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, capability)
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
+        return cfg.replace(deterministic=self.deterministic if deterministic is None else bool(deterministic))
 
-    def _load_backward(self) -> int:
-        """Build (or load from the cache) and load the backward kernel: its launcher handle."""
-        return _load(build(self.backward_config(), self.built.capability, verbose=self.verbose), self.verbose)
+    def _load_backward(self, deterministic: bool) -> int:
+        """Build (or load from the cache) and load the backward kernel (or its deterministic variant):
+        its launcher handle."""
+        return _load(build(self.backward_config(deterministic), self.built.capability, verbose=self.verbose), self.verbose)
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""
         attn = self._variants.get(mask)
         if attn is None:
             attn = self._variants[mask] = Attention(build(self.cfg.replace(mask=mask), self.built.capability,
-                                                          verbose=self.verbose), self.verbose)
+                                                          verbose=self.verbose), self.verbose, self.deterministic)
         return attn
 
     def __call__(
@@ -152,7 +156,9 @@ class Attention:
 
         Differentiable: when q, k or v requires grad (and grad mode is on), autograd records the call and
         its backward kernel (same dtype, head size and mask) is built with the first such call. Gradients
-        reach q, k and v through o and through the returned lse; ``out=`` cannot be differentiated.
+        reach q, k and v through o and through the returned lse; ``out=`` cannot be differentiated. The
+        backward is deterministic when this object was compiled ``deterministic=True`` or the call is
+        made under ``torch.use_deterministic_algorithms(True)``.
         """
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
@@ -198,7 +204,8 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
         if out is not None:
             raise InputError("out= cannot be differentiated (the operator that writes into it has no backward); "
                              "call without out= when q, k or v requires grad")
-        autograd.backward_handle(handle)  # built with the forward: a head size it cannot take fails at this call
+        # built with the forward: a head size it cannot take fails at this call
+        autograd.backward_handle(handle, autograd.deterministic(handle))
     if out is None:
         out, lse = _attention(q, k, v, handle, scale, offset, left, right, return_lse or differentiate)
     else:
@@ -257,8 +264,9 @@ class AutoAttention:
     ``torch.compile`` the pick happens once, while tracing.
     """
 
-    def __init__(self, verbose: bool = False) -> None:
+    def __init__(self, verbose: bool = False, deterministic: bool = False) -> None:
         self.verbose = verbose
+        self.deterministic = deterministic  # passed to every kernel it builds
         self._dispatch: dict[tuple, Attention] = {}
         self._built: dict[KernelConfig, Attention] = {}
         self._id = tracing.register(self)  # how a traced call names this object
@@ -307,7 +315,7 @@ class AutoAttention:
         attn = self._built.get(cfg)
         if attn is None:
             capability = device_facts(_device_index(device))[1]
-            attn = self._built[cfg] = Attention(build(cfg, capability, verbose=self.verbose), self.verbose)
+            attn = self._built[cfg] = Attention(build(cfg, capability, verbose=self.verbose), self.verbose, self.deterministic)
         if len(self._dispatch) >= _MAX_DISPATCH:
             self._dispatch.clear()
         self._dispatch[key] = attn
@@ -336,12 +344,15 @@ def _select(device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, m
     return lookup(name, fg_dtype, int(d_head), int(seq_q), capability=capability, masked=masked)
 
 
-def compile(cfg: Any, verbose: bool = False) -> "Attention | AutoAttention":  # noqa: A001 - the public name users expect
+def compile(cfg: Any, verbose: bool = False, deterministic: bool = False) -> "Attention | AutoAttention":  # noqa: A001
     """Build (or load from the cache) the kernel for ``cfg``: a KernelConfig, dict, YAML path or short form.
 
-    ``"auto"`` returns an :class:`AutoAttention` that uses ``flashgen tune``'s results.
+    ``"auto"`` returns an :class:`AutoAttention` that uses ``flashgen tune``'s results. ``deterministic``:
+    every backward of the returned object is the deterministic one (bit-identical gradients run to run).
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic={deterministic!r}: expected True or False")
     if isinstance(cfg, str) and cfg.strip() == "auto":
-        return AutoAttention(verbose)
+        return AutoAttention(verbose, deterministic)
     config = configs.forward(cfg, "flashgen.compile")
-    return Attention(build(config, verbose=verbose), verbose)
+    return Attention(build(config, verbose=verbose), verbose, deterministic)

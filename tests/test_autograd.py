@@ -77,6 +77,7 @@ def ops(monkeypatch):
     # the doubles' handles restart at 0 in every test; real handles are unique in a process
     monkeypatch.setattr(autograd, "_factories", {})
     monkeypatch.setattr(autograd, "_handles", {})
+    monkeypatch.setattr(autograd, "_always_deterministic", set())
     lib = torch.library.Library("flashgen", "IMPL")
     lib.impl("attention", doubles.attention, "CPU")
     lib.impl("attention_backward", doubles.attention_backward, "CPU")
@@ -100,9 +101,9 @@ def expected(q, k, v, dout, dlse=None, **mask):
     return torch.autograd.grad(loss, leaves)
 
 
-def attention_of(ops, d=64, mask="none"):
+def attention_of(ops, d=64, mask="none", deterministic=False):
     cfg = lookup("H100", DType.FP16, d, 64, cache={}, capability=(9, 0)).replace(mask=mask)
-    return runtime.Attention(ops.kernels.build(cfg, (9, 0)))
+    return runtime.Attention(ops.kernels.build(cfg, (9, 0)), deterministic=deterministic)
 
 
 @pytest.mark.parametrize("mask", [{"causal": True}, {"causal": True, "align": "bottom_right"}, {"window": (5, 3)}, {}])
@@ -187,3 +188,69 @@ def test_only_gradients_the_kernels_cannot_read_are_copied():
     assert autograd._launchable(expanded).stride() == g.stride()
     shifted = torch.zeros(2 * 8 * 4 * 64 + 4)[4:].view(2, 8, 4, 64)  # rows 8 bytes off
     assert autograd._launchable(shifted).storage_offset() == 0
+
+
+def _backward_configs(ops):
+    """The backward configs the differentiable calls ran, in order."""
+    return [ops.kernels.built[c[1]] for c in ops.calls if c[0] == "attention_backward"]
+
+
+def test_compile_deterministic_runs_every_backward_on_the_deterministic_kernel(ops, monkeypatch):
+    monkeypatch.setattr(runtime, "build", lambda cfg, capability=None, verbose=False: ops.kernels.build(cfg, (9, 0)))
+    attn = runtime.compile(lookup("H100", DType.FP16, 64, 64, cache={}, capability=(9, 0)), deterministic=True)
+    plain = attention_of(ops)
+    q, k, v = inputs()
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    for call in (lambda: attn(q, k, v, softmax_scale=0.3), lambda: attn(q, k, v, softmax_scale=0.3, causal=True),
+                 lambda: plain(q, k, v, softmax_scale=0.3)):
+        torch.autograd.grad(call(), (q, k, v), dout)
+    det, det_causal, other = _backward_configs(ops)
+    assert (det.deterministic, det.mask) == (True, "none")
+    assert (det_causal.deterministic, det_causal.mask) == (True, "causal")  # the masked variant inherits the choice
+    assert other.deterministic is False and det.replace(deterministic=False) == other
+    assert attn.backward_config().deterministic and not plain.backward_config().deterministic
+
+
+def test_torch_deterministic_mode_at_the_forward_call_chooses_the_deterministic_backward(ops):
+    attn = attention_of(ops)
+    q, k, v = inputs()
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        o_det = attn(q, k, v)
+        torch.use_deterministic_algorithms(False)
+        o_plain = attn(q, k, v)
+        torch.use_deterministic_algorithms(True)  # the setting at the backward call does not matter
+        grads = torch.autograd.grad((o_plain * dout).sum() + (o_det * dout).sum(), (q, k, v))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert sorted(c.deterministic for c in _backward_configs(ops)) == [False, True]
+    for got, want in zip(grads, expected(q, k, v, 2 * dout, scale=1 / 8, offset=0, left=-1, right=-1)):
+        torch.testing.assert_close(got, want)
+    handles = {c[1] for c in ops.calls if c[0] == "attention_backward"}
+    forward = ops.calls[0][1]
+    assert handles == {autograd.backward_handle(forward, False), autograd.backward_handle(forward, True)}
+
+
+def test_each_backward_variant_is_built_once_and_calls_without_grad_build_none(ops):
+    attn = attention_of(ops, deterministic=True)
+    with torch.no_grad():
+        attn(*inputs())
+    assert not any(isinstance(c, BackwardConfig) for c in ops.kernels.built) and not ops.calls
+    for _ in range(2):
+        attn(*inputs()).sum().backward()
+    assert [c.deterministic for c in ops.kernels.built if isinstance(c, BackwardConfig)] == [True]
+
+
+def test_compile_refuses_a_deterministic_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="deterministic='yes': expected True or False"):
+        runtime.compile("auto", deterministic="yes")
+
+
+def test_compile_auto_deterministic_passes_the_choice_to_the_kernels_it_picks(ops):
+    auto = runtime.compile("auto", deterministic=True)
+    q, k, v = inputs(seq_q=64, seq_k=64)
+    torch.autograd.grad(auto(q, k, v, causal=True), (q, k, v), torch.randn(q.shape, dtype=q.dtype))
+    (cfg,) = _backward_configs(ops)
+    assert cfg.deterministic and cfg.mask == "causal"

@@ -8,7 +8,11 @@ tail row of the backward's last block must add nothing to dK and dV).
 * :meth:`QueryBlocks.block_range`: ``[qb_begin, qb_end)``, the query blocks holding any kept score
   of the key block (causal: rows ``i >= c0 - offset``; a window's right side: ``i >= c0 - offset -
   right``; its left side: ``i <= c_last - offset + left``);
-* :meth:`QueryBlocks.block_needs_mask`: False where every score of (query block, key block) is kept.
+* :meth:`QueryBlocks.block_needs_mask`: False where every score of (query block, key block) is kept;
+* :meth:`QueryBlocks.key_rank`: the place of key block ``kb`` among the key blocks that visit query
+  block ``qb``, in ascending order. Those are a contiguous range, the forward's key-block range of
+  the query block (:meth:`ScoreMask.block_range`), so the rank is ``kb`` less its first block. A
+  deterministic backward adds dQ of ``qb`` in this order.
 
 ``to_cpp`` renders both as ``__host__ __device__`` functions next to the forward's
 ``score_row_range`` (which the kernel's element mask calls); tests compile them for the host and
@@ -61,9 +65,14 @@ class QueryBlocks:
             return True
         return self.mask.block_needs_mask(kb, q_row0, seq_q, seq_k, offset, left, right)
 
+    def key_rank(self, qb: int, kb: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> int:
+        """How many key blocks below ``kb`` visit query block ``qb`` (for a ``kb`` that visits it): ``kb``
+        less the first block of the forward's key-block range of the query block's rows."""
+        return kb - self.mask.block_range(qb * self.B_r, seq_q, seq_k, offset, left, right)[0]
+
     def to_cpp(self) -> str:
-        """``q_block_range`` and ``bwd_block_needs_mask`` (after the forward mask's C++, whose
-        ``block_needs_mask`` the latter calls; ``B_r`` and ``B_c`` are the kernel's constants)."""
+        """``q_block_range``, ``bwd_block_needs_mask`` and ``key_rank`` (after the forward mask's C++, whose
+        ``block_needs_mask`` and ``kv_block_range`` they call; ``B_r`` and ``B_c`` are the kernel's constants)."""
         kind = self.mask.kind
         lines = [
             "const int n_q = (seq_q + (int)B_r - 1) / (int)B_r;",
@@ -91,5 +100,11 @@ class QueryBlocks:
             f"__host__ __device__ __forceinline__ bool bwd_block_needs_mask(int qb, int kb, {sig}) {{\n"
             f"    const int q_row0 = qb * (int)B_r;\n"
             f"    if (q_row0 + (int)B_r > seq_q) return true;\n"
-            f"    return block_needs_mask(kb, q_row0, seq_q, seq_k, offset, left, right);\n}}"
+            f"    return block_needs_mask(kb, q_row0, seq_q, seq_k, offset, left, right);\n}}\n"
+            f"// how many key blocks below kb visit query block qb (kb visiting it): kb less the first block of the\n"
+            f"// forward's key-block range of the query block's rows (the visiting key blocks are that range)\n"
+            f"__host__ __device__ __forceinline__ int key_rank(int qb, int kb, {sig}) {{\n"
+            f"    int j_begin, j_end;\n"
+            f"    kv_block_range(qb * (int)B_r, seq_q, seq_k, offset, left, right, &j_begin, &j_end);\n"
+            f"    return kb - j_begin;\n}}"
         )

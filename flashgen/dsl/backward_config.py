@@ -58,6 +58,7 @@ class BackwardConfig:
     engine: str = "mma_sync"
     d_split: int = 1
     stages: int = 1
+    deterministic: bool = False
 
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
@@ -153,10 +154,11 @@ class BackwardConfig:
 
     def short_form(self) -> str:
         """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
-        (``d_split_2`` among them when the warps split d)."""
+        (``d_split_2`` among them when the warps split d, ``deterministic`` for dQ's ordered adds)."""
         flags = (["swizzled"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
         flags += [f"stages_{self.stages}"] if self.stages > 1 else []
+        flags += ["deterministic"] if self.deterministic else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
         return head + (": " + "+".join(flags) if flags else "")
 
@@ -169,6 +171,7 @@ class BackwardConfig:
         parts += (["swz"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
         parts += [f"ds{self.d_split}"] if self.d_split > 1 else []
         parts += [f"s{self.stages}"] if self.stages > 1 else []
+        parts += ["det"] if self.deterministic else []
         return "_".join(["flash_bwd", *parts])
 
     def content_hash(self) -> str:
@@ -183,8 +186,9 @@ def _rule_choices(c: BackwardConfig) -> None:
         raise ConfigError(f"engine={c.engine!r}: the backward is built by {', '.join(ENGINES)} so far")
     if c.mask not in MASKS:
         raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
-    if not isinstance(c.swizzled, bool):
-        raise ConfigError(f"swizzled={c.swizzled!r}: expected true or false")
+    for name in ("swizzled", "deterministic"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"{name}={getattr(c, name)!r}: expected true or false")
 
 
 def _rule_sizes(c: BackwardConfig) -> None:

@@ -26,7 +26,10 @@ operand of its dV and dK columns). dS^T goes registers -> shared (``sdS``, key r
 by the first warp of each group, :attr:`BackwardPlan.ds_store_every`) so that the dQ GEMM, whose
 warps own query rows, can read all of it; ``sdS_t`` is the same memory in (query, key) coordinates.
 dQ is added into a ``(batch, heads, seq_q, d)`` fp32 buffer with ``red.global.add.f32`` at the C
-fragment's coordinates; dK (times the softmax scale) and dV go registers -> shared (over sK, sV)
+fragment's coordinates, each element of a query block by one thread of the CTA
+(:func:`dq_adds_once`); the key blocks' CTAs add in whatever order they come, or, ``deterministic``,
+in ascending key blocks (:class:`WaitOrder` / :class:`SignalOrder` around the adds, the rank from
+:meth:`QueryBlocks.key_rank`), so that the fp32 sums are the same run to run. dK (times the softmax scale) and dV go registers -> shared (over sK, sV)
 -> global at the end, as the forward's O.
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ from .atoms.mma import MMA_16x8x16
 from .backward_config import BackwardConfig
 from .layout import Layout
 from .plan import OperandLoad, Schedule, ScoreMask, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
-from .steps import BEGIN, HAS_NEXT, J, NEXT, Barrier, Guard, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, StoreRF, Wait
+from .steps import BEGIN, HAS_NEXT, J, NEXT, Barrier, Commit, Copy, Gemm, GradScores, Guard, RecomputeP, ReduceGM, SignalOrder, StoreRF, Wait, WaitOrder
 from .swizzle import ComposedLayout
 from .tensor import Tensor
 from .tiling import Loop, Partition, vector_copy_tv
@@ -213,7 +216,7 @@ def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles
 ANY_BLOCK = Guard(0, "<", "end")
 
 
-def _schedule(stages: int) -> Schedule:
+def _schedule(stages: int, deterministic: bool = False) -> Schedule:
     """Prologue: K and V of the CTA's key block. Body, per query block ``j`` (of every query head of
     the kv head's group): Q, dO, lse, D in one cp.async group; the five GEMMs and the rules between.
 
@@ -221,7 +224,9 @@ def _schedule(stages: int) -> Schedule:
     first issues block j+1's copies into the other stage (freed by the previous block's closing
     barrier) and waits for all but that newest group, so the loads run under block j's GEMMs. Groups
     complete in order, so the first wait also completes K and V; the barrier at the end keeps the
-    next copies off tiles that other warps may still read.
+    next copies off tiles that other warps may still read. ``deterministic``: the dQ adds wait for
+    their turn (as late as possible, after the dQ GEMM) and the end barrier, behind every warp's adds,
+    precedes passing it on.
     """
     def copies(block, guard=None, which="j"):
         return tuple(Copy(n, block, guard, why=f"{n.lower() if n in STATS else n}_{which}") for n in STREAMED + STATS)
@@ -244,10 +249,30 @@ def _schedule(stages: int) -> Schedule:
         StoreRF("dS", why="dS^T -> shared memory for the dQ GEMM"),
         Barrier(why="dS^T visible to all warps"),
         Gemm("dQ", why="dQ_j = dS K"),
+        WaitOrder("dQ", why="the key blocks below this one that visit Q_j have added their dQ_j") if deterministic else None,
         ReduceGM("dQ", why="dQ_j added into the fp32 buffer"),
         Barrier(why="all warps done with Q_j, dO_j, dS before the next block's copies"),
+        SignalOrder("dQ", why="the next key block's turn to add dQ_j") if deterministic else None,
     )
-    return Schedule(pro, body)
+    return Schedule(pro, tuple(s for s in body if s is not None))
+
+
+def dq_adds_once(red: TiledCopy, n_warps: int, rows: int, cols: int) -> None:
+    """ValueError unless the dQ reduction of ``n_warps`` warps adds each element of the query block's
+    ``rows x cols`` tile (B_r x d_mma) from exactly one (warp, lane, value, loop index) and nothing
+    outside it: then the order of the adds into one element is the order of the CTAs alone."""
+    import numpy as np
+
+    warps = np.repeat(np.arange(n_warps), 32)
+    r, c = red.partition.coords(np.tile(np.arange(32), n_warps), warps)
+    r, c = r.ravel(), c.ravel()
+    inside = (r >= 0) & (r < rows) & (c >= 0) & (c < cols)
+    hits = np.zeros((rows, cols), np.int64)
+    np.add.at(hits, (r[inside], c[inside]), 1)
+    if not inside.all() or not (hits == 1).all():
+        raise ValueError(f"{red.name}: the CTA's threads add elements of dQ's {rows} x {cols} tile {hits.min()} to {hits.max()} "
+                         f"times ({int((~inside).sum())} adds outside it), not once each; an ordered reduction of dQ would "
+                         "have to order the threads of a CTA too")
 
 
 def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
@@ -281,7 +306,10 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
     gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
     red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt, sp, own)
     mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c)
-    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages), _row_reduce_lanes(mma.c_map), mask,
+    if cfg.deterministic:
+        dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_mma)
+    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages, cfg.deterministic),
+                        _row_reduce_lanes(mma.c_map), mask,
                         QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, sp)
 
 

@@ -296,6 +296,8 @@ ENGINE_FLAG = next(g for g in FLAGS if ENGINE_KNOB in g.knobs)
 BACKWARD_ONLY: tuple[Knob, ...] = (
     Knob("d_split", int, "backward: warps per group that split dK, dV and dQ's columns", default=1, engines=(), off=1,
          flag=Pattern("d_split_{}", "d_split_N", (1,)), mangled=Pattern("ds{}")),
+    Knob("deterministic", bool, "backward: dQ's adds from the key blocks in a fixed order, so gradients are "
+         "bit-identical run to run", default=False, engines=(), off=False, flag=Switch("deterministic"), mangled=Switch("det")),
 )
 BACKWARD_FLAGS: tuple[Spelled, ...] = _groups(BACKWARD_ONLY, "flag")
 

@@ -177,6 +177,20 @@ class ReduceGM(Step):
     op = "reduce_gm"
 
 
+class WaitOrder(Step):
+    """Ordered (deterministic) reduction of ``arg``: wait until the CTAs before this one in the fixed
+    order of the block's contributors have made their adds, then a CTA barrier."""
+
+    op = "wait_order"
+
+
+class SignalOrder(Step):
+    """Ordered reduction of ``arg``: after a barrier behind the CTA's adds, pass the turn to the next
+    contributor (a release, so that it sees those adds)."""
+
+    op = "signal_order"
+
+
 # ---- wgmma: mbarrier ring, async wgmma groups, pingpong turns ----------------------------------
 
 

@@ -9,6 +9,14 @@ Three kernels and one launcher:
 * ``<name>_launch``: the three in order; the buffer and D live in the launch's workspace
   (``<name>_workspace``: its first part, the dQ buffer, zero at launch).
 
+``deterministic``: the zeroed part also holds one turn counter per (batch, query head, query block);
+the CTA of key block ``kb`` adds its dQ of a query block when the counter equals its rank among the
+key blocks that visit the block (:meth:`QueryBlocks.key_rank`) and then increments it, so every dQ
+element is summed in ascending key blocks. Deadlock freedom: a CTA waits only for CTAs of the same
+(kv head, batch) and lower key blocks, i.e. lower ``blockIdx.x`` and so lower linear block index;
+it relies on the hardware dispatching CTAs in linear block order (a CTA is resident no later than
+those after it), so the lowest unfinished key block always runs and never waits.
+
 Every shared-memory address comes from the plan's index functions (``<copy>_smem``), every
 fragment's (row, column) from the MMA's C map, every rule from its object's ``to_cpp``; the
 ``-DFLASHGEN_INDEX_ONLY`` host build keeps the index functions and rules only.
@@ -20,10 +28,10 @@ import json
 from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.backward_plan import STATS, BackwardPlan
 from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
-from ..dsl.steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait
+from ..dsl.steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait, WaitOrder
 from ..dsl.addressing import split_offsets
 from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
-from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, vec
+from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .abi import backward_args_struct
 from .source import KernelSource, kernel_meta
@@ -218,6 +226,24 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
             "        }"]
 
 
+#: this (batch, query head, query block)'s turn counter of the ordered dQ adds
+_DQ_TURN = "p.dq_turns + (int64_t(batch) * p.heads + head) * ((p.seq_q + int(B_r) - 1) / int(B_r)) + qb"
+
+
+def _wait_order_code(plan: BackwardPlan, step: Step) -> list[str]:
+    """One thread spins until the key blocks below this one that visit the query block have added,
+    then a barrier holds the CTA's adds behind it."""
+    return ["// deadlock-free only because a CTA of lower blockIdx.x (key block) is dispatched no later than this one:",
+            "// the key blocks waited for are lower ones of the same (kv head, batch), and the lowest never waits",
+            "if (tid == 0) turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
+            "__syncthreads();"]
+
+
+def _signal_order_code(plan: BackwardPlan, step: Step) -> list[str]:
+    """After the barrier behind every warp's adds: the next visiting key block's turn (fence + add)."""
+    return [f"if (tid == 0) turn_pass({_DQ_TURN});"]
+
+
 #: a streamed tensor's (source base, row stride) in the kernel's parameters, per query head ``it.head``
 _SOURCES = {"Q": ("p.q + batch * p.q_batch + it.head * p.q_head", "p.q_ld"),
             "dO": ("p.dout + batch * p.do_batch + it.head * p.do_head", "p.do_ld"),
@@ -264,6 +290,8 @@ _STEP_CODE = {
     GradScores: lambda plan, step: _per_value(plan, ["dp_acc[mi][nt][r] = bwd_dscore(s_acc[mi][nt][r], dp_acc[mi][nt][r], sD[qc]);"]),
     StoreRF: _store_ds_code,
     ReduceGM: _reduce_dq_code,
+    WaitOrder: _wait_order_code,
+    SignalOrder: _signal_order_code,
 }
 
 
@@ -365,6 +393,7 @@ struct Params {
     const float* dlse; // the gradient of the returned lse, the same shape, or nullptr
     float* delta;      // D = rowsum(dO * O) - dlse, (batch, heads, seq_q): the workspace's
     float* dq_accum;   // fp32 dQ sums, (batch, heads, seq_q, D_HEAD): the workspace's, zero at launch
+    int* dq_turns;     // deterministic: key blocks done adding dQ, (batch, heads, query blocks), zero at launch; else nullptr
     int64_t q_batch, q_head, q_ld, k_batch, k_head, k_ld, v_batch, v_head, v_ld;
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
     int64_t dq_batch, dq_head, dq_ld, dk_batch, dk_head, dk_ld, dv_batch, dv_head, dv_ld;
@@ -459,10 +488,18 @@ _KERNEL = CodeTemplate(
 _LAUNCHER = CodeTemplate(
     r"""$args_struct
 
-// The dQ fp32 buffer (zeroed) then D.
+namespace $name {
+// Turn counters of the ordered dQ adds: one per (batch, query head, query block) where deterministic, else none.
+inline size_t dq_turn_count(const ${name}_args* a) {
+    (void)a;
+    return $turn_count;
+}
+}  // namespace $name
+
+// The dQ fp32 buffer and the turn counters (zeroed), then D.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     const size_t rows = size_t(a->batch) * a->heads * a->seq_q;
-    *zeroed = rows * $d_head * sizeof(float);
+    *zeroed = rows * $d_head * sizeof(float) + $name::dq_turn_count(a) * sizeof(int);
     *bytes = *zeroed + rows * sizeof(float);
     return 0;
 }
@@ -472,9 +509,11 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace)
         return (int)cudaErrorInvalidValue;
     float* dq_accum = (float*)a->workspace;
-    float* delta = dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head;
+    int* turns = (int*)(dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head);
+    int* dq_turns = dq_turn_count(a) ? turns : nullptr;
+    float* delta = (float*)(turns + dq_turn_count(a));
     Params p{(const elem_t*)a->q, (const elem_t*)a->k, (const elem_t*)a->v, (const elem_t*)a->o, (const elem_t*)a->dout,
-             (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, a->dlse, delta, dq_accum,
+             (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, a->dlse, delta, dq_accum, dq_turns,
              a->q_stride[0], a->q_stride[1], a->q_stride[2], a->k_stride[0], a->k_stride[1], a->k_stride[2],
              a->v_stride[0], a->v_stride[1], a->v_stride[2], a->o_stride[0], a->o_stride[1], a->o_stride[2],
              a->do_stride[0], a->do_stride[1], a->do_stride[2], a->dq_stride[0], a->dq_stride[1], a->dq_stride[2],
@@ -520,7 +559,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
     lay = plan.smem_layout
     atoms = {load.copy.atom for g in plan.gemms.values() for load in (g.a, g.b) if load is not None}
     helpers = [cp_async.helpers(plan.g2s["Q"].atom), vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_mma.helper(plan.mma),
-               red.helpers(plan.red_dQ.atom)] + [ldmatrix.helper(a) for a in sorted(atoms, key=lambda a: a.name)]
+               red.helpers(plan.red_dQ.atom)] + ([turns.helpers()] if cfg.deterministic else []) + [ldmatrix.helper(a) for a in sorted(atoms, key=lambda a: a.name)]
     if plan.stats["LSE"].atom.is_async:
         helpers.append(cp_async.helpers(plan.stats["LSE"].atom))
     text = compose(_PARTS, dict(
@@ -538,7 +577,8 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"], stats_bytes=f"{plan.stage_bytes['LSE']}u", stages=cfg.stages,
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
-        log2e=f"{LOG2E!r}f", bases=_bases(plan), args_struct=backward_args_struct(name),
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
+        if cfg.deterministic else "0", args_struct=backward_args_struct(name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
     ))
     meta = {**kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", kind="backward"),

@@ -14,11 +14,19 @@ forward simulator's :class:`~flashgen.sim.cta.HazardTracker` watching every shar
 * P^T, dS^T, the scale through the plan's rule objects (:mod:`flashgen.attention.backward`), with
   the query block's lse and D read from the shared copies by each value's column;
 * dS^T and dK / dV stored where the r2s traces put each register, dQ added into the fp32 buffer
-  at the coordinates the ``red_dQ`` partition gives each register (fp32 adds, in CTA order).
+  at the coordinates the ``red_dQ`` partition gives each register (fp32 adds, in the order the CTAs
+  make them);
+* ``deterministic``: the turn counters of the ordered dQ adds (one per query head and query block):
+  a CTA at :class:`WaitOrder` is suspended until the counter equals its rank
+  (:meth:`QueryBlocks.key_rank`), :class:`SignalOrder` increments it. :func:`run_ctas` runs the CTAs
+  of one (batch, kv head) in a given arrival order, each as far as its turns allow; CTAs that all
+  wait for turns that never come are a hazard (the kernel would hang).
 
 :func:`simulate_backward` runs every CTA of a problem (batch, kv heads, key blocks), the
 preprocess (D from the rule, O and lse from a float64 forward of the 16-bit inputs) and the dQ
-conversion, and returns dQ, dK, dV in the inputs' 16-bit type.
+conversion, and returns dQ, dK, dV in the inputs' 16-bit type. ``key_block_order`` permutes the
+order in which the CTAs of a (batch, kv head) arrive: without ``deterministic`` their dQ adds come in
+that order, with it always in ascending key blocks.
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ import numpy as np
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import STATS, STREAMED, BackwardPlan, make_backward_plan
 from flashgen.dsl.plan import OperandLoad, WarpGemm
-from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, Step, StoreRF, Wait, runs
+from flashgen.dsl.steps import (Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait,
+                                WaitOrder, runs)
 from flashgen.sim import fragments as fr
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import VEC_ELEMS, CopyTrace, trace_copy
@@ -88,12 +97,14 @@ def warp_gemm(gemm: WarpGemm, b_regs: np.ndarray, a_regs: np.ndarray, acc: np.nd
 
 
 class _BwdCta:
-    """Executes one CTA; ``dq_accum``: per query head of the group, the ``[seq_q, d]`` fp32 buffer."""
+    """Executes one CTA; ``dq_accum``: per query head of the group, the ``[seq_q, d]`` fp32 buffer;
+    ``turns``: per query head of the group, the turn counter of each query block (deterministic)."""
 
     def __init__(self, plan: BackwardPlan, prob: BwdProblem, traces: dict, k: np.ndarray, v: np.ndarray,
-                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float):
+                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float, turns: list[np.ndarray] | None = None):
         cfg = self.cfg = plan.cfg
         self.plan, self.prob, self.tr, self.heads, self.dq_accum = plan, prob, traces, heads, dq_accum
+        self.turns = turns if turns is not None else [np.zeros(-(-prob.seq_q // cfg.B_r), np.int64) for _ in heads]
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
         self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
@@ -129,6 +140,12 @@ class _BwdCta:
 
     # -- the walk
     def run(self) -> tuple[np.ndarray, np.ndarray]:
+        """The CTA alone (its turns, if it waits for any, must have come already)."""
+        return run_ctas([self])[0]
+
+    def walk(self):
+        """The CTA's steps; at each :class:`WaitOrder` it yields ``(turn counters, query block, rank)``
+        and goes on once the counter has reached the rank. Returns dK and dV (the epilogue's)."""
         sched = self.plan.schedule
         n = len(self.work)
         for i, step in enumerate(sched.prologue):
@@ -138,9 +155,18 @@ class _BwdCta:
         for j in range(n):
             for i, step in enumerate(sched.body):
                 self.where = f"query block {self.work[j]} step {i} ({step})"
-                if runs(step.guard, j, 0, n):
-                    self.step(step, j)
+                if not runs(step.guard, j, 0, n):
+                    continue
+                if isinstance(step, WaitOrder):
+                    h, qb = self.work[j]
+                    yield self.turns[h], qb, self.plan.query_blocks.key_rank(qb, self.prob.kb, self.prob.seq_q, self.prob.seq_k,
+                                                                              *self.prob.mask_args)
+                self.step(step, j)
         return self.epilogue()
+
+    def signal_order(self, step: SignalOrder, j: int) -> None:
+        h, qb = self.work[j]
+        self.turns[h][qb] += 1
 
     def step(self, step: Step, j: int) -> None:
         run = _STEPS.get(type(step))
@@ -338,7 +364,35 @@ _STEPS = {
     GradScores: _BwdCta.grad_scores,
     StoreRF: _BwdCta.store_rf,
     ReduceGM: _BwdCta.reduce_gm,
+    WaitOrder: lambda cta, step, j: cta.hz.barrier(),  # the turn came (walk); the barrier after the wait
+    SignalOrder: _BwdCta.signal_order,
 }
+
+
+def run_ctas(ctas: "list[_BwdCta]") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Run CTAs that arrive in the given order, each until it waits for a turn that has not come; then
+    the first in that order whose turn has come goes on. dK and dV of each; CTAs left waiting with no
+    turn to come are a hazard of each (in the kernel they would hang)."""
+    walks = [cta.walk() for cta in ctas]
+    waiting: list = [None] * len(ctas)  # (counters, query block, rank) a CTA waits for; None: ready to start
+    out: list = [None] * len(ctas)
+    live = list(range(len(ctas)))
+    while live:
+        ready = [i for i in live if waiting[i] is None or waiting[i][0][waiting[i][1]] == waiting[i][2]]
+        if not ready:
+            for i in live:
+                turns, qb, rank = waiting[i]
+                ctas[i].hz.hazards.append(f"{ctas[i].where}: waits forever for turn {rank} of query block {qb} "
+                                          f"(the counter stays at {turns[qb]})")
+            return [o if o is not None else (None, None) for o in out]
+        i = ready[0]
+        try:
+            waiting[i] = next(walks[i])
+        except StopIteration as done:
+            out[i] = done.value
+            live.remove(i)
+    return out
+
 _GEMMS = {"S": _BwdCta.gemm_scores, "dP": _BwdCta.gemm_scores, "dV": _BwdCta.gemm_kv, "dK": _BwdCta.gemm_kv,
           "dQ": _BwdCta.gemm_dq}
 
@@ -371,7 +425,8 @@ def _forward(cfg: BackwardConfig, q, k, v, scale: float, keep) -> tuple[np.ndarr
 
 def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray,
                       do: np.ndarray, *, causal: bool = False, window: "tuple[int, int] | None" = None,
-                      align: str = "top_left", softmax_scale: float | None = None) -> BackwardResult:
+                      align: str = "top_left", softmax_scale: float | None = None,
+                      key_block_order: "list[int] | None" = None) -> BackwardResult:
     """The backward of ``(batch, seq, heads, d_head)`` float inputs (rounded to the config's dtype
     first; k and v may have fewer heads): every CTA of the grid (batch, kv head, key block) with the
     preprocess before and the dQ conversion after. The config's mask must match ``causal`` / ``window``."""
@@ -391,6 +446,9 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
     keep = keep_mask(Sq, Sk, causal, window, align)
     left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
     offset = Sk - Sq if align == "bottom_right" else 0
+    n_kb = -(-Sk // cfg.B_c)
+    if key_block_order is not None and sorted(key_block_order) != list(range(n_kb)):
+        raise ValueError(f"key_block_order={list(key_block_order)}: expected an order of the {n_kb} key blocks 0..{n_kb - 1}")
     traces = trace_backward(plan)
     dq_acc = np.zeros((B, H, Sq, d), _F32)
     dk = np.zeros((B, Sk, Hk, d), np.uint16)
@@ -403,12 +461,14 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
                 o, lse = _forward(cfg, val["q"][b, :, h], val["k"][b, :, hk], val["v"][b, :, hk], scale, keep)
                 delta = plan.row_dot.evaluate(val["do"][b, :, h], hw.decode(o, cfg.dtype))
                 heads.append(BwdHeadData(bits["q"][b, :, h], bits["do"][b, :, h], lse, delta))
-            for kb in range(-(-Sk // cfg.B_c)):
-                cta = _BwdCta(plan, BwdProblem(Sq, Sk, kb, offset, left, right), traces, bits["k"][b, :, hk],
-                              bits["v"][b, :, hk], heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], scale)
-                dk_blk, dv_blk = cta.run()
-                dk[b, kb * cfg.B_c:kb * cfg.B_c + dk_blk.shape[0], hk] = dk_blk
-                dv[b, kb * cfg.B_c:kb * cfg.B_c + dv_blk.shape[0], hk] = dv_blk
+            turns = [np.zeros(-(-Sq // cfg.B_r), np.int64) for _ in range(group)]
+            order = list(range(n_kb)) if key_block_order is None else list(key_block_order)
+            ctas = [_BwdCta(plan, BwdProblem(Sq, Sk, kb, offset, left, right), traces, bits["k"][b, :, hk], bits["v"][b, :, hk],
+                            heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], scale, turns) for kb in order]
+            for kb, cta, (dk_blk, dv_blk) in zip(order, ctas, run_ctas(ctas)):
+                if dk_blk is not None:
+                    dk[b, kb * cfg.B_c:kb * cfg.B_c + dk_blk.shape[0], hk] = dk_blk
+                    dv[b, kb * cfg.B_c:kb * cfg.B_c + dv_blk.shape[0], hk] = dv_blk
                 hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hz.hazards]
     dq = hw.encode(plan.score_grad.scaled(dq_acc, scale), cfg.dtype).transpose(0, 2, 1, 3)
     return BackwardResult(*(hw.decode(x, cfg.dtype).astype(np.float64) for x in (dq, dk, dv)), hazards)

@@ -77,3 +77,41 @@ def test_emitted_rule_agrees_with_python(tmp_path, kind):
                         f'    for (int qb = 0; qb < (({seq_q}) + B_r - 1) / B_r; ++qb) printf(" %d", (int)bwd_block_needs_mask(qb, {kb}, {args}));\n'
                         '    printf("\\n");\n')
     assert _run_cpp(tmp_path, rule, "".join(body)) == want
+
+
+def _visitors(rule, qb, seq_q, seq_k, *args):
+    """The key blocks that visit query block ``qb`` (those whose query-block range holds it), ascending."""
+    return [kb for kb in range(-(-seq_k // rule.B_c)) if qb in range(*rule.block_range(kb, seq_q, seq_k, *args))]
+
+
+@settings(max_examples=400, deadline=None)
+@given(kind=st.sampled_from(KINDS), seq_q=st.integers(1, 70), seq_k=st.integers(1, 70), offset=st.integers(-40, 40),
+       left=st.integers(-1, 30), right=st.integers(-1, 30))
+def test_a_key_blocks_rank_counts_the_key_blocks_below_it_that_visit_the_query_block(kind, seq_q, seq_k, offset, left, right):
+    """The deterministic dQ order: each visitor waits for exactly the visitors below it, so the ranks of a
+    query block's visitors are 0, 1, 2, ... (no wait for a count that a skipping key block never adds)."""
+    rule = _rule(kind)
+    args = (offset, left, right)
+    for qb in range(-(-seq_q // rule.B_r)):
+        visitors = _visitors(rule, qb, seq_q, seq_k, *args)
+        assert [rule.key_rank(qb, kb, seq_q, seq_k, *args) for kb in visitors] == list(range(len(visitors)))
+
+
+@needs_gxx
+@pytest.mark.parametrize("kind", KINDS)
+def test_emitted_key_rank_agrees_with_python_for_every_block_pair(tmp_path, kind):
+    """For every (key block, query block): whether the C++ visits it, and the C++ rank of each visitor, equal
+    the Python model's (visiting from QueryBlocks.block_range, rank = visitors below it)."""
+    rule = _rule(kind)
+    cases = list(itertools.product((1, 17, 40), (5, 24, 33), (-20, 0, 7), (-1, 0, 9), (-1, 0, 12)))
+    want, body = [], []
+    for seq_q, seq_k, offset, left, right in cases:
+        args = f"{seq_q}, {seq_k}, {offset}, {left}, {right}"
+        for qb in range(-(-seq_q // rule.B_r)):
+            visitors = _visitors(rule, qb, seq_q, seq_k, offset, left, right)
+            want.append([visitors.index(kb) if kb in visitors else -1 for kb in range(-(-seq_k // rule.B_c))])
+            body.append(f'    for (int kb = 0; kb < ({seq_k} + B_c - 1) / B_c; ++kb) {{\n'
+                        f'        q_block_range(kb, {args}, &b, &e);\n'
+                        f'        printf(" %d", b <= {qb} && {qb} < e ? key_rank({qb}, kb, {args}) : -1);\n'
+                        '    }\n    printf("\\n");\n')
+    assert _run_cpp(tmp_path, rule, "".join(body)) == want

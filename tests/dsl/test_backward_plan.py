@@ -7,9 +7,10 @@ import attrs
 import pytest
 
 from flashgen.dsl.backward_config import BackwardConfig
-from flashgen.dsl.backward_plan import make_backward_plan, transposed
+from flashgen.dsl.backward_plan import dq_adds_once, make_backward_plan, transposed
 from flashgen.dsl.config import ConfigError
 from flashgen.dsl.plan import smem_tile_layout
+from flashgen.dsl.sets import backward_configs
 from flashgen.sim.backward_cta import backward_coverage, trace_backward
 from flashgen.sim.copies import wavefronts
 
@@ -87,6 +88,7 @@ def test_transposed_layout_reads_the_same_memory():
     ({"d_split": 2, "n_warps": 8, "B_c": 32}, ["B_c=32", "d_split=2", "16 rows"]),
     # 512 threads share the register file: 128 registers a thread (ptxas spilled this config)
     ({"d_head": 256, "n_warps": 16, "d_split": 4}, ["d_split=4", "> 97 for 512 threads"]),
+    ({"deterministic": 1}, ["deterministic=1", "true or false"]),
 ])
 def test_invalid_configs_name_the_rule_and_values(knobs, words):
     with pytest.raises(ConfigError) as e:
@@ -103,6 +105,12 @@ def test_names_and_round_trip():
     assert split.short_form() == "bwd(FP16, 128, 64, 64, 8): swizzled+d_split_2"
     assert split.mangle() == "flash_bwd_fp16_d128_br64_bc64_w8_swz_ds2"
     assert B.from_dict(split.to_dict()) == split
+    det = split.replace(mask="causal", deterministic=True)
+    assert det.short_form() == "bwd(FP16, 128, 64, 64, 8): swizzled+causal+d_split_2+deterministic"
+    assert det.mangle() == "flash_bwd_fp16_d128_br64_bc64_w8_swz_causal_ds2_det"
+    assert B.from_dict(det.to_dict()) == det and det.to_dict()["deterministic"] is True
+    assert len({c.mangle() for c in (det, det.replace(deterministic=False))}) == 2
+    assert len({c.content_hash() for c in (det, det.replace(deterministic=False))}) == 2
     with pytest.raises(ConfigError, match="unknown backward config key"):
         B.from_dict({"dtype": "fp16", "async_copy": True})
 
@@ -115,3 +123,29 @@ def test_address_splits_hold_for_every_thread(cfg):
     plan = make_backward_plan(cfg)
     bad = [p for _, copy in plan.copies() for p in split_problems(copy, split_offsets(copy), cfg.n_warps)]
     assert not bad
+
+
+def test_a_deterministic_schedule_orders_the_dq_adds_between_the_gemm_and_the_next_blocks_copies():
+    """The turn is taken after the dQ GEMM (as late as possible) and passed on only after the barrier that
+    follows every warp's adds; without the knob there are no turns."""
+    from flashgen.dsl.steps import Barrier, Gemm, ReduceGM, SignalOrder, WaitOrder
+
+    body = make_backward_plan(B("fp16", d_head=64, deterministic=True)).schedule.body
+    kinds = [type(s) for s in body]
+    at = kinds.index(ReduceGM)
+    assert kinds[at - 2:at + 3] == [Gemm, WaitOrder, ReduceGM, Barrier, SignalOrder] and kinds[-1] is SignalOrder
+    assert not {WaitOrder, SignalOrder} & {type(s) for s in make_backward_plan(B("fp16", d_head=64)).schedule.body}
+
+
+@pytest.mark.parametrize("cfg", [c.replace(deterministic=True) for c in backward_configs()], ids=str)
+def test_each_dq_element_of_a_query_block_is_added_by_one_thread(cfg):
+    plan = make_backward_plan(cfg)  # checks it (dq_adds_once)
+    dq_adds_once(plan.red_dQ, cfg.n_warps, cfg.B_r, cfg.d_mma)
+
+
+def test_a_reduction_that_adds_an_element_twice_is_refused():
+    plan = make_backward_plan(B("fp16", n_warps=8, d_split=2))
+    part = plan.red_dQ.partition
+    same_cols = attrs.evolve(part, warp_col_step=0)  # both warps of a group on the same columns
+    with pytest.raises(ValueError, match="not once each; an ordered reduction of dQ would have to order the threads"):
+        dq_adds_once(attrs.evolve(plan.red_dQ, partition=same_cols), 8, 64, 128)

@@ -11,7 +11,8 @@ from flashgen.dsl.grammar import NotationError
 from flashgen.dsl.sets import NAMED_SETS
 
 ODD = [BackwardConfig("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"),
-       BackwardConfig("bf16", d_head=32, B_r=128, B_c=128, n_warps=8, mask="causal")]
+       BackwardConfig("bf16", d_head=32, B_r=128, B_c=128, n_warps=8, mask="causal"),
+       BackwardConfig("fp16", d_head=256, n_warps=8, d_split=2, mask="causal", deterministic=True)]
 
 
 @pytest.mark.parametrize("cfg", NAMED_SETS["backward"]() + ODD, ids=str)

@@ -26,7 +26,9 @@ CLEAN = [B("bf16", d_head=64), B("fp16", d_head=64, B_r=128, B_c=128, n_warps=8,
          B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"),
          B("fp16", n_warps=8, d_split=2), B("bf16", n_warps=8, d_split=2, mask="causal"),
          B("fp16", n_warps=8, d_split=2, mask="window"), B("bf16", n_warps=8, d_split=2, stages=2),
-         B("fp16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2)]
+         B("fp16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2),
+         # the ordered dQ adds of the shipped d_head 64 and 128 kernels
+         B("fp16", d_head=64, deterministic=True, stages=2), B("bf16", n_warps=8, d_split=2, mask="causal", deterministic=True)]
 
 
 def _domain(plan, copy, params):
@@ -155,3 +157,32 @@ def test_argument_struct_layout_is_the_field_tables(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     assert got == [getattr(layout, n).offset for n, *_ in ARGS_FIELDS] + [ctypes.sizeof(layout)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+def test_the_turn_counters_of_a_deterministic_kernel_lie_in_the_zeroed_workspace(tmp_path):
+    """One int per (batch, query head, query block) joins the zeroed part (the counters start at 0); D's part
+    is unchanged; a kernel without the knob has no counters."""
+    srcs = [emit_backward(make_backward_plan(B("fp16", d_head=64, deterministic=det))) for det in (False, True)]
+    mains = []
+    for src in srcs:
+        (tmp_path / f"{src.name}.cu").write_text(src.text)
+        mains.append(f"""#include "{src.name}.cu"
+void print_{src.name}(int batch, int heads, int seq_q) {{
+    {src.name}_args a{{}};
+    a.batch = batch; a.heads = heads; a.seq_q = seq_q;
+    size_t bytes, zeroed;
+    {src.name}_workspace(&a, &bytes, &zeroed);
+    std::printf("%zu %zu\\n", zeroed, bytes - zeroed);
+}}""")
+    shapes = [(1, 1, 1), (2, 3, 64), (2, 3, 65), (3, 5, 1000)]
+    calls = "".join(f"    print_{s.name}({b}, {h}, {n});\n" for b, h, n in shapes for s in srcs)
+    (tmp_path / "main.cu").write_text("#include <cstdio>\n#include <cstddef>\n" + "\n".join(mains) + f"\nint main() {{\n{calls}    return 0;\n}}\n")
+    exe = tmp_path / "ws"
+    res = subprocess.run([NVCC, "-std=c++17", "-arch=sm_80", "main.cu", "-o", str(exe)], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    for i, (b, h, n) in enumerate(shapes):
+        plain_zeroed, plain_rest, det_zeroed, det_rest = got[4 * i:4 * i + 4]
+        assert plain_zeroed == b * h * n * 64 * 4 and plain_rest == det_rest == b * h * n * 4
+        assert det_zeroed - plain_zeroed == b * h * -(-n // 64) * 4

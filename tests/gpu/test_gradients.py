@@ -162,3 +162,87 @@ def test_compute_sanitizer_clean(args, tool):
     text = res.stdout + res.stderr
     assert res.returncode == 0, text[-6000:]
     assert "ERROR SUMMARY: 0 errors" in text or "(0 errors, 0 warnings)" in text, text[-3000:]
+
+
+# ---- deterministic backward: bit-identical gradients run to run ------------------------------------------
+
+#: (dtype, d_head, batch, seq_q, seq_k, heads, kv_heads, call keywords): odd lengths, GQA, several key
+#: blocks per query block (the ordered dQ adds), causal and not
+DET_CASES = [
+    ("fp16", 128, 2, 1000, 777, 4, 2, {}),
+    ("bf16", 128, 1, 1000, 777, 8, 2, {"causal": True}),
+    ("fp16", 64, 2, 777, 1000, 4, 1, {"causal": True, "align": "bottom_right"}),
+    ("bf16", 64, 1, 1000, 1000, 4, 4, {"window": (300, 40)}),
+    ("fp16", 256, 1, 1000, 777, 2, 1, {"causal": True}),
+]
+RUNS = 10
+
+
+def _grads(attn, q, k, v, do, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(attn(*leaves, **kw), leaves, do)
+
+
+@pytest.fixture(scope="module")
+def deterministic_auto():
+    """compile("auto", deterministic=True), with the deterministic backward kernels of DET_CASES built first."""
+    from flashgen.build import build_many
+
+    cfgs = sorted({BackwardConfig.default(dt, d, _mask_of(kw)).replace(deterministic=True) for dt, d, *_, kw in DET_CASES}, key=str)
+    failures = build_many(cfgs, torch.cuda.get_device_capability())
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+    return flashgen.compile("auto", deterministic=True)
+
+
+@pytest.mark.parametrize("case", range(len(DET_CASES)), ids=lambda i: f"{DET_CASES[i][0]}-d{DET_CASES[i][1]}-{DET_CASES[i][3]}x"
+                         f"{DET_CASES[i][4]}-h{DET_CASES[i][5]}/{DET_CASES[i][6]}-{_mask_of(DET_CASES[i][7])}")
+def test_deterministic_gradients_are_bit_identical_and_right(deterministic_auto, case):
+    dt, d, b, sq, sk, h, hk, kw = DET_CASES[case]
+    q, k, v, do = _inputs(dt, d, b, sq, sk, h, hk, seed=100 + case)
+    first = _grads(deterministic_auto, q, k, v, do, **kw)
+    for run in range(1, RUNS):
+        _poison_allocator(q, k, v)
+        again = _grads(deterministic_auto, q, k, v, do, **kw)
+        for name, a, x in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a.view(torch.int16), x.view(torch.int16)), f"case {case} run {run}: {name} differs"
+    _check_gradients(first, q, k, v, do, f"deterministic case {case}", **kw)
+
+
+def test_torch_deterministic_mode_gives_bit_identical_gradients(auto):
+    """A plain compile("auto") object under torch.use_deterministic_algorithms: the deterministic backward."""
+    q, k, v, do = _inputs("fp16", 128, 1, 1000, 777, 4, 2, seed=21)
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        runs = [_grads(auto, q, k, v, do, causal=True) for _ in range(RUNS)]
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+    for run in runs[1:]:
+        for name, a, x in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(a.view(torch.int16), x.view(torch.int16)), f"{name} differs between runs"
+    _check_gradients(runs[0], q, k, v, do, "torch deterministic mode", causal=True)
+
+
+def _backward_ms(attn, q, k, v, do, reps: int = 10, **kw) -> float:
+    """Median milliseconds of one backward (the three kernels and the autograd glue) of a recorded call."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = attn(*leaves, **kw)
+    times = []
+    for i in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.autograd.grad(o, leaves, do, retain_graph=True)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:  # warm-up: builds, caches, clocks
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}], ids=["none", "causal"])
+def test_report_the_cost_of_the_deterministic_backward(auto, deterministic_auto, kw):
+    """Not an assertion: prints the backward's time with and without ordered dQ adds at seq 4096 (run with -s)."""
+    q, k, v, do = _inputs("bf16", 128, 2, 4096, 4096, 16, 16, seed=3)
+    plain, ordered = _backward_ms(auto, q, k, v, do, **kw), _backward_ms(deterministic_auto, q, k, v, do, **kw)
+    print(f"\n[deterministic cost] {torch.cuda.get_device_name()} bf16 d128 batch 2 seq 4096 heads 16 {_mask_of(kw)}: "
+          f"backward {plain:.3f} ms, deterministic {ordered:.3f} ms ({100 * (ordered / plain - 1):+.1f}%)")

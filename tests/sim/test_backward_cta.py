@@ -121,3 +121,54 @@ def test_a_wrong_fragment_pairing_gives_wrong_gradients():
     vals = [hw.decode(hw.encode(x, "fp16"), "fp16").astype(np.float64) for x in inputs]
     _, dk, dv = gradients(*vals)
     assert np.abs(res.dk - dk).max() > 0.1 and np.abs(res.dv - dv).max() < 0.01
+
+
+#: (config, seq_q, seq_k, heads, kv_heads, mask arguments) with several key blocks per query block
+ORDERED = [
+    (B("fp16", d_head=64, B_c=32, n_warps=2, deterministic=True), 70, 113, 2, 1, {}),
+    (B("bf16", d_head=64, B_c=32, n_warps=2, mask="causal", deterministic=True), 113, 90, 2, 2, {"causal": True, "align": "bottom_right"}),
+    (B("fp16", d_head=64, B_c=16, n_warps=4, d_split=4, mask="window", deterministic=True), 70, 100, 2, 1, {"window": (40, 9)}),
+]
+
+
+def _orders(seq_k, B_c):
+    n = -(-seq_k // B_c)
+    shuffled = list(np.random.default_rng(n).permutation(n))
+    return [list(range(n)), list(range(n))[::-1], [int(x) for x in shuffled]]
+
+
+@pytest.mark.parametrize("case", range(len(ORDERED)))
+def test_deterministic_dq_is_the_same_whatever_order_the_ctas_arrive_in(case):
+    """With the turn counters every arrival order of the key blocks' CTAs gives dQ bit for bit, the sums of
+    ascending key blocks (what the unordered kernel gives when the CTAs happen to come in that order)."""
+    cfg, seq_q, seq_k, heads, kv_heads, mask = ORDERED[case]
+    inputs = _inputs(case, seq_q, seq_k, heads, kv_heads, cfg.d_head)
+    results = [simulate_backward(cfg, *inputs, **mask, key_block_order=o) for o in _orders(seq_k, cfg.B_c)]
+    for res in results:
+        assert res.ok, res.hazards[:3]
+        for name in ("dq", "dk", "dv"):
+            assert np.array_equal(getattr(res, name), getattr(results[0], name)), name
+    _check(cfg, results[0], inputs, mask)
+    ascending = simulate_backward(cfg.replace(deterministic=False), *inputs, **mask)
+    assert np.array_equal(ascending.dq, results[0].dq)
+
+
+def test_without_the_order_dq_depends_on_the_order_the_ctas_arrive_in():
+    """The unordered model is what makes the test above able to fail: reversed arrivals round dQ differently."""
+    cfg, seq_q, seq_k, heads, kv_heads, mask = ORDERED[0]
+    cfg = cfg.replace(deterministic=False)
+    inputs = _inputs(0, seq_q, seq_k, heads, kv_heads, cfg.d_head)
+    first, last = (simulate_backward(cfg, *inputs, **mask, key_block_order=o) for o in _orders(seq_k, cfg.B_c)[:2])
+    assert not np.array_equal(first.dq, last.dq)
+    assert np.array_equal(first.dk, last.dk) and np.array_equal(first.dv, last.dv)
+
+
+def test_a_wrong_rank_rule_hangs_the_ctas(monkeypatch):
+    """Ranks counted over every key block (not only those that visit the query block): a window's later key
+    blocks wait for counts that the blocks it skips never add."""
+    from flashgen.attention.query_blocks import QueryBlocks
+
+    monkeypatch.setattr(QueryBlocks, "key_rank", lambda self, qb, kb, *args: kb)
+    cfg, seq_q, seq_k, heads, kv_heads, mask = ORDERED[2]
+    res = simulate_backward(cfg, *_inputs(2, seq_q, seq_k, heads, kv_heads, cfg.d_head), **mask)
+    assert any("waits forever for turn" in h for h in res.hazards), res.hazards[:3]
