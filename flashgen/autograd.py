@@ -4,7 +4,8 @@ A differentiable call runs the forward operator with ``return_lse`` (the backwar
 probabilities from the log-sum-exp) and autograd saves q, k, v, o and lse. Its backward calls
 ``flashgen::attention_backward`` with the backward kernel of the forward kernel's dtype, head size
 and score mask: every loaded forward kernel that can be differentiated registers here how to build
-that kernel (:func:`register`), and it is built once, on the first differentiable call. Both run
+that kernel (:func:`register`), and it is built once per key length bucket (``flashgen tune --passes bwd``
+winners differ per bucket), on the first differentiable call of that bucket. Both run
 under ``torch.compile`` too: the backward kernel's handle is a constant of the traced graph.
 
 A gradient that reaches the returned lse is taken into account (``d lse_i / d s_ij = scale * p_ij``
@@ -18,31 +19,36 @@ from typing import Callable
 import torch
 
 from . import launcher  # noqa: F401  (defines the operators this module registers a formula for)
+from .policy import seq_bucket
 
-#: forward kernel handle -> what builds and loads its backward kernel (returning that kernel's handle)
-_factories: dict[int, Callable[[], int]] = {}
-#: forward kernel handle -> its loaded backward kernel's handle
-_handles: dict[int, int] = {}
+#: forward kernel handle -> what builds and loads its backward kernel for a key length (returning its handle)
+_factories: dict[int, Callable[[int], int]] = {}
+#: (forward kernel handle, key length's bucket) -> its loaded backward kernel's handle
+_handles: dict[tuple[int, int], int] = {}
 _lock = threading.Lock()
 
 
-def register(forward: int, factory: Callable[[], int]) -> None:
-    """Forward kernel ``forward`` is differentiated by the kernel ``factory`` builds and loads."""
+def register(forward: int, factory: Callable[[int], int]) -> None:
+    """Forward kernel ``forward`` is differentiated by the kernel ``factory(seq_k)`` builds and loads for calls
+    whose key length is ``seq_k`` (0: unknown)."""
     _factories[forward] = factory
 
 
-def backward_handle(forward: int) -> int:
-    """The backward kernel of forward kernel ``forward``, built and loaded on first use."""
-    handle = _handles.get(forward)
+def backward_handle(forward: int, seq_k: int = 0) -> int:
+    """The backward kernel of forward kernel ``forward`` for key length ``seq_k``'s bucket (tuned winners
+    differ per bucket; the backward's CTAs own key blocks, so the key length sets its grid), built and
+    loaded on first use. A symbolic length picks its bucket under guards (:func:`flashgen.policy.seq_bucket`)."""
+    key = (forward, seq_bucket(seq_k) if seq_k else 0)
+    handle = _handles.get(key)
     if handle is None:
         with _lock:
-            handle = _handles.get(forward)
+            handle = _handles.get(key)
             if handle is None:
                 factory = _factories.get(forward)
                 if factory is None:
                     raise RuntimeError(f"flashgen: forward kernel {forward} has no backward registered; "
                                        "differentiate calls of the objects flashgen.compile returns")
-                handle = _handles[forward] = factory()
+                handle = _handles[key] = factory(key[1])
     return handle
 
 
@@ -76,7 +82,7 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
                            "return_lse=True themselves when a call needs gradients")
     dout = torch.zeros_like(out) if dout is None else _launchable(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
-    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel),
+    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1]),
                                                        softmax_scale, mask_offset, window_left, window_right)
     return dq, dk, dv, None, None, None, None, None, None
 

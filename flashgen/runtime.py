@@ -84,6 +84,7 @@ class Attention:
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
         self._variants: dict[str, Attention] = {}
+        self._backwards: dict[BackwardConfig, int] = {}
         autograd.register(self._handle, self._load_backward)
 
     @property
@@ -109,17 +110,25 @@ class Attention:
         if not engine.runs_on(of_capability((major, minor))):
             raise InputError(f"{name} has compute capability {major}.{minor}; {engine.name}-engine kernels need {engine.needs}")
 
-    def backward_config(self) -> BackwardConfig:
-        """The backward kernel that differentiates this one (same dtype, head size and mask)."""
-        capability = self.built.capability
+    def backward_config(self, seq_k: int = 0) -> BackwardConfig:
+        """The backward kernel that differentiates this one (same dtype, head size and mask) for calls whose
+        key length is ``seq_k``: this GPU's ``flashgen tune --passes bwd`` winner of its bucket, else the
+        default (also for ``seq_k`` 0: unknown)."""
+        gpu = device_facts(_device_index(torch.device("cuda")))[0] if seq_k else None
         try:
-            return backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, capability)
+            return backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu,
+                                   seq=seq_k)
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
 
-    def _load_backward(self) -> int:
-        """Build (or load from the cache) and load the backward kernel: its launcher handle."""
-        return _load(build(self.backward_config(), self.built.capability, verbose=self.verbose), self.verbose)
+    def _load_backward(self, seq_k: int) -> int:
+        """Build (or load from the cache) and load the backward kernel of key length ``seq_k``: its launcher
+        handle (one per backward config: buckets whose winners agree share it)."""
+        cfg = self.backward_config(seq_k)
+        handle = self._backwards.get(cfg)
+        if handle is None:
+            handle = self._backwards[cfg] = _load(build(cfg, self.built.capability, verbose=self.verbose), self.verbose)
+        return handle
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""
@@ -197,7 +206,7 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
         if out is not None:
             raise InputError("out= cannot be differentiated (the operator that writes into it has no backward); "
                              "call without out= when q, k or v requires grad")
-        autograd.backward_handle(handle)  # built with the forward: a head size it cannot take fails at this call
+        autograd.backward_handle(handle, k.shape[1])  # built with the forward: a head size it cannot take fails here
     if out is None:
         out, lse = _attention(q, k, v, handle, scale, offset, left, right, return_lse or differentiate)
     else:
