@@ -54,6 +54,15 @@ def load_cache(path: Path | None = None) -> dict:
         return {}
 
 
+def save_cache(data: dict, path: Path | None = None) -> None:
+    """Write the tune cache atomically (a reader never sees half of it)."""
+    path = path or tune_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
 #: The wgmma engine's default key block per d_head, and the larger one of long unmasked sequences
 #: (:mod:`flashgen.engines.wgmma` says why).
 HOPPER_B_C = wgmma_defaults.DEFAULT_B_C
