@@ -187,3 +187,24 @@ def test_only_gradients_the_kernels_cannot_read_are_copied():
     assert autograd._launchable(expanded).stride() == g.stride()
     shifted = torch.zeros(2 * 8 * 4 * 64 + 4)[4:].view(2, 8, 4, 64)  # rows 8 bytes off
     assert autograd._launchable(shifted).storage_offset() == 0
+
+
+def test_each_key_length_bucket_gets_its_tuned_backward_kernel(ops, tmp_path, monkeypatch):
+    from flashgen.policy import backward_bucket_key, save_cache
+
+    tuned = BackwardConfig("fp16", d_head=64, B_r=128, B_c=32, n_warps=2)
+    save_cache({"NVIDIA H100": {"fp16": {"64": {backward_bucket_key(512): {"config": tuned.short_form()}}}}},
+               tmp_path / "tune.json")
+    monkeypatch.setenv("FLASHGEN_TUNE_CACHE", str(tmp_path / "tune.json"))
+    attn = attention_of(ops)
+    handles, built_by_forward = [], []
+    for seq_k in (45, 800, 60, 700):  # buckets 512, 1024, 512, 512 (the key length's, not the query's)
+        q, k, v = inputs(seq_q=37, seq_k=seq_k)
+        o = attn(q, k, v)
+        built_by_forward.append(sum(isinstance(c, BackwardConfig) for c in ops.kernels.built))
+        torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        handles.append(ops.calls[-1][1])
+    backwards = [c for c in ops.kernels.built if isinstance(c, BackwardConfig)]
+    assert backwards == [tuned, BackwardConfig.default("fp16", 64)]  # each built once, with its first forward call
+    assert built_by_forward == [1, 2, 2, 2]
+    assert [ops.kernels.built[h] for h in handles] == [tuned, backwards[1], tuned, tuned]
