@@ -1,10 +1,11 @@
 """``flashgen tune --passes bwd``: time backward kernels per sequence bucket and remember the best.
 
 Candidates: the backward configs given, else the backward tuning space of each dtype and head size
-(the GPU's engine's, :func:`flashgen.dsl.backward_config.tuning_space`), less those that spill on
-this GPU's arch: ptxas's report of each kernel compiled alone (:mod:`flashgen.check`, on the CPU,
-cached) drops them before anything is built, as a kernel with local memory only loses (``--allow-spills``
-keeps them).
+(the GPU's engine's, :func:`flashgen.dsl.backward_config.tuning_space`), less those whose shared
+memory this GPU's blocks cannot have and those that spill on its arch: ptxas's report of each kernel
+compiled alone (:mod:`flashgen.check`, on the CPU, cached) drops them before anything is built, as a
+kernel with local memory only loses (``--allow-spills`` keeps them). A candidate whose first launch
+fails drops out of its bucket.
 
 Timing: per (dtype, d_head, length), one forward of the kernel ``compile("auto")`` runs gives o and
 the lse; each candidate is then timed alone, by calling ``flashgen::attention_backward`` with its
@@ -82,6 +83,28 @@ def spill_free(cfgs: Sequence[BackwardConfig], capability: tuple[int, int],
     return kept, dropped
 
 
+def fitting(cfgs: Sequence[BackwardConfig], capability: tuple[int, int]) -> tuple[list[BackwardConfig], dict[str, str]]:
+    """The configs whose shared memory one block of the GPU may have (the config's own rule allows the
+    largest target's), and ``{short form: why}`` of the others."""
+    target = of_capability(capability)
+    kept = [c for c in cfgs if c.smem_bytes <= target.smem_per_block]
+    return kept, {c.short_form(): f"needs {c.smem_bytes} B of shared memory; {target.name} blocks may have "
+                                  f"{target.smem_per_block}" for c in cfgs if c not in kept}
+
+
+def runnable(fns: dict[str, Callable[[], Any]], what: str) -> dict[str, Callable[[], Any]]:
+    """``fns`` less those whose first call raises (a launch the GPU refuses), each logged."""
+    ok = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+        except (RuntimeError, ValueError) as exc:
+            log(f"{what}: {name} does not run: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}")
+            continue
+        ok[name] = fn
+    return ok
+
+
 def choose(fns: dict[str, Callable[[], Any]], check: Callable[[str], "str | None"], rounds: int, finalists: int,
            timer: Callable | None = None) -> tuple["str | None", dict[str, float], dict[str, str]]:
     """``(winner, {finalist: median ms}, {finalist: why its check failed})``: the fastest finalist of
@@ -100,14 +123,17 @@ def choose(fns: dict[str, Callable[[], Any]], check: Callable[[str], "str | None
 
 
 class Bucket:
-    """One timed shape: (batch, seq, heads, d_head) inputs of a dtype, o and lse from ``compile("auto")``'s
-    forward, and the backward call of a kernel handle on them."""
+    """One timed shape: (batch, seq, heads, d_head) inputs of a dtype, o and lse from ``forward`` (default:
+    ``compile("auto")``, the forward whose gradients the tuned kernels compute), and the backward call
+    of a kernel handle on them."""
 
-    def __init__(self, dtype: DType, d_head: int, batch: int, seq: int, heads: int, causal: bool, seed: int) -> None:
+    def __init__(self, dtype: DType, d_head: int, batch: int, seq: int, heads: int, causal: bool, seed: int,
+                 forward: Callable | None = None) -> None:
         import torch
 
         from .runtime import compile as fg_compile
 
+        forward = forward or fg_compile("auto")
         gen = torch.Generator(device="cuda").manual_seed(seed)
         shape = (batch, seq, heads, d_head)
         self.q, self.k, self.v, self.dout = (torch.randn(shape, device="cuda", dtype=dtype.torch, generator=gen)
@@ -115,7 +141,7 @@ class Bucket:
         self.causal = causal
         self.scale = 1.0 / math.sqrt(d_head)
         with torch.no_grad():
-            self.out, self.lse = fg_compile("auto")(self.q, self.k, self.v, causal=causal, return_lse=True)
+            self.out, self.lse = forward(self.q, self.k, self.v, causal=causal, return_lse=True)
 
     def call(self, handle: int) -> Callable[[], Any]:
         """The timed call: dq, dk, dv through backward kernel ``handle`` (no lse gradient, as ``o.backward``)."""
@@ -143,18 +169,21 @@ class Bucket:
 
 
 def tune_bucket(handles: dict[str, int], dtype: DType, d_head: int, seq: int, heads: int, causal: bool,
-                rounds: int, finalists: int) -> "dict[str, Any] | None":
-    """Time ``handles`` ({short form: backward kernel handle}) at one length and check the winner on fresh
-    inputs: the cache entry, or None when no finalist's gradients pass."""
+                rounds: int, finalists: int, forward: Callable) -> "dict[str, Any] | None":
+    """Time ``handles`` ({short form: backward kernel handle}) at one length on o and lse of ``forward`` and
+    check the winner on fresh inputs: the cache entry, or None when no finalist's gradients pass."""
     from .bench import SHAPES, attention_flops
     from .bench_passes import FLOP_FACTOR
 
     batch = dict(SHAPES)[seq_bucket(seq)]
-    timed = Bucket(dtype, d_head, batch, seq, heads, causal, seed=seq)
-    fresh = Bucket(dtype, d_head, 1, seq, heads, causal, seed=seq + 1)  # gradients left by the timing cannot pass
-    fns = {name: timed.call(h) for name, h in handles.items()}
-    name, medians, failed = choose(fns, lambda n: fresh.check(handles[n]), rounds, finalists)
+    timed = Bucket(dtype, d_head, batch, seq, heads, causal, seed=seq, forward=forward)
+    fresh = Bucket(dtype, d_head, 1, seq, heads, causal, seed=seq + 1, forward=forward)  # the timing's gradients cannot pass
     what = f"{dtype.value} d{d_head} seq {seq}{' causal' if causal else ''} backward"
+    fns = runnable({name: timed.call(h) for name, h in handles.items()}, what)
+    if not fns:
+        log(f"{what}: no candidate runs; the cache keeps what it had")
+        return None
+    name, medians, failed = choose(fns, lambda n: fresh.check(handles[n]), rounds, finalists)
     for bad, why in failed.items():
         log(f"{what}: {bad} FAILED the gradient check: {why}")
     if name is None:
@@ -182,22 +211,28 @@ def tune_backward(cfgs: list[BackwardConfig], seqs: list[int], heads: int = 16, 
 
     from .build import build, build_many
     from .runtime import _load  # loads a built library (rebuilding a damaged cache entry)
+    from .runtime import compile as fg_compile
 
     capability = tuple(torch.cuda.get_device_capability())
+    cfgs, dropped = fitting(cfgs, capability)
     if not allow_spills:
         log(f"asking ptxas which of {len(cfgs)} backward configs spill on {of_capability(capability).name}")
-        cfgs, dropped = spill_free(cfgs, capability)
-        for name, why in dropped.items():
-            log(f"dropped {name}: {why}")
+        cfgs, spilled = spill_free(cfgs, capability)
+        dropped.update(spilled)
+    for name, why in dropped.items():
+        log(f"dropped {name}: {why}")
+    if not cfgs:
+        log("no backward config left to time")
+        return {}
     log(f"building {len(cfgs)} backward configs")
     failures = build_many(cfgs, capability)
     ok = [c for c in cfgs if c.short_form() not in failures]
-    gpu, cache, found = torch.cuda.get_device_name(), load_cache(), {}
+    gpu, cache, found, forward = torch.cuda.get_device_name(), load_cache(), {}, fg_compile("auto")
     for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in ok):
         group = [c for c in ok if (c.dtype, c.d_head) == (dtype, d_head)]
         handles = {c.short_form(): _load(build(c, capability), False) for c in group}
         for seq in seqs:
-            entry = tune_bucket(handles, dtype, d_head, seq, heads, causal, rounds, finalists)
+            entry = tune_bucket(handles, dtype, d_head, seq, heads, causal, rounds, finalists, forward)
             if entry is not None:
                 cfg = next(c for c in group if c.short_form() == entry["config"])
                 found[store(cache, gpu, cfg, seq, causal, entry)] = entry

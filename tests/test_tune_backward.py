@@ -16,7 +16,7 @@ from flashgen.dsl.config import ConfigError
 from flashgen.dsl.dtypes import DType
 from flashgen.policy import (backward_bucket_key, backward_lookup, bucket_key, load_cache, lookup, save_cache,
                              tuned_backward)
-from flashgen.tune_backward import choose, default_space, spill_free, store
+from flashgen.tune_backward import choose, default_space, fitting, runnable, spill_free, store
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -62,6 +62,25 @@ def test_configs_that_spill_or_do_not_compile_are_dropped_with_why():
     assert "8 B stack" in dropped[stack.short_form()]
     assert "does not compile for sm_90a" in dropped[broken.short_form()] and "too bad" in dropped[broken.short_form()]
     assert "cannot be compiled for sm_90a" in dropped[refused.short_form()]
+
+
+def test_configs_whose_shared_memory_the_gpu_lacks_are_dropped():
+    space = tuning_space("bf16", 256)
+    kept, dropped = fitting(space, (8, 0))  # sm_80: 163 KiB per block, the config's rule allows sm_90's 227
+    assert kept == [c for c in space if c.smem_bytes <= 163 * 1024] and len(kept) < len(space)
+    assert all("shared memory" in why for why in dropped.values()) and len(dropped) + len(kept) == len(space)
+    assert fitting(space, (9, 0)) == (space, {})
+
+
+def test_candidates_whose_first_launch_fails_drop_out(capsys):
+    def refused():
+        raise RuntimeError("flashgen: the kernel needs 200000 bytes of shared memory\nmore")
+
+    def fine():
+        return None
+
+    assert runnable({"a": fine, "b": refused, "c": fine}, "bf16 d256") == {"a": fine, "c": fine}
+    assert "bf16 d256: b does not run: flashgen: the kernel needs 200000 bytes" in capsys.readouterr().err
 
 
 @pytest.mark.nvcc
