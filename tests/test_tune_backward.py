@@ -1,6 +1,6 @@
 """`flashgen tune --passes bwd` on the CPU: the backward tuning space, the spill filter, the choice of a
 checked winner, the cache's backward keys (never a forward entry's) and how they are looked up, and the
-command line. Timings, checks and ptxas reports are doubles; ``tests/gpu/test_tune_backward.py`` runs
+command line. Timings, checks and ptxas reports are doubles; ``tests/gpu/test_backward_tuning.py`` runs
 the real ones."""
 from __future__ import annotations
 
