@@ -160,8 +160,9 @@ class Attention:
         rows without any kept key give o = 0 and lse = -inf.
 
         Differentiable: when q, k or v requires grad (and grad mode is on), autograd records the call and
-        its backward kernel (same dtype, head size and mask) is built with the first such call. Gradients
-        reach q, k and v through o and through the returned lse; ``out=`` cannot be differentiated.
+        its backward kernel (same dtype, head size and mask; the tuned one of the key length's bucket) is
+        built with the first such call. Gradients reach q, k and v through o and through the returned lse;
+        ``out=`` cannot be differentiated.
         """
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
