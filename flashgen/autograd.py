@@ -4,8 +4,9 @@ A differentiable call runs the forward operator with ``return_lse`` (the backwar
 probabilities from the log-sum-exp) and autograd saves q, k, v, o and lse. Its backward calls
 ``flashgen::attention_backward`` with the backward kernel of the forward kernel's dtype, head size
 and score mask: every loaded forward kernel that can be differentiated registers here how to build
-that kernel (:func:`register`), and it is built once, on the first differentiable call. Both run
-under ``torch.compile`` too: the backward kernel's handle is a constant of the traced graph.
+that kernel (:func:`register`), and it is built once per key length bucket (``flashgen tune --passes
+bwd`` winners differ per bucket), on the first differentiable call of that bucket. Both run under
+``torch.compile`` too: the backward kernel's handle is a constant of the traced graph.
 
 Deterministic backward (bit-identical dQ, dK, dV run to run; its dQ adds wait for their turn): for
 every call of a forward kernel registered ``deterministic`` (``flashgen.compile(..., deterministic=True)``),
@@ -24,20 +25,21 @@ from typing import Callable
 import torch
 
 from . import launcher  # noqa: F401  (defines the operators this module registers a formula for)
+from .policy import seq_bucket
 
-#: forward kernel handle -> what builds and loads its backward kernel, ``factory(deterministic)``
-#: (returning that kernel's handle)
-_factories: dict[int, Callable[[bool], int]] = {}
-#: (forward kernel handle, deterministic) -> the loaded backward kernel's handle
-_handles: dict[tuple[int, bool], int] = {}
+#: forward kernel handle -> what builds and loads its backward kernel, ``factory(seq_k, deterministic)``
+#: for calls of key length ``seq_k`` (0: unknown), returning that kernel's handle
+_factories: dict[int, Callable[[int, bool], int]] = {}
+#: (forward kernel handle, key length's bucket, deterministic) -> the loaded backward kernel's handle
+_handles: dict[tuple[int, int, bool], int] = {}
 #: forward kernels whose every backward is the deterministic one
 _always_deterministic: set[int] = set()
 _lock = threading.Lock()
 
 
-def register(forward: int, factory: Callable[[bool], int], deterministic: bool = False) -> None:
-    """Forward kernel ``forward`` is differentiated by the kernel ``factory(deterministic)`` builds and
-    loads; ``deterministic``: always by its deterministic variant."""
+def register(forward: int, factory: Callable[[int, bool], int], deterministic: bool = False) -> None:
+    """Forward kernel ``forward`` is differentiated by the kernel ``factory(seq_k, deterministic)`` builds
+    and loads; ``deterministic``: always by its deterministic variant."""
     _factories[forward] = factory
     if deterministic:
         _always_deterministic.add(forward)
@@ -50,10 +52,12 @@ def deterministic(forward: int) -> bool:
     return forward in _always_deterministic or torch.are_deterministic_algorithms_enabled()
 
 
-def backward_handle(forward: int, deterministic: bool = False) -> int:
+def backward_handle(forward: int, seq_k: int = 0, deterministic: bool = False) -> int:
     """The backward kernel (``deterministic``: its variant with ordered dQ adds) of forward kernel
-    ``forward``, built and loaded on first use."""
-    key = (forward, bool(deterministic))
+    ``forward`` for key length ``seq_k``'s bucket (tuned winners differ per bucket; the backward's CTAs
+    own key blocks, so the key length sets its grid), built and loaded on first use. A symbolic length
+    picks its bucket under guards (:func:`flashgen.policy.seq_bucket`)."""
+    key = (forward, seq_bucket(seq_k) if seq_k else 0, bool(deterministic))
     handle = _handles.get(key)
     if handle is None:
         with _lock:
@@ -63,7 +67,7 @@ def backward_handle(forward: int, deterministic: bool = False) -> int:
                 if factory is None:
                     raise RuntimeError(f"flashgen: forward kernel {forward} has no backward registered; "
                                        "differentiate calls of the objects flashgen.compile returns")
-                handle = _handles[key] = factory(key[1])
+                handle = _handles[key] = factory(seq_k, key[2])
     return handle
 
 
@@ -98,7 +102,7 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
                            "return_lse=True themselves when a call needs gradients")
     dout = torch.zeros_like(out) if dout is None else _launchable(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
-    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel, ctx.deterministic),
+    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1], ctx.deterministic),
                                                        softmax_scale, mask_offset, window_left, window_right)
     return dq, dk, dv, None, None, None, None, None, None
 

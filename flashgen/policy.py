@@ -4,7 +4,8 @@ A call's (GPU, dtype, d_head, sequence length, masked?) maps to the winner that
 ``flashgen tune`` stored for its sequence bucket (``$FLASHGEN_CACHE/tune.json``), else to
 the shipped default: the wgmma engine on compute capability 9.0 where it takes the head
 size, the mma.sync default elsewhere. The choice depends on the length only through its
-bucket. This module sits below the runtime and the tuner: it times nothing.
+bucket. Backward kernels are chosen alike (:func:`backward_lookup`), their winners stored under keys of
+their own (``bwd/4096``) beside the forward's. This module sits below the runtime and the tuner: it times nothing.
 """
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def load_cache(path: Path | None = None) -> dict:
         return {}
 
 
+def save_cache(data: dict, path: Path | None = None) -> None:
+    """Write the tune cache atomically (a reader never sees half of it)."""
+    path = path or tune_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
 #: The wgmma engine's default key block per d_head, and the larger one of long unmasked sequences
 #: (:mod:`flashgen.engines.wgmma` says why).
 HOPPER_B_C = wgmma_defaults.DEFAULT_B_C
@@ -84,10 +94,49 @@ def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = N
     raise ConfigError(f"no engine has a default config for d_head={d_head}")
 
 
-def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int, int] | None = None):
+#: What the tune cache's backward keys start with (``bwd/4096``, ``bwd/4096/masked``): the forward's keys
+#: are the bucket's bare numbers, so no key of one pass is ever the other's.
+BACKWARD_KEY_PREFIX = "bwd/"
+
+
+def backward_bucket_key(seq: int, masked: bool = False) -> str:
+    """The cache key of a sequence length's bucket for backward winners (masked calls apart, as the forward's)."""
+    return BACKWARD_KEY_PREFIX + bucket_key(seq, masked)
+
+
+def tuned_backward(gpu: str, dtype: DType, d_head: int, seq: int, mask: str, cache: dict | None = None):
+    """The backward config ``flashgen tune --passes bwd`` stored for this GPU, dtype, head size and the
+    bucket of ``seq`` (the masked bucket for a causal or window ``mask``), with the call's mask; None where
+    none is stored or the stored name is not a backward config of this dtype and head size (with a note)."""
+    from .dsl.configs import backward_from_short_form
+    from .dsl.notation import NotationError
+
+    cache = load_cache() if cache is None else cache
+    entry = cache.get(gpu, {}).get(dtype.value, {}).get(str(d_head), {}).get(backward_bucket_key(seq, mask != "none"))
+    if not entry:
+        return None
+    try:
+        cfg = backward_from_short_form(entry["config"])
+    except (ConfigError, NotationError, KeyError, TypeError) as exc:
+        print(f"[flashgen] ignoring the tuned backward entry {entry!r}: {exc}", file=sys.stderr, flush=True)
+        return None
+    if (cfg.dtype, cfg.d_head) != (dtype, d_head):
+        print(f"[flashgen] ignoring the tuned backward entry {cfg.short_form()} stored for {dtype.value} "
+              f"d_head={d_head}", file=sys.stderr, flush=True)
+        return None
+    return cfg.replace(mask=mask)
+
+
+def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int, int] | None = None,
+                    gpu: str | None = None, seq: int = 0, cache: dict | None = None):
     """The backward config that differentiates a forward kernel of this dtype, head size and score mask:
-    the default of the first engine the GPU runs (preferred first) that has a backward taking the head size."""
+    with a ``gpu`` name and a key length ``seq``, the tuned winner of its bucket (:func:`tuned_backward`)
+    where its engine runs on ``capability``; else the default of the first engine the GPU runs (preferred
+    first) that has a backward taking the head size."""
     target = of_capability(capability) if capability is not None else None
+    tuned = tuned_backward(gpu, dtype, d_head, seq, mask, cache) if gpu is not None and seq else None
+    if tuned is not None and (target is None or engines.engine_of(tuned).runs_on(target)):
+        return tuned
     for engine in engines.runnable_on(target):
         cfg = engine.backward.default_config(dtype, d_head, mask, target) if engine.backward is not None else None
         if cfg is not None:

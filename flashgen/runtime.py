@@ -85,6 +85,7 @@ class Attention:
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
         self._variants: dict[str, Attention] = {}
+        self._backwards: dict[BackwardConfig, int] = {}
         autograd.register(self._handle, self._load_backward, deterministic)
 
     @property
@@ -110,20 +111,28 @@ class Attention:
         if not engine.runs_on(of_capability((major, minor))):
             raise InputError(f"{name} has compute capability {major}.{minor}; {engine.name}-engine kernels need {engine.needs}")
 
-    def backward_config(self, deterministic: bool | None = None) -> BackwardConfig:
-        """The backward kernel that differentiates this one (same dtype, head size and mask);
-        ``deterministic`` (default: this object's setting) chooses its variant with ordered dQ adds."""
-        capability = self.built.capability
+    def backward_config(self, seq_k: int = 0, deterministic: bool | None = None) -> BackwardConfig:
+        """The backward kernel that differentiates this one (same dtype, head size and mask) for calls whose
+        key length is ``seq_k``: this GPU's ``flashgen tune --passes bwd`` winner of its bucket, else the
+        default (also for ``seq_k`` 0: unknown); ``deterministic`` (default: this object's setting) chooses
+        its variant with ordered dQ adds."""
+        gpu = device_facts(_device_index(torch.device("cuda")))[0] if seq_k else None
         try:
-            cfg = backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, capability)
+            cfg = backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu,
+                                  seq=seq_k)
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
         return cfg.replace(deterministic=self.deterministic if deterministic is None else bool(deterministic))
 
-    def _load_backward(self, deterministic: bool) -> int:
-        """Build (or load from the cache) and load the backward kernel (or its deterministic variant):
-        its launcher handle."""
-        return _load(build(self.backward_config(deterministic), self.built.capability, verbose=self.verbose), self.verbose)
+    def _load_backward(self, seq_k: int, deterministic: bool) -> int:
+        """Build (or load from the cache) and load the backward kernel of key length ``seq_k`` (or its
+        deterministic variant): its launcher handle (one per backward config: buckets whose winners agree
+        share it)."""
+        cfg = self.backward_config(seq_k, deterministic)
+        handle = self._backwards.get(cfg)
+        if handle is None:
+            handle = self._backwards[cfg] = _load(build(cfg, self.built.capability, verbose=self.verbose), self.verbose)
+        return handle
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""
@@ -155,10 +164,10 @@ class Attention:
         rows without any kept key give o = 0 and lse = -inf.
 
         Differentiable: when q, k or v requires grad (and grad mode is on), autograd records the call and
-        its backward kernel (same dtype, head size and mask) is built with the first such call. Gradients
-        reach q, k and v through o and through the returned lse; ``out=`` cannot be differentiated. The
-        backward is deterministic when this object was compiled ``deterministic=True`` or the call is
-        made under ``torch.use_deterministic_algorithms(True)``.
+        its backward kernel (same dtype, head size and mask; the tuned one of the key length's bucket) is
+        built with the first such call. Gradients reach q, k and v through o and through the returned lse;
+        ``out=`` cannot be differentiated. The backward is deterministic when this object was compiled
+        ``deterministic=True`` or the call is made under ``torch.use_deterministic_algorithms(True)``.
         """
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
@@ -205,7 +214,7 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
             raise InputError("out= cannot be differentiated (the operator that writes into it has no backward); "
                              "call without out= when q, k or v requires grad")
         # built with the forward: a head size it cannot take fails at this call
-        autograd.backward_handle(handle, autograd.deterministic(handle))
+        autograd.backward_handle(handle, k.shape[1], autograd.deterministic(handle))
     if out is None:
         out, lse = _attention(q, k, v, handle, scale, offset, left, right, return_lse or differentiate)
     else:

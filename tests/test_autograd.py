@@ -119,7 +119,7 @@ def test_gradients_reach_q_k_v_through_o_with_the_backward_kernel_of_the_forward
         torch.testing.assert_close(got, want)
     forward, backward = ops.calls[-2], ops.calls[-1]
     assert forward[0] == "attention" and forward[2] is True  # the lse is kept for the backward
-    assert backward == ("attention_backward", autograd.backward_handle(forward[1]), False)
+    assert backward == ("attention_backward", autograd.backward_handle(forward[1], k.shape[1]), False)
     bwd_cfg = ops.kernels.built[backward[1]]
     want_mask = "causal" if mask.get("causal") else "window" if "window" in mask else "none"
     assert isinstance(bwd_cfg, BackwardConfig) and (bwd_cfg.mask, bwd_cfg.d_head, bwd_cfg.dtype) == (want_mask, 64, DType.FP16)
@@ -230,7 +230,8 @@ def test_torch_deterministic_mode_at_the_forward_call_chooses_the_deterministic_
         torch.testing.assert_close(got, want)
     handles = {c[1] for c in ops.calls if c[0] == "attention_backward"}
     forward = ops.calls[0][1]
-    assert handles == {autograd.backward_handle(forward, False), autograd.backward_handle(forward, True)}
+    seq_k = k.shape[1]
+    assert handles == {autograd.backward_handle(forward, seq_k, False), autograd.backward_handle(forward, seq_k, True)}
 
 
 def test_each_backward_variant_is_built_once_and_calls_without_grad_build_none(ops):
@@ -254,3 +255,24 @@ def test_compile_auto_deterministic_passes_the_choice_to_the_kernels_it_picks(op
     torch.autograd.grad(auto(q, k, v, causal=True), (q, k, v), torch.randn(q.shape, dtype=q.dtype))
     (cfg,) = _backward_configs(ops)
     assert cfg.deterministic and cfg.mask == "causal"
+
+
+def test_each_key_length_bucket_gets_its_tuned_backward_kernel(ops, tmp_path, monkeypatch):
+    from flashgen.policy import backward_bucket_key, save_cache
+
+    tuned = BackwardConfig("fp16", d_head=64, B_r=128, B_c=32, n_warps=2)
+    save_cache({"NVIDIA H100": {"fp16": {"64": {backward_bucket_key(512): {"config": tuned.short_form()}}}}},
+               tmp_path / "tune.json")
+    monkeypatch.setenv("FLASHGEN_TUNE_CACHE", str(tmp_path / "tune.json"))
+    attn = attention_of(ops)
+    handles, built_by_forward = [], []
+    for seq_k in (45, 800, 60, 700):  # buckets 512, 1024, 512, 512 (the key length's, not the query's)
+        q, k, v = inputs(seq_q=37, seq_k=seq_k)
+        o = attn(q, k, v)
+        built_by_forward.append(sum(isinstance(c, BackwardConfig) for c in ops.kernels.built))
+        torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        handles.append(ops.calls[-1][1])
+    backwards = [c for c in ops.kernels.built if isinstance(c, BackwardConfig)]
+    assert backwards == [tuned, BackwardConfig.default("fp16", 64)]  # each built once, with its first forward call
+    assert built_by_forward == [1, 2, 2, 2]
+    assert [ops.kernels.built[h] for h in handles] == [tuned, backwards[1], tuned, tuned]

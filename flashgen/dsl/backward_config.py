@@ -19,6 +19,7 @@ numbers of the MMA's 16 rows, column counts of its k16.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from typing import Any, Mapping
 
@@ -255,3 +256,30 @@ def _rule_stages(c: BackwardConfig) -> None:
 
 
 _RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)
+
+
+# ---- the tuning space ------------------------------------------------------------------
+
+#: What ``flashgen tune --passes bwd`` varies: query and key block rows, warps, the warps' split of
+#: d_head's columns, the swizzle and the query-block stages; the rules above decide which combinations exist.
+TUNING_KNOBS: dict[str, tuple] = {
+    "B_r": (64, 128),
+    "B_c": (16, 32, 64, 128),
+    "n_warps": (2, 4, 8, 16),
+    "d_split": (1, 2, 4, 8, 16),
+    "swizzled": (True, False),
+    "stages": (1, 2),
+}
+
+
+def tuning_space(dtype: "DType | str", d_head: int, mask: str = "none") -> list[BackwardConfig]:
+    """Every valid config of :data:`TUNING_KNOBS`'s product for a dtype, head size and mask, in the
+    product's order (the shipped :meth:`BackwardConfig.default` is among them). Which of them spill
+    depends on the arch, so the tuner asks ptxas (:mod:`flashgen.tune_backward`), not this list."""
+    out = []
+    for values in itertools.product(*TUNING_KNOBS.values()):
+        try:
+            out.append(BackwardConfig(dtype, d_head=d_head, mask=mask, **dict(zip(TUNING_KNOBS, values))))
+        except ConfigError:
+            continue
+    return out

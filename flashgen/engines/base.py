@@ -46,6 +46,11 @@ class BackwardKernels:
         take the head size."""
         raise NotImplementedError
 
+    def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
+        """What ``flashgen tune --passes bwd`` times by default for a dtype, head size and mask (empty where
+        this engine's backward does not take the head size)."""
+        raise NotImplementedError
+
 
 class Engine:
     """One engine. Subclasses set the class attributes and implement the methods."""

@@ -52,6 +52,11 @@ class MmaSyncBackward(BackwardKernels):
             return BackwardConfig.default(dtype, d_head, mask)
         return BackwardConfig.default(dtype, d_head, mask, smem_limit=target.smem_per_block)
 
+    def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
+        from ..dsl.backward_config import tuning_space
+
+        return tuning_space(dtype, d_head, mask)
+
 
 class MmaSyncEngine(Engine):
     name = "mma_sync"
