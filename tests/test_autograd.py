@@ -157,9 +157,9 @@ def test_out_and_unsupported_head_sizes_are_refused_at_the_forward_call(ops):
     q, k, v = inputs()
     with pytest.raises(runtime.InputError, match="out= cannot be differentiated"):
         attn(q, k, v, out=torch.empty_like(q))
-    odd = attention_of(ops, d=112)
-    with pytest.raises(runtime.InputError, match="cannot be differentiated: no backward kernel takes d_head=112"):
-        odd(*inputs(d=112))
+    odd = attention_of(ops, d=160)
+    with pytest.raises(runtime.InputError, match="cannot be differentiated: no backward kernel takes d_head=160"):
+        odd(*inputs(d=160))
 
 
 def test_compile_auto_is_differentiable_and_traced_by_torch_compile(ops):

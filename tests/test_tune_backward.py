@@ -232,4 +232,4 @@ def test_given_configs_go_to_their_pass_with_the_timed_mask(fake_gpu):
     assert main(["tune", *given, "defaults", "--passes", "fwd", "bwd", "--causal", "--seqs", "2048", "--allow-spills"]) == 0
     (fwd, fwd_cfgs, _, _), (bwd, bwd_cfgs, _, kw) = fake_gpu
     assert (fwd, bwd) == ("fwd", "bwd") and fwd_cfgs and all(not isinstance(c, BackwardConfig) for c in fwd_cfgs)
-    assert bwd_cfgs == [BackwardConfig.default("fp16", 128, "causal").replace(stages=1)] and kw["causal"] and kw["allow_spills"]
+    assert bwd_cfgs == [BackwardConfig("fp16", d_head=128, n_warps=8, d_split=2, mask="causal")] and kw["causal"] and kw["allow_spills"]

@@ -65,14 +65,15 @@ class BackwardConfig:
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
                 smem_limit: int = SMEM_LIMIT_BYTES) -> "BackwardConfig | None":
         """The shipped config of a dtype, head size and mask: 64 query and 64 key rows, swizzled. Up to
-        96 columns, 4 warps each hold all of d_head's accumulators; d_head 128 and 256 take 8 warps in
-        pairs that split dK, dV and dQ's columns (``d_split=2``: 4 warps holding d_head 128 spill on
-        sm_90a). Two stages (the next query block loads under this one's GEMMs: about 10% faster on an
-        H100) where they fit ``smem_limit``, a GPU's shared memory per block; else one. None where even
-        one stage does not fit, and for other head sizes above 96 (a split needs d_head 64, 128 or 256)."""
-        if d_head <= 96:
+        128 columns, 4 warps each hold all of d_head's accumulators (on an H100 at d_head 128 about 1.5x
+        the speed of 8 warps in pairs splitting the columns, whose S^T and dP^T are computed twice);
+        d_head 256 takes 8 warps in such pairs (``d_split=2``: 4 warps cannot hold its accumulators).
+        Two stages (the next query block loads under this one's GEMMs) where they fit ``smem_limit``, a
+        GPU's shared memory per block; else one. None where even one stage does not fit, and for head
+        sizes above 128 other than 256 (a split needs d_head 64, 128 or 256)."""
+        if d_head <= 128:
             cfg = cls(dtype, d_head=d_head, mask=mask, stages=2)
-        elif d_head in (128, 256):
+        elif d_head == 256:
             cfg = cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2, stages=2)
         else:
             return None

@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
 
 #: The main kernel: one key block of one kv head, over the query blocks of its group's heads.
 _KERNEL = CodeTemplate(
-    r"""__global__ void __launch_bounds__(THREADS) kernel(const __grid_constant__ Params p) {
+    r"""__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {  // 1: no register cap for occupancy (ptxas spilled for it)
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
     $smem_addrs
