@@ -3,7 +3,9 @@ an attention equal to SDPA from a wrong one after a short training of a tiny mod
 from __future__ import annotations
 
 import importlib.util
+import functools
 import io
+import json
 import math
 import sys
 from pathlib import Path
@@ -20,7 +22,7 @@ spec.loader.exec_module(tc)
 
 TINY = tc.ModelShape(vocab=32, seq=32, heads=2, d_head=16, layers=2)
 PERIOD = 4
-STEPS = 60
+STEPS = 100
 EVERY = 10
 
 
@@ -207,3 +209,20 @@ def test_the_report_prints_both_curves_and_the_verdict():
     text = tc.report(verdict, {n: tc.step_ms(r.seconds) for n, r in runs.items()})
     assert text.endswith("FAIL")  # 4 steps do not halve the loss
     assert "time per step:   sdpa" in text and "time per step:   flashgen" in text
+
+
+def test_the_tool_writes_its_json_and_exits_by_the_verdict(monkeypatch, tmp_path, capsys):
+    """main() end to end on the CPU, with the hand-written attention standing in for flashgen's."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tc, "flashgen_attention", lambda: manual_attention)
+    monkeypatch.setattr(tc, "check", functools.partial(tc.check, device=torch.device("cpu")))
+    out = tmp_path / "sub" / "r.json"
+    status = tc.main(["--steps", "6", "--log-every", "3", "--seq", "32", "--period", "4", "--vocab", "32",
+                      "--heads", "1", "--batch", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert status == (0 if result["passed"] else 1)
+    assert [len(result["losses"][n]) for n in ("sdpa", "flashgen")] == [6, 6]
+    assert result["verdict"] == json.loads(json.dumps(tc.judge(result["losses"]["sdpa"], result["losses"]["flashgen"], 3)))
+    assert result["args"]["out"] == str(out) and set(result["ms_per_step"]) == {"sdpa", "flashgen"}
+    printed = capsys.readouterr().out
+    assert [ln.split()[0] for ln in printed.splitlines()[1:3]] == ["3", "6"] and ("PASS" in printed or "FAIL" in printed)
