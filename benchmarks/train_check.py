@@ -148,18 +148,19 @@ def copy_loss(logits: torch.Tensor, tokens: torch.Tensor, period: int) -> torch.
 
 @dataclass
 class Run:
-    """One model's training: the model, its optimizer, and per step its loss and seconds."""
+    """One model's training: its name, the model, its optimizer, and per step its loss and seconds."""
 
+    name: str
     model: TinyDecoder
     optimizer: torch.optim.Optimizer
     losses: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
 
-def make_run(initial: dict, shape: ModelShape, attention: AttentionFn, device: torch.device, lr: float) -> Run:
+def make_run(name: str, initial: dict, shape: ModelShape, attention: AttentionFn, device: torch.device, lr: float) -> Run:
     model = TinyDecoder(shape, attention).to(device)
     model.load_state_dict(initial)
-    return Run(model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0))
+    return Run(name, model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0))
 
 
 def train_step(run: Run, tokens: torch.Tensor, period: int, lr: float, amp: torch.dtype | None) -> None:
@@ -186,7 +187,7 @@ def train_step(run: Run, tokens: torch.Tensor, period: int, lr: float, amp: torc
     _sync(device)
     run.seconds.append(time.perf_counter() - start)
     if not math.isfinite(value):
-        raise FloatingPointError(f"step {len(run.losses)}: the loss is {value}")
+        raise FloatingPointError(f"the {run.name} run's loss at step {len(run.losses)} is {value}")
     run.losses.append(value)
 
 
@@ -219,22 +220,24 @@ def _differences(ref: list[float], cand: list[float]) -> dict:
     return {"max_abs": max(abs(c - r) for r, c in pairs), "max_rel": max(abs(c - r) / abs(r) for r, c in pairs)}
 
 
-def judge(reference: list[float], candidate: list[float], every: int) -> dict:
-    """The tolerance rule of the module docstring applied to two runs' per-step losses."""
+def judge(reference: list[float], candidate: list[float], every: int, names: tuple[str, str] = ("reference", "candidate")) -> dict:
+    """The tolerance rule of the module docstring applied to two runs' per-step losses; ``names`` name
+    the two runs in the reasons, the final losses and the curves."""
     if len(reference) != len(candidate) or not reference:
         raise ValueError(f"the runs have {len(reference)} and {len(candidate)} losses; the rule needs equal, non-zero counts")
     ref_log, cand_log = logged(reference, every), logged(candidate, every)
     outside = [(s, r, c) for (s, r), (_, c) in zip(ref_log, cand_log) if abs(c - r) > REL_TOL * r + ABS_TOL]
+    ref_name, cand_name = names
     fell = {name: log[-1][1] <= MIN_DROP * losses[0]
-            for name, log, losses in (("reference", ref_log, reference), ("candidate", cand_log, candidate))}
-    reasons = [f"step {s}: logged losses {r:.4f} (reference) and {c:.4f} differ by {abs(c - r):.4f} > "
+            for name, log, losses in ((ref_name, ref_log, reference), (cand_name, cand_log, candidate))}
+    reasons = [f"step {s}: logged losses {r:.4f} ({ref_name}) and {c:.4f} ({cand_name}) differ by {abs(c - r):.4f} > "
                f"{REL_TOL} * {r:.4f} + {ABS_TOL}" for s, r, c in outside]
     reasons += [f"the {name} run's last logged loss is above {MIN_DROP} x its first loss" for name, ok in fell.items() if not ok]
     return {"passed": not reasons, "reasons": reasons, "rule": f"|cand - ref| <= {REL_TOL} * ref + {ABS_TOL} at every "
             f"logged step (means of {every} steps); last logged loss <= {MIN_DROP} x first loss in both runs",
             "per_step": _differences(reference, candidate), "logged": _differences([r for _, r in ref_log], [c for _, c in cand_log]),
-            "final": {"reference": ref_log[-1][1], "candidate": cand_log[-1][1], **_differences([ref_log[-1][1]], [cand_log[-1][1]])},
-            "curves": [{"step": s, "reference": r, "candidate": c} for (s, r), (_, c) in zip(ref_log, cand_log)]}
+            "final": {ref_name: ref_log[-1][1], cand_name: cand_log[-1][1], **_differences([ref_log[-1][1]], [cand_log[-1][1]])},
+            "curves": [{"step": s, ref_name: r, cand_name: c} for (s, r), (_, c) in zip(ref_log, cand_log)]}
 
 
 def train_pair(shape: ModelShape, attentions: dict[str, AttentionFn], batches: torch.Tensor, period: int, *, device: torch.device,
@@ -247,7 +250,7 @@ def train_pair(shape: ModelShape, attentions: dict[str, AttentionFn], batches: t
     out = sys.stdout if out is None else out
     torch.manual_seed(seed)
     initial = TinyDecoder(shape, sdpa_attention).state_dict()
-    runs = {name: make_run(initial, shape, fn, device, lr) for name, fn in attentions.items()}
+    runs = {name: make_run(name, initial, shape, fn, device, lr) for name, fn in attentions.items()}
     if every:
         print("  step  " + "".join(f"{name:>12}" for name in runs), file=out, flush=True)
     for step in range(batches.shape[0]):
@@ -270,7 +273,7 @@ def report(verdict: dict, times: dict[str, dict]) -> str:
     per, log, fin = verdict["per_step"], verdict["logged"], verdict["final"]
     lines = [f"per-step losses: max |flashgen - sdpa| {per['max_abs']:.4f}, max relative {per['max_rel']:.4f}",
              f"logged losses:   max |flashgen - sdpa| {log['max_abs']:.4f}, max relative {log['max_rel']:.4f}",
-             f"final losses:    sdpa {fin['reference']:.4f}, flashgen {fin['candidate']:.4f}, "
+             f"final losses:    sdpa {fin['sdpa']:.4f}, flashgen {fin['flashgen']:.4f}, "
              f"difference {fin['max_abs']:.4f} (relative {fin['max_rel']:.4f})"]
     lines += [f"time per step:   {name} {t['median']:.2f} ms median (first step {t['first']:.0f} ms)" for name, t in times.items()]
     lines.append(f"rule: {verdict['rule']}")
@@ -287,10 +290,11 @@ def check(args: argparse.Namespace, out=None, device: torch.device = torch.devic
     batches = copy_batches(args.steps, args.batch, args.seq, args.vocab, args.seed, args.period)
     runs = train_pair(shape, {"sdpa": sdpa_attention, "flashgen": flashgen_attention()}, batches, args.period, device=device,
                       lr=args.lr, warmup=args.warmup, amp=torch.bfloat16, seed=args.seed, every=args.log_every, out=out)
-    verdict = judge(runs["sdpa"].losses, runs["flashgen"].losses, args.log_every)
+    verdict = judge(runs["sdpa"].losses, runs["flashgen"].losses, args.log_every, names=("sdpa", "flashgen"))
     times = {name: step_ms(run.seconds) for name, run in runs.items()}
     print(report(verdict, times), file=out, flush=True)
-    return {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__, "cuda": torch.version.cuda,
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "d_model": shape.d_model,
             "passed": verdict["passed"], "verdict": verdict, "ms_per_step": times,
             "losses": {name: run.losses for name, run in runs.items()},
@@ -338,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("train_check: interrupted", file=sys.stderr)
         return 130
+    except FloatingPointError as exc:
+        print(f"train_check: FAIL: {exc}", file=sys.stderr)
+        return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -205,7 +205,7 @@ def test_the_report_prints_both_curves_and_the_verdict():
                          device=torch.device("cpu"), lr=1e-3, warmup=1, amp=None, seed=0, every=2, out=out)
     lines = out.getvalue().splitlines()
     assert lines[0].split() == ["step", "sdpa", "flashgen"] and [ln.split()[0] for ln in lines[1:]] == ["2", "4"]
-    verdict = tc.judge(runs["sdpa"].losses, runs["flashgen"].losses, 2)
+    verdict = tc.judge(runs["sdpa"].losses, runs["flashgen"].losses, 2, names=("sdpa", "flashgen"))
     text = tc.report(verdict, {n: tc.step_ms(r.seconds) for n, r in runs.items()})
     assert text.endswith("FAIL")  # 4 steps do not halve the loss
     assert "time per step:   sdpa" in text and "time per step:   flashgen" in text
@@ -222,7 +222,19 @@ def test_the_tool_writes_its_json_and_exits_by_the_verdict(monkeypatch, tmp_path
     result = json.loads(out.read_text())
     assert status == (0 if result["passed"] else 1)
     assert [len(result["losses"][n]) for n in ("sdpa", "flashgen")] == [6, 6]
-    assert result["verdict"] == json.loads(json.dumps(tc.judge(result["losses"]["sdpa"], result["losses"]["flashgen"], 3)))
+    judged = tc.judge(result["losses"]["sdpa"], result["losses"]["flashgen"], 3, names=("sdpa", "flashgen"))
+    assert result["verdict"] == json.loads(json.dumps(judged))
     assert result["args"]["out"] == str(out) and set(result["ms_per_step"]) == {"sdpa", "flashgen"}
     printed = capsys.readouterr().out
     assert [ln.split()[0] for ln in printed.splitlines()[1:3]] == ["3", "6"] and ("PASS" in printed or "FAIL" in printed)
+
+
+def test_a_loss_that_is_not_finite_fails_the_check_naming_the_run(monkeypatch, capsys):
+    def nan_attention(q, k, v):
+        return tc.sdpa_attention(q, k, v) * float("nan")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tc, "flashgen_attention", lambda: nan_attention)
+    monkeypatch.setattr(tc, "check", functools.partial(tc.check, device=torch.device("cpu")))
+    assert tc.main(["--steps", "2", "--seq", "32", "--period", "4", "--vocab", "32", "--heads", "1", "--batch", "1"]) == 1
+    assert "the flashgen run's loss at step 0 is nan" in capsys.readouterr().err
