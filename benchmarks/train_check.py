@@ -26,8 +26,8 @@ a few. PASS when both hold:
 * at every logged step ``|loss_flashgen - loss_sdpa| <= 0.02 * loss_sdpa + 0.02``. Why this
   size: on the CPU, in fp32 with the default settings, an SDPA whose outputs and gradients were
   rounded to bf16 and given 1% relative noise stayed within 0.003 of SDPA's logged losses over
-  the 300 steps at d_head 64 (at d_head 128 within 0.023 where the tolerance is 0.033, at step
-  100, where the curve falls fastest; within 0.003 elsewhere), while a dV 10% too large, a dK twice
+  the 300 steps at d_head 64 (at d_head 128 the largest gap was 0.023 against a tolerance of 0.033,
+  at step 100, where the curve falls fastest), while a dV 10% too large, a dK twice
   too large or a missing dQ each left this tolerance by step 80 (and ``tests/test_train_check.py``
   shows a tiny model telling a wrong scale, a missing causal mask and a missing dQ from SDPA
   within 100 steps);
