@@ -80,9 +80,11 @@ def _target(arch: str):
         raise CheckError(str(exc)) from None
 
 
-def compile_command(nvcc: str, cu: Path, arch: str, out: Path) -> list[str]:
-    """The argv that compiles one kernel for ``arch`` with ptxas's resource report."""
-    return [nvcc, *NVCC_FLAGS, *PTXAS_VERBOSE, "-c", _target(arch).gencode, str(cu), "-o", str(out)]
+def compile_command(nvcc: str, cu: Path, arch: str, out: Path, device_only: bool = False) -> list[str]:
+    """The argv that compiles one kernel for ``arch`` with ptxas's resource report; ``device_only``: the
+    device code alone, to a cubin (the same report in about 40% of the time: no host compile)."""
+    return [nvcc, *NVCC_FLAGS, *PTXAS_VERBOSE, "-cubin" if device_only else "-c", _target(arch).gencode, str(cu),
+            "-o", str(out)]
 
 
 def ptx_command(nvcc: str, cu: Path, arch: str, out: Path) -> list[str]:
