@@ -5,7 +5,7 @@ For each (config, arch) the kernel translation unit is compiled alone::
     nvcc -O3 -std=c++17 --expt-relaxed-constexpr -Xptxas -v -c \
          -gencode=arch=compute_90a,code=sm_90a <name>.cu -o <name>.sm_90a.o
 
-and ptxas's ``-v`` report is parsed (:func:`parse_ptxas`) into registers, spill
+(``-cubin`` instead of ``-c`` for a config's later archs: its host code is compiled once) and ptxas's ``-v`` report is parsed (:func:`parse_ptxas`) into registers, spill
 stores/loads, stack frame and static shared memory; the table adds the config's
 dynamic shared memory. Compiles run in worker processes (:func:`flashgen.workers.run_parallel`:
 Ctrl-C and SIGTERM end them and their nvcc at once). A failing compile reports the
@@ -272,14 +272,14 @@ def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
     return d
 
 
-def _compile_one(task: tuple[AnyConfig, str, str, Path, bool]) -> CheckResult:  # worker of run_parallel
-    cfg, arch, nvcc, workdir, use_cache = task
+def _compile_one(task: tuple[AnyConfig, str, str, Path, bool, bool]) -> CheckResult:  # worker of run_parallel
+    cfg, arch, nvcc, workdir, use_cache, device_only = task
     src = source_of(cfg)
     d = _kernel_dir(workdir, src, nvcc, "check")
     cu = d / f"{src.name}.cu"
-    obj = d / f"{src.name}.{arch}.o"
+    obj = d / f"{src.name}.{arch}.{'cubin' if device_only else 'o'}"
     log_path = d / f"{src.name}.{arch}.ptxas.txt"
-    argv = compile_command(nvcc, cu, arch, obj)
+    argv = compile_command(nvcc, cu, arch, obj, device_only)
     command = shlex.join(argv)
     if use_cache and log_path.exists() and obj.exists():
         log = log_path.read_text()
@@ -336,7 +336,8 @@ def check_configs(
     progress: Callable[[CheckResult, int, int], None] | None = None,
 ) -> list[CheckResult]:
     """Compile every (config, arch) of :func:`plan_checks` with nvcc in ``jobs`` processes
-    (default: cpu count); the pairs it refuses are left out.
+    (default: cpu count); the pairs it refuses are left out. A config's host code is compiled with
+    its first arch only (the others: device code alone, the same ptxas report).
 
     Returns the results in (config, arch) order. Raises CheckError when nvcc is missing
     or an arch is unknown; a failing compile is a result with ``ok=False``.
@@ -356,7 +357,9 @@ def check_configs(
     def report(i: int, res: CheckResult) -> None:
         progress(res, next(done), len(tasks))  # type: ignore[misc]
 
-    work = [(cfg, arch, nvcc, workdir, use_cache) for cfg, arch in tasks]
+    # the host code (the launcher) is the same for every arch: compiled once, with a config's first arch
+    first = {cfg: arch for cfg, arch in reversed(tasks)}
+    work = [(cfg, arch, nvcc, workdir, use_cache, first[cfg] != arch) for cfg, arch in tasks]
     return run_parallel(_compile_one, work, jobs, report if progress else None)
 
 

@@ -221,7 +221,8 @@ def _add_check(sub) -> None:
         help="compile with nvcc for sm_80 and sm_90a; report registers, spills, stack, smem",
         description=_wrap(
             "Compile each config's kernel alone with nvcc (-O3 -std=c++17 --expt-relaxed-constexpr "
-            "-Xptxas -v -c) for every --arch, in parallel, and print ptxas's registers, spill "
+            "-Xptxas -v -c; device code only after a config's first arch) for every --arch, in parallel, "
+            "and print ptxas's registers, spill "
             "stores/loads, stack frame and shared memory (static + the config's dynamic) as a table. "
             "A failing compile prints the .cu path and the exact nvcc command; the exit status is "
             "then non-zero. Needs nvcc, not a GPU."
