@@ -281,7 +281,8 @@ def _compile_one(task: tuple[AnyConfig, str, str, Path, bool, bool]) -> CheckRes
     log_path = d / f"{src.name}.{arch}.ptxas.txt"
     argv = compile_command(nvcc, cu, arch, obj, device_only)
     command = shlex.join(argv)
-    if use_cache and log_path.exists() and obj.exists():
+    built = [d / f"{src.name}.{arch}.{ext}" for ext in ("o", "cubin")]  # either gives the same ptxas report
+    if use_cache and log_path.exists() and any(b.exists() for b in built):
         log = log_path.read_text()
         stats = parse_ptxas(log)
         if stats:

@@ -86,7 +86,9 @@ def test_check_with_a_stand_in_compiler(fake_ok, tmp_path):
     assert r.smem_bytes == CFG.smem_bytes + 400  # static (ptxas) + dynamic (config)
     argv = shlex.split(r.command)
     assert argv[0] == str(fake_ok)
-    assert argv[1:7] == ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v", "-c"]
+    # the first arch compiles the host code too; the second the device code alone
+    assert shlex.split(res[0].command)[1:7] == ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v", "-c"]
+    assert argv[1:7] == ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v", "-cubin"]
     assert "-gencode=arch=compute_90a,code=sm_90a" in argv and str(r.cu_path) in argv
     assert r.cu_path.read_text() == check.source_of(CFG).text
     again = check_configs([CFG], ("sm_90a",), workdir=tmp_path / "w")
