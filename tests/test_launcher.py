@@ -1,7 +1,7 @@
 """The real thing without a GPU: nvcc builds a kernel library, the launcher (g++ against torch's headers)
 loads it, and the operator checks a call before launching. Each case runs in a fresh interpreter
 (a launcher library can be loaded once per process) with its own cache folder, which starts with
-the launcher built once for the module (building it is what takes time).
+the launcher and the kernels built once for the module (building them is what takes time).
 """
 from __future__ import annotations
 
@@ -35,10 +35,16 @@ def run(code: str, cache: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def built_launcher(tmp_path_factory, nvcc) -> Path:
-    """A cache folder holding only the launcher."""
+    """A cache folder holding the launcher and the kernels the cases load (``cfg`` and a backward one),
+    built once for the module."""
     cache = tmp_path_factory.mktemp("launcher-cache")
-    proc = subprocess.run([sys.executable, "-c", "from flashgen import launcher; launcher.library()"], cwd=REPO,
-                          env={**os.environ, "FLASHGEN_CACHE": str(cache)}, capture_output=True, text=True, timeout=600)
+    proc = run("""
+from flashgen import launcher
+from flashgen.dsl.backward_config import BackwardConfig
+launcher.library()
+build(cfg, (8, 0))
+build(BackwardConfig("fp16", d_head=64), (8, 0))
+""", cache)
     assert proc.returncode == 0, proc.stderr
     return cache
 
