@@ -34,9 +34,17 @@ class Proxy:
         tracer = next(a.tracer for a in _flat(args, kwargs) if isinstance(a, Proxy))
         return tracer.wrap(torch_table.call(tracer, func, args, kwargs or {}))
 
+    @property
+    def dtype(self):
+        """The torch dtype of this value in the kernel (for ``torch.tensor(x, dtype=score.dtype)``)."""
+        return torch_table.TORCH_DTYPE[self.expr.dtype]
+
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in ("shape", "ndim", "size", "numel", "dim", "device", "data", "item", "tolist"):
+            self.tracer.fail(f"uses Tensor.{name}: the mod sees one score and one index at a time, "
+                             "with no shape or storage")
         return lambda *args, **kwargs: self.tracer.wrap(torch_table.call_method(self.tracer, name, self, args, kwargs))
 
     def _binary(self, op: str, other, reverse: bool = False):

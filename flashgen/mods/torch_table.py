@@ -22,6 +22,7 @@ UNARY = {"neg": "neg", "negative": "neg", "abs": "abs", "absolute": "abs", "exp"
 CASTS = {"float": FLOAT, "double": FLOAT, "int": INT, "long": INT, "bool": BOOL}
 #: torch dtypes a mod may cast to, as the kernel computes them (fp64 math runs in fp32 there)
 TO_DTYPE = {torch.float32: FLOAT, torch.float64: FLOAT, torch.int32: INT, torch.int64: INT, torch.bool: BOOL}
+TORCH_DTYPE = {FLOAT: torch.float32, INT: torch.int32, BOOL: torch.bool}
 SUPPORTED = ("+ - * / // % unary- abs & | ^ ~ < <= > >= == != torch.where torch.exp torch.log torch.tanh "
              "torch.sqrt torch.abs torch.minimum torch.maximum torch.clamp torch.logical_and/or/xor/not "
              ".float() .int() .long() .bool() .to(dtype), captured_tensor[index expressions]")

@@ -149,6 +149,14 @@ def _check_callable(fn, kind: str) -> None:
                        f"({', '.join(PARAMS[kind])}), as FlexAttention's {kind}_mod does") from None
 
 
+def _compiled_in(value, made_static: bool) -> bool:
+    """Whether a captured value is part of the trace as a Python value (a flag, a string, a tuple of
+    sizes, a number the code needed as a Python number), so that a new value must retrace."""
+    if is_number(value):
+        return made_static
+    return isinstance(value, (bool, str, tuple, type(None)))
+
+
 def trace(fn, kind: str) -> TracedMod:
     """Trace ``fn`` as a ``kind`` ("score" or "mask") mod into its canonical TracedMod."""
     if kind not in PARAMS:
@@ -170,5 +178,5 @@ def trace(fn, kind: str) -> TracedMod:
             continue
         break
     root = cast(tracer.lift(result), FLOAT if kind == "score" else BOOL)
-    frozen = tuple((s, s.read(fn)) for s in captures.sources if s.name in static and is_number(s.read(fn)))
+    frozen = tuple((s, v) for s in captures.sources if _compiled_in(v := s.read(fn), s.name in static))
     return make_traced(kind, root, tracer.scalars, tracer.buffers, frozen, describe(fn, kind))

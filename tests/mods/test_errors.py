@@ -95,3 +95,10 @@ def test_bad_callables():
         trace(torch.exp, "score")
     with pytest.raises(ValueError, match="kind="):
         trace(lambda b, h, q, k: q, "both")
+
+
+def test_shape_queries_and_dtype():
+    with pytest.raises(ModError, match=r"uses Tensor\.shape"):
+        trace(lambda s, b, h, q, k: s * s.shape[0], "score")
+    mod = trace(lambda s, b, h, q, k: torch.where(q < k, s, torch.tensor(-1.5, dtype=s.dtype)), "score")
+    assert "Const '-0x1.8" in mod.canonical

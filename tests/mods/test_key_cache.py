@@ -110,3 +110,17 @@ def test_a_compiled_in_number_that_changes_retraces():
     n = 3
     second, _ = prepare(fn, "score")
     assert cache_info().traces == 2 and first.key != second.key
+
+
+def test_a_captured_flag_that_changes_retraces():
+    clear_cache()
+    soft = True
+
+    def fn(s, b, h, q, k):
+        return torch.tanh(s) if soft else s
+
+    first, _ = prepare(fn, "score")
+    prepare(fn, "score")
+    soft = False
+    second, _ = prepare(fn, "score")
+    assert cache_info().traces == 2 and "tanh" in first.canonical and "tanh" not in second.canonical
