@@ -1,0 +1,118 @@
+"""The torch functions and tensor methods a mod may call, by name, and the nodes they build.
+
+One table serves ``torch.exp(x)``, ``x.exp()`` and ``Tensor.__add__`` reached through
+``__torch_function__``; a reflected dunder (``__radd__``) swaps its operands. A name not in the
+table raises an OpError listing what is supported.
+"""
+from __future__ import annotations
+
+import torch
+
+from .expr import BOOL, FLOAT, INT, OpError, binary, cast, unary, where
+
+BINARY = {"add": "add", "sub": "sub", "subtract": "sub", "mul": "mul", "multiply": "mul", "div": "truediv",
+          "divide": "truediv", "true_divide": "truediv", "truediv": "truediv", "floor_divide": "floordiv",
+          "floordiv": "floordiv", "remainder": "mod", "mod": "mod", "lt": "lt", "less": "lt", "le": "le",
+          "less_equal": "le", "gt": "gt", "greater": "gt", "ge": "ge", "greater_equal": "ge", "eq": "eq",
+          "ne": "ne", "not_equal": "ne", "bitwise_and": "and", "and": "and", "bitwise_or": "or", "or": "or",
+          "bitwise_xor": "xor", "xor": "xor", "minimum": "minimum", "maximum": "maximum"}
+LOGICAL = {"logical_and": "and", "logical_or": "or", "logical_xor": "xor"}
+UNARY = {"neg": "neg", "negative": "neg", "abs": "abs", "absolute": "abs", "exp": "exp", "log": "log",
+         "tanh": "tanh", "sqrt": "sqrt", "bitwise_not": "not", "invert": "not"}
+CASTS = {"float": FLOAT, "double": FLOAT, "int": INT, "long": INT, "bool": BOOL}
+#: torch dtypes a mod may cast to, as the kernel computes them (fp64 math runs in fp32 there)
+TO_DTYPE = {torch.float32: FLOAT, torch.float64: FLOAT, torch.int32: INT, torch.int64: INT, torch.bool: BOOL}
+TORCH_DTYPE = {FLOAT: torch.float32, INT: torch.int32, BOOL: torch.bool}
+SUPPORTED = ("+ - * / // % unary- abs & | ^ ~ < <= > >= == != torch.where torch.exp torch.log torch.tanh "
+             "torch.sqrt torch.abs torch.minimum torch.maximum torch.clamp torch.logical_and/or/xor/not "
+             ".float() .int() .long() .bool() .to(dtype), captured_tensor[index expressions]")
+
+
+def kernel_dtype(dtype: torch.dtype, what: str) -> str:
+    """The kernel dtype holding a captured tensor's values (narrow ints and floats widen)."""
+    if dtype == torch.bool:
+        return BOOL
+    if dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        return INT
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return FLOAT
+    raise OpError(f"{what} has dtype {dtype}; flashgen passes bool, integer and float tensors")
+
+
+def _name_of(func) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    return f"Tensor.{name}"
+
+
+def _strip(name: str) -> tuple[str, bool]:
+    """'__radd__' -> ('add', True); '__add__' -> ('add', False); 'add' -> ('add', False)."""
+    if name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        if core.startswith("r") and core[1:] in BINARY:
+            return core[1:], True
+        return core, False
+    return name, False
+
+
+def _apply(tracer, name: str, args: tuple, kwargs: dict, shown: str):
+    if name == "getitem":
+        return tracer.index(*args)
+    lift = tracer.lift
+    if name in BINARY and len(args) == 2 and not kwargs:
+        return binary(BINARY[name], lift(args[0]), lift(args[1]))
+    if name == "div" and kwargs.get("rounding_mode") == "floor":
+        return binary("floordiv", lift(args[0]), lift(args[1]))
+    if name in LOGICAL:
+        return binary(LOGICAL[name], cast(lift(args[0]), BOOL), cast(lift(args[1]), BOOL))
+    if name == "logical_not":
+        return unary("not", cast(lift(args[0]), BOOL))
+    if name in UNARY and len(args) == 1 and not kwargs:
+        return unary(UNARY[name], lift(args[0]))
+    if name == "where" and len(args) == 3:
+        return where(*(lift(a) for a in args))
+    if name in ("clamp", "clip"):
+        return _clamp(lift, args, kwargs)
+    if name in CASTS and len(args) == 1:
+        return cast(lift(args[0]), CASTS[name])
+    if name == "to":
+        return _to(lift, args, kwargs)
+    raise OpError(f"{shown}, which flashgen cannot compile; supported: {SUPPORTED}")
+
+
+def _clamp(lift, args: tuple, kwargs: dict):
+    x, *bounds = args
+    lo = bounds[0] if len(bounds) > 0 else kwargs.get("min")
+    hi = bounds[1] if len(bounds) > 1 else kwargs.get("max")
+    out = lift(x)
+    if lo is not None:
+        out = binary("maximum", out, lift(lo))
+    if hi is not None:
+        out = binary("minimum", out, lift(hi))
+    return out
+
+
+def _to(lift, args: tuple, kwargs: dict):
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+    if dtype not in TO_DTYPE:
+        raise OpError(f".to({dtype!r}); flashgen casts to torch.float32/float64 (computed in fp32), "
+                      "torch.int32/int64 (int32) and torch.bool")
+    return cast(lift(args[0]), TO_DTYPE[dtype])
+
+
+def call(tracer, func, args: tuple, kwargs: dict):
+    """A torch function or tensor method reached through ``__torch_function__``."""
+    name, reverse = _strip(getattr(func, "__name__", ""))
+    if func is torch.Tensor.where:  # x.where(cond, y) is torch.where(cond, x, y)
+        args = (args[1], args[0]) + tuple(args[2:])
+    if reverse:
+        args = (args[1], args[0]) + tuple(args[2:])
+    return tracer.checked(_apply, tracer, name, tuple(args), kwargs, f"uses {_name_of(func)}")
+
+
+def call_method(tracer, name: str, proxy, args: tuple, kwargs: dict):
+    """``proxy.name(*args, **kwargs)``: the same table with the proxy first."""
+    if name == "where" and args:
+        return call(tracer, torch.Tensor.where, (proxy,) + tuple(args), kwargs)
+    return tracer.checked(_apply, tracer, name, (proxy,) + tuple(args), kwargs, f"uses Tensor.{name}")
