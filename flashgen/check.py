@@ -204,6 +204,16 @@ class CheckResult:
         """Static (ptxas) + dynamic (the config's Q, K, V blocks) shared memory per CTA."""
         return self.dynamic_smem + (self.stats.static_smem if self.stats else 0)
 
+    @property
+    def smem_limit(self) -> int:
+        """The shared memory one block may have on this arch."""
+        return _target(self.arch).smem_per_block
+
+    @property
+    def fits_smem(self) -> bool:
+        """Whether a launch on this arch gets the kernel's shared memory (it compiles either way)."""
+        return self.smem_bytes <= self.smem_limit
+
     def to_dict(self) -> dict:
         d = {
             "name": self.cfg.mangle(),
@@ -215,6 +225,8 @@ class CheckResult:
             "seconds": round(self.seconds, 2),
             "cached": self.cached,
             "dynamic_smem_bytes": self.dynamic_smem,
+            "smem_limit_bytes": self.smem_limit,
+            "fits_smem": self.fits_smem,
         }
         if self.stats:
             d.update(
@@ -396,7 +408,8 @@ def format_table(results: Sequence[CheckResult]) -> str:
     for r in results:
         if r.stats:
             s = r.stats
-            status = "ok" if s.clean else "LOCAL MEMORY"
+            status = ", ".join(([] if s.clean else ["LOCAL MEMORY"]) + ([] if r.fits_smem else [f"SMEM > {r.smem_limit}"]))
+            status = status or "ok"
             rows.append((r.cfg.short_form(), r.arch, str(s.registers), str(s.spill_stores), str(s.spill_loads),
                          str(s.stack_frame), _smem(r), status))
         else:
@@ -486,6 +499,10 @@ def run(cfgs: Sequence[AnyConfig], args: argparse.Namespace) -> int:
     for r in failed:
         print(failure_report(r), file=sys.stderr)
     spilled = [r for r in results if r.stats and not r.stats.clean]
+    for r in results:
+        if r.ok and not r.fits_smem:
+            note(f"{r.cfg.short_form()} needs {r.smem_bytes} bytes of shared memory per block; {r.arch} gives "
+                 f"{r.smem_limit}: it compiles but cannot launch there")
     if failed:
         print(f"flashgen: error: {len(failed)} of {len(results)} compile(s) failed", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ output or fails, so these run where no CUDA toolkit is installed.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import stat
 from pathlib import Path
@@ -148,3 +149,24 @@ def test_cli_says_which_configs_an_arch_cannot_take(fake_ok, tmp_path, capsys):
     assert len(rows) == 1 and rows[0].startswith(CFG.short_form())
     assert main(args + ["-v"]) == 0
     assert f"not compiled for sm_80: {wgmma.short_form()}: wgmma kernels need sm_90a" in capsys.readouterr().err
+
+
+def test_a_kernel_over_an_archs_shared_memory_is_marked_for_that_arch(fake_ok, tmp_path):
+    from flashgen.dsl.backward_config import BackwardConfig
+
+    big = BackwardConfig("fp16", d_head=256, n_warps=8, d_split=2, stages=2)  # 205,824 bytes: above sm_80's 163 KiB
+    res = {r.arch: r for r in check_configs([big], ("sm_80", "sm_90a"), workdir=tmp_path / "w")}
+    assert not res["sm_80"].fits_smem and res["sm_90a"].fits_smem
+    table = format_table(list(res.values()))
+    assert f"SMEM > {res['sm_80'].smem_limit}" in table and table.count("SMEM >") == 1
+    assert res["sm_80"].to_dict()["fits_smem"] is False and res["sm_90a"].to_dict()["smem_limit_bytes"] > big.smem_bytes
+
+
+def test_cli_notes_a_kernel_that_cannot_launch_on_an_arch(fake_ok, tmp_path, capsys):
+    from flashgen.cli import main
+
+    big = "bwd(FP16, 256, 64, 64, 8): swizzled+d_split_2+stages_2"
+    assert main(["check", big, "--arch", "sm_80", "sm_90a", "--workdir", str(tmp_path / "w")]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"needs \d+ bytes of shared memory per block; sm_80 gives \d+: it compiles but cannot launch there", err)
+    assert "sm_90a gives" not in err
