@@ -144,4 +144,4 @@ def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int,
     where = f" within the {target.smem_per_block}-byte shared memory per block of compute capability " \
             f"{target.capability[0]}.{target.capability[1]}" if target is not None else ""
     raise ConfigError(f"no backward kernel takes d_head={d_head}{where} (the mma_sync backward takes d_head <= 128 "
-                      "and 256, d_head 256 on GPUs with more than 136 KiB of shared memory per block)")
+                      "and 256, each where a block's shared memory holds its kernel)")

@@ -301,11 +301,12 @@ class AutoAttention:
             result = native.dispatch(self._table, q, k, v, out, softmax_scale, code, left, right, align, return_lse)
         except (TypeError, ValueError):
             result = None  # the kernel's own call below explains it
-        if result is None:  # a new shape, or a call to explain
+        if result is None:  # a new shape, a call to explain, or one to differentiate
             _check_lookup(q)
             attn = self.pick(q.device, q.dtype, q.shape[3], q.shape[1], mask)
             result = attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
-            native.remember(self._table, q, code, attn._handle)
+            if not autograd.needs_grad(q, k, v):  # the table serves eager calls only
+                native.remember(self._table, q, code, attn._handle)
         return result
 
     def _connect(self):

@@ -41,8 +41,7 @@ def test_the_old_version_is_a_folder_or_a_git_revision(tmp_path):
     assert ab.checkout(str(REPO), tmp_path / "unused") == REPO
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    into = tmp_path / "head"
-    into.mkdir()
+    into = tmp_path / "head"  # created by the export
     assert (ab.checkout("HEAD", into) / "flashgen" / "__init__.py").exists()
     with pytest.raises(SystemExit, match="neither a folder"):
         ab.checkout("no-such-revision", tmp_path)
@@ -52,3 +51,8 @@ def test_rows_cover_both_dtypes_and_masks_of_the_chosen_lengths():
     rows = ab.shape_rows([1024, 8192], ["float16", "bfloat16"])
     assert {(r["seq"], r["batch"], r["dtype"], r["causal"]) for r in rows} == {
         (s, b, d, c) for s, b in ((1024, 16), (8192, 8)) for d in ("float16", "bfloat16") for c in (False, True)}
+
+
+def test_rows_of_one_mask_only():
+    rows = ab.shape_rows([2048], ["bfloat16"], ["causal"])
+    assert [(r["seq"], r["dtype"], r["causal"]) for r in rows] == [(2048, "bfloat16", True)]
