@@ -2,6 +2,8 @@
 
 Each factory returns a plain function with FlexAttention's signature; numbers and tensors it
 captures become kernel arguments, so e.g. ``softcap(20.0)`` and ``softcap(50.0)`` share one kernel.
+Factories that capture a tensor take ``device``: put it where q lives (``device="cuda"``), or each
+call copies it there.
 ``EXAMPLES`` maps a name to ``(kind, factory)``; the tests trace, compile and check every entry.
 
     python examples/mods.py              # every example: its kernel key and captured arguments
@@ -21,30 +23,30 @@ def softcap(cap: float = 30.0):
     return softcap_mod
 
 
-def alibi(heads: int = 8):
+def alibi(heads: int = 8, device=None):
     """ALiBi, causal form: a per-head linear penalty on the distance to earlier keys
     (slopes 2^(-8 i / heads), i = 1..heads). Keys after the query get a bonus here, so pair it
     with a causal mask as ALiBi's decoders do."""
-    slope = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)])
+    slope = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
 
     def alibi_mod(score, b, h, q_idx, kv_idx):
         return score - slope[h] * (q_idx - kv_idx)
     return alibi_mod
 
 
-def relative_bias(max_len: int = 64, seed: int = 0):
+def relative_bias(max_len: int = 64, seed: int = 0, device=None):
     """A learned relative-position bias table, one entry per distance in [-max_len, max_len]
     (sequences of at most max_len + 1 tokens)."""
-    bias = torch.randn(2 * max_len + 1, generator=torch.Generator().manual_seed(seed)) * 0.5
+    bias = (torch.randn(2 * max_len + 1, generator=torch.Generator().manual_seed(seed)) * 0.5).to(device)
 
     def relative_bias_mod(score, b, h, q_idx, kv_idx):
         return score + bias[q_idx - kv_idx + max_len]
     return relative_bias_mod
 
 
-def document_mask(lengths=(5, 11, 3, 9)):
+def document_mask(lengths=(5, 11, 3, 9), device=None):
     """Packed sequences: a token sees only tokens of its own document."""
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
 
     def document_mask_mod(b, h, q_idx, kv_idx):
         return doc[q_idx] == doc[kv_idx]

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -38,7 +39,7 @@ BUILD_FLAGS = NVCC_FLAGS + ("-lineinfo",)
 #: A shared library with the CUDA runtime linked in statically: it needs neither torch nor a libcudart on the path.
 LIBRARY_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "--cudart", "static")
 #: The packages and modules whose source determines the emitted text (the emitter imports nothing else of flashgen).
-GENERATOR_PACKAGES = ("dsl", "emit", "engines", "attention")
+GENERATOR_PACKAGES = ("dsl", "emit", "engines", "attention", "mods")
 GENERATOR_MODULES = ("targets.py",)
 
 
@@ -87,12 +88,13 @@ def generator_fingerprint() -> str:
     return h.hexdigest()
 
 
-def cache_key(cfg: AnyConfig, capability: tuple[int, int]) -> str:
+def cache_key(cfg: AnyConfig, capability: tuple[int, int], mods: Any = None) -> str:
     """The cache entry of ``cfg`` built for ``capability``, computed without emitting (the config's
-    record names its kind, so a backward config's key is never a forward one's)."""
+    record names its kind, so a backward config's key is never a forward one's); ``mods``: the
+    score_mod / mask_mod compiled in (their structure, :attr:`flashgen.mods.KernelMods.key`)."""
     nvcc = find_nvcc()
     parts = (json.dumps(configs.to_record(cfg), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS),
-             nvcc_identity(nvcc) if nvcc else "no nvcc", of_capability(capability).arch)
+             nvcc_identity(nvcc) if nvcc else "no nvcc", of_capability(capability).arch) + ((mods.key,) if mods else ())
     h = hashlib.sha256()
     for part in parts:
         h.update(part.encode() + b"\0")
@@ -110,6 +112,7 @@ class Built:
     capability: tuple[int, int]
     compile_seconds: float
     cache_hit: bool
+    mods: Any = None  # the score_mod / mask_mod compiled in (flashgen.mods.KernelMods), or None
 
     @property
     def cu_path(self) -> Path:
@@ -129,29 +132,32 @@ class Built:
         return self.cu_path.read_text()
 
 
-def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bool = False) -> Built:
-    """Find ``cfg``'s kernel library in the cache, or build it, for ``capability`` (default: the current GPU)."""
+def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bool = False, mods: Any = None) -> Built:
+    """Find ``cfg``'s kernel library in the cache, or build it, for ``capability`` (default: the current GPU);
+    ``mods``: a forward kernel's score_mod / mask_mod (:class:`flashgen.mods.KernelMods`)."""
     capability = tuple(capability) if capability is not None else _current_capability()
     check_capability(cfg, capability)
-    key = cache_key(cfg, capability)
-    name = cfg.mangle()
+    key = cache_key(cfg, capability, mods)
+    name = cfg.mangle() if mods is None else mods.kernel_name(cfg.mangle())
     entry = cache.root() / key
     record = cache.read_entry(entry, (f"{name}.so", f"{name}.cu"))
     if record is not None:
-        return Built(cfg, name, key, entry, capability, record["seconds"], True)
+        return Built(cfg, name, key, entry, capability, record["seconds"], True, mods)
+    label = cfg.short_form() + (f" with {mods.describe()}" if mods else "")
     if verbose:
-        cache.warn(f"building {cfg.short_form()} -> {entry}")
+        cache.warn(f"building {label} -> {entry}")
     t0 = time.perf_counter()
     with cache.staging(entry) as tmp:
-        _compile(cfg, name, capability, tmp, final=entry)
+        _compile(cfg, name, capability, tmp, final=entry, mods=mods)
         seconds = round(time.perf_counter() - t0, 2)
         cache.write_record(tmp, {"config": configs.to_record(cfg), "short_form": cfg.short_form(), "name": name,
                                  "arch": of_capability(capability).arch, "seconds": seconds,
-                                 "command": repro(entry, name, capability)},
+                                 "command": repro(entry, name, capability)}
+                           | ({"mods": mods.key} if mods else {}),
                            (f"{name}.so", f"{name}.cu"))
     if verbose:
         cache.warn(f"compiled {name} in {seconds:.1f} s")
-    return Built(cfg, name, key, entry, capability, seconds, False)
+    return Built(cfg, name, key, entry, capability, seconds, False, mods)
 
 
 _EXAMPLE = list(TARGETS.values())[-1]  # the newest target, as the example of a name
@@ -167,7 +173,7 @@ def _current_capability() -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability())
 
 
-def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Path, final: Path) -> None:
+def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Path, final: Path, mods: Any = None) -> None:
     """Verify ``cfg``'s plan (the proofs the emitter relies on), emit it into ``folder`` and compile its library
     there; BuildError with a repro command on failure."""
     from .sim.verify import VerificationError
@@ -177,7 +183,10 @@ def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Pat
     except VerificationError as exc:
         raise BuildError(f"{cfg.short_form()} failed verification, so it is not built:\n{exc}") from None
     cu = folder / f"{name}.cu"
-    cu.write_text(emit(cfg).text)
+    source = emit(cfg, mods)
+    if source.name != name:
+        raise BuildError(f"{cfg.short_form()}: the emitter named the kernel {source.name}, the build expected {name}")
+    cu.write_text(source.text)
     proc = subprocess.run(library_command(name, capability), capture_output=True, text=True, cwd=folder)
     if proc.returncode != 0:
         kept = final.with_name(f"{final.name}.failed")  # the staged source, kept for the repro command

@@ -7,7 +7,8 @@ small library, built once per torch/CUDA version into the cache, that
 
 * loads a kernel library (``flashgen::load_kernel(path, name, ...) -> handle``) and
   remembers what it was built for (dtype, d_head, compute capability);
-* defines the operators ``flashgen::attention``, ``flashgen::attention_out`` and
+* defines the operators ``flashgen::attention``, ``flashgen::attention_out``,
+  ``flashgen::attention_mods`` (kernels built with a score_mod / mask_mod) and
   ``flashgen::attention_backward`` that
   take a kernel handle, check every input (in C++: no Python on the call
   path), fill the argument struct and launch on the current stream;
@@ -39,6 +40,15 @@ ATTENTION_SCHEMA = ("attention(Tensor q, Tensor k, Tensor v, int kernel, float s
                     "int window_left, int window_right, bool return_lse) -> (Tensor, Tensor)")
 ATTENTION_OUT_SCHEMA = ("attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int kernel, float softmax_scale, "
                         "int mask_offset, int window_left, int window_right, bool return_lse) -> Tensor")
+#: ``attention_mods(..., mod_words, mod_tensors) -> (o, lse)``: a kernel built with a score_mod / mask_mod, and
+#: their values (:meth:`flashgen.mods.KernelMods.pack`).
+ATTENTION_MODS_SCHEMA = ("attention_mods(Tensor q, Tensor k, Tensor v, int kernel, float softmax_scale, int mask_offset, "
+                         "int window_left, int window_right, bool return_lse, int[] mod_words, Tensor[] mod_tensors, "
+                         "Tensor? block_mask) -> (Tensor, Tensor)")
+#: ``mask_blocks(q, k, kernel, shape, mod_words, mod_tensors) -> block_mask``: a mask_mod's block mask (int32 of
+#: ``shape``, :meth:`flashgen.mods.KernelMods.block_mask_shape`) for calls of q's and k's sizes.
+MASK_BLOCKS_SCHEMA = ("mask_blocks(Tensor q, Tensor k, int kernel, int[] shape, int[] mod_words, Tensor[] mod_tensors) "
+                      "-> Tensor")
 #: ``attention_backward(dout, q, k, v, out, lse, dlse, kernel, ...) -> (dq, dk, dv)`` through a backward kernel;
 #: ``dlse`` (optional) is the gradient of the forward's returned lse.
 ATTENTION_BACKWARD_SCHEMA = ("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
@@ -53,6 +63,8 @@ _LIB = torch.library.Library("flashgen", "DEF")
 _LIB.define(ATTENTION_SCHEMA)
 _LIB.define(ATTENTION_OUT_SCHEMA)
 _LIB.define(ATTENTION_BACKWARD_SCHEMA)
+_LIB.define(ATTENTION_MODS_SCHEMA)
+_LIB.define(MASK_BLOCKS_SCHEMA)
 
 
 def _lse_like(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
@@ -68,6 +80,17 @@ def _attention_fake(q, k, v, kernel, softmax_scale, mask_offset, window_left, wi
 @torch.library.register_fake("flashgen::attention_out")
 def _attention_out_fake(q, k, v, out, kernel, softmax_scale, mask_offset, window_left, window_right, return_lse):
     return _lse_like(q, return_lse)
+
+
+@torch.library.register_fake("flashgen::attention_mods")
+def _attention_mods_fake(q, k, v, kernel, softmax_scale, mask_offset, window_left, window_right, return_lse, mod_words,
+                         mod_tensors, block_mask):
+    return torch.empty_like(q), _lse_like(q, return_lse)
+
+
+@torch.library.register_fake("flashgen::mask_blocks")
+def _mask_blocks_fake(q, k, kernel, shape, mod_words, mod_tensors):
+    return q.new_empty(shape, dtype=torch.int32)
 
 
 @torch.library.register_fake("flashgen::attention_backward")

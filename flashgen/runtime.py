@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from . import autograd, cache, launcher, tracing
+from .mods.copies import stable_copy
+from .mods.kernel_mods import KernelMods, prepare_mods
 from .build import BuildError, Built, build
 from .engines import engine_of
 from .targets import of_capability
@@ -42,6 +44,10 @@ def _device_index(device: torch.device) -> int:
 
 _attention = torch.ops.flashgen.attention.default
 _attention_out = torch.ops.flashgen.attention_out.default
+_attention_mods = torch.ops.flashgen.attention_mods.default
+_mask_blocks = torch.ops.flashgen.mask_blocks.default
+#: Block masks an Attention with a mask_mod keeps before it starts afresh.
+_MAX_BLOCK_MASKS = 32
 #: The launcher's numbers for a kernel's score mask (its dispatch keys hold them).
 _MASK_CODES = {"none": 0, "causal": 1, "window": 2}
 
@@ -85,6 +91,8 @@ class Attention:
         self._scale = 1.0 / math.sqrt(self.cfg.d_head)
         self._dtype = self.cfg.dtype.torch
         self._variants: dict[str, Attention] = {}
+        self._mod_variants: dict[str, Attention] = {}  # by KernelMods.key: same structure, same kernel
+        self._block_masks: dict[tuple, torch.Tensor] = {}  # a mask_mod kernel's block masks (_block_mask)
         self._backwards: dict[BackwardConfig, int] = {}
         autograd.register(self._handle, self._load_backward, deterministic)
 
@@ -142,6 +150,14 @@ class Attention:
                                                           verbose=self.verbose), self.verbose, self.deterministic)
         return attn
 
+    def _with_mods(self, mods: KernelMods) -> "Attention":
+        """This kernel with a score_mod / mask_mod compiled in, built on first use of their structure."""
+        attn = self._mod_variants.get(mods.key)
+        if attn is None:
+            built = build(self.cfg, self.built.capability, verbose=self.verbose, mods=mods)
+            attn = self._mod_variants[mods.key] = Attention(built, self.verbose, self.deterministic)
+        return attn
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -153,6 +169,8 @@ class Attention:
         window: "tuple[int, int] | None" = None,
         align: str = "top_left",
         return_lse: bool = False,
+        score_mod=None,
+        mask_mod=None,
     ):
         """Attention of (batch, seq, heads, d_head) tensors; k/v may have fewer heads (GQA/MQA).
 
@@ -168,10 +186,48 @@ class Attention:
         built with the first such call. Gradients reach q, k and v through o and through the returned lse;
         ``out=`` cannot be differentiated. The backward is deterministic when this object was compiled
         ``deterministic=True`` or the call is made under ``torch.use_deterministic_algorithms(True)``.
+
+        ``score_mod(score, b, h, q_idx, kv_idx)`` / ``mask_mod(b, h, q_idx, kv_idx)``: FlexAttention's
+        functions, traced once per function (:mod:`flashgen.mods`) and compiled into a variant of this kernel
+        (one per structure: new captured values reuse it). score_mod sees the scaled score; a key is kept where
+        the causal/window rule and mask_mod both keep it. Such calls are not differentiable yet.
         """
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
+        if score_mod is not None or mask_mod is not None:
+            return attn._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
+
+    @torch.compiler.disable  # the mods are traced in Python: torch.compile runs this call eagerly
+    def _launch_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
+        """Run this kernel's variant built with the call's score_mod / mask_mod, on this call's captured values."""
+        mods, (score_args, mask_args) = prepare_mods(score_mod, mask_mod)
+        if out is not None:
+            raise InputError("out= is not supported with score_mod / mask_mod; call without out=")
+        if autograd.needs_grad(q, k, v):
+            raise InputError("gradients through score_mod / mask_mod are not supported yet: call under torch.no_grad() "
+                             "or with inputs that do not require grad")
+        attn = self._with_mods(mods)
+        attn.check(q, k, v)
+        words, tensors = mods.pack(score_args, mask_args)
+        tensors = [stable_copy(t, t.dtype, q.device) for t in tensors]  # on q's device: copied once per version
+        scale = attn._scale if softmax_scale is None else float(softmax_scale)
+        block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
+        o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right, return_lse,
+                                 words, tensors, block_mask)
+        return (o, lse) if return_lse else o
+
+    def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list):
+        """The mask_mod's block mask for this call's sizes and values, made on the GPU once per (sizes, values,
+        captured tensors' addresses and versions) and kept (a few dozen of them at most)."""
+        shape = mods.block_mask_shape(q.shape[0], q.shape[2], q.shape[1], k.shape[1], self.cfg.B_r, self.cfg.B_c)
+        key = (tuple(q.shape[:3]), k.shape[1], q.device, tuple(words), tuple((t.data_ptr(), t._version, t.shape, t.stride()) for t in tensors))
+        found = self._block_masks.get(key)
+        if found is None:
+            if len(self._block_masks) >= _MAX_BLOCK_MASKS:
+                self._block_masks.clear()
+            found = self._block_masks[key] = _mask_blocks(q, k, self._handle, list(shape), words, tensors)
+        return found
 
     def _launch(self, q, k, v, out, softmax_scale, left: int, right: int, align: str, return_lse: bool):
         """Run this kernel (its mask is the call's). Eager calls are checked by the launcher, and on a failed
@@ -202,12 +258,7 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
     """A call through the operators (kernel ``handle``, the call's tensors and mask window): traced calls, and
     calls autograd records (those keep the lse for the backward even when the caller does not want it)."""
     scale = default_scale if softmax_scale is None else float(softmax_scale)
-    if align == "top_left":
-        offset = 0
-    elif align == "bottom_right":
-        offset = k.shape[1] - q.shape[1]
-    else:
-        raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
+    offset = _mask_offset(align, q, k)
     differentiate = autograd.needs_grad(q, k, v)
     if differentiate:
         if out is not None:
@@ -220,6 +271,15 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
     else:
         lse = _attention_out(q, k, v, out, handle, scale, offset, left, right, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _mask_offset(align: str, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The causal/window diagonal's offset for ``align``."""
+    if align == "top_left":
+        return 0
+    if align == "bottom_right":
+        return k.shape[1] - q.shape[1]
+    raise InputError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
 
 
 def _check_tensor(name: str, t: Any, q: torch.Tensor, want: torch.dtype, cfg: KernelConfig) -> None:
@@ -288,9 +348,13 @@ class AutoAttention:
         return _select(q.device, q.dtype, q.shape[3], q.shape[1], masked)
 
     def __call__(self, q, k, v, out=None, softmax_scale=None, causal=False, window=None, align="top_left",
-                 return_lse=False):
+                 return_lse=False, score_mod=None, mask_mod=None):
         """As :meth:`Attention.__call__`, with the kernel picked for the call's shape and mask."""
         mask, left, right = _score_mask(causal, window)
+        if score_mod is not None or mask_mod is not None:  # the picked kernel's variant with the mods
+            _check_lookup(q)
+            attn = self.pick(q.device, q.dtype, q.shape[3], q.shape[1], mask)
+            return attn._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
             handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)

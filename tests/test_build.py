@@ -27,7 +27,7 @@ class FakeCompiler:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, cfg, name, capability, folder, final):
+    def __call__(self, cfg, name, capability, folder, final, mods=None):
         self.calls += 1
         (folder / f"{name}.cu").write_text(f"// {cfg.short_form()}\n")
         (folder / f"{name}.so").write_bytes(b"\x7fELF" + b"\0" * 4096)

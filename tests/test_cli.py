@@ -452,8 +452,8 @@ def test_simulate_a_wgmma_config(capsys, monkeypatch):
 
     real = hopper_plan.make_hopper_plan
 
-    def broken(c):
-        p = real(c)
+    def broken(c, mods=None):
+        p = real(c, mods)
         return attrs.evolve(p, body=tuple(s for s in p.body if not (s.op == "wait_full" and s.arg == "V")))
 
     monkeypatch.setattr(hopper_plan, "make_hopper_plan", broken)

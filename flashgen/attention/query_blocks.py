@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..dsl.plan import ScoreMask
+from .score_mask import ScoreMask
 
 
 @attrs.frozen

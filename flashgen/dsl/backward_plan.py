@@ -54,7 +54,8 @@ from .atoms.copy import (
 from .atoms.mma import MMA_16x8x16
 from .backward_config import BackwardConfig
 from .layout import Layout
-from .plan import OperandLoad, Schedule, ScoreMask, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
+from ..attention.score_mask import ScoreMask
+from .plan import OperandLoad, Schedule, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
 from .steps import BEGIN, HAS_NEXT, J, NEXT, Barrier, Commit, Copy, Gemm, GradScores, Guard, RecomputeP, ReduceGM, SignalOrder, StoreRF, Wait, WaitOrder
 from .swizzle import ComposedLayout
 from .tensor import Tensor

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import functools
 
+from typing import TYPE_CHECKING
+
 import attrs
 
 from ..attention.pipeline import MbarrierRing
@@ -50,12 +52,16 @@ from .atoms.hopper import (
 from .atoms.copy import SM2RF, CopyAtom, ldmatrix_x4_rows_then_cols
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, KernelConfig, consumer_regs
 from .layout import Layout
-from .plan import ScoreMask, _row_reduce_lanes
+from ..attention.score_mask import ScoreMask
+from .plan import _row_reduce_lanes
 from .steps import (LAST, PREV, ConvertP, FinishRows, Gemm, Guard, J, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
                     WgmmaWait)
 from .swizzle import ComposedLayout, Swizzle
 from .tail_split import TailSplit
 from .tiling import Loop, Partition
+
+if TYPE_CHECKING:
+    from ..mods.kernel_mods import KernelMods
 
 SWIZZLE = GmmaSwizzle.B128
 BOX_COLS = SWIZZLE.span_bytes // 2  # 64 16-bit columns per TMA box (one 128-byte swizzle row)
@@ -297,7 +303,8 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
 
 
 @functools.lru_cache(maxsize=None)
-def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
+def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> HopperPlan:
+    """The DSL objects of one wgmma config; ``mods``: the user's score_mod / mask_mod (:class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "wgmma":
         raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_hopper_plan builds wgmma plans")
     d, B_r, B_c, st = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages
@@ -366,7 +373,7 @@ def make_hopper_plan(cfg: KernelConfig) -> HopperPlan:
         # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
         scheduler=TileScheduler(B_r, cfg.persistent, cfg.mask != "none",
                                 TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
-        score_mask=ScoreMask(cfg.mask, B_r, B_c),
+        score_mask=ScoreMask(cfg.mask, B_r, B_c, mods),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         tile_start=(WaitFull("Q", J, why="this tile's Q landed"),),
         prologue=prologue,

@@ -9,10 +9,13 @@ Coordinates: shared-memory tiles are ``(row, col)`` with ``col`` along d_head
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 import numpy as np
 
 from ..attention.pipeline import CpAsyncGroups
+from ..attention.score_mask import ScoreMask
 from .atoms.copy import (
     GM2SM,
     GM2SM_async,
@@ -30,6 +33,9 @@ from .steps import BEGIN, FIRST_BLOCK, HAS_NEXT, J, LAST_BLOCK, NEXT, Barrier, C
 from .swizzle import ComposedLayout, Swizzle
 from .tensor import Tensor
 from .tiling import Loop, Partition, TVMap, vector_copy_tv
+
+if TYPE_CHECKING:
+    from ..mods.kernel_mods import KernelMods
 
 #: The seed's shared-memory swizzle: XOR the 16-byte chunk index (bits 3..5 of the
 #: element offset) with the row within an 8-row group (bits 6..8) of a 64-element row.
@@ -144,108 +150,6 @@ class KernelPlan:
         return self.gemm_S.mma
 
 
-@attrs.frozen
-class ScoreMask:
-    """Which scores S[i, j] (global query row i, key column j) survive; the others become -inf.
-
-    Always: ``j < seq_k`` (tail blocks). ``causal``: ``j <= i + offset`` (offset 0 aligns
-    the diagonal top-left, ``seq_k - seq_q`` bottom-right). ``window``: additionally
-    ``i + offset - left <= j`` and ``j <= i + offset + right``, a negative size meaning
-    unbounded on that side. Offsets and sizes are run-time arguments of the kernel.
-    ``keep``/``block_range``/``block_needs_mask`` evaluate the rule in Python; ``to_cpp``
-    renders the same rule as ``__host__ __device__`` functions (tests compare the two).
-    """
-
-    kind: str
-    B_r: int
-    B_c: int
-
-    def row_range(self, i: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
-        """Key columns ``[lo, hi)`` kept for query row ``i`` (possibly empty)."""
-        lo, hi = 0, seq_k
-        if self.kind == "causal":
-            hi = min(hi, i + offset + 1)
-        elif self.kind == "window":
-            if right >= 0:
-                hi = min(hi, i + offset + right + 1)
-            if left >= 0:
-                lo = max(lo, i + offset - left)
-        return lo, hi
-
-    def keep(self, i: int, j: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
-        lo, hi = self.row_range(i, seq_k, offset, left, right)
-        return lo <= j < hi
-
-    def block_range(self, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
-        """``[j_begin, j_end)``: the key blocks holding any kept score for rows ``[q_row0, q_row0 + B_r)``."""
-        n = -(-seq_k // self.B_c)
-        last = min(q_row0 + self.B_r, seq_q) - 1
-        begin, end = 0, n
-        if self.kind == "causal" or (self.kind == "window" and right >= 0):
-            hi = last + offset + (right if self.kind == "window" else 0)
-            end = min(n, max(0, hi // self.B_c + 1)) if hi >= 0 else 0
-        if self.kind == "window" and left >= 0:
-            lo = q_row0 + offset - left
-            begin = max(0, lo // self.B_c)
-        return begin, max(begin, end)
-
-    def block_needs_mask(self, jb: int, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
-        """False when every score of key block ``jb`` for these rows is kept (the mask can be skipped)."""
-        c0, c1 = jb * self.B_c, (jb + 1) * self.B_c - 1
-        last = min(q_row0 + self.B_r, seq_q) - 1
-        if c1 >= seq_k:
-            return True
-        if self.kind == "causal":
-            return c1 > q_row0 + offset
-        if self.kind == "window":
-            return (right >= 0 and c1 > q_row0 + offset + right) or (left >= 0 and c0 < last + offset - left)
-        return False
-
-    def to_cpp(self) -> str:
-        """The three functions above as C++ (floor division where operands may be negative)."""
-        kind = self.kind
-        row = ["int l = 0, h = seq_k;"]
-        if kind == "causal":
-            row.append("if (i + offset + 1 < h) h = i + offset + 1;")
-        elif kind == "window":
-            row.append("if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;")
-            row.append("if (left >= 0 && i + offset - left > l) l = i + offset - left;")
-        row.append("*lo = l; *hi = h;")
-        rng = [
-            "const int n = (seq_k + B_c - 1) / B_c;",
-            "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;",
-            "int begin = 0, end = n;",
-            "(void)last;",
-        ]
-        if kind in ("causal", "window"):
-            hi = "last + offset" + (" + right" if kind == "window" else "")
-            cond = "" if kind == "causal" else "if (right >= 0) "
-            rng.append(f"{cond}{{ const int hi = {hi}; end = hi >= 0 ? (hi / (int)B_c + 1 < n ? hi / (int)B_c + 1 : n) : 0; }}")
-        if kind == "window":
-            rng.append("if (left >= 0) { const int lo = q_row0 + offset - left; begin = lo > 0 ? lo / (int)B_c : 0; }")
-        rng.append("*j_begin = begin; *j_end = end > begin ? end : begin;")
-        need = ["const int c0 = jb * (int)B_c, c1 = (jb + 1) * (int)B_c - 1;", "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;", "(void)c0; (void)last;", "if (c1 >= seq_k) return true;"]
-        if kind == "causal":
-            need.append("return c1 > q_row0 + offset;")
-        elif kind == "window":
-            need.append("return (right >= 0 && c1 > q_row0 + offset + right) || (left >= 0 && c0 < last + offset - left);")
-        else:
-            need.append("return false;")
-        sig = "int seq_q, int seq_k, int offset, int left, int right"
-        ind = lambda lines: "\n".join("    " + l for l in lines)
-        return (
-            f"// score mask '{kind}' (ScoreMask in the plan): key columns [lo, hi) kept for query row i\n"
-            f"__host__ __device__ __forceinline__ void score_row_range(int i, int seq_k, int offset, int left, int right, int* lo, int* hi) {{\n"
-            f"    (void)i; (void)offset; (void)left; (void)right;\n{ind(row)}\n}}\n"
-            f"// key blocks [j_begin, j_end) holding any kept score of the CTA's rows [q_row0, q_row0 + B_r)\n"
-            f"__host__ __device__ __forceinline__ void kv_block_range(int q_row0, {sig}, int* j_begin, int* j_end) {{\n"
-            f"    (void)offset; (void)left; (void)right;\n{ind(rng)}\n}}\n"
-            f"// false when every score of key block jb is kept for these rows\n"
-            f"__host__ __device__ __forceinline__ bool block_needs_mask(int jb, int q_row0, {sig}) {{\n"
-            f"    (void)offset; (void)left; (void)right; (void)seq_q;\n{ind(need)}\n}}"
-        )
-
-
 def _row_reduce_lanes(c_map: TVMap) -> tuple[int, ...]:
     """Lane xor masks whose partners hold the same accumulator rows (derived from the C map)."""
     rows, _ = c_map.tables()  # [lane, value]
@@ -317,8 +221,9 @@ def make_schedule(cfg: KernelConfig, groups: CpAsyncGroups = CpAsyncGroups()) ->
     return Schedule(*groups.resolve(pro, tuple(s for s in body if s)))
 
 
-def make_plan(cfg: KernelConfig) -> KernelPlan:
-    """The DSL objects of one kernel config (pure; equal configs give equal plans)."""
+def make_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> KernelPlan:
+    """The DSL objects of one kernel config (pure; equal configs give equal plans); ``mods``: the user's
+    score_mod / mask_mod the kernel applies (:class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "mma_sync":
         raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_plan builds mma_sync plans "
                          "(flashgen.engines.make_plan builds any config's)")
@@ -390,5 +295,5 @@ def make_plan(cfg: KernelConfig) -> KernelPlan:
     gemm_O = WarpGemm("O", mma, cfg.m_tiles_per_warp, DM // 8, BC, None, s2r["V"])
     return KernelPlan(
         cfg, tensors, g2s, s2r, r2s, s2g, gemm_S, gemm_O, make_schedule(cfg), _row_reduce_lanes(c_map),
-        ScoreMask(cfg.mask, BR, BC), cfg.d_head,
+        ScoreMask(cfg.mask, BR, BC, mods), cfg.d_head,
     )

@@ -15,11 +15,16 @@ import types
 
 
 class _EmitPackage(types.ModuleType):
-    def __call__(self, cfg):
-        """The CUDA source (:class:`flashgen.emit.source.KernelSource`) of a config."""
+    def __call__(self, cfg, score_mod=None, mask_mod=None):
+        """The CUDA source (:class:`flashgen.emit.source.KernelSource`) of a config; ``score_mod`` / ``mask_mod``:
+        FlexAttention-style functions compiled into it (:mod:`flashgen.mods`)."""
         from ..engines import emit
 
-        return emit(cfg)
+        if score_mod is None and mask_mod is None:
+            return emit(cfg)
+        from ..mods.kernel_mods import prepare_mods  # traces with torch: imported only for mods
+
+        return emit(cfg, prepare_mods(score_mod, mask_mod)[0])
 
 
 sys.modules[__name__].__class__ = _EmitPackage

@@ -28,6 +28,9 @@ struct {name}_args {{
     int mask_offset;               // causal/window diagonal: 0 top-left, seq_k - seq_q bottom-right
     int window_left, window_right; // sliding-window sizes, -1 = unbounded
     void* workspace;               // scratch of {name}_workspace's size (its zeroed part zero), or nullptr
+    const int64_t* mod_words;      // score_mod / mask_mod values (flashgen.mods.KernelMods' order), or nullptr
+    int n_mod_words;               // how many; a kernel checks it is its mods' count (0 without mods)
+    const int* block_mask;         // a mask_mod's block mask (<name>_mask_blocks), or nullptr: no block skipped
 }};"""
 
 

@@ -69,22 +69,9 @@ def _softmax(plan: HopperPlan, first: bool) -> list[str]:
     # map by flashgen.sim.verify
     row = c.row.to_cpp(["wtid", "2 * h"])
     col = c.col.to_cpp(["wtid", "0"])
-    return [
-        "if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it",
-        "    #pragma unroll",
-        "    for (uint32_t h = 0; h < 2; ++h) {",
-        f"        const int i = q_row0 + int(64 * cw + {row});",
-        "        int lo, hi;",
-        "        score_row_range(i, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
-        f"        const int c0 = j * int(B_c) + int({col});",
-        "        lo -= c0; hi -= c0;",
-        "        #pragma unroll",
-        "        for (uint32_t ch = 0; ch < B_c / 8; ++ch)",
-        "            #pragma unroll",
-        "            for (uint32_t e = 0; e < 2; ++e)",
-        "                if (int(ch * 8 + e) < lo || int(ch * 8 + e) >= hi) s_acc[4 * ch + 2 * h + e] = -INFINITY;",
-        "    }",
-        "}",
+    rule = plan.score_mask.apply_cpp(["for (uint32_t h = 0; h < 2; ++h)"], i=f"q_row0 + int(64 * cw + {row})",
+                                     c0=f"j * int(B_c) + int({col})", value="s_acc[4 * {t} + 2 * h + e]", b="batch", h="head")
+    return rule + [
         "#pragma unroll",
         "for (uint32_t h = 0; h < 2; ++h) {",
         "    float neg_m;",
@@ -207,6 +194,7 @@ _TYPES = CodeTemplate(
     int heads, batch, kv_group;
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
+    $mod_params
     $tail_params
 };
 
@@ -223,6 +211,7 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int tile, int n_q_block
     t.q_row0 = q_block * int(B_r);
     t.kv_head = t.head / p.kv_group;
     kv_block_range(t.q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &t.j_begin, &t.j_end);
+    $block_mask_tile
     return t;
 }"""
 )
@@ -466,6 +455,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.heads = a->heads; p.batch = a->batch; p.kv_group = a->heads / a->kv_heads;
     p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
+    $mod_fill
     constexpr int smem = $smem_bytes;
     static bool attr_set = false;  // the attribute is per function; set it once
     if (!attr_set) {
@@ -493,6 +483,7 @@ $kernel_code
 $host_code
 
 $entry_points_code
+$mask_blocks
 """)
 _PARTS = [("epilogue_code", _EPILOGUE), ("consumers_code", _CONSUMERS), ("producer_code", _PRODUCER), ("kernel_code", _KERNEL),
           ("header_code", _HEADER), ("types_code", _TYPES), ("host_code", _HOST), ("entry_points_code", _ENTRY_POINTS),
@@ -587,7 +578,8 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
     ]
     dispatch = lambda fn: [  # noqa: E731
-        "if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right))",
+        "if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
+        + plan.score_mask.masked_cpp("block_mask_row(p.block_mask, batch, head, q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k)", "j") + ")",
         f"    {fn}(j, std::true_type{{}});",
         "else",
         f"    {fn}(j, std::false_type{{}});",
@@ -738,10 +730,12 @@ def _plan_lines(plan: HopperPlan) -> list[str]:
 def _header_env(plan: HopperPlan) -> dict:
     """The file's head and the kernel's constants."""
     cfg = plan.cfg
-    return dict(name=cfg.mangle(), short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), plan_lines=_plan_lines(plan),
+    return dict(name=plan.score_mask.kernel_name(cfg.mangle()), short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), plan_lines=_plan_lines(plan),
                 B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages, consumers=cfg.consumers, threads=plan.threads,
                 smem_bytes=plan.smem_bytes, q_bytes=f"{plan.loads['Q'].bytes}u", kv_bytes=f"{plan.loads['K'].bytes}u",
-                mask_fns=plan.score_mask.to_cpp(), elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, gencode=TARGET.gencode,
+                mask_fns=plan.score_mask.to_cpp(), mod_params=plan.score_mask.params_cpp(),
+                block_mask_tile=plan.score_mask.tile_cpp("bm_row", "t.batch", "t.head", "q_block", "p.heads", "t.j_begin", "t.j_end"),
+                elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, gencode=TARGET.gencode,
                 softmax_fns=[online_softmax(plan).to_cpp(), epilogue(plan).to_cpp()],
                 scheduler=plan.scheduler.to_cpp(), grid_doc=_grid_doc(plan))
 
@@ -820,7 +814,8 @@ def _host_env(plan: HopperPlan) -> dict:
     else:
         tile_blocks_body = ["*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);  // no mask: every tile takes every key block"]
     tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
-    return dict(args_struct=args_struct(cfg.mangle()), o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,
+    name = plan.score_mask.kernel_name(cfg.mangle())
+    return dict(args_struct=args_struct(name), mod_fill=plan.score_mask.fill_cpp(), mask_blocks=plan.score_mask.mask_blocks_cpp(name), o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,
                 tma_dtype=tma_dtype, tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, log2e=f"{LOG2E!r}f",
                 tile_blocks_body=tile_blocks_body)
 
@@ -828,7 +823,7 @@ def _host_env(plan: HopperPlan) -> dict:
 def emit_hopper(plan: HopperPlan) -> KernelSource:
     """The CUDA source of one wgmma-engine plan. Pure and deterministic."""
     cfg = plan.cfg
-    name = cfg.mangle()
+    name = plan.score_mask.kernel_name(cfg.mangle())
     wgmma_fns = [(ptx_hopper.wgmma if g.a_from == "smem" else ptx_hopper.wgmma_rs)(g.atom, g.trans_b) for g in (plan.gemm_S, plan.gemm_O)]
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
     if plan.q_load is not None:

@@ -324,32 +324,18 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
 
 
 def _mask_scores(plan: KernelPlan) -> list[str]:
-    """The score mask on S (blocks that need it only): dropped scores become -inf."""
+    """The score rule (mask, and the user's mods where built with them) on S before the softmax."""
     cfg, c_map = plan.cfg, plan.mma.c_map
     # values 2h and 2h+1 of a lane sit in one row, in neighbouring columns (proven on the plan's
     # C map by flashgen.sim.verify), so one kept-column range per row and lane covers both
     row, col = c_map.row.to_cpp(["lane", "2 * h"]), c_map.col.to_cpp(["lane", "0"])
     return [
-        f"// {plan.score_mask.kind} score mask + key tail, only in blocks that need it. Row/col of accumulator",
-        f"// values (2h, 2h+1) from the MMA's C fragment map: row {c_map.row}, col {c_map.col}",
-        "if constexpr (decltype(masked)::value) {",
-        "    #pragma unroll",
-        "    for (uint32_t mi = 0; mi < MT; ++mi)",
-        "        #pragma unroll",
-        "        for (uint32_t h = 0; h < 2; ++h) {",
-        f"            const int i = q_row0 + int(warp * {cfg.rows_per_warp} + mi * 16 + {row});",
-        "            int lo, hi;",
-        "            score_row_range(i, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
-        f"            const int c0 = j * int(B_c) + int({col});  // key column of value 2h in n tile 0",
-        "            lo -= c0; hi -= c0;",
-        "            #pragma unroll",
-        "            for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
-        "                #pragma unroll",
-        "                for (uint32_t e = 0; e < 2; ++e)",
-        "                    if (int(nt * 8 + e) < lo || int(nt * 8 + e) >= hi) s_acc[mi][nt][2 * h + e] = -INFINITY;",
-        "        }",
-        "}",
-    ]
+        f"// {plan.score_mask.kind} score mask + key tail. Row/col of accumulator values (2h, 2h+1) from the",
+        f"// MMA's C fragment map: row {c_map.row}, col {c_map.col}; value 2h of n tile t is in column c0 + 8t",
+    ] + plan.score_mask.apply_cpp(
+        ["for (uint32_t mi = 0; mi < MT; ++mi)", "for (uint32_t h = 0; h < 2; ++h)"],
+        i=f"q_row0 + int(warp * {cfg.rows_per_warp} + mi * 16 + {row})", c0=f"j * int(B_c) + int({col})",
+        value="s_acc[mi][{t}][2 * h + e]", b="int(blockIdx.z)", h="int(blockIdx.y)")
 
 
 def _softmax(plan: KernelPlan) -> list[str]:
@@ -485,6 +471,7 @@ struct Params {
     int kv_group;  // query heads per key/value head (GQA/MQA)
     int mask_offset, window_left, window_right;  // see ScoreMask
     float scale, scale_log2;  // softmax scale, and scale * log2(e) for exp2
+    $mod_params
 };"""
 )
 
@@ -508,6 +495,7 @@ _KERNEL = CodeTemplate(
     const float scale_log2 = p.scale_log2;
     int j_begin, n_blocks;  // key blocks [j_begin, n_blocks) hold scores the mask keeps
     kv_block_range(q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &j_begin, &n_blocks);
+    $block_mask_tile
     (void)scale; (void)scale_log2;
 
     $bases
@@ -539,7 +527,7 @@ _KERNEL = CodeTemplate(
         $body
     };
     for (int j = j_begin; j < n_blocks; ++j) {
-        if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right))
+        if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)$block_mask_masked)
             kv_block(j, std::true_type{});
         else
             kv_block(j, std::false_type{});
@@ -610,6 +598,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
              a->lse, a->lse_stride[0], a->lse_stride[1],
              a->seq_q, a->seq_k, a->heads / a->kv_heads, a->mask_offset, a->window_left, a->window_right,
              a->softmax_scale, a->softmax_scale * $log2e};
+    $mod_fill
     constexpr int smem = $smem_bytes;
     if (smem > 48 * 1024) {
         static bool attr_set = false;  // the attribute is per function; set it once
@@ -623,6 +612,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(p);
     return (int)cudaGetLastError();
 }
+$mask_blocks
 #endif  // FLASHGEN_INDEX_ONLY"""
 )
 
@@ -659,7 +649,7 @@ def _plan_lines(plan: KernelPlan) -> list[str]:
 def emit(plan: KernelPlan) -> KernelSource:
     """The CUDA source of one mma.sync plan. Pure and deterministic."""
     cfg = plan.cfg
-    name = cfg.mangle()
+    name = plan.score_mask.kernel_name(cfg.mangle())
     q = plan.s2r["Q"]
     helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ldmatrix.helper(q.copy.atom), ldmatrix.helper(plan.s2r["V"].copy.atom), ptx_mma.helper(plan.mma)]
     if cfg.async_copy:
@@ -702,6 +692,12 @@ def emit(plan: KernelPlan) -> KernelSource:
         d_mma=cfg.d_mma,
         d_smem=cfg.d_smem,
         mask_fns=plan.score_mask.to_cpp(),
+        mod_params=plan.score_mask.params_cpp(),
+        mod_fill=plan.score_mask.fill_cpp(),
+        block_mask_tile=plan.score_mask.tile_cpp("bm_row", "int(blockIdx.z)", "int(blockIdx.y)", "int(blockIdx.x)",
+                                                 "int(gridDim.y)", "j_begin", "n_blocks"),
+        block_mask_masked=plan.score_mask.masked_cpp("bm_row", "j"),
+        mask_blocks=plan.score_mask.mask_blocks_cpp(name),
         final_wait=(
             "if (j_begin >= n_blocks) {  // no key block ran: make sure the Q copy has landed before O reuses its space\n"
             + ("    cp_async_wait<0>();\n" if cfg.async_copy else "")

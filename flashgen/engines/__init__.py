@@ -58,17 +58,22 @@ def preferred(target: Target | None) -> Engine:
     return runnable_on(target)[0]
 
 
-def make_plan(cfg: Any):
-    """The plan of a config (object, dict, YAML path or short form), by its engine."""
-    cfg = load_config(cfg)
-    return kernels_of(cfg).make_plan(cfg)
-
-
-def emit(cfg: Any) -> KernelSource:
-    """The CUDA source of a config (forward or backward): its plan, emitted."""
+def make_plan(cfg: Any, mods: Any = None):
+    """The plan of a config (object, dict, YAML path or short form), by its engine; ``mods``: the
+    score_mod / mask_mod of a forward kernel (a :class:`flashgen.mods.KernelMods`)."""
     cfg = load_config(cfg)
     kernels = kernels_of(cfg)
-    return kernels.emit(kernels.make_plan(cfg))
+    if mods is None:
+        return kernels.make_plan(cfg)
+    if kernels is not engine_of(cfg):
+        raise ValueError(f"{cfg.short_form()}: score_mod / mask_mod are compiled into forward kernels only (no backward yet)")
+    return kernels.make_plan(cfg, mods)
+
+
+def emit(cfg: Any, mods: Any = None) -> KernelSource:
+    """The CUDA source of a config (forward or backward): its plan, emitted; ``mods`` as :func:`make_plan`."""
+    cfg = load_config(cfg)
+    return kernels_of(cfg).emit(make_plan(cfg, mods))
 
 
 def verify_plan(plan: Any):

@@ -88,7 +88,8 @@ class Engine:
 
     # ---- plan, text, simulation ------------------------------------------------------------
 
-    def make_plan(self, cfg: KernelConfig) -> Any:
+    def make_plan(self, cfg: KernelConfig, mods: Any = None) -> Any:
+        """The plan of ``cfg``; ``mods``: the score_mod / mask_mod it applies (a flashgen.mods.KernelMods)."""
         raise NotImplementedError
 
     def emit(self, plan: Any) -> KernelSource:

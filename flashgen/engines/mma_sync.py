@@ -72,10 +72,10 @@ class MmaSyncEngine(Engine):
 
         return kernel.TARGET
 
-    def make_plan(self, cfg: KernelConfig) -> "KernelPlan":
+    def make_plan(self, cfg: KernelConfig, mods: Any = None) -> "KernelPlan":
         from ..dsl.plan import make_plan
 
-        return make_plan(cfg)
+        return make_plan(cfg, mods)
 
     def emit(self, plan: "KernelPlan") -> KernelSource:
         from ..emit.kernel import emit

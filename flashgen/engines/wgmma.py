@@ -39,10 +39,10 @@ class WgmmaEngine(Engine):
 
         return hopper_kernel.TARGET
 
-    def make_plan(self, cfg: KernelConfig) -> "HopperPlan":
+    def make_plan(self, cfg: KernelConfig, mods: Any = None) -> "HopperPlan":
         from ..dsl.hopper_plan import make_hopper_plan
 
-        return make_hopper_plan(cfg)
+        return make_hopper_plan(cfg, mods)
 
     def emit(self, plan: "HopperPlan") -> KernelSource:
         from ..emit.hopper_kernel import emit_hopper

@@ -13,7 +13,8 @@ following one semantic table (ops.py). Captured numbers and tensors become kerne
 """
 from .cache import CacheInfo, cache_info, clear_cache, prepare, traced
 from .errors import ModError
+from .kernel_mods import KernelMods, prepare_mods
 from .trace import trace
 from .traced import ModArgs, TracedMod
 
-__all__ = ["CacheInfo", "ModArgs", "ModError", "TracedMod", "cache_info", "clear_cache", "prepare", "trace", "traced"]
+__all__ = ["CacheInfo", "KernelMods", "ModArgs", "ModError", "TracedMod", "prepare_mods", "cache_info", "clear_cache", "prepare", "trace", "traced"]

@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 
 from .capture import Source, is_number
+from .copies import stable_copy
 from .cpp import render
 from .evaluate import evaluate
 from .errors import ModError
@@ -184,8 +185,11 @@ def _tensor_value(arg: TensorArg, value):
 
     if not isinstance(value, torch.Tensor) or value.dim() != arg.rank or kernel_dtype(value.dtype, arg.source.name) != arg.dtype:
         raise StaleTrace(f"'{arg.source.name}' is no longer a {arg.rank}-D {arg.dtype} tensor")
-    out = value.detach().to(getattr(torch, _TORCH_OF[arg.dtype]))
-    if arg.dtype == INT and value.dtype == torch.int64 and value.numel() and (
-            value.min() < INT32_MIN or value.max() > INT32_MAX):
-        raise ModError(f"captured tensor '{arg.source.name}' holds values outside int32, the kernel's integers")
-    return out
+    def check(t) -> None:  # once per copy (it synchronizes with the device)
+        if t.dtype == torch.int64 and t.numel() and (t.min() < INT32_MIN or t.max() > INT32_MAX):
+            raise ModError(f"captured tensor '{arg.source.name}' holds values outside int32, the kernel's integers")
+
+    if value.requires_grad and torch.is_grad_enabled():
+        raise ModError(f"captured tensor '{arg.source.name}' requires grad: gradients do not flow into tensors a "
+                       "score_mod / mask_mod captures; pass it detached (.detach()) or call under torch.no_grad()")
+    return stable_copy(value, getattr(torch, _TORCH_OF[arg.dtype]), check=check)

@@ -62,6 +62,7 @@ struct Kernel {
     bool backward;  // a backward library (flashgen_bwd_args) rather than a forward one
     void* launch;
     void* workspace;
+    void* mask_blocks;  // <name>_mask_blocks of a kernel built with a mask_mod, else nullptr
     c10::ScalarType dtype;
     int64_t d_head;
     std::atomic<uint64_t> devices_ok{0};  // bit i: flashgen.runtime checked CUDA device i can run this kernel
@@ -94,7 +95,8 @@ int64_t load_kernel(const std::string& path, const std::string& name, const std:
                 "_launch and ", name, "_workspace");
     const int64_t id = n_kernels.load();
     FG_CHECK(id < kMaxKernels, "flashgen: more than ", kMaxKernels, " kernels loaded in one process");
-    registry[id] = new Kernel{name, short_form, backward, launch, workspace, dtype, d_head};
+    void* mask_blocks = dlsym(lib, (name + "_mask_blocks").c_str());  // optional
+    registry[id] = new Kernel{name, short_form, backward, launch, workspace, mask_blocks, dtype, d_head};
     n_kernels.store(id + 1);
     return id;
 }
@@ -168,7 +170,8 @@ void run_library(const Kernel& kn, Args& a, const at::Tensor& q) {
 }
 
 at::Tensor launch(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                  double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right, bool return_lse) {
+                  double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right, bool return_lse,
+                  const std::vector<int64_t>* mod_words = nullptr, const int* block_mask = nullptr) {
     const c10::DeviceGuard guard(q.device());
     at::Tensor lse = at::empty(return_lse ? at::IntArrayRef{q.size(0), q.size(2), q.size(1)} : at::IntArrayRef{0},
                                q.options().dtype(at::kFloat));
@@ -181,6 +184,8 @@ at::Tensor launch(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, co
     a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
     a.softmax_scale = float(softmax_scale);
     a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
+    if (mod_words != nullptr) { a.mod_words = mod_words->data(); a.n_mod_words = int(mod_words->size()); }
+    a.block_mask = block_mask;
     run_library(kn, a, q);
     return lse;
 }
@@ -230,6 +235,59 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse);
     return {out, lse};
+}
+
+// The values of a score_mod / mask_mod: `mod_words` (the scalars) followed by each of `mod_tensors` as its
+// address and strides (flashgen.mods.KernelMods' word order); the kernel checks the count.
+std::vector<int64_t> mod_words_of(const at::Tensor& q, c10::IntArrayRef mod_words, at::TensorList mod_tensors) {
+    std::vector<int64_t> words(mod_words.begin(), mod_words.end());
+    for (const at::Tensor& t : mod_tensors) {
+        FG_REQUIRE(t.device() == q.device(), "a tensor captured by a score_mod / mask_mod is on ", t.device(),
+                   " but q is on ", q.device());
+        words.push_back(int64_t(reinterpret_cast<uintptr_t>(t.data_ptr())));
+        for (int64_t d = 0; d < t.dim(); ++d) words.push_back(t.stride(d));
+    }
+    return words;
+}
+
+// Attention through a kernel built with a score_mod / mask_mod; `block_mask` from mask_blocks (or none).
+std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  int64_t kernel, double softmax_scale, int64_t mask_offset,
+                                                  int64_t window_left, int64_t window_right, bool return_lse,
+                                                  c10::IntArrayRef mod_words, at::TensorList mod_tensors,
+                                                  const std::optional<at::Tensor>& block_mask) {
+    const Kernel& kn = kernel_at(kernel, false);
+    check_call(q, k, v, nullptr, kn);
+    const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
+    if (block_mask.has_value()) {
+        FG_REQUIRE(block_mask->device() == q.device() && block_mask->scalar_type() == at::kInt && block_mask->is_contiguous(),
+                   "block_mask must be a contiguous int32 tensor on q's device (from flashgen::mask_blocks)");
+    }
+    at::Tensor out = at::empty_like(q);
+    at::Tensor lse = launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse, &words,
+                            block_mask.has_value() ? block_mask->data_ptr<int>() : nullptr);
+    return {out, lse};
+}
+
+// The block mask (int32, `shape`: flashgen.mods.KernelMods.block_mask_shape) of a kernel built with a mask_mod,
+// for calls with q's and k's sizes and these mod values.
+at::Tensor mask_blocks(const at::Tensor& q, const at::Tensor& k, int64_t kernel, c10::IntArrayRef shape,
+                       c10::IntArrayRef mod_words, at::TensorList mod_tensors) {
+    const Kernel& kn = kernel_at(kernel, false);
+    FG_REQUIRE(kn.mask_blocks != nullptr, "flashgen: kernel ", kn.short_form, " has no mask_mod (no block mask)");
+    FG_REQUIRE(q.is_cuda() && q.dim() == 4 && k.dim() == 4, "mask_blocks: q and k must be 4-D CUDA tensors");
+    const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
+    const c10::DeviceGuard guard(q.device());
+    at::Tensor out = at::empty(shape, q.options().dtype(at::kInt));
+    flashgen_args a{};
+    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
+    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
+    a.mod_words = words.data(); a.n_mod_words = int(words.size());
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(q.device().type())->getStream(q.device());
+    const int err = reinterpret_cast<int (*)(const flashgen_args*, int*, void*)>(kn.mask_blocks)(
+        &a, out.data_ptr<int>(), stream.native_handle());
+    FG_CHECK(err == 0, kn.name, ": the block mask failed with cudaError_t ", err);
+    return out;
 }
 
 at::Tensor attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, int64_t kernel,
@@ -347,10 +405,14 @@ TORCH_LIBRARY_FRAGMENT(flashgen, m) {
 TORCH_LIBRARY_IMPL(flashgen, CUDA, m) {
     m.impl("attention", &attention);
     m.impl("attention_out", &attention_out);
+    m.impl("attention_mods", &attention_mods);
+    m.impl("mask_blocks", &mask_blocks);
     m.impl("attention_backward", &attention_backward);
 }
 TORCH_LIBRARY_IMPL(flashgen, CPU, m) {
     m.impl("attention", &attention);
     m.impl("attention_out", &attention_out);
+    m.impl("attention_mods", &attention_mods);
+    m.impl("mask_blocks", &mask_blocks);
     m.impl("attention_backward", &attention_backward);
 }

@@ -1,0 +1,134 @@
+"""flashgen with score_mod / mask_mod against torch's flex_attention (compiled), the same functions.
+
+Per sequence length (batch x seq = --tokens, --heads heads, d_head --d-head), each case times
+``compile("auto")`` called eagerly with the case's functions, flex_attention (``torch.compile``d, with
+the block mask of the case's mask_mod made once, outside the timing), and flashgen's built-in kernel
+without mods and with the built-in causal mask (the bars for a mod's cost). Rounds rotate the order;
+each row reports the median TFLOP/s (causal-like masks count the kept half) and the ratios' range over
+rounds. Every flashgen output is checked against the float64 reference on a slice of query rows first.
+
+    python benchmarks/mods_bench.py --seqs 2048 8192 --rounds 3 --json mods_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import flashgen
+from flashgen.bench import attention_flops, interleaved
+from flashgen.reference import check_attention
+
+_spec = importlib.util.spec_from_file_location("mods_examples", Path(__file__).parents[1] / "examples" / "mods.py")
+examples = sys.modules["mods_examples"] = importlib.util.module_from_spec(_spec)  # torch.compile imports it
+_spec.loader.exec_module(examples)
+
+
+def cases(seq: int, heads: int, device: str) -> dict:
+    """name -> (score_mod, mask_mod, causal_flops): the issue's five functions and two combinations."""
+    doc_lengths = [seq // 4 - 37, seq // 4 + 37, seq // 2]  # three packed documents
+    return {
+        "softcap": (examples.softcap(30.0), None, False),
+        "alibi": (examples.alibi(heads, device=device), None, False),
+        "document": (None, examples.document_mask(doc_lengths, device=device), None),
+        "causal_mod": (None, examples.causal(), True),
+        "prefix_lm": (None, examples.prefix_lm(seq // 4), True),
+        "causal+softcap": (examples.softcap(30.0), examples.causal(), True),
+    }
+
+
+def kept_fraction(mask_mod, seq: int, device: str) -> float:
+    """The share of (query, key) pairs ``mask_mod`` keeps (1 without one): the FLOPs a kernel must do."""
+    if mask_mod is None:
+        return 1.0
+    idx = torch.arange(seq, device=device)
+    return float(mask_mod(0, 0, idx[:, None], idx[None, :]).float().mean())
+
+
+def flex_callable(q, k, v, score_mod, mask_mod):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # captured Python floats (softcap's cap) compiled in, as flex's own benchmarks do; left symbolic they
+    # become 0-d CPU tensors that inductor's flex lowering rejects
+    torch._dynamo.config.specialize_float = True
+    flex = torch.compile(flex_attention)
+    b, s, h, _ = q.shape
+    block_mask = create_block_mask(mask_mod, b, None, s, s, device=q.device) if mask_mod is not None else None
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # flex takes (batch, heads, seq, d)
+    return lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask)
+
+
+def bench_seq(seq: int, args) -> list[dict]:
+    device, batch = "cuda", max(1, args.tokens // seq)
+    dt = getattr(torch, args.dtype)
+    q, k, v = (torch.randn(batch, seq, args.heads, args.d_head, device=device, dtype=dt) for _ in range(3))
+    attn = flashgen.compile("auto")
+    base = {"flashgen none": lambda: attn(q, k, v), "flashgen causal": lambda: attn(q, k, v, causal=True)}
+    rows = []
+    for name, (score, mask, _) in cases(seq, args.heads, device).items():
+        if args.cases and name not in args.cases:
+            continue
+        rows_q = slice(0, min(seq, 256))
+        out = attn(q, k, v, score_mod=score, mask_mod=mask)
+        sub = {"score_mod": score, "mask_mod": mask}
+        if seq <= 4096:  # the float64 reference of every row is too large beyond
+            check_attention(out[:, rows_q].contiguous(), q[:, rows_q], k, v, f"{name} seq {seq}",
+                            **{key: f for key, f in sub.items() if f is not None})
+        fns = {"flashgen": lambda s=score, m=mask: attn(q, k, v, score_mod=s, mask_mod=m),
+               "flex": flex_callable(q, k, v, score, mask), **base}
+        times = interleaved(fns, args.rounds)
+        flops = attention_flops(batch, args.heads, seq, seq, args.d_head) * kept_fraction(mask, seq, device)
+        full = attention_flops(batch, args.heads, seq, seq, args.d_head)
+        row = {"case": name, "seq": seq, "batch": batch, "times_ms": times,
+               "tflops": {n: flops / 1e9 / statistics.median(t) for n, t in times.items()}}
+        row["tflops"]["flashgen none"] = full / 1e9 / statistics.median(times["flashgen none"])
+        row["tflops"]["flashgen causal"] = full / 2e9 / statistics.median(times["flashgen causal"])
+        for peer in ("flex", "flashgen none", "flashgen causal"):
+            ratios = [p / m for m, p in zip(times["flashgen"], times[peer])]
+            row[f"vs {peer}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+def _line(row: dict) -> str:
+    t = row["tflops"]
+    r = lambda p: f"{row['vs ' + p]['median']:.2f}x [{row['vs ' + p]['min']:.2f}-{row['vs ' + p]['max']:.2f}]"
+    return (f"{row['case']:>15} seq {row['seq']:>5}: flashgen {t['flashgen']:6.1f} TFLOP/s, flex {t['flex']:6.1f}; "
+            f"flashgen/flex {r('flex')}, time vs no mod {r('flashgen none')}, vs built-in causal {r('flashgen causal')}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192], help="sequence lengths (default 2048 8192)")
+    p.add_argument("--tokens", type=int, default=16384, help="batch x seq per row (default 16384)")
+    p.add_argument("--heads", type=int, default=16, help="heads (default 16)")
+    p.add_argument("--d-head", type=int, default=128, help="head size (default 128)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="element type (default bfloat16)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each in a rotated order (default 3)")
+    p.add_argument("--cases", nargs="*", help="only these cases (default: all)")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    rows = []
+    try:
+        for seq in args.seqs:
+            rows += bench_seq(seq, args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+                "heads": args.heads, "d_head": args.d_head, "tokens": args.tokens, "rounds": args.rounds}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

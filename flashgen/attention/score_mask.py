@@ -1,0 +1,325 @@
+"""Which scores survive, and what a score_mod makes of them: the rule both engines' softmax stage applies.
+
+:class:`ScoreMask` holds the built-in mask (none, causal, window; always the key tail) and, when the
+kernel is built with them, the user's ``score_mod`` / ``mask_mod`` (:class:`flashgen.mods.KernelMods`).
+It evaluates itself in Python and numpy (the simulators) and renders the same rule as C++: the mask
+functions, and the per-value loop both emitters place before the online softmax (:meth:`apply_cpp`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import attrs
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..mods.kernel_mods import KernelMods
+
+
+@attrs.frozen
+class ScoreMask:
+    """Which scores S[i, j] (global query row i, key column j) survive; the others become -inf.
+
+    Always: ``j < seq_k`` (tail blocks). ``causal``: ``j <= i + offset`` (offset 0 aligns
+    the diagonal top-left, ``seq_k - seq_q`` bottom-right). ``window``: additionally
+    ``i + offset - left <= j`` and ``j <= i + offset + right``, a negative size meaning
+    unbounded on that side. Offsets and sizes are run-time arguments of the kernel.
+    ``keep``/``block_range``/``block_needs_mask`` evaluate the rule in Python; ``to_cpp``
+    renders the same rule as ``__host__ __device__`` functions (tests compare the two).
+    """
+
+    kind: str
+    B_r: int
+    B_c: int
+    #: the user's score_mod / mask_mod (None: the built-in rule only). With a mask_mod every block is
+    #: masked (no block mask is precomputed yet); the scores of rows past seq_q reach no mod.
+    mods: "KernelMods | None" = None
+
+    @property
+    def mask_mod(self):
+        return self.mods.mask if self.mods is not None else None
+
+    @property
+    def score_mod(self):
+        return self.mods.score if self.mods is not None else None
+
+    def row_range(self, i: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
+        """Key columns ``[lo, hi)`` kept for query row ``i`` (possibly empty)."""
+        lo, hi = 0, seq_k
+        if self.kind == "causal":
+            hi = min(hi, i + offset + 1)
+        elif self.kind == "window":
+            if right >= 0:
+                hi = min(hi, i + offset + right + 1)
+            if left >= 0:
+                lo = max(lo, i + offset - left)
+        return lo, hi
+
+    def keep(self, i: int, j: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
+        lo, hi = self.row_range(i, seq_k, offset, left, right)
+        return lo <= j < hi
+
+    def block_range(self, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
+        """``[j_begin, j_end)``: the key blocks holding any kept score for rows ``[q_row0, q_row0 + B_r)``."""
+        n = -(-seq_k // self.B_c)
+        last = min(q_row0 + self.B_r, seq_q) - 1
+        begin, end = 0, n
+        if self.kind == "causal" or (self.kind == "window" and right >= 0):
+            hi = last + offset + (right if self.kind == "window" else 0)
+            end = min(n, max(0, hi // self.B_c + 1)) if hi >= 0 else 0
+        if self.kind == "window" and left >= 0:
+            lo = q_row0 + offset - left
+            begin = max(0, lo // self.B_c)
+        return begin, max(begin, end)
+
+    def block_needs_mask(self, jb: int, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
+        """False when every score of key block ``jb`` for these rows is kept (the mask can be skipped)."""
+        c0, c1 = jb * self.B_c, (jb + 1) * self.B_c - 1
+        last = min(q_row0 + self.B_r, seq_q) - 1
+        if c1 >= seq_k:
+            return True
+        if self.kind == "causal":
+            return c1 > q_row0 + offset
+        if self.kind == "window":
+            return (right >= 0 and c1 > q_row0 + offset + right) or (left >= 0 and c0 < last + offset - left)
+        return False
+
+    def masked_path(self, jb: int, q_row0: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1,
+                    right: int = -1, row: "Sequence[int] | None" = None) -> bool:
+        """Whether key block ``jb`` takes the masked path: the built-in rule needs it, or a mask_mod is
+        compiled in and the block mask's ``row`` (None: no block mask) does not call the block full."""
+        if self.block_needs_mask(jb, q_row0, seq_q, seq_k, offset, left, right):
+            return True
+        return self.mask_mod is not None and (row is None or row[2 + jb] != 2)
+
+    def _block_row_cpp(self) -> str:
+        b = "b" if self.mods.uses("b") else "0"
+        extent, h = ("heads", "h") if self.mods.uses("h") else ("1", "0")
+        return f"(({b}) * {extent} + {h}) * n_qb + qb"
+
+    def tile_cpp(self, row: str, b: str, h: str, qb: str, heads: str, begin: str, end: str) -> list[str]:
+        """Lines after a tile's ``kv_block_range``: its block-mask row ``row`` (a mask_mod only) and the key
+        blocks ``[begin, end)`` clipped to the blocks the mask_mod keeps."""
+        if self.mask_mod is None:
+            return []
+        return [f"const int* {row} = block_mask_row(p.block_mask, {b}, {h}, {qb}, {heads}, p.seq_q, p.seq_k);",
+                f"block_mask_clip({row}, &{begin}, &{end});  // key blocks the mask_mod keeps (block mask)"]
+
+    def masked_cpp(self, row: str, j: str) -> str:
+        """The condition, after ``block_needs_mask(...)``, that sends block ``j`` down the masked path."""
+        return "" if self.mask_mod is None else f" || block_mask_partial({row}, {j})"
+
+    def mask_blocks_cpp(self, name: str) -> str:
+        """The block mask's kernels and ``<name>_mask_blocks(args, out, stream)`` (a mask_mod only)."""
+        if self.mask_mod is None:
+            return ""
+        fill = "\n".join("    " + l for l in self.mods.fill_cpp(p="m"))
+        fields = " ".join(f.split("//")[0].strip() for f in self.mods.params_cpp())
+        return _MASK_BLOCKS.replace("$NAME", name).replace("$FILL", fill).replace("$FIELDS", fields).replace(
+            "$NH", "a->heads" if self.mods.uses("h") else "1").replace("$NB", "a->batch" if self.mods.uses("b") else "1")
+
+    def kernel_name(self, base: str) -> str:
+        """A kernel's name: ``base`` (the config's), tagged with the mods' structure where built with them."""
+        return base if self.mods is None else self.mods.kernel_name(base)
+
+    def params_cpp(self) -> list[str]:
+        """The kernel parameters the mods read (none without mods)."""
+        return [] if self.mods is None else self.mods.params_cpp()
+
+    def fill_cpp(self) -> list[str]:
+        """Host lines of the launch function filling them (``p`` from ``a``)."""
+        return [] if self.mods is None else self.mods.fill_cpp()
+
+    def keep_array(self, rows: np.ndarray, cols: np.ndarray, seq_k: int, offset: int = 0, left: int = -1,
+                   right: int = -1) -> np.ndarray:
+        """:meth:`keep` over broadcast index arrays (the built-in rule only)."""
+        lo, hi = np.zeros_like(rows), np.full_like(rows, seq_k)
+        if self.kind == "causal":
+            hi = np.minimum(hi, rows + offset + 1)
+        elif self.kind == "window":
+            if right >= 0:
+                hi = np.minimum(hi, rows + offset + right + 1)
+            if left >= 0:
+                lo = np.maximum(lo, rows + offset - left)
+        return (lo <= cols) & (cols < hi)
+
+    def apply(self, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, masked: bool, *, b: int, h: int, seq_q: int,
+              seq_k: int, mask_args: Sequence[int] = (), mod_values: tuple = (None, None), scale: float = 1.0) -> np.ndarray:
+        """The scores after this rule, as :meth:`apply_cpp`'s loop leaves them (fp32): ``s`` the raw
+        accumulator values, ``rows``/``cols`` their global indices (broadcast to ``s``), ``masked`` whether
+        the block takes the masked path (:meth:`block_needs_mask`); ``mod_values``: the score and mask mods'
+        values (:meth:`flashgen.mods.ModArgs.values`); ``scale``: softmax_scale, which a score_mod sees."""
+        f32 = np.float32
+        s = np.asarray(s, dtype=f32)
+        rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
+        if self.mods is None:
+            return np.where(self.keep_array(rows, cols, seq_k, *mask_args), s, f32(-np.inf)) if masked else s
+        real = rows < seq_q
+        keep = real & self.keep_array(rows, cols, seq_k, *mask_args) if masked else real
+        if masked and self.mask_mod is not None:
+            sel = np.nonzero(keep)  # the kernel asks the mask_mod only where the rest of the rule keeps
+            keep[sel] = self.mask_mod.evaluate(b, h, rows[sel], cols[sel], args=mod_values[1]).astype(bool)
+        out = np.where(keep, s, f32(-np.inf)) if masked else s.copy()
+        if self.score_mod is not None:
+            sel = np.nonzero(keep)
+            scaled = (s[sel] * f32(scale)).astype(f32)
+            out[sel] = self.score_mod.evaluate(scaled, b, h, rows[sel], cols[sel], args=mod_values[0])
+        return out
+
+    def apply_cpp(self, loops: Sequence[str], i: str, c0: str, value: str, b: str, h: str) -> list[str]:
+        """The rule on one S accumulator fragment, before the online softmax. ``loops``: the loop headers
+        over the thread's row halves (innermost ``h``); ``i``/``c0``: the global row and the first key column
+        there; ``value``: the accumulator value of n tile ``t`` and element ``e`` (a format string with
+        ``{t}``); ``b``/``h``: the batch and query head. The mask runs in masked blocks (``masked``, a
+        compile-time flag of the enclosing function); a score_mod runs in every block."""
+        at = value.format(t="t")
+        masked = [f"const int i = {i};", "int lo, hi;",
+                  "score_row_range(i, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
+                  f"const int c0 = {c0};", "lo -= c0; hi -= c0;"]
+        if self.mods is None:
+            masked += _per_value([f"if (int(t * 8 + e) < lo || int(t * 8 + e) >= hi) {at} = -INFINITY;"])
+            return _if_masked(_nest(loops, masked))
+        per = ["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"]
+        if self.mask_mod is not None:
+            per.append(f"keep = keep && mask_mod({b}, {h}, i, c0 + c, p.mask_args);")
+        score = f"score_mod({at} * p.mod_scale, {b}, {h}, i, c0 + c, p.score_args)"
+        per.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
+        masked += ["const bool real = i < p.seq_q;  // rows past seq_q reach no mod"] + _per_value(per)
+        out = _if_masked(_nest(loops, masked))
+        if self.score_mod is None:
+            return out
+        plain = [f"const int i = {i};", f"const int c0 = {c0};", "if (i < p.seq_q)  // rows past seq_q reach no mod"]
+        plain += ["    " + l for l in _per_value([f"{at} = score_mod({at} * p.mod_scale, {b}, {h}, i, c0 + int(t * 8 + e), p.score_args);"])]
+        return out[:-1] + ["} else {  // unmasked block: the score_mod alone"] + ["    " + l for l in _nest(loops, plain)] + ["}"]
+
+    def to_cpp(self) -> str:
+        """The three functions above as C++ (floor division where operands may be negative)."""
+        kind = self.kind
+        row = ["int l = 0, h = seq_k;"]
+        if kind == "causal":
+            row.append("if (i + offset + 1 < h) h = i + offset + 1;")
+        elif kind == "window":
+            row.append("if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;")
+            row.append("if (left >= 0 && i + offset - left > l) l = i + offset - left;")
+        row.append("*lo = l; *hi = h;")
+        rng = [
+            "const int n = (seq_k + B_c - 1) / B_c;",
+            "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;",
+            "int begin = 0, end = n;",
+            "(void)last;",
+        ]
+        if kind in ("causal", "window"):
+            hi = "last + offset" + (" + right" if kind == "window" else "")
+            cond = "" if kind == "causal" else "if (right >= 0) "
+            rng.append(f"{cond}{{ const int hi = {hi}; end = hi >= 0 ? (hi / (int)B_c + 1 < n ? hi / (int)B_c + 1 : n) : 0; }}")
+        if kind == "window":
+            rng.append("if (left >= 0) { const int lo = q_row0 + offset - left; begin = lo > 0 ? lo / (int)B_c : 0; }")
+        rng.append("*j_begin = begin; *j_end = end > begin ? end : begin;")
+        need = ["const int c0 = jb * (int)B_c, c1 = (jb + 1) * (int)B_c - 1;", "const int last = (q_row0 + (int)B_r < seq_q ? q_row0 + (int)B_r : seq_q) - 1;", "(void)c0; (void)last;", "if (c1 >= seq_k) return true;"]
+        if kind == "causal":
+            need.append("return c1 > q_row0 + offset;")
+        elif kind == "window":
+            need.append("return (right >= 0 && c1 > q_row0 + offset + right) || (left >= 0 && c0 < last + offset - left);")
+        else:
+            need.append("return false;")
+        sig = "int seq_q, int seq_k, int offset, int left, int right"
+        ind = lambda lines: "\n".join("    " + l for l in lines)
+        return (
+            f"// score mask '{kind}' (ScoreMask in the plan): key columns [lo, hi) kept for query row i\n"
+            f"__host__ __device__ __forceinline__ void score_row_range(int i, int seq_k, int offset, int left, int right, int* lo, int* hi) {{\n"
+            f"    (void)i; (void)offset; (void)left; (void)right;\n{ind(row)}\n}}\n"
+            f"// key blocks [j_begin, j_end) holding any kept score of the CTA's rows [q_row0, q_row0 + B_r)\n"
+            f"__host__ __device__ __forceinline__ void kv_block_range(int q_row0, {sig}, int* j_begin, int* j_end) {{\n"
+            f"    (void)offset; (void)left; (void)right;\n{ind(rng)}\n}}\n"
+            f"// false when every score of key block jb is kept for these rows\n"
+            f"__host__ __device__ __forceinline__ bool block_needs_mask(int jb, int q_row0, {sig}) {{\n"
+            f"    (void)offset; (void)left; (void)right; (void)seq_q;\n{ind(need)}\n}}"
+        ) + (f"\n// ---- score_mod / mask_mod: {self.mods.describe()}\n{self.mods.to_cpp()}" if self.mods is not None else "") + (
+            _BLOCK_MASK_FNS.replace("$ROW", self._block_row_cpp()) if self.mask_mod is not None else "")
+
+
+def _per_value(body: Sequence[str]) -> list[str]:
+    """``body`` for every value of the fragment's row half: n tiles ``t``, elements ``e``."""
+    head = ["#pragma unroll", "for (uint32_t t = 0; t < B_c / 8; ++t)", "    #pragma unroll"]
+    if len(body) == 1:
+        return head + ["    for (uint32_t e = 0; e < 2; ++e)", "        " + body[0]]
+    return head + ["    for (uint32_t e = 0; e < 2; ++e) {"] + ["        " + l for l in body] + ["    }"]
+
+
+def _nest(loops: Sequence[str], body: Sequence[str]) -> list[str]:
+    """``body`` inside the unrolled ``loops`` (the last one opens the body's braces)."""
+    out: list[str] = []
+    for depth, loop in enumerate(loops):
+        pad = "    " * depth
+        out += [pad + "#pragma unroll", pad + loop + (" {" if depth == len(loops) - 1 else "")]
+    pad = "    " * len(loops)
+    return out + [pad + l for l in body] + ["    " * (len(loops) - 1) + "}"]
+
+
+def _if_masked(lines: Sequence[str]) -> list[str]:
+    return ["if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it"] + [
+        "    " + l for l in lines] + ["}"]
+
+
+#: Reading the block mask (:meth:`flashgen.mods.KernelMods.block_mask_shape`); ``$ROW`` indexes its rows.
+_BLOCK_MASK_FNS = """
+// ---- block mask: per (batch, head, query block) the kept key blocks [lo, hi), then a class per key block
+// (0 empty, 1 partial, 2 full), made by <name>_mask_blocks; nullptr: every block partial, none skipped
+__host__ __device__ __forceinline__ const int* block_mask_row(const int* bm, int b, int h, int qb, int heads, int seq_q, int seq_k) {
+    (void)b; (void)h; (void)heads;
+    if (bm == nullptr) return nullptr;
+    const int n_qb = (seq_q + int(B_r) - 1) / int(B_r), n_kb = (seq_k + int(B_c) - 1) / int(B_c);
+    return bm + int64_t($ROW) * (2 + n_kb);
+}
+__host__ __device__ __forceinline__ void block_mask_clip(const int* r, int* j_begin, int* j_end) {
+    if (r == nullptr) return;
+    if (r[0] > *j_begin) *j_begin = r[0];
+    if (r[1] < *j_end) *j_end = r[1];
+    if (*j_end < *j_begin) *j_end = *j_begin;
+}
+__host__ __device__ __forceinline__ bool block_mask_partial(const int* r, int kb) { return r == nullptr || r[2 + kb] != 2; }"""
+
+#: The block mask's two kernels and their C entry point; ``$FILL`` fills ``m.mask_args`` from the words.
+_MASK_BLOCKS = """
+namespace $NAME {
+// one CTA per (key block, query block, batch x head of the mask): does the mask_mod keep all, some or none
+__global__ void mask_blocks_kernel(const mask_mod_args ma, int seq_q, int seq_k, int nh, int n_qb, int n_kb, int* out) {
+    const int kb = blockIdx.x, qb = blockIdx.y, b = int(blockIdx.z) / nh, h = int(blockIdx.z) % nh;
+    bool any = false, all = true;
+    for (int e = threadIdx.x; e < int(B_r * B_c); e += blockDim.x) {
+        const int i = qb * int(B_r) + e / int(B_c), j = kb * int(B_c) + e % int(B_c);
+        if (i < seq_q && j < seq_k) {  // the key tail is the kernels' own rule
+            const bool keep = mask_mod(b, h, i, j, ma);
+            any = any || keep;
+            all = all && keep;
+        }
+    }
+    any = __syncthreads_or(any);
+    all = __syncthreads_and(all);
+    if (threadIdx.x == 0) out[(int64_t(blockIdx.z) * n_qb + qb) * (2 + n_kb) + 2 + kb] = any ? (all ? 2 : 1) : 0;
+}
+// one thread per row: the range [lo, hi) of its non-empty key blocks ([0, 0) when there is none)
+__global__ void mask_ranges_kernel(int rows, int n_kb, int* out) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows) return;
+    int* r = out + int64_t(row) * (2 + n_kb);
+    int lo = n_kb, hi = 0;
+    for (int kb = 0; kb < n_kb; ++kb)
+        if (r[2 + kb] != 0) { lo = kb < lo ? kb : lo; hi = kb + 1; }
+    r[0] = lo < hi ? lo : 0;
+    r[1] = hi;
+}
+}  // namespace $NAME
+
+// The block mask of a call with these arguments into `out` (int32, KernelMods.block_mask_shape), on `stream`.
+extern "C" int $NAME_mask_blocks(const $NAME_args* a, int* out, void* stream) {
+    using namespace $NAME;
+    if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0 || out == nullptr) return (int)cudaErrorInvalidValue;
+    struct { $FIELDS float scale, scale_log2; } m{};
+$FILL
+    const int nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
+    mask_blocks_kernel<<<dim3(n_kb, n_qb, nb * nh), 128, 0, (cudaStream_t)stream>>>(m.mask_args, a->seq_q, a->seq_k, nh, n_qb, n_kb, out);
+    const int rows = nb * nh * n_qb;
+    mask_ranges_kernel<<<(rows + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, n_kb, out);
+    return (int)cudaGetLastError();
+}"""

@@ -1,0 +1,155 @@
+"""The score_mod and mask_mod one kernel is built with, and how their values reach it.
+
+A kernel's plan holds one :class:`KernelMods` (in its score mask). It renders the C++ the
+kernel needs (the helpers once, each mod's argument struct and function), the kernel
+parameters that carry the values, and the host code that fills them from the launcher's
+flat list of 64-bit words; :meth:`KernelMods.pack` makes that list's parts in Python.
+
+Word order (one definition, used by both sides): every scalar of the score mod, then every
+scalar of the mask mod (float bits, int or bool, one word each); then every tensor of the
+score mod, then every tensor of the mask mod, each as its data pointer followed by its
+strides in elements. The launcher appends the tensors' words itself (from the tensors, so a
+traced call takes them as graph inputs), the scalars come first as numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+import attrs
+
+from .cpp import CPP_TYPE, function_cpp, struct_cpp
+from .expr import FLOAT, Arg, postorder
+from .ops import HELPERS
+from .traced import ModArgs, TracedMod
+
+
+@attrs.frozen
+class KernelMods:
+    """``score``: a ``score_mod`` TracedMod or None; ``mask``: a ``mask_mod`` TracedMod or None."""
+
+    score: "TracedMod | None" = None
+    mask: "TracedMod | None" = None
+
+    def __attrs_post_init__(self) -> None:
+        for kind, mod in (("score", self.score), ("mask", self.mask)):
+            if mod is not None and mod.kind != kind:
+                raise ValueError(f"a {mod.kind}_mod given as the {kind}_mod")
+        if self.score is None and self.mask is None:
+            raise ValueError("KernelMods without a score_mod or a mask_mod: use no KernelMods")
+
+    @property
+    def mods(self) -> tuple[TracedMod, ...]:
+        return tuple(m for m in (self.score, self.mask) if m is not None)
+
+    @property
+    def key(self) -> str:
+        """What the kernel's text depends on: the structure of each mod (not its captured values)."""
+        return f"score={self.score.key if self.score else '-'} mask={self.mask.key if self.mask else '-'}"
+
+    def kernel_name(self, base: str) -> str:
+        """The name of the kernel of config name ``base`` built with these mods (8 hex digits of :attr:`key`)."""
+        return f"{base}_m{hashlib.sha256(self.key.encode()).hexdigest()[:8]}"
+
+    @property
+    def n_words(self) -> int:
+        return sum(len(m.scalars) + sum(1 + t.rank for t in m.tensors) for m in self.mods)
+
+    def uses(self, arg: str) -> bool:
+        """Whether the mask mod reads its argument ``arg`` ("b" or "h"): the block mask has that dimension."""
+        return self.mask is not None and any(isinstance(n, Arg) and n.name == arg for n in postorder(self.mask.expr))
+
+    def block_mask_shape(self, batch: int, heads: int, seq_q: int, seq_k: int, B_r: int, B_c: int) -> tuple[int, ...]:
+        """The int32 block mask of a call: per (batch, head, query block) the kept key-block range [lo, hi)
+        and a class per key block (0 empty, 1 partial, 2 full); batch/heads 1 where the mask_mod ignores them."""
+        n_qb, n_kb = -(-seq_q // B_r), -(-seq_k // B_c)
+        return (batch if self.uses("b") else 1, heads if self.uses("h") else 1, n_qb, 2 + n_kb)
+
+    def describe(self) -> str:
+        return " + ".join(m.description for m in self.mods)
+
+    # ---- C++ ---------------------------------------------------------------------------------
+
+    def to_cpp(self) -> str:
+        """The helpers, then per mod its ``<kind>_mod_args`` struct and ``<kind>_mod`` function."""
+        parts = [HELPERS, _WORD_FLOAT]
+        for m in self.mods:
+            name = f"{m.kind}_mod"
+            parts += [struct_cpp(name, m.scalars, m.tensors), function_cpp(m.kind, name, m.expr)]
+        return "\n".join(parts)
+
+    def params_cpp(self) -> list[str]:
+        """The kernel parameters holding the values (fields of the kernel's Params struct)."""
+        out = [f"{m.kind}_mod_args {m.kind}_args;  // {m.description}" for m in self.mods]
+        if self.score is not None:
+            out.append("float mod_scale;  // softmax_scale: score_mod sees the scaled score")
+        if self.mask is not None:
+            out.append("const int* block_mask;  // the mask_mod's block mask (block_mask_row), or nullptr")
+        return out
+
+    def fill_cpp(self, p: str = "p", a: str = "a") -> list[str]:
+        """Host lines filling ``p``'s mod parameters from ``a->mod_words`` (false return: wrong count).
+        With a score_mod the softmax runs on its results as they are: scale 1 (the score_mod saw the scale)."""
+        lines = [f"if ({a}->n_mod_words != {self.n_words} || ({self.n_words} && {a}->mod_words == nullptr))",
+                 "    return (int)cudaErrorInvalidValue;  // the launcher passes the words of flashgen.mods.KernelMods"]
+        w = 0
+        for m in self.mods:
+            for s in m.scalars:
+                lines.append(f"{p}.{m.kind}_args.{s.name} = {_from_word(s.dtype, f'{a}->mod_words[{w}]')};")
+                w += 1
+        for m in self.mods:
+            for t in m.tensors:
+                lines.append(f"{p}.{m.kind}_args.{t.name} = reinterpret_cast<const {CPP_TYPE[t.dtype]}*>({a}->mod_words[{w}]);")
+                lines += [f"{p}.{m.kind}_args.{t.name}_s{d} = int({a}->mod_words[{w + 1 + d}]);" for d in range(t.rank)]
+                w += 1 + t.rank
+        if self.score is not None:
+            lines.append(f"{p}.mod_scale = {a}->softmax_scale; {p}.scale = 1.f; {p}.scale_log2 = 1.4426950408889634f;")
+        if self.mask is not None:
+            lines.append(f"{p}.block_mask = {a}->block_mask;")
+        return lines
+
+    # ---- values --------------------------------------------------------------------------------
+
+    def pack(self, score_args: "ModArgs | None", mask_args: "ModArgs | None") -> tuple[list[int], list[Any]]:
+        """(scalar words, tensors) of one call in the launcher's order; the tensors' words (pointer,
+        strides) are the launcher's to append."""
+        words, tensors = [], []
+        pairs = [(m, score_args if m.kind == "score" else mask_args) for m in self.mods]
+        for m, args in pairs:
+            words += [_to_word(s.dtype, v) for s, v in zip(m.scalars, args.scalars)]
+        for m, args in pairs:
+            tensors += list(args.tensors)
+        return words, tensors
+
+
+#: a float scalar's word back to the float (host code: the launch function fills the parameters)
+_WORD_FLOAT = ("static inline float fg_word_float(long long w) {\n"
+               "    const int bits = int(w); float f; __builtin_memcpy(&f, &bits, sizeof f); return f;\n}")
+
+
+def prepare_mods(score_mod: Any = None, mask_mod: Any = None) -> "tuple[KernelMods | None, tuple]":
+    """The KernelMods of a call's functions (each traced once, :func:`flashgen.mods.prepare`) and this call's
+    values ``(score ModArgs, mask ModArgs)``; (None, (None, None)) without either function."""
+    from .cache import prepare
+
+    if score_mod is None and mask_mod is None:
+        return None, (None, None)
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+    score, score_args = prepare(score_mod, "score") if score_mod is not None else (None, None)
+    mask, mask_args = prepare(mask_mod, "mask") if mask_mod is not None else (None, None)
+    return KernelMods(score, mask), (score_args, mask_args)
+
+
+def _to_word(dtype: str, value) -> int:
+    if dtype == FLOAT:
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    return int(value)
+
+
+def _from_word(dtype: str, word: str) -> str:
+    if dtype == FLOAT:
+        return f"fg_word_float({word})"
+    return f"{CPP_TYPE[dtype]}({word})"

@@ -1,0 +1,173 @@
+"""GPU tests of score_mod / mask_mod compiled into the kernels (marked ``gpu``), on both engines.
+
+Every example of ``examples/mods.py`` against the float64 reference (``flashgen.reference.attention``
+with the same functions), FlashAttention's rule, odd lengths, GQA, seq_q != seq_k, combined with the
+built-in masks; new captured values reuse the kernel; captured tensors may live on the CPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen import mods as fg_mods  # noqa: E402
+from flashgen.engines import engine_of  # noqa: E402
+from flashgen.reference import check_attention  # noqa: E402
+from flashgen.runtime import InputError  # noqa: E402
+from flashgen.targets import of_capability  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+_spec = importlib.util.spec_from_file_location("mods_examples", Path(__file__).parents[2] / "examples" / "mods.py")
+examples = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(examples)
+
+CONFIGS = [
+    "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
+    "(FP16, 64, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
+    "(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent",
+    "(FP16, 64, 128, 64, 12): wgmma+stages_2+pingpong+intra+persistent",
+]
+# (batch, seq_q, seq_k, heads_q, heads_kv)
+SHAPES = [(2, 113, 113, 4, 2), (1, 1, 1, 2, 1), (1, 200, 333, 2, 2), (1, 257, 130, 3, 1)]
+
+
+def _factory(name: str, shape, device):
+    """The example ``name`` sized for ``shape`` (its tables cover every index), tensors on ``device``."""
+    b, sq, sk, hq, hk = shape
+    n = max(sq, sk)
+    sized = {
+        "alibi": lambda: examples.alibi(hq, device=device),
+        "relative_bias": lambda: examples.relative_bias(n, device=device),
+        "document_mask": lambda: examples.document_mask(_doc_lengths(n), device=device),
+        "prefix_lm": lambda: examples.prefix_lm(min(17, n)),
+        "sliding_window_sinks": lambda: examples.sliding_window_sinks(31, 3),
+        "block_local": lambda: examples.block_local(19),
+    }
+    kind, factory = examples.EXAMPLES[name]
+    return kind, sized.get(name, factory)()
+
+
+def _doc_lengths(n: int) -> list[int]:
+    out, left, k = [], n, 0
+    while left:
+        out.append(min(left, 7 + 13 * k % 41))
+        left -= out[-1]
+        k += 1
+    return out
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def attn(request):
+    from flashgen.dsl.notation import parse_config
+
+    cfg = parse_config(request.param)
+    cap = torch.cuda.get_device_capability()
+    if not engine_of(cfg).runs_on(of_capability(cap)):
+        pytest.skip(f"{engine_of(cfg).name} kernels do not run on compute capability {cap}")
+    return flashgen.compile(cfg)
+
+
+def _inputs(attn, shape, seed):
+    b, sq, sk, hq, hk = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt, d = attn.cfg.dtype.torch, attn.cfg.d_head
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dt, generator=g)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dt, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("name", list(examples.EXAMPLES))
+def test_every_example_against_the_reference(attn, name):
+    for n, shape in enumerate(SHAPES):
+        kind, fn = _factory(name, shape, "cuda")
+        q, k, v = _inputs(attn, shape, seed=n)
+        mod = {f"{kind}_mod": fn}
+        o, lse = attn(q, k, v, return_lse=True, **mod)
+        check_attention(o, q, k, v, f"{attn.cfg.short_form()} {name} {shape}", **mod)
+        ref_o, ref_lse = flashgen.reference.attention(q, k, v, return_lse=True, **mod)
+        kept = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), kept), "rows without a kept key must give lse -inf, the others finite"
+        assert (o.float()[~kept.transpose(1, 2)] == 0).all(), "rows without a kept key give o = 0"
+        assert (lse[kept] - ref_lse[kept]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("causal, window, align", [(True, None, "top_left"), (True, None, "bottom_right"),
+                                                   (False, (40, 7), "top_left")])
+def test_mods_with_the_built_in_masks(attn, causal, window, align):
+    shape = SHAPES[2]
+    score = examples.softcap(20.0)
+    kind, mask = _factory("document_mask", shape, "cuda")
+    q, k, v = _inputs(attn, shape, seed=7)
+    o = attn(q, k, v, causal=causal, window=window, align=align, score_mod=score, mask_mod=mask)
+    check_attention(o, q, k, v, f"{attn.cfg.short_form()} softcap + documents", causal=causal, window=window,
+                    align=align, score_mod=score, mask_mod=mask)
+
+
+def test_new_values_reuse_the_kernel_and_cpu_tensors_are_taken(attn):
+    shape = SHAPES[0]
+    q, k, v = _inputs(attn, shape, seed=3)
+    handles = set()
+    for cap in (10.0, 50.0, 0.5):
+        fn = examples.softcap(cap)
+        check_attention(attn(q, k, v, score_mod=fn), q, k, v, f"softcap {cap}", score_mod=fn)
+        handles.add(attn._with_mods(fg_mods.prepare_mods(fn)[0])._handle)
+    assert len(handles) == 1, "a new captured number rebuilt the kernel"
+    bias = examples.relative_bias(shape[2], device="cpu")  # copied to q's device by the call
+    on_gpu = examples.relative_bias(shape[2], device="cuda")
+    torch.testing.assert_close(attn(q, k, v, score_mod=bias), attn(q, k, v, score_mod=on_gpu), rtol=0, atol=0)
+    before = fg_mods.cache_info()
+    attn(q, k, v, score_mod=on_gpu)
+    after = fg_mods.cache_info()
+    assert after.traces == before.traces and after.hits > before.hits, "a repeated call traced again"
+
+
+def test_compile_auto_takes_mods_and_refuses_what_it_cannot_do():
+    attn = flashgen.compile("auto")
+    shape = (2, 300, 300, 4, 4)
+    b, sq, sk, hq, hk = shape
+    q, k, v = (torch.randn(b, s, h, 128, device="cuda", dtype=torch.bfloat16) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    fn = examples.alibi(hq, device="cuda")
+    check_attention(attn(q, k, v, causal=True, score_mod=fn), q, k, v, "auto alibi", causal=True, score_mod=fn)
+    with pytest.raises(InputError, match="out="):
+        attn(q, k, v, out=torch.empty_like(q), score_mod=fn)
+    with pytest.raises(InputError, match="gradients"):
+        attn(q.requires_grad_(), k, v, score_mod=fn)
+    with pytest.raises(fg_mods.ModError, match="sort"):
+        attn(q.detach(), k, v, score_mod=lambda s, b, h, i, j: torch.sort(s)[0])
+
+
+@pytest.mark.parametrize("name", ["document_mask", "prefix_lm", "sliding_window_sinks", "block_local"])
+def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
+    """The block mask the GPU makes: per query block the range of key blocks holding a kept score and
+    each block's class (0 none kept, 1 some, 2 all), against the mask_mod evaluated on every score."""
+    shape = SHAPES[3]
+    b, sq, sk, hq, hk = shape
+    _, fn = _factory(name, shape, "cuda")
+    q, k, v = _inputs(attn, shape, seed=11)
+    mods, (_, mask_args) = fg_mods.prepare_mods(mask_mod=fn)
+    variant = attn._with_mods(mods)
+    words, tensors = mods.pack(None, mask_args)
+    got = variant._block_mask(mods, q, k, words, tensors).cpu()
+    B_r, B_c = attn.cfg.B_r, attn.cfg.B_c
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = fn(0, 0, i.cuda(), j.cuda()).cpu().expand(sq, sk)
+    n_qb, n_kb = -(-sq // B_r), -(-sk // B_c)
+    assert got.shape == (1, 1, n_qb, 2 + n_kb)
+    for qb in range(n_qb):
+        classes = []
+        for kb in range(n_kb):
+            block = keep[qb * B_r:(qb + 1) * B_r, kb * B_c:(kb + 1) * B_c]
+            classes.append(2 if block.all() else 1 if block.any() else 0)
+        kept = [kb for kb, c in enumerate(classes) if c]
+        want = [kept[0], kept[-1] + 1] if kept else [0, 0]
+        assert got[0, 0, qb].tolist() == want + classes, f"query block {qb}"
+    before = dict(variant._block_masks)
+    variant._block_mask(mods, q, k, words, tensors)
+    assert variant._block_masks == before, "a repeated call made its block mask again"
