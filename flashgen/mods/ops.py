@@ -2,11 +2,15 @@
 
 Contract of both columns, per result dtype (operands already share one dtype, see expr.py):
 
-* fp32 ``+ - * /`` round once per operation. The C++ calls ``fg_fadd`` etc., which use
-  ``__fadd_rn``-style intrinsics on the device so nvcc cannot contract ``a * b + c`` into an FMA;
-  numpy rounds each fp32 operation too, so the two are bitwise equal. ``sqrt`` is correctly rounded
-  on both (nvcc's default ``-prec-sqrt=true``); ``exp``/``log``/``tanh`` are the math libraries'
-  (CUDA: at most 2, 1 and 2 ulp; glibc and numpy: about 1), so these differ by a few ulp.
+* fp32 on the host (the C++ compiled for the CPU) and in numpy: ``+ - * /`` round once per operation,
+  ``sqrt`` correctly rounded, ``exp``/``log``/``tanh`` the math libraries' (about 1 ulp): the two agree
+  bit for bit except exp/log/tanh (a few ulp).
+* fp32 on the device is the kernels' fast arithmetic, as the softmax around it: nvcc may contract
+  ``a * b + c`` into one FMA (one rounding instead of two), ``/`` is ``__fdividef`` (2 ulp), ``exp`` and
+  ``log`` are ``__expf``/``__logf`` (the ``ex2``/``lg2`` units: 2 + 1.2|x| ulp, 3 ulp), ``tanh`` is
+  ``tanh.approx.f32`` (absolute error below 2^-10); ``sqrt`` stays correctly rounded. A mod in the
+  precise library functions costs several times the attention around it (division and tanhf are
+  dozens of instructions per score); these cost one or two.
 * int32 ``//`` and ``%`` floor as Python and torch do (C truncates: ``-7 / 2`` is -3 in C, -4 here),
   through ``fg_floordiv``/``fg_floormod``. Division by zero is undefined in the kernel.
 * ``minimum``/``maximum`` on floats propagate NaN as torch does (plain fminf/fmaxf would drop it).
@@ -22,17 +26,21 @@ from .expr import BOOL, FLOAT, INT
 HELPERS = r"""#ifndef FLASHGEN_MODS_HELPERS
 #define FLASHGEN_MODS_HELPERS
 #include <cmath>
-// fp32 operations rounded one at a time (no FMA contraction), as the numpy evaluator rounds them
-#ifdef __CUDA_ARCH__
-__host__ __device__ __forceinline__ float fg_fadd(float a, float b) { return __fadd_rn(a, b); }
-__host__ __device__ __forceinline__ float fg_fsub(float a, float b) { return __fsub_rn(a, b); }
-__host__ __device__ __forceinline__ float fg_fmul(float a, float b) { return __fmul_rn(a, b); }
-__host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return __fdiv_rn(a, b); }
-#else
+// fp32 arithmetic: exactly rounded on the host; on the device the kernels' fast forms (FMA contraction,
+// approximate division, exp, log and tanh: see flashgen/mods/ops.py)
 __host__ __device__ __forceinline__ float fg_fadd(float a, float b) { return a + b; }
 __host__ __device__ __forceinline__ float fg_fsub(float a, float b) { return a - b; }
 __host__ __device__ __forceinline__ float fg_fmul(float a, float b) { return a * b; }
+#ifdef __CUDA_ARCH__
+__host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return __fdividef(a, b); }
+__host__ __device__ __forceinline__ float fg_exp(float x) { return __expf(x); }
+__host__ __device__ __forceinline__ float fg_log(float x) { return __logf(x); }
+__host__ __device__ __forceinline__ float fg_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+#else
 __host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return a / b; }
+__host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
+__host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
+__host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
 #endif
 // Python's and torch's floor division and modulo (C truncates toward zero)
 __host__ __device__ __forceinline__ int fg_floordiv(int a, int b) { const int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
@@ -61,8 +69,10 @@ def binary_cpp(op: str, operand_dtype: str, a: str, b: str) -> str:
 
 
 def unary_cpp(op: str, dtype: str, x: str) -> str:
-    if op in ("exp", "log", "tanh", "sqrt"):
-        return f"{op}f({x})"
+    if op in ("exp", "log", "tanh"):
+        return f"fg_{op}({x})"
+    if op == "sqrt":
+        return f"sqrtf({x})"
     if op == "neg":
         return f"(-{x})"
     if op == "not":

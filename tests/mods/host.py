@@ -1,9 +1,9 @@
 """Runs rendered mods on the host (g++) or a GPU (nvcc): one program evaluates each over a grid.
 
 The kernel's qualifiers are defined away for g++ (as the other host tests of emitted rules do);
-``-ffp-contract=off`` keeps g++ from fusing a multiply and an add, which the device code forbids
-with ``__fmul_rn``-style intrinsics (ops.py). Results come back as raw bits, so floats compare
-exactly.
+``-ffp-contract=off`` keeps g++ from fusing a multiply and an add: the host side of ops.py's contract
+rounds every operation, as numpy does (the device may fuse them). Results come back as raw bits, so
+host floats compare exactly.
 """
 from __future__ import annotations
 
