@@ -34,7 +34,7 @@ class Background:
 
     def __init__(self, make_folder: Callable[[str], Path], jobs: int | None = None) -> None:
         self._make_folder = make_folder
-        self._jobs = worker_count() if jobs is None else jobs
+        self.jobs = worker_count() if jobs is None else jobs
         self._pool: cf.ProcessPoolExecutor | None = None
         self._builds: dict[tuple[str, str], Callable[[], Any]] = {}
         self._futures: dict[tuple[str, str], cf.Future] = {}
@@ -48,10 +48,15 @@ class Background:
         folder = self._folders[module.__name__] = self._make_folder(module.__name__)
         for key, build in hook(folder).items():
             self._builds[(module.__name__, key)] = build
-            if start and self._jobs > 0:
+            if start and self.jobs > 0:
                 if self._pool is None:
-                    self._pool = workers.process_pool(self._jobs)
+                    self._pool = workers.process_pool(self.jobs)
                 self._futures[(module.__name__, key)] = workers.submit(self._pool, build)
+
+    @property
+    def started(self) -> bool:
+        """Whether a worker was given a build."""
+        return self._pool is not None
 
     def folder(self, module: Any) -> Path:
         """The folder ``module``'s builds write under."""
