@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 import pytest
-from procs import children, needs_proc, running, wait_for
+from procs import children, needs_proc, running, signal_masks, wait_for
 
 from flashgen.cli import build_parser, main
 from flashgen.dsl.config import KernelConfig
@@ -374,6 +374,7 @@ def test_a_signal_stops_a_parallel_emit_at_once(how, status, word, tmp_path):
     try:
         _first_line_with(proc.stderr, "] emitted ")  # the workers run
         workers = children(proc.pid)
+        masks = signal_masks(proc.pid)
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -386,7 +387,7 @@ def test_a_signal_stops_a_parallel_emit_at_once(how, status, word, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert took < 3, f"took {took:.1f} s"
+    assert took < 3, f"took {took:.1f} s; signal masks when it was sent: {masks}; stderr:\n{err[-3000:]}"
     assert proc.returncode == status
     *before, last = err.splitlines()
     assert last == f"flashgen: {word}"
