@@ -13,6 +13,9 @@ in input order. Its contract on the way out:
   process group, and the parent alone decides what happens (no traceback from
   every worker).
 
+The same pool serves work that is not one map (e.g. builds started early and
+awaited later): :func:`process_pool`, :func:`submit` and :func:`stop_pool`.
+
 A plain ``with ProcessPoolExecutor()`` waits, on the way out, for every queued item
 to finish: that is why a Ctrl-C used to take effect only after the whole job. And
 while the executor works, the parent notes SIGINT and SIGTERM instead of raising at

@@ -1,6 +1,7 @@
 """The ``flashgen`` command line: help, emit (files, manifest, determinism, errors), check, delegation."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -367,8 +368,11 @@ def test_a_signal_stops_a_parallel_emit_at_once(how, status, word, tmp_path):
     cli = tmp_path / "slow_flashgen.py"
     cli.write_text(SLOW_EMIT_MAIN % {"seconds": 0.25})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # A Ctrl-C reaches a terminal's foreground job, whose SIGINT is not ignored; these tests may themselves run
+    # as a background job of a script (`cmd &` ignores SIGINT), which flashgen would inherit and rightly keep.
     proc = subprocess.Popen([sys.executable, str(cli), "emit", str(sweep), "-j", "2", "-o", str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL))
     watchdog = threading.Timer(60, proc.kill)  # the test fails rather than hangs
     watchdog.start()
     try:
