@@ -86,7 +86,7 @@ def pytest_collection_finish(session):
 
 def _leave_cpus_to(workers: int) -> None:
     """Torch's threads (here and in the processes the tests start) take only the CPUs the build workers
-    leave: two OpenMP threads on one free CPU spin at each barrier (a 1 s training took 25 s)."""
+    leave: two OpenMP threads on one free CPU spin at each barrier (a 5 s training took 25 s)."""
     threads = max(1, (os.cpu_count() or 1) - workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch = sys.modules.get("torch")
