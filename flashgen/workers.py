@@ -13,6 +13,9 @@ in input order. Its contract on the way out:
   process group, and the parent alone decides what happens (no traceback from
   every worker).
 
+The same pool serves work that is not one map (e.g. builds started early and
+awaited later): :func:`process_pool`, :func:`submit` and :func:`stop_pool`.
+
 A plain ``with ProcessPoolExecutor()`` waits, on the way out, for every queued item
 to finish: that is why a Ctrl-C used to take effect only after the whole job. And
 while the executor works, the parent notes SIGINT and SIGTERM instead of raising at
@@ -111,6 +114,20 @@ def _worker_init() -> None:  # runs first in every worker
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
+def process_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """A pool of ``workers`` spawned processes as :func:`run_parallel` uses them: each leads its own
+    process group and ignores SIGINT. Give it work with :func:`submit`, end it with :func:`stop_pool`
+    (a plain ``shutdown`` waits for every queued item)."""
+    return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+
+
+def submit(pool: cf.ProcessPoolExecutor, fn: Callable, *args: Any, **kwargs: Any) -> cf.Future:
+    """``pool.submit(fn, *args, **kwargs)`` with SIGINT and SIGTERM held while it may start a worker
+    (see :func:`_stop_signals_held`)."""
+    with _stop_signals_held():
+        return pool.submit(fn, *args, **kwargs)
+
+
 def _signal_group(proc: mp.process.BaseProcess, sig: int) -> None:
     """``sig`` to the worker's process group, or to the worker alone before it formed one
     (terminate/kill signal a worker only while it is not reaped: its pid is still its own)."""
@@ -120,8 +137,9 @@ def _signal_group(proc: mp.process.BaseProcess, sig: int) -> None:
         (proc.kill if sig == signal.SIGKILL else proc.terminate)()
 
 
-def _stop(pool: cf.ProcessPoolExecutor) -> None:
-    """Cancel what has not started and end every worker (and its children) now."""
+def stop_pool(pool: cf.ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end every worker (and its children) now; the futures of the
+    items that ran are left as they were (a killed one may never complete)."""
     # The executor offers no handle on its workers and queues (before Python 3.14's
     # terminate_workers), so this reads private fields; shutdown() drops them: read them first.
     procs = [p for p in (pool._processes or {}).values() if p.pid is not None]
@@ -190,7 +208,7 @@ def _as_completed(futures: Iterable[cf.Future], signals: list[int]) -> Iterator[
 
 def _run_in_processes(fn: Callable, items: list, workers: int, on_result: Callable | None) -> list:
     results: list = [None] * len(items)
-    pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+    pool = process_pool(workers)
     with _stop_signals_noted() as signals:
         try:
             with _stop_signals_held():  # the executor starts its workers inside submit()
@@ -201,7 +219,7 @@ def _run_in_processes(fn: Callable, items: list, workers: int, on_result: Callab
                 if on_result:
                     on_result(i, results[i])
         except BaseException:
-            _stop(pool)
+            stop_pool(pool)
             raise
         pool.shutdown(wait=True)
     _raise_if_noted(signals)  # one came while the last workers exited: the work is done, yet asked to stop

@@ -5,12 +5,21 @@
 * ``@pytest.mark.nvcc`` tests are skipped when no nvcc is found (``flashgen.toolchain.find_nvcc``:
   ``$FLASHGEN_NVCC``, PATH, ``$CUDA_HOME/bin``); tests that need the compiler's path
   take the ``nvcc`` fixture, which skips the same way.
+* Test modules that declare slow builds (``background_builds``, see ``tests/background.py``) run
+  last, and their builds start in a worker process as soon as collection ends: they overlap with
+  every test before them. The ``background`` fixture hands a module its builds' results.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import pytest
+
+from background import HOOK, Background
+
+_BACKGROUND = pytest.StashKey[Background]()
 
 GPU_REASON = "needs a CUDA GPU"
 NVCC_REASON = "nvcc not found on PATH"
@@ -36,6 +45,8 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # stable: the modules keep their order among themselves, and a module's tests stay together
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), HOOK))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason=GPU_REASON)
@@ -54,3 +65,42 @@ def nvcc() -> str:
     if NVCC is None:
         pytest.skip(NVCC_REASON)
     return NVCC
+
+
+def _modules(items) -> list:
+    return list(dict.fromkeys(m for m in (getattr(item, "module", None) for item in items) if m is not None))
+
+
+def pytest_collection_finish(session):
+    config = session.config
+    # the folder maker of the tmp_path_factory fixture (which cannot be requested before a test runs)
+    bg = Background(config._tmp_path_factory.mktemp)
+    config.stash[_BACKGROUND] = bg
+    if config.option.collectonly or session.testsfailed:  # nothing will run (a failed collection stops the run)
+        return
+    for module in _modules(session.items):
+        bg.declare(module, start=True)
+    if bg.started:
+        _leave_cpus_to(bg.jobs)
+
+
+def _leave_cpus_to(workers: int) -> None:
+    """Torch's threads (here and in the processes the tests start) take only the CPUs the build workers
+    leave: two OpenMP threads on one free CPU spin at each barrier (a 5 s training took 25 s)."""
+    threads = max(1, (os.cpu_count() or 1) - workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
+def pytest_sessionfinish(session):
+    bg = session.config.stash.get(_BACKGROUND, None)
+    if bg is not None:
+        bg.stop()
+
+
+@pytest.fixture(scope="session")
+def background(request) -> Background:
+    """The session's builds (``tests/background.py``): ``background.result(module, key)``."""
+    return request.config.stash[_BACKGROUND]

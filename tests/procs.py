@@ -38,3 +38,15 @@ def wait_for(predicate, timeout: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def signal_masks(pid: int) -> dict[str, str]:
+    """Per thread of ``pid``: its blocked and ignored signal masks, as /proc shows them (for failure messages)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        out[task.name] = f"blocked {fields['SigBlk'].strip()} ignored {fields['SigIgn'].strip()}"
+    return out

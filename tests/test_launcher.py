@@ -5,6 +5,7 @@ the launcher and the kernels built once for the module (building them is what ta
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from flashgen.toolchain import find_nvcc
 
 pytest.importorskip("torch")
 
@@ -27,26 +30,38 @@ cfg = KernelConfig.from_dict({"dtype": "fp16", "d_head": 64, "B_r": 64, "B_c": 3
 """
 
 
+def _argv_env(code: str, cache: Path) -> tuple[list[str], dict]:
+    return [sys.executable, "-c", _PRELUDE + code], {**os.environ, "FLASHGEN_CACHE": str(cache)}
+
+
 def run(code: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLASHGEN_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-c", _PRELUDE + code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    argv, env = _argv_env(code, cache)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def built_launcher(tmp_path_factory, nvcc) -> Path:
-    """A cache folder holding the launcher and the kernels the cases load (``cfg`` and a backward one),
-    built once for the module."""
-    cache = tmp_path_factory.mktemp("launcher-cache")
-    proc = run("""
+_BUILD = """
 from flashgen import launcher
 from flashgen.dsl.backward_config import BackwardConfig
 launcher.library()
 build(cfg, (8, 0))
 build(BackwardConfig("fp16", d_head=64), (8, 0))
-""", cache)
+"""
+
+
+def background_builds(folder: Path) -> dict:
+    """The launcher and the kernels the cases load (``cfg`` and a backward one), in the cache ``folder``."""
+    if find_nvcc() is None:
+        return {}
+    argv, env = _argv_env(_BUILD, folder)
+    return {"cache": functools.partial(subprocess.run, argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)}
+
+
+@pytest.fixture(scope="module")
+def built_launcher(background, request, nvcc) -> Path:
+    """A cache folder holding the launcher and the kernels the cases load, built once for the module."""
+    proc = background.result(request.module, "cache")
     assert proc.returncode == 0, proc.stderr
-    return cache
+    return background.folder(request.module)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """run_parallel: results in input order, and Ctrl-C, SIGTERM or a failing item end every worker
-and every process a worker started, at once."""
+and every process a worker started, at once; stop_pool does the same for a pool given work by submit."""
 from __future__ import annotations
 
 import gc
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from procs import needs_proc, running, wait_for
 
-from flashgen.workers import Terminated, run_parallel
+from flashgen.workers import Terminated, process_pool, run_parallel, stop_pool, submit
 
 WAIT_S = 20  # generous bound for workers to start on a busy 2-core machine; passing runs take ~1 s
 
@@ -139,3 +139,22 @@ def test_a_worker_stopped_while_sending_a_result_does_not_hang_the_exit(tmp_path
     proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout == "stopped\n", proc.stderr
+
+
+@needs_proc
+def test_stop_pool_ends_a_running_item_and_its_children_at_once(tmp_path):
+    """A pool's worker ignores SIGINT (the parent decides what a Ctrl-C means); stop_pool ends it,
+    with the process its item started, at once."""
+    pool = process_pool(1)
+    try:
+        hanging = submit(pool, quick_or_hang, str(tmp_path))
+        assert wait_for(lambda: len(list(tmp_path.iterdir())) == 1, WAIT_S), "the worker did not start"
+        pids = noted_pids(tmp_path)
+        os.kill(pids[0], signal.SIGINT)
+        time.sleep(0.3)
+        assert all(running(p) for p in pids) and not hanging.done()
+    finally:
+        t0 = time.monotonic()
+        stop_pool(pool)
+    assert time.monotonic() - t0 < 3
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=2), [p for p in pids if running(p)]

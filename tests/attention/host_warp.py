@@ -9,6 +9,7 @@ once per example (hypothesis) without recompiling.
 """
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -78,18 +79,24 @@ int main() {
 """
 
 
-class HostWarp:
-    """``rule_cpp`` + a per-lane driver ``void lane_main(const float* in, char* out)`` (reading
-    ``n_in`` floats, writing ``n_out`` with ``out_f32``), compiled once in ``folder``."""
+def build(folder: Path, rule_cpp: str, driver: str, n_in: int, n_out: int) -> functools.partial:
+    """Write the program of ``rule_cpp`` + a per-lane driver ``void lane_main(const float* in, char* out)``
+    (reading ``n_in`` floats, writing ``n_out`` with ``out_f32``) into ``folder``; returns the g++ run
+    (a picklable call: a background build) that compiles it to ``folder / "warp"``."""
+    src = folder / "warp.cpp"
+    src.write_text(PRELUDE + rule_cpp + "\n" + driver + f"\nconstexpr int IN_PER_LANE = {n_in}, OUT_PER_LANE = {n_out};\n" + MAIN)
+    argv = [GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-Wno-unknown-pragmas", "-pthread", str(src), "-o", str(folder / "warp")]
+    return functools.partial(subprocess.run, argv, capture_output=True, text=True)
 
-    def __init__(self, folder: Path, rule_cpp: str, driver: str, n_in: int, n_out: int):
+
+class HostWarp:
+    """The program :func:`build` compiled (``compiled``: its g++ run), reading ``n_in`` and writing
+    ``n_out`` floats per lane."""
+
+    def __init__(self, compiled: subprocess.CompletedProcess, n_in: int, n_out: int):
+        assert compiled.returncode == 0, compiled.stderr[-4000:]
         self.n_in, self.n_out = n_in, n_out
-        src = folder / "warp.cpp"
-        src.write_text(PRELUDE + rule_cpp + "\n" + driver + f"\nconstexpr int IN_PER_LANE = {n_in}, OUT_PER_LANE = {n_out};\n" + MAIN)
-        self.exe = folder / "warp"
-        res = subprocess.run([GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-Wno-unknown-pragmas", "-pthread",
-                              str(src), "-o", str(self.exe)], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-4000:]
+        self.exe = Path(compiled.args[-1])
 
     def run(self, lanes_in: np.ndarray) -> np.ndarray:
         """``[cases, 32, n_in]`` float32 in -> ``[cases, 32, n_out]`` float32 out."""

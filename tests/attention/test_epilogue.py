@@ -14,7 +14,7 @@ from flashgen.attention.softmax import SCALE_ROW_CPP
 from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression
 from flashgen.engines import emit, make_plan
 
-from host_warp import GXX, LANES, HostWarp, needs_gxx  # tests/attention is on sys.path (pytest's prepend mode)
+from host_warp import GXX, LANES, HostWarp, build, needs_gxx  # tests/attention is on sys.path (pytest's prepend mode)
 
 O_VALUES = 16
 RULES = [Epilogue((1, 2), True), Epilogue((1, 2), False), Epilogue((1, 2), True, "nan"), Epilogue((4, 1, 16), True)]
@@ -40,13 +40,23 @@ void lane_main(const float* in, char* out) {
 f32 = np.float32
 
 
-@pytest.fixture(scope="module", params=RULES, ids=lambda r: f"lanes{'_'.join(map(str, r.lanes))}-{'exp2' if r.exp2 else 'expf'}-{r.empty_rows}")
-def compiled(request, tmp_path_factory):
+def background_builds(folder):
+    """One host program per rule."""
+    if GXX is None:
+        return {}
+    builds = {}
+    for i, rule in enumerate(RULES):
+        (folder / str(i)).mkdir()
+        builds[str(i)] = build(folder / str(i), rule.to_cpp() + "\n" + SCALE_ROW_CPP, DRIVER % {"no": O_VALUES}, 5 + O_VALUES, 6 + O_VALUES)
+    return builds
+
+
+@pytest.fixture(scope="module", params=range(len(RULES)),
+                ids=lambda i: f"lanes{'_'.join(map(str, RULES[i].lanes))}-{'exp2' if RULES[i].exp2 else 'expf'}-{RULES[i].empty_rows}")
+def compiled(request, background):
     if GXX is None:
         pytest.skip("no host C++ compiler (g++) on PATH")
-    rule = request.param
-    cpp = rule.to_cpp() + "\n" + SCALE_ROW_CPP
-    return rule, HostWarp(tmp_path_factory.mktemp("epilogue"), cpp, DRIVER % {"no": O_VALUES}, 5 + O_VALUES, 6 + O_VALUES)
+    return RULES[request.param], HostWarp(background.result(request.module, str(request.param)), 5 + O_VALUES, 6 + O_VALUES)
 
 
 def evaluate(rule: Epilogue, row_max, row_sum, scale, o) -> np.ndarray:

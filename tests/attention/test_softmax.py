@@ -13,7 +13,7 @@ from flashgen.attention.softmax import OnlineSoftmax, online_softmax, scale_row
 from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression
 from flashgen.engines import emit, make_plan
 
-from host_warp import GXX, LANES, HostWarp, needs_gxx  # tests/attention is on sys.path (pytest's prepend mode)
+from host_warp import GXX, LANES, HostWarp, build, needs_gxx  # tests/attention is on sys.path (pytest's prepend mode)
 
 BLOCKS = 3  # key blocks per case: the first may be a row's first
 O_VALUES = 12  # an O fragment of 3 chunks
@@ -63,13 +63,24 @@ def _n_out(rule: OnlineSoftmax) -> int:
     return BLOCKS * (2 + rule.values + 4) + O_VALUES
 
 
-@pytest.fixture(scope="module", params=RULES, ids=lambda r: f"chunks{r.chunks}-lanes{'_'.join(map(str, r.lanes))}-{'exp2' if r.exp2 else 'expf'}")
-def compiled(request, tmp_path_factory):
+def background_builds(folder):
+    """One host program per rule."""
+    if GXX is None:
+        return {}
+    builds = {}
+    for i, rule in enumerate(RULES):
+        (folder / str(i)).mkdir()
+        builds[str(i)] = build(folder / str(i), rule.to_cpp(), DRIVER % {"no": O_VALUES, "blocks": BLOCKS}, _n_in(rule), _n_out(rule))
+    return builds
+
+
+@pytest.fixture(scope="module", params=range(len(RULES)),
+                ids=lambda i: f"chunks{RULES[i].chunks}-lanes{'_'.join(map(str, RULES[i].lanes))}-{'exp2' if RULES[i].exp2 else 'expf'}")
+def compiled(request, background):
     if GXX is None:
         pytest.skip("no host C++ compiler (g++) on PATH")
-    rule = request.param
-    driver = DRIVER % {"no": O_VALUES, "blocks": BLOCKS}
-    return rule, HostWarp(tmp_path_factory.mktemp("softmax"), rule.to_cpp(), driver, _n_in(rule), _n_out(rule))
+    rule = RULES[request.param]
+    return rule, HostWarp(background.result(request.module, str(request.param)), _n_in(rule), _n_out(rule))
 
 
 def evaluate(rule: OnlineSoftmax, s, o, row_max, row_sum, k, first) -> np.ndarray:

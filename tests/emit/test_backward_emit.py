@@ -3,9 +3,8 @@ compiled for the host, equal the plan's objects at every thread, warp and index;
 with nvcc for sm_80 and sm_90a without spills; emitting is pure."""
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import itertools
-import os
 import shutil
 import subprocess
 
@@ -97,25 +96,30 @@ def test_emitted_index_functions_and_splits_equal_the_plan(tmp_path, cfg):
 ARCHS = ("sm_80", "sm_90a")
 
 
+def background_builds(folder) -> dict:
+    """nvcc's run (device code only) for every clean config and arch; the sources are emitted here."""
+    if NVCC is None:
+        return {}
+    builds = {}
+    for cfg in CLEAN:
+        src = emit_backward(make_backward_plan(cfg))
+        for arch in ARCHS:
+            sub = folder / f"{src.name}-{arch}"
+            sub.mkdir()
+            cu = sub / f"{src.name}.cu"
+            cu.write_text(src.text)
+            argv = compile_command(NVCC, cu, arch, sub / "k.cubin", device_only=True)
+            builds[f"{cfg}-{arch}"] = functools.partial(subprocess.run, argv, capture_output=True, text=True)
+    return builds
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict:
-    """nvcc's (returncode, stderr) for every clean config and arch, compiled in parallel (one nvcc per CPU)."""
+def compiled(background, request) -> dict:
+    """nvcc's (returncode, stderr) for every clean config and arch (background builds)."""
     if NVCC is None:
         pytest.skip("nvcc not found on PATH")
-    root = tmp_path_factory.mktemp("backward-nvcc")
-
-    def compile_one(job):
-        cfg, arch = job
-        src = emit_backward(make_backward_plan(cfg))
-        folder = root / f"{src.name}-{arch}"
-        folder.mkdir()
-        cu = folder / f"{src.name}.cu"
-        cu.write_text(src.text)
-        res = subprocess.run(compile_command(NVCC, cu, arch, folder / "k.cubin", device_only=True), capture_output=True, text=True)
-        return job, (res.returncode, res.stderr)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return dict(pool.map(compile_one, [(cfg, arch) for cfg in CLEAN for arch in ARCHS]))
+    runs = {(cfg, arch): background.result(request.module, f"{cfg}-{arch}") for cfg in CLEAN for arch in ARCHS}
+    return {job: (res.returncode, res.stderr) for job, res in runs.items()}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

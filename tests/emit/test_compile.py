@@ -7,17 +7,19 @@ were not would be added). ``FLASHGEN_FULL_COMPILE=1`` compiles the whole tuning
 space instead (80 configs + the 11 above x 2 archs: 8 minutes measured on 2 cores).
 
 The defaults must also compile without local memory on sm_90a: zero spill stores,
-zero spill loads, zero stack frame. Compiles run in parallel (``check_configs``, one
-nvcc per CPU) into a fresh work folder, so nothing comes from an earlier run's cache.
+zero spill loads, zero stack frame. Each config is one background build (``check_configs``
+into a fresh work folder, so nothing comes from an earlier run's cache; see tests/background.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
 from flashgen.check import DEFAULT_ARCHS, check_configs, failure_report
 from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression, tuning_space
+from flashgen.toolchain import find_nvcc
 
 pytestmark = pytest.mark.nvcc
 
@@ -37,10 +39,17 @@ def tuning_sample() -> list[KernelConfig]:
 CONFIGS = list(dict.fromkeys(default_configs() + kernel_progression() + tuning_sample()))
 
 
+def background_builds(folder):
+    """One build per config: its host code with its first arch, device code alone for the others."""
+    if find_nvcc() is None:
+        return {}
+    return {cfg.mangle(): functools.partial(check_configs, [cfg], DEFAULT_ARCHS, jobs=1, workdir=folder, use_cache=False)
+            for cfg in CONFIGS}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, nvcc):
-    res = check_configs(CONFIGS, DEFAULT_ARCHS, jobs=os.cpu_count(), workdir=tmp_path_factory.mktemp("check"), use_cache=False)
-    return {(r.cfg, r.arch): r for r in res}
+def results(background, request, nvcc):
+    return {(r.cfg, r.arch): r for cfg in CONFIGS for r in background.result(request.module, cfg.mangle())}
 
 
 @pytest.mark.parametrize("arch", DEFAULT_ARCHS)

@@ -6,9 +6,8 @@ instructions the plan asks for (wgmma, TMA, mbarrier, setmaxnreg, named barriers
 """
 from __future__ import annotations
 
+import functools
 import math
-
-import os
 import re
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from flashgen.dsl.dtypes import DType
 from flashgen.dsl.hopper_plan import make_hopper_plan
 from flashgen.engines import emit
 from flashgen.tune import HOPPER_B_C, HOPPER_LONG_B_C, hopper_default, lookup
+from flashgen.toolchain import find_nvcc
 
 CONFIGS = [
     KernelConfig.wgmma("fp16"),
@@ -35,11 +35,17 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory, nvcc):
+def background_builds(folder):
     # sm_80 is asked for too: wgmma kernels must be skipped there, not fail
-    res = check_configs(CONFIGS, ("sm_80", "sm_90a"), jobs=os.cpu_count(), workdir=tmp_path_factory.mktemp("hcheck"), use_cache=False)
-    return {(r.cfg, r.arch): r for r in res}
+    if find_nvcc() is None:
+        return {}
+    return {cfg.mangle(): functools.partial(check_configs, [cfg], ("sm_80", "sm_90a"), jobs=1, workdir=folder, use_cache=False)
+            for cfg in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def results(background, request, nvcc):
+    return {(r.cfg, r.arch): r for cfg in CONFIGS for r in background.result(request.module, cfg.mangle())}
 
 
 @pytest.mark.nvcc
