@@ -18,9 +18,9 @@ import pytest
 from flashgen.attention.score_mask import ScoreMask
 from flashgen.mods.kernel_mods import prepare_mods
 
-from rule_host import GXX, HEAD, array, build_and_run, f32, words_cpp  # tests/attention is on sys.path
+from host import HEAD, _array as array, build_and_run, f32, needs_gxx, ulps, words_cpp  # tests/mods is on sys.path
 
-pytestmark = pytest.mark.skipif(GXX is None, reason="no host C++ compiler (g++) on PATH")
+pytestmark = needs_gxx
 
 _spec = importlib.util.spec_from_file_location("flashgen_example_mods", pathlib.Path(__file__).resolve().parents[2] / "examples" / "mods.py")
 EX = importlib.util.module_from_spec(_spec)
@@ -78,8 +78,8 @@ template <class M> void rule(const Params& p, M masked, int q_row0, int j, int b
 {body}
 }}
 {chr(10).join(words)}
-{array("cases", "int", np.array(cases))}
-{array("scores", "float", scores)}
+{array("cases", "int", np.array(cases).ravel())}
+{array("scores", "float", scores.ravel())}
 int main() {{
     for (int n = 0; n < {len(cases)}; ++n) {{
         const int* c = cases + 10 * n;
@@ -96,13 +96,6 @@ int main() {{
     return 0;
 }}
 """
-
-
-def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    def ordered(x):
-        i = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
-        return np.where(i < 0, -(2**31) - i, i)
-    return np.where(np.isnan(a) & np.isnan(b), 0, np.abs(ordered(a) - ordered(b)))
 
 
 @pytest.mark.parametrize("combo", list(COMBOS))
@@ -124,7 +117,7 @@ def test_rendered_rule_equals_numpy(combo, tmp_path):
                            seq_k=seq_k, mask_args=(off, left, right), mod_values=values, scale=SCALE)
     assert (np.isneginf(want) == np.isneginf(got)).all()
     if score_fn is not None and "tanh" in mods.score.canonical:
-        assert _ulps(got, want).max() <= 4
+        assert ulps(got, want).max() <= 4
     else:
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.isneginf(want).any() or kind == "none" and mask_fn is None  # the cases reach the mask
