@@ -6,7 +6,8 @@ guard is evaluated), then the emitted epilogue (the final wait when no block ran
 O /= l, log-sum-exp, r2s, ``__syncwarp``, s2g), on a flat shared-memory image:
 copies through the plan's copy traces (rows past the sequence end and columns past
 d_head zero-filled, as the predicated copies do), GEMMs through
-:mod:`flashgen.sim.fragments`, the score mask and online softmax as
+:mod:`flashgen.sim.fragments`, the score rule (:meth:`ScoreMask.apply`: built-in mask, the user's
+score_mod / mask_mod, the block mask's masked path and key-block clip) and online softmax as
 the plan's :class:`~flashgen.attention.softmax.OnlineSoftmax` and
 :class:`~flashgen.attention.epilogue.Epilogue` evaluate them (the rules the emitter renders:
 fp32, per lane, with the plan's shuffle-xor row reductions).
