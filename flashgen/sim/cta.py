@@ -185,7 +185,7 @@ class Problem:
     window_right: int = -1
     b: int = 0
     h: int = 0
-    mod_values: tuple = (None, None)
+    mod_values: tuple = attrs.field(default=(None, None), eq=False)
     block_row: "np.ndarray | None" = attrs.field(default=None, eq=False)
 
     @property
