@@ -9,6 +9,8 @@ Layers, each using only the ones above it:
 * ``copies``       -- a plan's copies evaluated for every thread/warp/value/loop index:
   coordinates, smem offsets, byte addresses, bank wavefronts, coverage checks;
 * ``fragments``    -- g2s -> ldmatrix -> mma of the plan, bit-exact against numpy;
+* ``block_mask``   -- a mask_mod's block mask in numpy (the emitted ``mask_blocks`` kernels' twin), the
+  row a tile reads and the key-block clip;
 * ``cta``          -- one CTA's forward pass through ``plan.schedule``, with the async
   copy / barrier hazard tracker;
 * ``verify``       -- the proofs of the verification step (``flashgen.verify``, cached per config by

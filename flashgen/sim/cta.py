@@ -6,7 +6,8 @@ guard is evaluated), then the emitted epilogue (the final wait when no block ran
 O /= l, log-sum-exp, r2s, ``__syncwarp``, s2g), on a flat shared-memory image:
 copies through the plan's copy traces (rows past the sequence end and columns past
 d_head zero-filled, as the predicated copies do), GEMMs through
-:mod:`flashgen.sim.fragments`, the score mask and online softmax as
+:mod:`flashgen.sim.fragments`, the score rule (:meth:`ScoreMask.apply`: built-in mask, the user's
+score_mod / mask_mod, the block mask's masked path and key-block clip) and online softmax as
 the plan's :class:`~flashgen.attention.softmax.OnlineSoftmax` and
 :class:`~flashgen.attention.epilogue.Epilogue` evaluate them (the rules the emitter renders:
 fp32, per lane, with the plan's shuffle-xor row reductions).
@@ -36,6 +37,8 @@ fused multiply-adds as ``fmaf``, so no result depends on nvcc's contraction.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import numpy as np
 
@@ -45,6 +48,7 @@ from flashgen.attention.softmax import online_softmax, scale_row
 from flashgen.dsl.config import LOG2E, KernelConfig
 from flashgen.dsl.plan import KernelPlan, make_plan
 from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, LoadRF, Softmax, Step, Wait, runs
+from flashgen.sim import block_mask as bm
 from flashgen.sim import fragments as fr
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import CopyTrace, VEC_ELEMS, trace_plan
@@ -168,7 +172,10 @@ class HazardTracker:
 
 @attrs.frozen
 class Problem:
-    """The run-time arguments one CTA sees: sequence lengths, its first query row, the mask's."""
+    """The run-time arguments one CTA sees: sequence lengths, its first query row, the mask's; the
+    batch ``b`` and query head ``h`` its score_mod / mask_mod see, their values ``mod_values`` (score
+    and mask :meth:`~flashgen.mods.ModArgs.values`, None for a mod the plan lacks) and the tile's row
+    of the mask_mod's block mask (:mod:`flashgen.sim.block_mask`; None: every block partial)."""
 
     seq_q: int
     seq_k: int
@@ -176,6 +183,10 @@ class Problem:
     mask_offset: int = 0
     window_left: int = -1
     window_right: int = -1
+    b: int = 0
+    h: int = 0
+    mod_values: tuple = attrs.field(default=(None, None), eq=False)
+    block_row: "np.ndarray | None" = attrs.field(default=None, eq=False)
 
     @property
     def mask_args(self) -> tuple[int, int, int]:
@@ -187,11 +198,12 @@ def _score_mask(plan: KernelPlan):
 
 
 def kv_range(plan: KernelPlan, prob: Problem) -> tuple[int, int]:
-    """``[j_begin, n_blocks)``: the key blocks the CTA visits (the plan's ScoreMask decides)."""
+    """``[j_begin, n_blocks)``: the key blocks the CTA visits (the plan's ScoreMask decides, clipped to
+    the block mask's row as the emitted ``block_mask_clip``)."""
     mask = _score_mask(plan)
     if mask is None:
         return 0, -(-prob.seq_k // plan.cfg.B_c)
-    return mask.block_range(prob.q_row0, prob.seq_q, prob.seq_k, *prob.mask_args)
+    return bm.clip(prob.block_row, *mask.block_range(prob.q_row0, prob.seq_q, prob.seq_k, *prob.mask_args))
 
 
 @attrs.define
@@ -240,7 +252,10 @@ class _Cta:
             self.o_acc = np.zeros((W, mt, plan.gemm_O.n_tiles, 32, 4), np.float32)
             self.row_max = np.full((W, mt, 2, 32), -np.inf, np.float32)
             self.row_sum = np.zeros((W, mt, 2, 32), np.float32)
-            self.scale = np.float32(scale)
+            # with a score_mod the softmax takes the modded scores at scale 1 (the mod saw softmax_scale)
+            self.mod_scale = np.float32(scale)
+            modded = _score_mask(plan) is not None and _score_mask(plan).score_mod is not None
+            self.scale = np.float32(1.0 if modded else scale)
             self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
             self.softmax_rule, self.epilogue_rule = online_softmax(plan), epilogue(plan)
             rows = max(0, min(cfg.B_r, prob.seq_q - prob.q_row0))
@@ -369,22 +384,30 @@ class _Cta:
 
     # -- math
     def _mask_scores(self, j: int) -> None:
-        """Scores the plan's ScoreMask drops become -inf (only in blocks that need it, as emitted).
+        """The plan's score rule (:meth:`ScoreMask.apply`): the mask in blocks on the masked path
+        (:meth:`ScoreMask.masked_path`, as emitted), a score_mod in every block.
 
         Which (row, column) an accumulator value holds is the PTX C fragment map.
         """
         mask, prob, cfg = _score_mask(self.plan), self.prob, self.cfg
         if mask is None:
             return
-        if not mask.block_needs_mask(j, prob.q_row0, prob.seq_q, prob.seq_k, *prob.mask_args):
+        masked = mask.masked_path(j, prob.q_row0, prob.seq_q, prob.seq_k, *prob.mask_args, row=prob.block_row)
+        if not masked and mask.score_mod is None:
             return
-        rows = prob.q_row0 + np.arange(cfg.B_r)
-        cols = j * cfg.B_c + np.arange(cfg.B_c)
-        keep = np.array([[mask.keep(int(i), int(c), prob.seq_k, *prob.mask_args) for c in cols] for i in rows])
-        rpw = cfg.rows_per_warp
-        for w in range(cfg.n_warps):
-            keep_acc = fr.matrix_to_acc(keep[w * rpw : (w + 1) * rpw])
-            self.s_acc[w] = np.where(keep_acc, self.s_acc[w], np.float32(-np.inf))
+        rows, cols = self._acc_indices()
+        self.s_acc = mask.apply(self.s_acc, rows, j * cfg.B_c + cols, masked, b=prob.b, h=prob.h, seq_q=prob.seq_q,
+                                seq_k=prob.seq_k, mask_args=prob.mask_args, mod_values=prob.mod_values, scale=self.mod_scale)
+
+    def _acc_indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """Global row and in-block column of every S accumulator value ``[W, mt, tiles, 32, 4]``."""
+        if "acc" not in self._row_cache:
+            cfg, rpw = self.cfg, self.cfg.rows_per_warp
+            rows = np.broadcast_to(self.prob.q_row0 + np.arange(cfg.B_r)[:, None], (cfg.B_r, cfg.B_c))
+            cols = np.broadcast_to(np.arange(cfg.B_c)[None, :], (cfg.B_r, cfg.B_c))
+            self._row_cache["acc"] = tuple(np.stack([fr.matrix_to_acc(np.ascontiguousarray(m[w * rpw: (w + 1) * rpw]))
+                                                     for w in range(cfg.n_warps)]) for m in (rows, cols))
+        return self._row_cache["acc"]
 
     def _softmax_math(self, j: int) -> None:
         """The plan's online softmax (:mod:`flashgen.attention.softmax`) as the emitted ``_softmax`` calls
@@ -532,6 +555,10 @@ def simulate_cta(
     mask_offset: int = 0,
     window_left: int = -1,
     window_right: int = -1,
+    b: int = 0,
+    h: int = 0,
+    mod_values: tuple = (None, None),
+    block_mask: "np.ndarray | None" = None,
 ) -> CtaResult:
     """One CTA's forward pass; O ``[rows, d_head]`` as uint16 patterns of the config's dtype.
 
@@ -539,6 +566,9 @@ def simulate_cta(
     ``k``, ``v``: ``[seq_k, d_head]``, any ``seq_k >= 0``. uint16 patterns, or float arrays
     (rounded to the dtype first). ``seq_q`` (default ``q_row0 + rows``) and the mask
     arguments matter for masked configs only. ``scale`` defaults to 1/sqrt(d_head).
+    A plan built with a score_mod / mask_mod: ``b``, ``h`` the CTA's batch and query head,
+    ``mod_values`` the mods' values (score, mask: :meth:`~flashgen.mods.ModArgs.values`),
+    ``block_mask`` the call's whole block mask (:func:`flashgen.sim.block_mask.block_mask`) or None.
     """
     plan = _plan_of(cfg_or_plan)
     cfg = plan.cfg
@@ -553,23 +583,46 @@ def simulate_cta(
         raise ValueError(f"this plan handles no tails: K/V rows must be a multiple of B_c={cfg.B_c} and Q must have {cfg.B_r} rows")
     if getattr(cfg, "mask", "none") != "none" and _score_mask(plan) is None:
         raise ValueError(f"mask {cfg.mask!r}: the plan has no ScoreMask to simulate")
-    prob = Problem(q_row0 + rows if seq_q is None else seq_q, seq_k, q_row0, mask_offset, window_left, window_right)
+    mask = _score_mask(plan)
+    check_mods(mask, mod_values, block_mask)
+    row = None if mask is None else bm.row(mask, block_mask, b, h, q_row0 // cfg.B_r)
+    prob = Problem(q_row0 + rows if seq_q is None else seq_q, seq_k, q_row0, mask_offset, window_left, window_right,
+                   b, h, tuple({} if x is None else x for x in mod_values), row)
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     cta = _Cta(plan, prob, trace_plan(plan) if traces is None else traces, data, scale)
     cta.run()
     return CtaResult(cta.out, cta.lse, cta.hz.hazards, cta.j_begin, cta.n_blocks)
 
 
+def check_mods(mask, mod_values: tuple, block_mask: "np.ndarray | None") -> None:
+    """Clear errors for mod values or a block mask that do not fit the plan's mods."""
+    mods = None if mask is None else mask.mods
+    if len(mod_values) != 2:
+        raise ValueError(f"mod_values: expected (score values, mask values), got {len(mod_values)} item(s)")
+    for kind, mod, values in (("score", getattr(mods, "score", None), mod_values[0]),
+                              ("mask", getattr(mods, "mask", None), mod_values[1])):
+        if mod is None and values is not None:
+            raise ValueError(f"{kind}_mod values given, but the plan is built without a {kind}_mod")
+        if mod is not None and values is None and (mod.scalars or mod.tensors):
+            raise ValueError(f"the plan's {mod.description} needs its values (mod_values)")
+    if block_mask is not None and (mods is None or mods.mask is None):
+        raise ValueError("block_mask given, but the plan is built without a mask_mod")
+
+
 # ---- references --------------------------------------------------------------------------------------
 
 
-def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(O, lse): softmax(scale * q k^T) v in float64 over the kept scores (inputs: float arrays).
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, keep: np.ndarray | None = None,
+                        score: "Callable[[np.ndarray], np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """(O, lse): softmax(score(scale * q k^T)) v in float64 over the kept scores (inputs: float arrays).
 
-    A row with no kept score gives O = 0 and lse = -inf.
+    ``score``: a score_mod over the scaled scores ``[rows, seq_k]`` (float64 in, float64 out); a
+    score it makes -inf counts as masked. A row with no kept score gives O = 0 and lse = -inf.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     s = scale * (q @ k.T)
+    if score is not None:
+        s = np.asarray(score(s), dtype=np.float64)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
     m = s.max(axis=1, keepdims=True) if s.shape[1] else np.full((s.shape[0], 1), -np.inf)
@@ -582,11 +635,14 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     return o, lse
 
 
-def reference_attention_lowp(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, dtype: object, keep: np.ndarray | None = None) -> np.ndarray:
-    """O in a plain mixed-precision pipeline: fp32 S and softmax, P rounded to ``dtype``,
-    fp32 P V, output rounded to ``dtype`` (returned as float64 values)."""
+def reference_attention_lowp(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, dtype: object, keep: np.ndarray | None = None,
+                             score: "Callable[[np.ndarray], np.ndarray] | None" = None) -> np.ndarray:
+    """O in a plain mixed-precision pipeline: fp32 S (``score`` applied, rounded to fp32) and softmax,
+    P rounded to ``dtype``, fp32 P V, output rounded to ``dtype`` (returned as float64 values)."""
     q, k, v = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
     s = (q @ k.T) * np.float32(scale)
+    if score is not None:
+        s = np.asarray(score(s.astype(np.float64)), dtype=np.float32)
     if keep is not None:
         s = np.where(keep, s, np.float32(-np.inf))
     m = s.max(axis=1, keepdims=True) if s.shape[1] else np.full((s.shape[0], 1), -np.inf, np.float32)
@@ -612,6 +668,7 @@ def compare_with_reference(
     scale: float | None = None,
     keep: np.ndarray | None = None,
     lse: np.ndarray | None = None,
+    score: "Callable[[np.ndarray], np.ndarray] | None" = None,
 ) -> dict:
     """Compare a simulated O (and lse) with float64 attention of the same 16-bit inputs.
 
@@ -619,13 +676,14 @@ def compare_with_reference(
     :func:`reference_attention_lowp` (the error any fp32-accumulate / 16-bit-P
     pipeline makes, output rounding included); ``lse`` (if given) within 1e-4
     relative + 1e-4 and -inf exactly where the reference is. ``keep``: ``[rows,
-    seq_k]`` scores kept by a mask. Returns ``ok``, ``max_abs_err``, ``lowp_err``,
+    seq_k]`` scores kept by a mask; ``score``: the score_mod as :func:`reference_attention`
+    takes it (the lse is then of the modded scores, as the kernel's). Returns ``ok``, ``max_abs_err``, ``lowp_err``,
     ``bound``, ``abs_tol`` (and ``lse_err``).
     """
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     qv, kv, vv = (hw.decode(x, cfg.dtype) for x in (q, k, v))
-    ref, ref_lse = reference_attention(qv, kv, vv, scale, keep)
-    lowp = reference_attention_lowp(qv, kv, vv, scale, cfg.dtype, keep)
+    ref, ref_lse = reference_attention(qv, kv, vv, scale, keep, score)
+    lowp = reference_attention_lowp(qv, kv, vv, scale, cfg.dtype, keep, score)
     got = hw.decode(o, cfg.dtype).astype(np.float64)
     err = float(np.max(np.abs(got - ref), initial=0.0)) if np.all(np.isfinite(got)) else float("inf")
     lowp_err = float(np.max(np.abs(lowp - ref), initial=0.0))

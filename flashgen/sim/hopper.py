@@ -73,7 +73,9 @@ from flashgen.dsl.atoms.hopper import WGMMA_64xNx16, descriptor_addresses, descr
 from flashgen.dsl.hopper_plan import HopperPlan, SmemTile, TmaTile, make_hopper_plan
 from flashgen.dsl.steps import (J, Block, ConvertP, FinishRows, Gemm, Pass, Release, RescaleO, Softmax, Step, StoreO, Turn, WaitFull,
                                 WgmmaWait, runs)
+from flashgen.sim import block_mask as bm
 from flashgen.sim import hardware as hw
+from flashgen.sim.cta import check_mods
 from flashgen.sim.layout_eval import offsets
 
 SWIZZLE_SPAN = 128  # bytes of one 128B-swizzle row: 64 16-bit columns per TMA box
@@ -306,17 +308,43 @@ class _Tile:
         return max(0, self.je - self.jb)
 
 
+@attrs.frozen
+class _Mods:
+    """What a plan's score_mod / mask_mod need of a launch: the batch ``b`` and query head ``h`` of the
+    CTA's tiles, the mods' values (score, mask) and the call's block mask (None: every block partial)."""
+
+    b: int = 0
+    h: int = 0
+    values: tuple = ({}, {})
+    block_mask: "np.ndarray | None" = attrs.field(default=None, eq=False)
+
+    @classmethod
+    def of(cls, plan: HopperPlan, b: int, h: int, mod_values: tuple, block_mask: "np.ndarray | None") -> "_Mods":
+        check_mods(plan.score_mask, mod_values, block_mask)
+        return cls(b, h, tuple({} if x is None else x for x in mod_values), block_mask)
+
+    def row(self, plan: HopperPlan, q_block: int) -> "np.ndarray | None":
+        return None if plan.score_mask.mods is None else bm.row(plan.score_mask, self.block_mask, self.b, self.h, q_block)
+
+    def blocks(self, plan: HopperPlan, q_block: int, seq_q: int, seq_k: int, mask_args: tuple) -> tuple[int, int]:
+        """A tile's key blocks as ``tile_at`` gives them: the built-in range clipped to the block mask's row."""
+        return bm.clip(self.row(plan, q_block), *plan.score_mask.block_range(q_block * plan.cfg.B_r, seq_q, seq_k, *mask_args))
+
+
 class _Cta:
     def __init__(self, plan: HopperPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_blocks: list[int], seq_q: int,
-                 seq_k: int, scale: float, mask_args: tuple[int, int, int], ranges: list | None = None):
+                 seq_k: int, scale: float, mask_args: tuple[int, int, int], ranges: list | None = None, mods: _Mods = _Mods()):
         self.plan, self.cfg = plan, plan.cfg
         cfg = plan.cfg
         self.dtype = cfg.dtype
         self.q, self.k, self.v = q, k, v
-        self.seq_q, self.seq_k, self.mask_args = seq_q, seq_k, mask_args
-        self.scale = np.float32(scale)
+        self.seq_q, self.seq_k, self.mask_args, self.mods = seq_q, seq_k, mask_args, mods
+        # with a score_mod the softmax takes the modded scores at scale 1 (the mod saw softmax_scale)
+        self.mod_scale = np.float32(scale)
+        self.scale = np.float32(1.0 if plan.score_mask.score_mod is not None else scale)
         self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
-        self.tiles = [_Tile(qb * cfg.B_r, *plan.score_mask.block_range(qb * cfg.B_r, seq_q, seq_k, *mask_args)) for qb in q_blocks]
+        self.block_rows = [mods.row(plan, qb) for qb in q_blocks]
+        self.tiles = [_Tile(qb * cfg.B_r, *mods.blocks(plan, qb, seq_q, seq_k, mask_args)) for qb in q_blocks]
         if ranges is not None:  # parts of split tiles: key-block ranges given (tail_split.ranges)
             self.tiles = [_Tile(t.q_row0, jb, je) for t, (jb, je) in zip(self.tiles, ranges, strict=True)]
         if len(self.tiles) > 1 and "q_empty" not in plan.barriers:
@@ -710,11 +738,11 @@ class _Cta:
         self.count(c, "softmax", g)
         s = c.s_acc.copy()
         mask, j, q_row0 = self.plan.score_mask, self.blocks[g][1], self.tiles[ti].q_row0
-        if mask.block_needs_mask(j, q_row0, self.seq_q, self.seq_k, *self.mask_args):
-            rows = q_row0 + 64 * c.w + self.cs.rows
-            cols = j * self.cfg.B_c + self.cs.cols
-            keep = np.vectorize(lambda i, col: mask.keep(int(i), int(col), self.seq_k, *self.mask_args))(rows, cols)
-            s = np.where(keep, s, f32(-np.inf)).astype(f32)
+        masked = mask.masked_path(j, q_row0, self.seq_q, self.seq_k, *self.mask_args, row=self.block_rows[ti])
+        if masked or mask.score_mod is not None:  # the plan's score rule, on the C map's rows and columns
+            s = mask.apply(s, q_row0 + 64 * c.w + self.cs.rows, j * self.cfg.B_c + self.cs.cols, masked, b=self.mods.b,
+                           h=self.mods.h, seq_q=self.seq_q, seq_k=self.seq_k, mask_args=self.mask_args,
+                           mod_values=self.mods.values, scale=self.mod_scale).astype(f32)
         sm = self.softmax_rule
         mx = np.stack([sm.row_max(s, h) for h in range(2)], axis=1)
         self._check_rows_agree(mx, "row maxima", where)
@@ -961,13 +989,15 @@ def _check_q_blocks(plan: HopperPlan, q_blocks, seq_q: int) -> None:
 
 def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, sms: int = 1, cta: int = 0,
                    seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
-                   mask_offset: int = 0, window_left: int = -1, window_right: int = -1
+                   mask_offset: int = 0, window_left: int = -1, window_right: int = -1, b: int = 0, h: int = 0,
+                   mod_values: tuple = (None, None), block_mask: "np.ndarray | None" = None
                    ) -> tuple[list[np.ndarray], list[np.ndarray], HopperReport]:
     """CTA ``cta`` of a launch of one head on ``sms`` SMs, walking the tiles the plan's scheduler gives
     it (``plan.scheduler``: grid, rounds, order; parts of a split tail tile walk their key ranges):
     ``(o per tile, lse per tile, report)``, ``report.tiles`` naming each tile's query block and part.
     A part's rows are its unmerged share (:func:`simulate_split_tile` merges). Arguments as
-    :func:`simulate_cta`."""
+    :func:`simulate_cta`; the head is ``h`` of batch ``b``. The grid comes from the built-in rule's key
+    blocks (the launch's host code has no block mask), each tile's blocks are clipped to the block mask."""
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
     cfg, sched = plan.cfg, plan.scheduler
@@ -975,14 +1005,16 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     mask_args = (mask_offset, window_left, window_right)
     n_q = sched.n_q_blocks(seq_q)
+    mods = _Mods.of(plan, b, h, mod_values, block_mask)
     blocks = [plan.score_mask.block_range(qb * cfg.B_r, seq_q, seq_k, *mask_args) for qb in range(n_q)]
     lengths = [max(0, je - jb) for jb, je in blocks]
     ctas, parts = sched.grid(n_q, sms, min(lengths), n_q, min(lengths) == max(lengths))
     if not 0 <= cta < ctas:
         raise ValueError(f"cta {cta} is outside the launch's {ctas} CTA(s)")
     walk = [(sched.coords(t, n_q, 1)[0], part) for t, part in sched.work(cta, ctas, n_q, parts)]
-    ranges = [blocks[qb] if part < 0 else sched.tail.ranges(*blocks[qb], parts)[part] for qb, part in walk]
-    run = _Cta(plan, q, k, v, [qb for qb, _ in walk], seq_q, seq_k, scale, mask_args, ranges=ranges)
+    clipped = [mods.blocks(plan, qb, seq_q, seq_k, mask_args) for qb in range(n_q)]
+    ranges = [clipped[qb] if part < 0 else sched.tail.ranges(*clipped[qb], parts)[part] for qb, part in walk]
+    run = _Cta(plan, q, k, v, [qb for qb, _ in walk], seq_q, seq_k, scale, mask_args, ranges=ranges, mods=mods)
     run.run()
     pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in run.consumers}
     return run.o, run.lse, HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, walk)
@@ -990,7 +1022,8 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
 
 def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, parts: int, q_block: int = 0,
                         seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
-                        mask_offset: int = 0, window_left: int = -1, window_right: int = -1
+                        mask_offset: int = 0, window_left: int = -1, window_right: int = -1, b: int = 0, h: int = 0,
+                        mod_values: tuple = (None, None), block_mask: "np.ndarray | None" = None
                         ) -> tuple[np.ndarray, np.ndarray, HopperReport]:
     """One wave-tail tile split into ``parts`` (``plan.tail_split``): each part a CTA walking its key
     blocks (:meth:`TailSplit.ranges`) and publishing its consumers' row max, row sums and O
@@ -1005,11 +1038,12 @@ def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.
         raise ValueError(f"parts must be at least 1, got {parts}")
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     mask_args = (mask_offset, window_left, window_right)
-    jb, je = plan.score_mask.block_range(q_block * cfg.B_r, seq_q, seq_k, *mask_args)
+    mods = _Mods.of(plan, b, h, mod_values, block_mask)
+    jb, je = mods.blocks(plan, q_block, seq_q, seq_k, mask_args)
     ranges = plan.tail_split.ranges(jb, je, parts)
     if any(b >= e for b, e in ranges):
         raise ValueError(f"{parts} parts of key blocks [{jb}, {je}) leave a part empty (the launcher's rule never does)")
-    ctas = [_Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, mask_args, ranges=[r]) for r in ranges]
+    ctas = [_Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, mask_args, ranges=[r], mods=mods) for r in ranges]
     hazards: list[str] = []
     for n, cta in enumerate(ctas):
         cta.run()
@@ -1027,21 +1061,26 @@ def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.
 
 def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_block: int = 0,
                  seq_q: int | None = None, seq_k: int | None = None, scale: float | None = None, *,
-                 mask_offset: int = 0, window_left: int = -1, window_right: int = -1
+                 mask_offset: int = 0, window_left: int = -1, window_right: int = -1, b: int = 0, h: int = 0,
+                 mod_values: tuple = (None, None), block_mask: "np.ndarray | None" = None
                  ) -> tuple[np.ndarray, np.ndarray, HopperReport]:
     """One CTA (query rows ``q_block * B_r ...``) of the Hopper plan: ``(o, lse, report)``.
 
     ``q``: ``[seq_q, d]``, ``k``/``v``: ``[seq_k, d]``, 16-bit patterns (uint16) or floats
     (rounded to the dtype). ``o``: ``[rows, d]`` uint16 patterns of the CTA's rows below
     ``seq_q``; ``lse``: natural-log log-sum-exp (``-inf`` for a row with no kept score).
-    ``scale`` defaults to ``1/sqrt(d)``.
+    ``scale`` defaults to ``1/sqrt(d)``. A plan built with a score_mod / mask_mod: ``b``, ``h`` the
+    tile's batch and query head, ``mod_values`` the mods' values (score, mask:
+    :meth:`~flashgen.mods.ModArgs.values`), ``block_mask`` the call's whole block mask
+    (:func:`flashgen.sim.block_mask.block_mask`) or None (every block partial, none skipped).
     """
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
     q, k, v, seq_q, seq_k = _encode_inputs(plan, q, k, v, seq_q, seq_k)
     _check_q_blocks(plan, [q_block], seq_q)
     scale = 1.0 / np.sqrt(plan.cfg.d_head) if scale is None else scale
-    run = _Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, (mask_offset, window_left, window_right))
+    mods = _Mods.of(plan, b, h, mod_values, block_mask)
+    run = _Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, (mask_offset, window_left, window_right), mods=mods)
     run.run()
     pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in run.consumers}
     return run.o[0], run.lse[0], HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, [(q_block, -1)])

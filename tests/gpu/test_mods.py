@@ -16,9 +16,11 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen import mods as fg_mods  # noqa: E402
+from flashgen.attention.score_mask import ScoreMask  # noqa: E402
 from flashgen.engines import engine_of  # noqa: E402
 from flashgen.reference import check_attention  # noqa: E402
 from flashgen.runtime import InputError  # noqa: E402
+from flashgen.sim.block_mask import block_mask  # noqa: E402
 from flashgen.targets import of_capability  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -168,6 +170,8 @@ def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
         kept = [kb for kb, c in enumerate(classes) if c]
         want = [kept[0], kept[-1] + 1] if kept else [0, 0]
         assert got[0, 0, qb].tolist() == want + classes, f"query block {qb}"
+    # the simulators' numpy block mask is the GPU's, bit for bit
+    assert got.tolist() == block_mask(ScoreMask("none", B_r, B_c, mods), mask_args.values(), b, hq, sq, sk).tolist()
     before = dict(variant._block_masks)
     variant._block_mask(mods, q, k, words, tensors)
     assert variant._block_masks == before, "a repeated call made its block mask again"

@@ -135,3 +135,46 @@ def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(i < 0, -(2**31) - i, i)
     both_nan = np.isnan(a) & np.isnan(b)
     return np.where(both_nan, 0, np.abs(ordered(a) - ordered(b)))
+
+
+# ---- the rule and the mods' parameters as a kernel's host code fills them (tests/mods/test_score_rule.py,
+# test_kernel_mods.py): qualifiers defined away, cudaErrorInvalidValue a plain number
+HEAD = HOST + """
+#define cudaErrorInvalidValue 1
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include <type_traits>"""
+
+
+def f32(v) -> str:
+    v = np.float32(v)
+    if np.isnan(v):
+        return "NAN"
+    if np.isinf(v):
+        return "INFINITY" if v > 0 else "-INFINITY"
+    return f"{float(v).hex()}f"
+
+
+def words_cpp(mods, score_args, mask_args) -> tuple[list[str], int]:
+    """C++ declaring ``long long words[]`` as the launcher passes them (:meth:`KernelMods.pack`'s scalar
+    words, then each tensor's pointer and strides) and the word count."""
+    scalars, tensors = mods.pack(score_args, mask_args)
+    ctype = {torch.float32: "float", torch.int32: "int", torch.bool: "bool"}
+    lines = [_array(f"tensor{n}", ctype[t.dtype], _storage(t.detach().cpu())[0]) for n, t in enumerate(tensors)]
+    words = [str(w) + "LL" for w in scalars]
+    for n, t in enumerate(tensors):
+        words += [f"(long long)(intptr_t)tensor{n}"] + [f"{s}LL" for s in t.stride()]
+    lines.append(f"static const long long words[] = {{{', '.join(words) or '0'}}};")
+    return lines, len(words)
+
+
+def build_and_run(tmp_path, source: str) -> list[str]:
+    """Compile ``source`` with g++ (no FMA contraction) and run it: its output's words."""
+    (tmp_path / "rule.cpp").write_text(source)
+    exe = tmp_path / "rule"
+    res = subprocess.run([GXX, "-std=c++17", "-O1", "-ffp-contract=off", "rule.cpp", "-o", str(exe)],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()

@@ -1,0 +1,65 @@
+"""A mask_mod's block mask in numpy: what the emitted ``<name>_mask_blocks`` kernels make on the GPU.
+
+Shape and meaning are :meth:`flashgen.mods.KernelMods.block_mask_shape`'s: per (batch, head, query
+block) of the mask, ``[lo, hi)`` the key blocks holding a kept score (``[0, 0)`` when none does),
+then one class per key block: 0 empty, 1 partial, 2 full, over the scores with ``i < seq_q`` and
+``j < seq_k`` (the key tail is the kernels' own rule). Batch and head extents are 1 where the
+mask_mod ignores them. :func:`row` picks a tile's row as ``block_mask_row`` does, :func:`clip`
+narrows a tile's key blocks as ``block_mask_clip`` does; the simulators use all three.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..attention.score_mask import ScoreMask
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def block_mask(score_mask: "ScoreMask", mask_values: Any, batch: int, heads: int, seq_q: int, seq_k: int) -> np.ndarray:
+    """The int32 block mask of a call: ``score_mask``'s mask_mod evaluated (``mask_values``: its
+    :meth:`~flashgen.mods.ModArgs.values`) at every score of every block."""
+    mods = score_mask.mods
+    if mods is None or mods.mask is None:
+        raise ValueError("a block mask needs a plan built with a mask_mod")
+    if min(batch, heads, seq_q, seq_k) <= 0:
+        raise ValueError(f"block mask of batch={batch}, heads={heads}, seq_q={seq_q}, seq_k={seq_k}: sizes must be positive")
+    B_r, B_c = score_mask.B_r, score_mask.B_c
+    shape = mods.block_mask_shape(batch, heads, seq_q, seq_k, B_r, B_c)
+    n_qb, n_kb = shape[2], shape[3] - 2
+    out = np.zeros(shape, np.int32)
+    i = np.arange(seq_q, dtype=np.int32)[:, None]
+    j = np.arange(seq_k, dtype=np.int32)[None, :]
+    for b in range(shape[0]):
+        for h in range(shape[1]):
+            keep = np.broadcast_to(mods.mask.evaluate(b, h, i, j, args=mask_values), (seq_q, seq_k)).astype(bool)
+            # scores past the sequences count for neither class: False for "any", True for "all"
+            some = np.zeros((n_qb * B_r, n_kb * B_c), bool)
+            every = np.ones_like(some)
+            some[:seq_q, :seq_k] = every[:seq_q, :seq_k] = keep
+            some = some.reshape(n_qb, B_r, n_kb, B_c).any(axis=(1, 3))
+            every = every.reshape(n_qb, B_r, n_kb, B_c).all(axis=(1, 3))
+            out[b, h, :, 2:] = np.where(some, np.where(every, FULL, PARTIAL), EMPTY)
+            for qb in range(n_qb):
+                nonempty = np.flatnonzero(some[qb])
+                out[b, h, qb, :2] = (nonempty[0], nonempty[-1] + 1) if nonempty.size else (0, 0)
+    return out
+
+
+def row(score_mask: "ScoreMask", mask: "np.ndarray | None", b: int, h: int, q_block: int) -> "np.ndarray | None":
+    """The row of query block ``q_block`` of batch ``b``, query head ``h`` (None without a block mask)."""
+    if mask is None:
+        return None
+    mods = score_mask.mods
+    return mask[b if mods.uses("b") else 0, h if mods.uses("h") else 0, q_block]
+
+
+def clip(r: "np.ndarray | None", begin: int, end: int) -> tuple[int, int]:
+    """Key blocks ``[begin, end)`` narrowed to the row's ``[lo, hi)`` (never reversed)."""
+    if r is None:
+        return begin, end
+    begin, end = max(begin, int(r[0])), min(end, int(r[1]))
+    return begin, max(begin, end)

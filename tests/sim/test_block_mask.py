@@ -1,0 +1,77 @@
+"""The numpy block mask (flashgen.sim.block_mask) against brute force over the torch functions.
+
+Per (batch, head, query block): the range [lo, hi) of key blocks holding a kept score ([0, 0) when
+none does), then per key block 0 empty / 1 partial / 2 full over the scores inside both sequences;
+batch and head extents 1 where the mask_mod ignores them. The GPU's builder is checked against the
+mask_mods on a device (tests/gpu/test_mods.py).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from flashgen.attention.score_mask import ScoreMask
+from flashgen.mods.kernel_mods import prepare_mods
+from flashgen.sim import block_mask as bm
+
+
+def doc_mask(b, h, q_idx, kv_idx):
+    return (q_idx // 7 == kv_idx // 7) | (kv_idx < 2)
+
+
+def per_head(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx - 3 * h) & (kv_idx + b >= 2)
+
+
+def nothing(b, h, q_idx, kv_idx):
+    return kv_idx < 0
+
+
+def _brute(fn, batch, heads, seq_q, seq_k, B_r, B_c):
+    n_qb, n_kb = -(-seq_q // B_r), -(-seq_k // B_c)
+    out = np.zeros((batch, heads, n_qb, 2 + n_kb), np.int32)
+    for b, h in itertools.product(range(batch), range(heads)):
+        keep = fn(torch.tensor(b), torch.tensor(h), torch.arange(seq_q)[:, None], torch.arange(seq_k)[None, :])
+        keep = np.broadcast_to(keep.numpy(), (seq_q, seq_k))
+        for qb in range(n_qb):
+            classes = []
+            for kb in range(n_kb):
+                blk = keep[qb * B_r: (qb + 1) * B_r, kb * B_c: (kb + 1) * B_c]
+                classes.append(2 if blk.all() else (1 if blk.any() else 0))
+            kept = [kb for kb, c in enumerate(classes) if c]
+            out[b, h, qb] = [kept[0] if kept else 0, kept[-1] + 1 if kept else 0] + classes
+    return out
+
+
+@pytest.mark.parametrize("fn, uses", [(doc_mask, ""), (per_head, "bh"), (nothing, "")], ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("seq_q, seq_k, B_r, B_c", [(37, 45, 16, 8), (64, 64, 16, 16), (5, 70, 64, 32)])
+def test_block_mask_equals_brute_force(fn, uses, seq_q, seq_k, B_r, B_c):
+    mods, (_, args) = prepare_mods(mask_mod=fn)
+    sm = ScoreMask("none", B_r, B_c, mods)
+    batch, heads = 2, 3
+    got = bm.block_mask(sm, args.values(), batch, heads, seq_q, seq_k)
+    want = _brute(fn, batch, heads, seq_q, seq_k, B_r, B_c)
+    assert got.shape == mods.block_mask_shape(batch, heads, seq_q, seq_k, B_r, B_c)
+    assert got.shape[:2] == (batch if "b" in uses else 1, heads if "h" in uses else 1)
+    np.testing.assert_array_equal(got, want[: got.shape[0], : got.shape[1]])
+    for b, h in itertools.product(range(batch), range(heads)):  # the row a tile of (b, h) reads
+        for qb in range(got.shape[2]):
+            np.testing.assert_array_equal(bm.row(sm, got, b, h, qb), want[b, h, qb])
+
+
+def test_clip_narrows_to_the_row_and_never_reverses():
+    r = np.array([2, 5, 0, 0, 1, 2, 1, 0], np.int32)
+    assert bm.clip(r, 0, 6) == (2, 5)
+    assert bm.clip(r, 3, 4) == (3, 4)
+    assert bm.clip(r, 5, 6) == (5, 5)
+    assert bm.clip(np.array([0, 0, 0], np.int32), 0, 1) == (0, 0)
+    assert bm.clip(None, 1, 3) == (1, 3)
+
+
+def test_block_mask_refuses_bad_sizes():
+    mods, (_, args) = prepare_mods(mask_mod=doc_mask)
+    with pytest.raises(ValueError, match="sizes must be positive"):
+        bm.block_mask(ScoreMask("none", 16, 16, mods), args.values(), 1, 1, 0, 4)

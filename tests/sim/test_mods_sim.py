@@ -1,0 +1,154 @@
+"""Both simulators run plans built with a score_mod / mask_mod (examples/mods.py) and match float64
+attention of the same functions, computed by torch from the functions themselves, on odd lengths,
+several (batch, head) pairs, with and without the built-in causal mask.
+
+With the numpy block mask (:mod:`flashgen.sim.block_mask`) a tile skips the key blocks the mask_mod
+empties and the mask math of full ones; without it (row None) every block is partial. Both must pass,
+and agree closely: not bit for bit, since every visited block, an empty one too, multiplies the row
+sum by ``ex2(fma(m, k, -m k))``, 2 to the rounding error of ``m k``, within an ulp of 1. Tolerance: :func:`flashgen.sim.cta.compare_with_reference` (the simulators' rule).
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.notation import parse_config
+from flashgen.engines import make_plan
+from flashgen.mods.kernel_mods import prepare_mods
+from flashgen.sim import block_mask as bm
+from flashgen.sim import cta, hopper
+from flashgen.sim import hardware as hw
+from flashgen.sim.copies import trace_plan
+
+_spec = importlib.util.spec_from_file_location("flashgen_example_mods", pathlib.Path(__file__).resolve().parents[2] / "examples" / "mods.py")
+EX = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(EX)
+
+HEADS = 4
+MMA = parse_config("(BF16, 128, 64, 32, 4): swizzled+load_2_2_2_tiles+opt_softmax")
+WGMMA = KernelConfig.wgmma("fp16", d_head=64, B_c=64, stages=2)
+
+#: (score_mod, mask_mod, built-in mask, seq_q, seq_k): every example, most with the key and query tails
+CASES = {
+    "softcap": (EX.softcap(20.0), None, "none", 100, 77),
+    "alibi+causal": (EX.alibi(HEADS), None, "causal", 100, 90),
+    "relative_bias+document": (EX.relative_bias(128, seed=3), EX.document_mask((30, 41, 13, 29)), "none", 100, 100),
+    "prefix_lm": (None, EX.prefix_lm(20), "none", 100, 91),
+    "sliding_window_sinks+causal": (None, EX.sliding_window_sinks(24, 3), "causal", 130, 130),
+    "block_local+softcap": (EX.softcap(5.0), EX.block_local(37), "none", 100, 140),
+}
+
+
+def _setup(cfg, name):
+    score_fn, mask_fn, kind, seq_q, seq_k = CASES[name]
+    mods, (sa, ma) = prepare_mods(score_fn, mask_fn)
+    plan = make_plan(cfg.replace(mask=kind), mods)
+    values = (sa.values() if sa is not None else None, ma.values() if ma is not None else None)
+    rng = np.random.default_rng(len(name))
+    q, k, v = (hw.encode(2.0 * rng.standard_normal((n, cfg.d_head)), cfg.dtype) for n in (seq_q, seq_k, seq_k))
+    return plan, values, (q, k, v), CASES[name]
+
+
+def _reference_terms(case, rows: np.ndarray, seq_k: int, b: int, h: int):
+    """(keep, score function) from the torch functions themselves: the causal rule and the mask_mod,
+    the score_mod on float64 scores."""
+    score_fn, mask_fn, kind, _, _ = case
+    i = torch.as_tensor(rows)[:, None]
+    j = torch.arange(seq_k)[None, :]
+    bt, ht = torch.tensor(b), torch.tensor(h)
+    keep = np.ones((len(rows), seq_k), bool) if kind == "none" else (j <= i).numpy()
+    if mask_fn is not None:
+        keep = keep & np.broadcast_to(mask_fn(bt, ht, i, j).numpy(), keep.shape)
+    score = None if score_fn is None else (lambda s: score_fn(torch.from_numpy(s), bt, ht, i, j).double().numpy())
+    return keep, score
+
+
+def _check(cfg, case, q, k, v, row0, o, lse, b, h):
+    rows = o.shape[0]
+    keep, score = _reference_terms(case, row0 + np.arange(rows), k.shape[0], b, h)
+    res = cta.compare_with_reference(cfg, q[row0: row0 + rows], k, v, o, keep=keep, lse=lse, score=score)
+    assert res["ok"], res
+
+
+def _agree(cfg, a, b):
+    """Two runs of one CTA within one 16-bit ulp (O) and fp32 rounding (lse) of each other."""
+    oa, ob = (hw.decode(x[0], cfg.dtype).astype(np.float64) for x in (a, b))
+    ulp = np.abs(oa) * 2.0 ** -(8 if cfg.dtype == "bf16" else 11) + 1e-7
+    assert np.all(np.abs(oa - ob) <= ulp)
+    np.testing.assert_allclose(a[1], b[1], rtol=1e-6, atol=0)
+
+
+@pytest.fixture(scope="module")
+def mma_traces():
+    return {}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mma_sync_simulator_with_mods(name, mma_traces):
+    plan, values, (q, k, v), case = _setup(MMA, name)
+    traces = mma_traces.setdefault(plan.cfg.mask, trace_plan(plan))
+    seq_q, seq_k = q.shape[0], k.shape[0]
+    blocks = bm.block_mask(plan.score_mask, values[1], 2, HEADS, seq_q, seq_k) if case[1] is not None else None
+    for q_row0, b, h in ((0, 0, 1), (MMA.B_r, 1, 3)):
+        runs = [cta.simulate_cta(plan, q[q_row0: q_row0 + MMA.B_r], k, v, traces=traces, q_row0=q_row0, seq_q=seq_q,
+                                 b=b, h=h, mod_values=values, block_mask=mask) for mask in ([None, blocks] if blocks is not None else [None])]
+        for r in runs:
+            assert r.ok, r.hazards[:3]
+            _check(MMA, case, q, k, v, q_row0, r.o, r.lse, b, h)
+        if len(runs) == 2:
+            _agree(MMA, (runs[0].o, runs[0].lse), (runs[1].o, runs[1].lse))
+            visited = [r.n_blocks - r.j_begin for r in runs]
+            assert visited[1] <= visited[0]
+
+
+@pytest.mark.parametrize("name", ["softcap", "alibi+causal", "relative_bias+document", "sliding_window_sinks+causal"])
+def test_wgmma_simulator_with_mods(name):
+    plan, values, (q, k, v), case = _setup(WGMMA, name)
+    seq_q, seq_k = q.shape[0], k.shape[0]
+    blocks = bm.block_mask(plan.score_mask, values[1], 2, HEADS, seq_q, seq_k) if case[1] is not None else None
+    b, h = 1, 2
+    outs = []
+    for mask in [None, blocks] if blocks is not None else [None]:
+        o, lse, rep = hopper.simulate_cta(plan, q, k, v, 0, b=b, h=h, mod_values=values, block_mask=mask)
+        assert rep.ok, rep.hazards[:3]
+        _check(WGMMA, case, q, k, v, 0, o, lse, b, h)
+        outs.append((o, lse))
+    if len(outs) == 2:
+        _agree(WGMMA, *outs)
+
+
+def test_persistent_wgmma_cta_walks_tiles_clipped_by_the_block_mask():
+    """A persistent CTA walks every tile of a head; each tile visits only the key blocks its block-mask
+    row keeps (document masking: the blocks of other documents are skipped)."""
+    cfg = WGMMA.replace(persistent=True)
+    case = (EX.relative_bias(300, seed=1), EX.document_mask((70, 100, 90, 40)), "none", 300, 300)
+    mods, (sa, ma) = prepare_mods(case[0], case[1])
+    plan = make_plan(cfg, mods)
+    values = (sa.values(), ma.values())
+    rng = np.random.default_rng(5)
+    q, k, v = (hw.encode(2.0 * rng.standard_normal((300, cfg.d_head)), cfg.dtype) for _ in range(3))
+    blocks = bm.block_mask(plan.score_mask, values[1], 1, HEADS, 300, 300)
+    o, lse, rep = hopper.simulate_tiles(plan, q, k, v, sms=1, h=3, mod_values=values, block_mask=blocks)
+    assert rep.ok, rep.hazards[:3]
+    assert rep.j_end - rep.j_begin < -(-300 // cfg.B_c)  # tile 0 (rows 0-127) skips the last document's blocks
+    for (qb, _), ot, lt in zip(rep.tiles, o, lse):
+        _check(cfg, case, q, k, v, qb * cfg.B_r, ot, lt, 0, 3)
+
+
+def test_simulators_refuse_values_that_do_not_fit_the_plan():
+    plan, values, (q, k, v), _ = _setup(MMA, "relative_bias+document")
+    with pytest.raises(ValueError, match="needs its values"):
+        cta.simulate_cta(plan, q[:64], k, v, seq_q=q.shape[0])
+    plain = make_plan(MMA)
+    with pytest.raises(ValueError, match="without a score_mod"):
+        cta.simulate_cta(plain, q[:64], k, v, seq_q=q.shape[0], mod_values=values)
+    wplan, wvalues, (q, k, v), _ = _setup(WGMMA, "softcap")
+    with pytest.raises(ValueError, match="without a mask_mod"):
+        hopper.simulate_cta(wplan, q, k, v, mod_values=wvalues, block_mask=np.zeros((1, 1, 1, 3), np.int32))
+    with pytest.raises(ValueError, match="block mask needs"):
+        bm.block_mask(wplan.score_mask, {}, 1, 1, 8, 8)
