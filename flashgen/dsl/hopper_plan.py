@@ -307,8 +307,7 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
     """The DSL objects of one wgmma config; ``mods``: the user's score_mod / mask_mod (:class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "wgmma":
         raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_hopper_plan builds wgmma plans")
-    d, B_r, B_c, st = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages
-    esz = cfg.dtype.size
+    d, B_r, B_c, st, esz = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages, cfg.dtype.size
     q_bytes, kv_bytes = B_r * d * esz, B_c * d * esz
     q = SmemTile("sQ", B_r, d, kmajor_tile_layout(B_r, d, cfg.dtype, SWIZZLE), 0, 1, q_bytes)
     k = SmemTile("sK", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes, st, kv_bytes)
