@@ -56,6 +56,8 @@ def flex_callable(q, k, v, score_mod, mask_mod):
     # captured Python floats (softcap's cap) compiled in, as flex's own benchmarks do; left symbolic they
     # become 0-d CPU tensors that inductor's flex lowering rejects
     torch._dynamo.config.specialize_float = True
+    torch._dynamo.config.recompile_limit = 1024  # a compile per function and shape, as a user's would be
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     flex = torch.compile(flex_attention)
     b, s, h, _ = q.shape
     block_mask = create_block_mask(mask_mod, b, None, s, s, device=q.device) if mask_mod is not None else None
