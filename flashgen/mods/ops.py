@@ -42,17 +42,6 @@ __host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
 #endif
-// captured tensors are read-only for the kernel's lifetime: the device reads them through the
-// non-coherent (read-only) data cache
-#ifdef __CUDA_ARCH__
-__host__ __device__ __forceinline__ float fg_ld(const float* p) { return __ldg(p); }
-__host__ __device__ __forceinline__ int fg_ld(const int* p) { return __ldg(p); }
-__host__ __device__ __forceinline__ bool fg_ld(const bool* p) { return __ldg(reinterpret_cast<const unsigned char*>(p)) != 0; }
-#else
-__host__ __device__ __forceinline__ float fg_ld(const float* p) { return *p; }
-__host__ __device__ __forceinline__ int fg_ld(const int* p) { return *p; }
-__host__ __device__ __forceinline__ bool fg_ld(const bool* p) { return *p; }
-#endif
 // Python's and torch's floor division and modulo (C truncates toward zero)
 __host__ __device__ __forceinline__ int fg_floordiv(int a, int b) { const int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
 __host__ __device__ __forceinline__ int fg_floormod(int a, int b) { const int r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
