@@ -308,7 +308,7 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
     if cfg.engine != "wgmma":
         raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} config; make_hopper_plan builds wgmma plans")
     d, B_r, B_c, st, esz = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages, cfg.dtype.size
-    q_bytes, kv_bytes, unequal = B_r * d * esz, B_c * d * esz, cfg.mask != "none" or getattr(mods, "mask", None) is not None
+    q_bytes, kv_bytes = B_r * d * esz, B_c * d * esz
     q = SmemTile("sQ", B_r, d, kmajor_tile_layout(B_r, d, cfg.dtype, SWIZZLE), 0, 1, q_bytes)
     k = SmemTile("sK", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes, st, kv_bytes)
     v = SmemTile("sV", B_c, d, kmajor_tile_layout(B_c, d, cfg.dtype, SWIZZLE), q_bytes + st * kv_bytes, st, kv_bytes)
@@ -370,8 +370,8 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
         o_stage=o_stage,
         # persistent and unmasked: every partial last round; masked or one CTA per tile: only a launch
         # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
-        scheduler=TileScheduler(B_r, cfg.persistent, unequal,  # unequal: tiles differ in key blocks
-                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and not unequal)),
+        scheduler=TileScheduler(B_r, cfg.persistent, cfg.mask != "none",
+                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
         score_mask=ScoreMask(cfg.mask, B_r, B_c, mods),
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         tile_start=(WaitFull("Q", J, why="this tile's Q landed"),),

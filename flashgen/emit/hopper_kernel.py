@@ -813,8 +813,6 @@ def _host_env(plan: HopperPlan) -> dict:
         ]
     else:
         tile_blocks_body = ["*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);  // no mask: every tile takes every key block"]
-    if plan.score_mask.mask_mod is not None:  # the block mask may shorten any tile: unequal, and no tail split
-        tile_blocks_body.append("*lo = *lo < 1 ? *lo : 1;  // a mask_mod's tile may keep a single key block")
     tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
     name = plan.score_mask.kernel_name(cfg.mangle())
     return dict(args_struct=args_struct(name), mod_fill=plan.score_mask.fill_cpp(), mask_blocks=plan.score_mask.mask_blocks_cpp(name), o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,

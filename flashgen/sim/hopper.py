@@ -997,8 +997,7 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
     ``(o per tile, lse per tile, report)``, ``report.tiles`` naming each tile's query block and part.
     A part's rows are its unmerged share (:func:`simulate_split_tile` merges). Arguments as
     :func:`simulate_cta`; the head is ``h`` of batch ``b``. The grid comes from the built-in rule's key
-    blocks (the launch's host code has no block mask; with a mask_mod it takes the shortest tile as one
-    block), each tile's blocks are clipped to the block mask."""
+    blocks (the launch's host code has no block mask), each tile's blocks are clipped to the block mask."""
     if not isinstance(plan, HopperPlan):
         plan = make_hopper_plan(plan)
     cfg, sched = plan.cfg, plan.scheduler
@@ -1009,8 +1008,7 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
     mods = _Mods.of(plan, b, h, mod_values, block_mask)
     blocks = [plan.score_mask.block_range(qb * cfg.B_r, seq_q, seq_k, *mask_args) for qb in range(n_q)]
     lengths = [max(0, je - jb) for jb, je in blocks]
-    lo = min(lengths) if plan.score_mask.mask_mod is None else min(min(lengths), 1)  # tile_blocks: a block mask may
-    ctas, parts = sched.grid(n_q, sms, lo, n_q, lo == max(lengths))                # shorten any tile to one block
+    ctas, parts = sched.grid(n_q, sms, min(lengths), n_q, min(lengths) == max(lengths))
     if not 0 <= cta < ctas:
         raise ValueError(f"cta {cta} is outside the launch's {ctas} CTA(s)")
     walk = [(sched.coords(t, n_q, 1)[0], part) for t, part in sched.work(cta, ctas, n_q, parts)]
