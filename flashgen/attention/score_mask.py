@@ -166,12 +166,27 @@ class ScoreMask:
             out[sel] = self.score_mod.evaluate(scaled, b, h, rows[sel], cols[sel], args=mod_values[0])
         return out
 
-    def apply_cpp(self, loops: Sequence[str], i: str, c0: str, value: str, b: str, h: str) -> list[str]:
+    def bits_cpp(self, loops: Sequence[str], i: str, c0: str, bits: str, b: str, h: str) -> list[str]:
+        """The mask_mod of one key block's fragment as bits (a mask_mod only), made at the start of the block
+        so that its loads (a document id per key, say) run under the block's S GEMM rather than in the
+        softmax after it: bit ``2 t + e`` of ``bits`` (one uint64_t per row half) is the mask_mod of n tile
+        ``t``, element ``e``; 0 past seq_q and seq_k, where the mask_mod is not asked. Arguments as
+        :meth:`apply_cpp`; in masked blocks only."""
+        if self.mask_mod is None:
+            return []
+        per = ["const int c = c0 + int(t * 8 + e);",
+               f"if (c < p.seq_k && mask_mod({b}, {h}, i, c, p.mask_args)) m |= uint64_t(1) << (2 * t + e);"]
+        body = [f"const int i = {i};", f"const int c0 = {c0};", "uint64_t m = 0;", "if (i < p.seq_q)  // rows past seq_q reach no mod"]
+        body += ["    " + l for l in _per_value(per)] + [f"{bits} = m;"]
+        return ["// the mask_mod's bits of this block, loads issued ahead of the S GEMM's wait"] + _if_masked(_nest(loops, body))
+
+    def apply_cpp(self, loops: Sequence[str], i: str, c0: str, value: str, b: str, h: str, bits: str = "") -> list[str]:
         """The rule on one S accumulator fragment, before the online softmax. ``loops``: the loop headers
         over the thread's row halves (innermost ``h``); ``i``/``c0``: the global row and the first key column
         there; ``value``: the accumulator value of n tile ``t`` and element ``e`` (a format string with
-        ``{t}``); ``b``/``h``: the batch and query head. The mask runs in masked blocks (``masked``, a
-        compile-time flag of the enclosing function); a score_mod runs in every block."""
+        ``{t}``); ``b``/``h``: the batch and query head; ``bits``: the row half's mask_mod bits
+        (:meth:`bits_cpp`). The mask runs in masked blocks (``masked``, a compile-time flag of the enclosing
+        function); a score_mod runs in every block."""
         at = value.format(t="t")
         masked = [f"const int i = {i};", "int lo, hi;",
                   "score_row_range(i, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
@@ -181,7 +196,7 @@ class ScoreMask:
             return _if_masked(_nest(loops, masked))
         per = ["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"]
         if self.mask_mod is not None:
-            per.append(f"keep = keep && mask_mod({b}, {h}, i, c0 + c, p.mask_args);")
+            per.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);")
         score = f"score_mod({at} * p.mod_scale, {b}, {h}, i, c0 + c, p.score_args)"
         per.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
         masked += ["const bool real = i < p.seq_q;  // rows past seq_q reach no mod"] + _per_value(per)

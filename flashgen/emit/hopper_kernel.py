@@ -61,16 +61,19 @@ def _gemm(plan: HopperPlan, which: str, block: Block) -> list[str]:
     return fence + ["wgmma_fence();"] + calls + ["wgmma_commit_group();", f"wgmma_fence_operands({acc});"]
 
 
+def _fragment_rows(plan: HopperPlan) -> dict:
+    """Where the score rule finds a consumer thread's S values: its row halves, their global row and first
+    key column, the tile's batch and head. Values (4*chunk + 2h + e): row half h, column 8*chunk + e +
+    col(thread, 0); proven on the map by flashgen.sim.verify."""
+    c = plan.gemm_S.atom.c_map
+    return dict(loops=["for (uint32_t h = 0; h < 2; ++h)"], i=f"q_row0 + int(64 * cw + {c.row.to_cpp(['wtid', '2 * h'])})",
+                c0=f"j * int(B_c) + int({c.col.to_cpp(['wtid', '0'])})", b="batch", h="head")
+
+
 def _softmax(plan: HopperPlan, first: bool) -> list[str]:
     """Mask (masked blocks only), then the online softmax (flashgen.attention.softmax) of both row
     halves; ``corr`` keeps O's rescale factors for the rescale_O step."""
-    c = plan.gemm_S.atom.c_map
-    # values (4*chunk + 2h + e): row half h, column 8*chunk + e + col(thread, 0); proven on the
-    # map by flashgen.sim.verify
-    row = c.row.to_cpp(["wtid", "2 * h"])
-    col = c.col.to_cpp(["wtid", "0"])
-    rule = plan.score_mask.apply_cpp(["for (uint32_t h = 0; h < 2; ++h)"], i=f"q_row0 + int(64 * cw + {row})",
-                                     c0=f"j * int(B_c) + int({col})", value="s_acc[4 * {t} + 2 * h + e]", b="batch", h="head")
+    rule = plan.score_mask.apply_cpp(value="s_acc[4 * {t} + 2 * h + e]", bits="mask_bits[h]", **_fragment_rows(plan))
     return rule + [
         "#pragma unroll",
         "for (uint32_t h = 0; h < 2; ++h) {",
@@ -310,6 +313,7 @@ for (int r = 0; cta_work(r, &t); ++r) {
     #pragma unroll
     for (uint32_t i = 0; i < D_HEAD / 2; ++i) o_acc[i] = 0.f;
 
+    $mask_bits_decl
     auto softmax = [&](const int j, auto masked, auto first) {
         if constexpr (decltype(first)::value) {
             $softmax_first
@@ -577,6 +581,7 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         f"const uint32_t st_prev = {ring.prev_stage_cpp('it')}, ph_prev = {ring.prev_phase_cpp('it')};",
         "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
     ]
+    bits = plan.score_mask.bits_cpp(bits="mask_bits[h]", **_fragment_rows(plan))  # blocks with a softmax
     dispatch = lambda fn: [  # noqa: E731
         "if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
         + plan.score_mask.masked_cpp("block_mask_row(p.block_mask, batch, head, q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k)", "j") + ")",
@@ -585,10 +590,10 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         f"    {fn}(j, std::false_type{{}});",
     ]
     if plan.prologue:
-        out += ["auto first_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps(plan.prologue)] + ["};"]
+        out += ["auto first_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + bits + steps(plan.prologue)] + ["};"]
         out += ["{", "    const int j = j_begin;"] + ["    " + l for l in dispatch("first_block")] + ["}"]
     body_start = "j_begin + 1" if plan.prologue else "j_begin"
-    out += ["auto kv_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + steps(plan.body)] + ["};"]
+    out += ["auto kv_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + bits + steps(plan.body)] + ["};"]
     out += [f"for (int j = {body_start}; j < j_end; ++j) {{"] + ["    " + l for l in dispatch("kv_block")] + ["}"]
     if plan.epilogue:
         out += ["{", "    const int j = j_end;  // the last block's PV: its stage is the 'previous' one of j_end"]
@@ -787,6 +792,8 @@ def _roles_env(plan: HopperPlan) -> dict:
                 q_frag_decl=_q_frag_decl(plan), desc_q_decl=_desc_q_decl(plan), load_q_frags=_load_q_frags(plan),
                 k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u", v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u", swizzle_code=f"{bk.swizzle.desc_code}u",
                 softmax_first=_softmax(plan, True), softmax_next=_softmax(plan, False),
+                mask_bits_decl="uint64_t mask_bits[2];  // the mask_mod's bits of the block (bits_cpp)" if plan.score_mask.mask_mod
+                else "// no mask_mod",
                 pingpong_start=pingpong_start, pingpong_end=pingpong_end, tile_loop_doc=tile_loop_doc,
                 tile_start=[line for st in plan.tile_start for line in _step(plan, st)], main_loop=_main_loop(plan))
 

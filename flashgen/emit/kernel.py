@@ -323,19 +323,30 @@ def _gemm_O(plan: KernelPlan) -> list[str]:
     return head + ["{"] + ["    " + l for l in _k_loop(steps, v.buffers, loads, mmas, decls)] + ["}"]
 
 
+def _fragment_rows(plan: KernelPlan) -> dict:
+    """Where the score rule finds a thread's S values: loops over its row halves, their global row and first
+    key column, its batch and head. Values 2h and 2h+1 of a lane sit in one row, in neighbouring columns
+    (proven on the plan's C map by flashgen.sim.verify), so one kept-column range per row and lane covers both."""
+    cfg, c_map = plan.cfg, plan.mma.c_map
+    row, col = c_map.row.to_cpp(["lane", "2 * h"]), c_map.col.to_cpp(["lane", "0"])
+    return dict(loops=["for (uint32_t mi = 0; mi < MT; ++mi)", "for (uint32_t h = 0; h < 2; ++h)"],
+                i=f"q_row0 + int(warp * {cfg.rows_per_warp} + mi * 16 + {row})", c0=f"j * int(B_c) + int({col})",
+                b="int(blockIdx.z)", h="int(blockIdx.y)")
+
+
 def _mask_scores(plan: KernelPlan) -> list[str]:
     """The score rule (mask, and the user's mods where built with them) on S before the softmax."""
-    cfg, c_map = plan.cfg, plan.mma.c_map
-    # values 2h and 2h+1 of a lane sit in one row, in neighbouring columns (proven on the plan's
-    # C map by flashgen.sim.verify), so one kept-column range per row and lane covers both
-    row, col = c_map.row.to_cpp(["lane", "2 * h"]), c_map.col.to_cpp(["lane", "0"])
+    c_map = plan.mma.c_map
     return [
         f"// {plan.score_mask.kind} score mask + key tail. Row/col of accumulator values (2h, 2h+1) from the",
         f"// MMA's C fragment map: row {c_map.row}, col {c_map.col}; value 2h of n tile t is in column c0 + 8t",
-    ] + plan.score_mask.apply_cpp(
-        ["for (uint32_t mi = 0; mi < MT; ++mi)", "for (uint32_t h = 0; h < 2; ++h)"],
-        i=f"q_row0 + int(warp * {cfg.rows_per_warp} + mi * 16 + {row})", c0=f"j * int(B_c) + int({col})",
-        value="s_acc[mi][{t}][2 * h + e]", b="int(blockIdx.z)", h="int(blockIdx.y)")
+    ] + plan.score_mask.apply_cpp(value="s_acc[mi][{t}][2 * h + e]", bits="mask_bits[mi][h]", **_fragment_rows(plan))
+
+
+def _mask_bits(plan: KernelPlan) -> list[str]:
+    """The mask_mod's bits of block j, first thing in the block (a mask_mod only)."""
+    lines = plan.score_mask.bits_cpp(bits="mask_bits[mi][h]", **_fragment_rows(plan))
+    return ["uint64_t mask_bits[MT][2];", "(void)mask_bits;"] + lines if lines else []
 
 
 def _softmax(plan: KernelPlan) -> list[str]:
@@ -655,7 +666,7 @@ def emit(plan: KernelPlan) -> KernelSource:
     if cfg.async_copy:
         helpers.insert(0, cp_async.helpers(plan.g2s["Q"].atom))
     q_res = f"uint32_t q_res[MT][D_MMA / 16][4];  // Q fragments, resident for the whole CTA" if q.resident else "// Q fragments are re-read from shared memory every block"
-    body: list[str] = []
+    body: list[str] = _mask_bits(plan)
     for step in plan.schedule.body:
         body += _step_code(plan, step)
     prologue: list[str] = []

@@ -1,6 +1,6 @@
-"""The per-value score rule both emitters place before the softmax (``ScoreMask.apply_cpp``), compiled
-for the host, equals its numpy twin ``ScoreMask.apply`` bit for bit (a tanh-using score_mod within 4
-ulp: glibc's tanhf and numpy's float32 tanh differ, see tests/mods/test_examples.py).
+"""The per-value score rule both emitters place before the softmax (``ScoreMask.bits_cpp``, then
+``apply_cpp``), compiled for the host, equals its numpy twin ``ScoreMask.apply`` bit for bit (a tanh-using
+score_mod within 4 ulp: glibc's tanhf and numpy's float32 tanh differ, see tests/mods/test_examples.py).
 
 One fragment per case: 4 threads x 4 rows x (B_c / 8 n tiles x 2 values), thread ``l`` holding the
 columns ``2 l + 8 t + e`` of the block as the MMA C maps do; rows run past seq_q and columns past
@@ -56,9 +56,11 @@ def _cases(rng, n=48):
 
 
 def _source(sm: ScoreMask, fill: list[str], words: list[str], n_words: int, cases, scores) -> str:
-    rule = sm.apply_cpp(["for (uint32_t lane = 0; lane < 4; ++lane)", f"for (uint32_t r = 0; r < {ROWS}; ++r)"],
-                        i="q_row0 + int(r)", c0="j * int(B_c) + int(2 * lane)", value="acc[lane][r][{t}][e]", b="bb", h="hh")
-    body = "\n".join("    " + l for l in rule)
+    where = dict(loops=["for (uint32_t lane = 0; lane < 4; ++lane)", f"for (uint32_t r = 0; r < {ROWS}; ++r)"],
+                 i="q_row0 + int(r)", c0="j * int(B_c) + int(2 * lane)", b="bb", h="hh")
+    rule = sm.bits_cpp(bits="mask_bits[lane][r]", **where) + sm.apply_cpp(value="acc[lane][r][{t}][e]",
+                                                                         bits="mask_bits[lane][r]", **where)
+    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;"] + rule)
     return f"""{HEAD}
 constexpr uint32_t B_r = {B_R}, B_c = {B_C};
 {sm.to_cpp()}
