@@ -40,6 +40,17 @@ class ScoreMask:
         return self.mods.mask if self.mods is not None else None
 
     @property
+    def mask_bits(self) -> bool:
+        """Whether the mask_mod is evaluated into bits at the start of a block (:meth:`bits_cpp`): when it
+        reads captured tensors, whose loads then run under the S GEMM; an arithmetic mask_mod (causal, prefix
+        LM) is cheaper evaluated in place."""
+        if self.mask_mod is None:
+            return False
+        from ..mods.expr import Load, postorder  # mods' package imports torch: only for kernels with mods
+
+        return any(isinstance(n, Load) for n in postorder(self.mask_mod.expr))
+
+    @property
     def score_mod(self):
         return self.mods.score if self.mods is not None else None
 
@@ -172,7 +183,7 @@ class ScoreMask:
         softmax after it: bit ``2 t + e`` of ``bits`` (one uint64_t per row half) is the mask_mod of n tile
         ``t``, element ``e``; 0 past seq_q and seq_k, where the mask_mod is not asked. Arguments as
         :meth:`apply_cpp`; in masked blocks only."""
-        if self.mask_mod is None:
+        if not self.mask_bits:
             return []
         per = ["const int c = c0 + int(t * 8 + e);",
                f"if (c < p.seq_k && mask_mod({b}, {h}, i, c, p.mask_args)) m |= uint64_t(1) << (2 * t + e);"]
@@ -196,7 +207,8 @@ class ScoreMask:
             return _if_masked(_nest(loops, masked))
         per = ["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"]
         if self.mask_mod is not None:
-            per.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);")
+            per.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);" if self.mask_bits else
+                       f"keep = keep && mask_mod({b}, {h}, i, c0 + c, p.mask_args);")
         score = f"score_mod({at} * p.mod_scale, {b}, {h}, i, c0 + c, p.score_args)"
         per.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
         masked += ["const bool real = i < p.seq_q;  // rows past seq_q reach no mod"] + _per_value(per)

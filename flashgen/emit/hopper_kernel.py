@@ -792,8 +792,8 @@ def _roles_env(plan: HopperPlan) -> dict:
                 q_frag_decl=_q_frag_decl(plan), desc_q_decl=_desc_q_decl(plan), load_q_frags=_load_q_frags(plan),
                 k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u", v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u", swizzle_code=f"{bk.swizzle.desc_code}u",
                 softmax_first=_softmax(plan, True), softmax_next=_softmax(plan, False),
-                mask_bits_decl="uint64_t mask_bits[2];  // the mask_mod's bits of the block (bits_cpp)" if plan.score_mask.mask_mod
-                else "// no mask_mod",
+                mask_bits_decl="uint64_t mask_bits[2];  // the mask_mod's bits of the block (bits_cpp)" if plan.score_mask.mask_bits
+                else "// no mask_mod bits",
                 pingpong_start=pingpong_start, pingpong_end=pingpong_end, tile_loop_doc=tile_loop_doc,
                 tile_start=[line for st in plan.tile_start for line in _step(plan, st)], main_loop=_main_loop(plan))
 
