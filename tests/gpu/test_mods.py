@@ -175,3 +175,22 @@ def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
     before = dict(variant._block_masks)
     variant._block_mask(mods, q, k, words, tensors)
     assert variant._block_masks == before, "a repeated call made its block mask again"
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]])
+def test_memcheck_clean_with_mods(cfg):
+    """A score_mod and a mask_mod reading a captured tensor, odd lengths (seq_q 37, seq_k 91), GQA: the
+    kernel, its block mask's two kernels and the mods' loads stay in bounds."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    repo = Path(__file__).parents[2]
+    res = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
+                          str(repo / "tests/gpu/run_mods.py"), cfg, "37", "91"],
+                         capture_output=True, text=True, cwd=repo, timeout=600)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0 and "ERROR SUMMARY: 0 errors" in text, text[-6000:]
