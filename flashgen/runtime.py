@@ -93,6 +93,7 @@ class Attention:
         self._variants: dict[str, Attention] = {}
         self._mod_variants: dict[str, Attention] = {}  # by KernelMods.key: same structure, same kernel
         self._block_masks: dict[tuple, torch.Tensor] = {}  # a mask_mod kernel's block masks (_block_mask)
+        self._checked_devices: set = set()  # devices check() passed on for calls with mods
         self._backwards: dict[BackwardConfig, int] = {}
         autograd.register(self._handle, self._load_backward, deterministic)
 
@@ -208,13 +209,19 @@ class Attention:
             raise InputError("gradients through score_mod / mask_mod are not supported yet: call under torch.no_grad() "
                              "or with inputs that do not require grad")
         attn = self._with_mods(mods)
-        attn.check(q, k, v)
+        if not isinstance(q, torch.Tensor) or q.device not in attn._checked_devices:  # the first call on a device
+            attn.check(q, k, v)
+            attn._checked_devices.add(q.device)
         words, tensors = mods.pack(score_args, mask_args)
         tensors = [stable_copy(t, t.dtype, q.device) for t in tensors]  # on q's device: copied once per version
         scale = attn._scale if softmax_scale is None else float(softmax_scale)
-        block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
-        o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right, return_lse,
-                                 words, tensors, block_mask)
+        try:  # the operator checks every input in C++
+            block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
+            o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right, return_lse,
+                                     words, tensors, block_mask)
+        except (RuntimeError, ValueError, TypeError):
+            attn.check(q, k, v)  # raises the InputError that explains a refused input
+            raise
         return (o, lse) if return_lse else o
 
     def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list):

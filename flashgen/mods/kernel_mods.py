@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from .cpp import CPP_TYPE, function_cpp, struct_cpp
-from .expr import FLOAT, Arg, postorder
+from .expr import FLOAT
 from .ops import HELPERS
 from .traced import ModArgs, TracedMod
 
@@ -58,7 +58,7 @@ class KernelMods:
 
     def uses(self, arg: str) -> bool:
         """Whether the mask mod reads its argument ``arg`` ("b" or "h"): the block mask has that dimension."""
-        return self.mask is not None and any(isinstance(n, Arg) and n.name == arg for n in postorder(self.mask.expr))
+        return self.mask is not None and arg in self.mask.arguments_read
 
     def block_mask_shape(self, batch: int, heads: int, seq_q: int, seq_k: int, B_r: int, B_c: int) -> tuple[int, ...]:
         """The int32 block mask of a call: per (batch, head, query block) the kept key-block range [lo, hi)

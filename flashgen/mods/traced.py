@@ -13,6 +13,7 @@ trace stale and the cache (cache.py) traces again.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import attrs
@@ -23,7 +24,7 @@ from .copies import stable_copy
 from .cpp import render
 from .evaluate import evaluate
 from .errors import ModError
-from .expr import BOOL, FLOAT, INT, INT32_MAX, INT32_MIN, Binary, Buffer, Cast, Load, Scalar, Unary, Where, postorder
+from .expr import BOOL, FLOAT, INT, INT32_MAX, INT32_MIN, Arg, Binary, Buffer, Cast, Load, Scalar, Unary, Where, postorder
 
 
 class StaleTrace(Exception):
@@ -128,14 +129,19 @@ class TracedMod:
     static: tuple  # (Source, value): captured numbers kept as literals
     description: str  # "score_mod softcap (mods.py:12)"
 
-    @property
+    @functools.cached_property  # a traced mod is immutable; calls read its key and arguments every time
     def canonical(self) -> str:
         return canonical_text(self.kind, self.expr)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """Hash of :attr:`canonical`: equal for equal structure, whatever the captured values."""
         return hashlib.sha256(self.canonical.encode()).hexdigest()[:16]
+
+    @functools.cached_property
+    def arguments_read(self) -> frozenset:
+        """The names of the mod's own arguments its DAG reads (``b``, ``h``, ``q_idx``, ...)."""
+        return frozenset(n.name for n in postorder(self.expr) if isinstance(n, Arg))
 
     def to_cpp(self, name: "str | None" = None) -> str:
         """Helpers, ``struct <name>_args`` and the ``__host__ __device__`` function ``name``
