@@ -30,7 +30,7 @@ _spec.loader.exec_module(examples)
 
 
 def cases(seq: int, heads: int, device: str) -> dict:
-    """name -> (score_mod, mask_mod, causal_flops): the issue's five functions and two combinations."""
+    """name -> (score_mod, mask_mod, causal_flops): softcap, ALiBi, document, causal and prefix-LM masks, and two combinations."""
     doc_lengths = [seq // 4 - 37, seq // 4 + 37, seq // 2]  # three packed documents
     return {
         "softcap": (examples.softcap(30.0), None, False),
