@@ -30,15 +30,15 @@ _spec.loader.exec_module(examples)
 
 
 def cases(seq: int, heads: int, device: str) -> dict:
-    """name -> (score_mod, mask_mod, causal_flops): softcap, ALiBi, document, causal and prefix-LM masks, and two combinations."""
+    """name -> (score_mod, mask_mod): softcap, ALiBi, document, causal and prefix-LM masks, and two combinations."""
     doc_lengths = [seq // 4 - 37, seq // 4 + 37, seq // 2]  # three packed documents
     return {
-        "softcap": (examples.softcap(30.0), None, False),
-        "alibi": (examples.alibi(heads, device=device), None, False),
-        "document": (None, examples.document_mask(doc_lengths, device=device), None),
-        "causal_mod": (None, examples.causal(), True),
-        "prefix_lm": (None, examples.prefix_lm(seq // 4), True),
-        "causal+softcap": (examples.softcap(30.0), examples.causal(), True),
+        "softcap": (examples.softcap(30.0), None),
+        "alibi": (examples.alibi(heads, device=device), None),
+        "document": (None, examples.document_mask(doc_lengths, device=device)),
+        "causal_mod": (None, examples.causal()),
+        "prefix_lm": (None, examples.prefix_lm(seq // 4)),
+        "causal+softcap": (examples.softcap(30.0), examples.causal()),
     }
 
 
@@ -72,7 +72,7 @@ def bench_seq(seq: int, args) -> list[dict]:
     attn = flashgen.compile("auto")
     base = {"flashgen none": lambda: attn(q, k, v), "flashgen causal": lambda: attn(q, k, v, causal=True)}
     rows = []
-    for name, (score, mask, _) in cases(seq, args.heads, device).items():
+    for name, (score, mask) in cases(seq, args.heads, device).items():
         if args.cases and name not in args.cases:
             continue
         rows_q = slice(0, min(seq, 256))
