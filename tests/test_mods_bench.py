@@ -1,0 +1,40 @@
+"""benchmarks/mods_bench.py on the CPU: its cases are the examples' functions, the FLOPs it credits a mask
+with are the share of pairs the mask keeps, and without a GPU it refuses to run."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("mods_bench", REPO / "benchmarks" / "mods_bench.py")
+mb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mb)
+
+
+def test_every_case_traces_into_a_kernel_mod():
+    from flashgen.mods import prepare_mods
+
+    for name, (score, mask) in mb.cases(512, 4, "cpu").items():
+        mods, _ = prepare_mods(score, mask)
+        assert (mods.score is not None) == (score is not None) and (mods.mask is not None) == (mask is not None), name
+
+
+def test_kept_fraction_counts_the_pairs_a_mask_keeps():
+    n = 300
+    cases = mb.cases(n, 4, "cpu")
+    assert mb.kept_fraction(None, n, "cpu") == 1.0
+    assert mb.kept_fraction(cases["causal_mod"][1], n, "cpu") == pytest.approx((n + 1) / (2 * n))
+    lengths = [75 - 37, 75 + 37, 150]
+    assert mb.kept_fraction(cases["document"][1], n, "cpu") == pytest.approx(sum(x * x for x in lengths) / n**2)
+
+
+def test_without_a_gpu_it_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        mb.main(["--seqs", "256"])
+    assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
