@@ -227,12 +227,17 @@ class Attention:
     def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list):
         """The mask_mod's block mask for this call's sizes and values, made on the GPU once per (sizes, values,
         captured tensors' addresses and versions) and kept (a few dozen of them at most)."""
-        shape = mods.block_mask_shape(q.shape[0], q.shape[2], q.shape[1], k.shape[1], self.cfg.B_r, self.cfg.B_c)
-        key = (tuple(q.shape[:3]), k.shape[1], q.device, tuple(words), tuple((t.data_ptr(), t._version, t.shape, t.stride()) for t in tensors))
+        # only the mask_mod's own values matter (KernelMods.pack: scalars score then mask, tensors likewise)
+        first = len(mods.score.scalars) if mods.score is not None else 0
+        mask_words = tuple(words[first:first + len(mods.mask.scalars)])
+        mask_tensors = tensors[len(tensors) - len(mods.mask.tensors):]
+        key = (mods.mask.key, tuple(q.shape[:3]), k.shape[1], q.device, mask_words,
+               tuple((t.data_ptr(), t._version, t.shape, t.stride()) for t in mask_tensors))
         found = self._block_masks.get(key)
         if found is None:
             if len(self._block_masks) >= _MAX_BLOCK_MASKS:
                 self._block_masks.clear()
+            shape = mods.block_mask_shape(q.shape[0], q.shape[2], q.shape[1], k.shape[1], self.cfg.B_r, self.cfg.B_c)
             found = self._block_masks[key] = _mask_blocks(q, k, self._handle, list(shape), words, tensors)
         return found
 
