@@ -35,7 +35,13 @@ MAX_THREAD_REGS = 255
 OTHER_REGS = MAX_THREAD_REGS - 224
 #: the register file one CTA may use (the smallest of the targets')
 REGS_PER_CTA = min(t.regs_per_sm for t in TARGETS.values())
-ENGINES = ("mma_sync",)
+ENGINES = ("mma_sync", "wgmma")
+#: wgmma: warpgroups of 4 warps; one producer, the rest consumers of 64 key rows each
+WG_WARPS = 4
+#: wgmma: query rows per block (the N of S^T and dP^T: 32 accumulator registers each per thread)
+WGMMA_B_R = 64
+#: wgmma: head sizes its tiles take (whole 64-column TMA boxes; d_head 256's dK and dV do not fit the registers)
+WGMMA_D_HEADS = (64, 128)
 
 
 def _dtype(value: Any) -> DType:
@@ -92,6 +98,11 @@ class BackwardConfig:
         return 32 * self.n_warps
 
     @property
+    def consumers(self) -> int:
+        """wgmma: consumer warpgroups (64 key rows each); warpgroup 0 is the TMA producer."""
+        return self.n_warps // WG_WARPS - 1
+
+    @property
     def warp_groups(self) -> int:
         """Groups of ``d_split`` warps; each owns a share of the key rows and of dQ's query rows."""
         return self.n_warps // self.d_split
@@ -132,7 +143,12 @@ class BackwardConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit)."""
+        """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit);
+        wgmma: two dS^T buffers, the ring's mbarriers and the slack that aligns the base to 1024 bytes."""
+        if self.engine == "wgmma":
+            from .hopper_backward_plan import smem_plan
+
+            return smem_plan(self)[1]
         streamed = self.stages * (2 * self.B_r * self.d_smem * self.dtype.size + 2 * 4 * self.B_r)
         return 2 * self.B_c * self.d_smem * self.dtype.size + streamed + self.B_c * self.B_r * self.dtype.size
 
@@ -157,7 +173,8 @@ class BackwardConfig:
     def short_form(self) -> str:
         """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
         (``d_split_2`` among them when the warps split d, ``deterministic`` for dQ's ordered adds)."""
-        flags = (["swizzled"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
+        flags = (["wgmma"] if self.engine == "wgmma" else []) + (["swizzled"] if self.swizzled else [])
+        flags += [self.mask] if self.mask != "none" else []
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
         flags += [f"stages_{self.stages}"] if self.stages > 1 else []
         flags += ["deterministic"] if self.deterministic else []
@@ -170,7 +187,8 @@ class BackwardConfig:
     def mangle(self) -> str:
         """A C identifier naming this config (also the .cu file stem)."""
         parts = [self.dtype.value, f"d{self.d_head}", f"br{self.B_r}", f"bc{self.B_c}", f"w{self.n_warps}"]
-        parts += (["swz"] if self.swizzled else []) + ([self.mask] if self.mask != "none" else [])
+        parts += (["wgmma"] if self.engine == "wgmma" else []) + (["swz"] if self.swizzled else [])
+        parts += [self.mask] if self.mask != "none" else []
         parts += [f"ds{self.d_split}"] if self.d_split > 1 else []
         parts += [f"s{self.stages}"] if self.stages > 1 else []
         parts += ["det"] if self.deterministic else []
@@ -194,6 +212,8 @@ def _rule_choices(c: BackwardConfig) -> None:
 
 
 def _rule_sizes(c: BackwardConfig) -> None:
+    if c.engine == "wgmma":
+        return _rule_wgmma(c)
     if c.d_head <= 0 or c.d_head % 8 or c.d_head > 256:
         raise ConfigError(f"d_head={c.d_head}: must be a multiple of 8 between 8 and 256 (rows move in 16-byte vectors)")
     if c.n_warps <= 0 or c.n_warps & (c.n_warps - 1) or c.n_warps > 16:
@@ -235,6 +255,8 @@ def acc_reg_limit(threads: int) -> int:
 
 
 def _rule_registers(c: BackwardConfig) -> None:
+    if c.engine == "wgmma":
+        return  # the wgmma shapes are fixed per head size (_rule_wgmma); ptxas reports the rest
     limit = acc_reg_limit(c.threads)
     if c.acc_regs > limit:
         raise ConfigError(
@@ -254,6 +276,26 @@ def _rule_stages(c: BackwardConfig) -> None:
     if c.stages not in (1, 2):
         raise ConfigError(f"stages={c.stages!r}: 1 (each query block's Q, dO, lse and D loaded before it is used) "
                           "or 2 (the next block's loaded while this one is computed)")
+
+
+def _rule_wgmma(c: BackwardConfig) -> None:
+    """The wgmma backward's shapes: one producer warpgroup and consumers of 64 key rows each."""
+    if c.d_head not in WGMMA_D_HEADS:
+        raise ConfigError(f"d_head={c.d_head}: the wgmma backward takes d_head {' or '.join(map(str, WGMMA_D_HEADS))} "
+                          "(whole 64-column TMA boxes; dK and dV of larger heads do not fit a consumer's registers); "
+                          "use engine=mma_sync")
+    if c.n_warps % WG_WARPS or c.consumers not in (1, 2):
+        raise ConfigError(f"n_warps={c.n_warps}: the wgmma backward runs one producer and 1 or 2 consumer warpgroups "
+                          f"of {WG_WARPS} warps (n_warps 8 or 12)")
+    if c.B_c != 64 * c.consumers:
+        raise ConfigError(f"B_c={c.B_c} with n_warps={c.n_warps}: each of the {c.consumers} consumer warpgroup(s) owns 64 key "
+                          f"rows (a wgmma's M), so B_c must be {64 * c.consumers}")
+    if c.B_r != WGMMA_B_R:
+        raise ConfigError(f"B_r={c.B_r}: the wgmma backward walks query blocks of {WGMMA_B_R} rows (S^T and dP^T of "
+                          f"64 x {WGMMA_B_R} per consumer beside dK and dV in its registers)")
+    if c.d_split != 1 or not c.swizzled or c.deterministic:
+        raise ConfigError(f"{c.short_form()}: the wgmma backward has no d_split, needs swizzled tiles (TMA's 128-byte "
+                          "swizzle) and has no deterministic variant yet (engine=mma_sync has one)")
 
 
 _RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)

@@ -112,8 +112,9 @@ class TmaTile:
 class OperandDesc:
     """A wgmma operand's descriptors: fields shared by all steps, start offsets per k16 step.
 
-    ``start(base, s)`` is ``base + step_offsets[s]`` (+ ``row_block_offset * block`` for
-    the A operand of consumer ``block``); LBO/SBO/swizzle are constant.
+    ``start(base, s)`` is ``base + step_offsets[s]`` (+ ``row_block_offset * block`` for the part of
+    the tile consumer ``block`` reads: its A rows, or the backward dQ's B columns); LBO/SBO/swizzle
+    are constant.
     """
 
     operand: str
@@ -143,7 +144,8 @@ class RegisterLoad:
 
 @attrs.frozen
 class WarpgroupGemm:
-    """One consumer GEMM: ``k_steps`` wgmma of ``atom``; A from shared memory or registers."""
+    """One consumer GEMM: ``k_steps`` wgmma of ``atom``; A from shared memory or registers; ``trans_a``:
+    A read MN-major from shared memory (the backward's dQ reads dS^T's tile as dS)."""
 
     name: str
     atom: WGMMA_64xNx16
@@ -151,6 +153,7 @@ class WarpgroupGemm:
     a: "OperandDesc | None"
     b: OperandDesc
     trans_b: bool
+    trans_a: bool = False
 
     @property
     def k_steps(self) -> int:

@@ -171,6 +171,13 @@ class StoreRF(Step):
     op = "store_rf"
 
 
+class Handoff(Step):
+    """Accumulator ``arg`` stored to shared memory by every consumer warpgroup: an async-proxy fence and a
+    named barrier over the consumers before any of them reads it with wgmma (the backward's dS^T)."""
+
+    op = "handoff"
+
+
 class ReduceGM(Step):
     """Accumulator ``arg`` added into its fp32 global buffer (``red.global.add.f32``; dQ)."""
 

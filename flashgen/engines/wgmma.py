@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..dsl.config import ConfigError, DType, KernelConfig, hopper_configs
 from ..emit.source import KernelSource
-from ..targets import HOPPER, Target
-from .base import Engine
+from ..targets import HOPPER, Target, named as target_named
+from .base import BackwardKernels, Engine
 
 if TYPE_CHECKING:
     from ..dsl.hopper_plan import HopperPlan
@@ -21,14 +21,73 @@ DEFAULT_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
 #: and masked sequences run faster with B_c 128, and for d_head 64 every larger block was slower
 #: (docs/results/block_size.txt). Bucket 0 (unknown length) keeps the base block.
 LONG_B_C = {128: (2048, 8192, 160)}
+#: Shared memory per block of the wgmma engine's target (the default's bound where no GPU is named).
+HOPPER_SMEM = target_named("sm_90a").smem_per_block
 #: The head size whose defaults ``flashgen bench`` times.
 BENCH_D_HEAD = 128
+
+
+#: The wgmma backward's shipped shape: 64-row query blocks, two consumers of 64 key rows, two ring stages.
+BACKWARD_SHAPE = dict(B_r=64, B_c=128, n_warps=12, stages=2)
+
+
+class WgmmaBackward(BackwardKernels):
+    """The backward on wgmma (sm_90a): TMA producer, consumers of 64 key rows, dQ by fp32 reductions."""
+
+    def make_plan(self, cfg: Any) -> Any:
+        from ..dsl.hopper_backward_plan import make_hopper_backward_plan
+
+        return make_hopper_backward_plan(cfg)
+
+    def emit(self, plan: Any) -> KernelSource:
+        from ..emit.hopper_backward_kernel import emit_hopper_backward
+
+        return emit_hopper_backward(plan)
+
+    def coverage(self, plan: Any) -> dict:
+        from ..sim.hopper_backward import hopper_backward_coverage
+
+        return hopper_backward_coverage(plan)
+
+    def simulate(self, plan: Any, q: Any, k: Any, v: Any, do: Any, **mask: Any) -> Any:
+        from ..sim.hopper_backward import simulate_hopper_backward
+
+        return simulate_hopper_backward(plan, q, k, v, do, **mask)
+
+    def verify_checks(self, plan: Any) -> tuple:
+        from ..sim.verify import hopper_backward_checks
+
+        return hopper_backward_checks(plan)
+
+    def report(self, plan: Any, verification: dict, cta: bool = True) -> dict[str, Any]:
+        from ..sim.hopper_backward import hopper_backward_report
+
+        return hopper_backward_report(plan, verification, cta=cta)
+
+    def default_config(self, dtype: DType, d_head: int, mask: str = "none", target: Target | None = None) -> Any:
+        """:data:`BACKWARD_SHAPE` for d_head 64 and 128 where it fits the target's shared memory; else None."""
+        from ..dsl.backward_config import WGMMA_D_HEADS, BackwardConfig
+
+        if d_head not in WGMMA_D_HEADS:
+            return None
+        cfg = BackwardConfig(dtype, d_head=d_head, mask=mask, engine="wgmma", **BACKWARD_SHAPE)
+        limit = target.smem_per_block if target is not None else HOPPER_SMEM
+        return cfg if cfg.smem_bytes <= limit else None
+
+    def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
+        """The shipped shape with one and two ring stages (the other knobs are fixed by the head size)."""
+        from ..dsl.backward_config import WGMMA_D_HEADS, BackwardConfig
+
+        if d_head not in WGMMA_D_HEADS:
+            return []
+        return [BackwardConfig(dtype, d_head=d_head, mask=mask, engine="wgmma", **{**BACKWARD_SHAPE, "stages": s}) for s in (2, 1)]
 
 
 class WgmmaEngine(Engine):
     name = "wgmma"
     instructions = HOPPER
     rank = 1
+    backward = WgmmaBackward()
     hint = "use an engine=mma_sync config on this GPU"
 
     @property

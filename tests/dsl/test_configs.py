@@ -58,7 +58,8 @@ def test_a_malformed_backward_name_says_where_and_why(text, words):
 
 @pytest.mark.parametrize("text, words", [
     ("bwd(FP16, 64, 64, 64, 3)", ["invalid backward config 'bwd(FP16, 64, 64, 64, 3)'", "n_warps=3"]),
-    ("bwd(FP16, 64, 64, 64, 4): wgmma", ["engine='wgmma'", "mma_sync"]),
+    ("bwd(FP16, 64, 64, 64, 4): wgmma", ["n_warps=4", "producer"]),
+    ("bwd(FP16, 96, 64, 128, 12): wgmma", ["d_head=96", "engine=mma_sync"]),
 ])
 def test_a_backward_name_of_kernels_that_cannot_be_built_names_the_rule(text, words):
     with pytest.raises(ConfigError) as err:
