@@ -100,6 +100,8 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         raise RuntimeError("flashgen::attention was called with return_lse=False, so its backward has no "
                            "log-sum-exp to recompute the probabilities from; flashgen's callables pass "
                            "return_lse=True themselves when a call needs gradients")
+    # the wgmma backward reads q, k, v and dO through tensor maps (rows 16-byte aligned), whatever engine ran forward
+    q, k, v, out = (_launchable(t) for t in (q, k, v, out))
     dout = torch.zeros_like(out) if dout is None else _launchable(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
     dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1], ctx.deterministic),

@@ -127,20 +127,32 @@ def tuned_backward(gpu: str, dtype: DType, d_head: int, seq: int, mask: str, cac
     return cfg.replace(mask=mask)
 
 
+def _variant(cfg, deterministic: bool):
+    """``cfg`` with ``deterministic`` set, or None where its engine's backward has no such variant."""
+    try:
+        return cfg.replace(deterministic=deterministic)
+    except ConfigError:
+        return None
+
+
 def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int, int] | None = None,
-                    gpu: str | None = None, seq: int = 0, cache: dict | None = None):
+                    gpu: str | None = None, seq: int = 0, cache: dict | None = None, deterministic: bool = False):
     """The backward config that differentiates a forward kernel of this dtype, head size and score mask:
     with a ``gpu`` name and a key length ``seq``, the tuned winner of its bucket (:func:`tuned_backward`)
     where its engine runs on ``capability``; else the default of the first engine the GPU runs (preferred
-    first) that has a backward taking the head size."""
+    first) that has a backward taking the head size. ``deterministic``: its variant with ordered dQ adds,
+    from the first engine whose backward has one."""
     target = of_capability(capability) if capability is not None else None
     tuned = tuned_backward(gpu, dtype, d_head, seq, mask, cache) if gpu is not None and seq else None
     if tuned is not None and (target is None or engines.engine_of(tuned).runs_on(target)):
-        return tuned
+        found = _variant(tuned, deterministic)
+        if found is not None:
+            return found
     for engine in engines.runnable_on(target):
         cfg = engine.backward.default_config(dtype, d_head, mask, target) if engine.backward is not None else None
-        if cfg is not None:
-            return cfg
+        found = _variant(cfg, deterministic) if cfg is not None else None
+        if found is not None:
+            return found
     where = f" within the {target.smem_per_block}-byte shared memory per block of compute capability " \
             f"{target.capability[0]}.{target.capability[1]}" if target is not None else ""
     raise ConfigError(f"no backward kernel takes d_head={d_head}{where} (the mma_sync backward takes d_head <= 128 "

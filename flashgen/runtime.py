@@ -127,11 +127,10 @@ class Attention:
         its variant with ordered dQ adds."""
         gpu = device_facts(_device_index(torch.device("cuda")))[0] if seq_k else None
         try:
-            cfg = backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu,
-                                  seq=seq_k)
+            return backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu, seq=seq_k,
+                                   deterministic=self.deterministic if deterministic is None else bool(deterministic))
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
-        return cfg.replace(deterministic=self.deterministic if deterministic is None else bool(deterministic))
 
     def _load_backward(self, seq_k: int, deterministic: bool) -> int:
         """Build (or load from the cache) and load the backward kernel of key length ``seq_k`` (or its

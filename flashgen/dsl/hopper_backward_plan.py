@@ -50,6 +50,42 @@ from .steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Re
 STAT = 4
 
 
+@attrs.frozen
+class DqStage:
+    """How a consumer's dQ of a query block reaches the fp32 buffer: staged in shared memory in fragment
+    order (the 32-bit values ``2p`` and ``2p+1`` of thread ``t`` at 8-byte slot ``128 p + t``: each
+    warp's 8-byte stores fill 256 contiguous bytes, free of bank conflicts), then added with one
+    ``cp.reduce.async.bulk`` into the same bytes of the buffer's chunk for (batch, head, query block,
+    consumer). The buffer is flashgen's own workspace, so it keeps fragment order too; the dQ conversion
+    finds element (row, col) of a query block with :meth:`index_cpp`, the inverse of the accumulator map."""
+
+    offset: int  # bytes from the aligned shared-memory base: consumer w's region at offset + w * region_bytes
+    rows: int  # B_r
+    cols: int  # dQ columns per consumer
+    consumers: int
+
+    @property
+    def region_bytes(self) -> int:
+        return 4 * self.rows * self.cols
+
+    def slot(self, thread: int, value: int) -> int:
+        """The fp32 index, in a consumer's region, of accumulator value ``value`` of thread ``thread``."""
+        return 2 * (128 * (value // 2) + thread) + value % 2
+
+    def index_cpp(self) -> str:
+        """``dq_chunk_index(r, c)``: the fp32 index of dQ element (row ``r`` of the query block, column ``c``)
+        within the block's chunk (every consumer's region in order): the accumulator map of a 64 x n
+        wgmma inverted (row ``16 w + 8 h + g``: warp ``w``, half ``h``, lane group ``g``; column
+        ``8 j + 2 q + e``: thread ``32 w + 4 g + q`` holds it as value ``4 j + 2 h + e``)."""
+        return f"""// the fp32 index of dQ element (r, c) of a query block in its chunk of the dQ buffer (DqStage's fragment order)
+__host__ __device__ __forceinline__ uint32_t dq_chunk_index(uint32_t r, uint32_t c) {{
+    const uint32_t consumer = c / {self.cols}u, cc = c % {self.cols}u;
+    const uint32_t thread = 32u * (r / 16u) + 4u * (r % 8u) + (cc % 8u) / 2u;
+    const uint32_t value = 4u * (cc / 8u) + 2u * ((r % 16u) / 8u) + cc % 2u;
+    return consumer * {self.rows * self.cols}u + 2u * (128u * (value / 2u) + thread) + value % 2u;
+}}"""
+
+
 def _kmajor(name: str, rows: int, cols: int, dtype, offset: int, stages: int) -> SmemTile:
     return SmemTile(name, rows, cols, kmajor_tile_layout(rows, cols, dtype, SWIZZLE), offset, stages, rows * cols * dtype.size)
 
@@ -58,7 +94,7 @@ def smem_plan(cfg: BackwardConfig) -> tuple[dict, int]:
     """(name -> SmemTile or (offset, stages, stage bytes), total bytes with the alignment slack).
 
     Order: K, V (resident), Q and dO (``stages`` each), dS^T (2 buffers), lse and D (``stages`` each),
-    the mbarriers. Every 16-bit tile starts on the 1024-byte swizzle pattern."""
+    the consumers' staged dQ (:class:`DqStage`), the mbarriers. Every 16-bit tile starts on the 1024-byte swizzle pattern."""
     d, B_r, B_c, st, dt = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages, cfg.dtype
     tiles, off = {}, 0
     for name, rows, cols, stages in (("K", B_c, d, 1), ("V", B_c, d, 1), ("Q", B_r, d, st), ("dO", B_r, d, st), ("dS", B_c, B_r, 2)):
@@ -67,6 +103,8 @@ def smem_plan(cfg: BackwardConfig) -> tuple[dict, int]:
     for name in ("LSE", "D"):
         tiles[name] = (off, st, B_r * STAT)
         off += st * B_r * STAT
+    tiles["dQ"] = DqStage(off, B_r, d // cfg.consumers, cfg.consumers)
+    off += cfg.consumers * tiles["dQ"].region_bytes
     tiles["barriers"] = (off, 0, 8)
     off += 8 * (1 + 4 * st)  # kv_full; q_full, do_full, q_empty, do_empty per stage
     return tiles, off + SMEM_ALIGN
@@ -79,13 +117,16 @@ class HopperBackwardPlan:
     stats: dict  # LSE, D -> (offset, stages, bytes per stage)
     loads: dict  # K, V, Q, dO -> TmaTile
     barriers: dict  # name -> (Mbarrier, offset, stages)
-    #: one use per (query head, query block) work item of the CTA: Q + lse on q_*, dO + D on do_*
+    #: one use per (query head, query block) work item of the CTA: Q + lse on q_*, dO + D on do_*; every
+    #: consumer thread arrives on the empty barriers (each read the stage's lse or D itself)
     ring: MbarrierRing
     gemms: dict  # S, dP, dV, dK, dQ -> WarpgroupGemm
     #: [k16 step][A reg] -> (accumulator value lo, hi): P^T -> A of dV and dS^T -> A of dK (one table)
     a_from_acc: tuple
     #: columns of dQ per consumer (consumer w: columns from w * dq_cols)
     dq_cols: int
+    #: where each consumer stages its dQ for the bulk reductions
+    dq_stage: DqStage
     schedule: tuple[Step, ...]
     score_mask: ScoreMask
     query_blocks: QueryBlocks
@@ -143,7 +184,7 @@ def _schedule() -> tuple[Step, ...]:
         WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time"),
         Release("Q"),
         Release("dO"),
-        ReduceGM("dQ", why="dQ added into the fp32 buffer"),
+        ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction"),
     )
 
 
@@ -160,7 +201,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
     bar0 = layout["barriers"][0]
     barriers, off = {}, bar0
     for name, stages, count in (("kv_full", 1, 1), ("q_full", cfg.stages, 1), ("do_full", cfg.stages, 1),
-                                ("q_empty", cfg.stages, 4 * n), ("do_empty", cfg.stages, 4 * n)):
+                                ("q_empty", cfg.stages, WARPGROUP * n), ("do_empty", cfg.stages, WARPGROUP * n)):
         barriers[name] = (Mbarrier(name, count), off, stages)
         off += 8 * stages
     dq_cols = d // n
@@ -177,7 +218,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), gemms=gemms,
-        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, schedule=_schedule(),
+        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
     )

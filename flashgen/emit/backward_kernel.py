@@ -403,9 +403,9 @@ struct Params {
 };"""
 )
 
-#: The preprocess (D) and the dQ conversion.
+#: The preprocess (D) and the dQ conversion; ``$stats``: where the preprocess puts D (see aux_kernels).
 _AUX_KERNELS = CodeTemplate(
-    r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil(seq_q * ROWDOT_LANES / 128), heads, batch)
+    r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil($rows * ROWDOT_LANES / 128), heads, batch)
 __global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params p) {
     const int row = int((blockIdx.x * 128 + threadIdx.x) / ROWDOT_LANES);
     const int lane = int(threadIdx.x % ROWDOT_LANES);
@@ -416,7 +416,7 @@ __global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params
     const float d = rowdot_reduce(ok ? rowdot_partial(dO, O, lane, int(D_HEAD)) : 0.f);
     // lse's gradient g adds scale * P * g to the scores' (d lse / dS = scale * P): the same as D - g
     const int64_t at = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q + row;
-    if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;
+    $stats
 }
 
 // dQ = dq_accum * scale in the inputs' dtype; one thread per element; grid (ceil(seq_q * D_HEAD / 256), heads, batch)
@@ -424,10 +424,36 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
     const int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x;
     if (i >= int64_t(p.seq_q) * D_HEAD) return;
     const int row = int(i / D_HEAD), col = int(i % D_HEAD);
-    const float acc = p.dq_accum[((int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q) * D_HEAD + i];
+    const float acc = p.dq_accum[$dq_at];
     p.dq[blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head + int64_t(row) * p.dq_ld + col] = elem_t(bwd_grad_scaled(acc, p.scale));
 }"""
 )
+
+#: D per query row (the mma.sync kernel reads it with the rows' lse)
+_STATS = ["if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;"]
+#: D and lse * log2(e) per row of whole query blocks (``stat_len`` rows): what the wgmma kernel's bulk copies load
+_PADDED_STATS = [
+    "if (lane == 0 && row < p.stat_len) {  // rows past seq_q: D 0 and lse_log2 +inf, so their P is 0",
+    "    const int64_t padded = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.stat_len + row;",
+    "    p.delta[padded] = !ok ? 0.f : p.dlse != nullptr ? d - p.dlse[at] : d;",
+    "    p.lse_log2[padded] = ok ? bwd_lse_log2(p.lse[at]) : INFINITY;",
+    "}",
+]
+
+
+#: the wgmma kernel's dQ buffer: per (batch, head, query block) a chunk of B_r x D_HEAD values in the
+#: order its bulk reductions add them (``dq_chunk_index``)
+_CHUNK_AT = ("((int64_t(blockIdx.z) * p.heads + blockIdx.y) * (p.stat_len / int(B_r)) + row / int(B_r)) * (B_r * D_HEAD)"
+             " + dq_chunk_index(uint32_t(row) % B_r, uint32_t(col))")
+
+
+def aux_kernels(padded: bool = False) -> str:
+    """The preprocess and the dQ conversion of a backward file (inside its namespace, after ``Params``);
+    ``padded``: the wgmma kernel's: the preprocess writes D and lse * log2(e) for ``p.stat_len`` rows
+    (whole query blocks) and dQ's buffer is in chunks of whole query blocks (``dq_chunk_index``)."""
+    return _AUX_KERNELS.substitute(rows="stat_len" if padded else "seq_q", stats=_PADDED_STATS if padded else _STATS,
+                                   dq_at=_CHUNK_AT if padded else "((int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q) * D_HEAD + i")
+
 
 #: The main kernel: one key block of one kv head, over the query blocks of its group's heads.
 _KERNEL = CodeTemplate(
@@ -546,7 +572,7 @@ $kernel_code
 
 $launcher_code
 """)
-_PARTS = [("header_code", _HEADER), ("device_code", _DEVICE), ("aux_code", _AUX_KERNELS), ("kernel_code", _KERNEL),
+_PARTS = [("header_code", _HEADER), ("device_code", _DEVICE), ("kernel_code", _KERNEL),
           ("launcher_code", _LAUNCHER), ("file", _FILE)]
 
 
@@ -570,7 +596,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         d_cols=8 * plan.gemms["dV"].n_tiles,
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
-        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK,
+        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
         smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS")]
                    + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
         stage_addrs=[f"const uint32_t s{n}_addr = s{n}_stage0 + stage * {plan.stage_bytes[n]}u;" for n in ("Q", "dO")],

@@ -363,13 +363,10 @@ if (wtid == 0) {  // one thread stores them; the warpgroup goes on without waiti
 }"""
 )
 
-#: Host side: the argument struct, tensor maps, the SM count, the launch's grid (sched_grid).
-_HOST = CodeTemplate(
-    r"""$args_struct
-
-namespace $name {
-
-using encode_fn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+#: Host side, shared with the wgmma backward: the driver's tensor-map encoder and one (d_head, seq, heads,
+#: batch) map per tensor (``$box_cols``-column boxes, ``$tma_dtype``, ``$tma_swizzle``).
+TENSOR_MAPS = CodeTemplate(
+    r"""using encode_fn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
@@ -398,7 +395,16 @@ static bool make_map(CUtensorMap* map, const void* ptr, int seq, int heads, int 
     const cuuint32_t box[4] = {$box_cols, box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
     return encode(map, $tma_dtype, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                   $tma_swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
+}"""
+)
+
+#: Host side: the argument struct, tensor maps, the SM count, the launch's grid (sched_grid).
+_HOST = CodeTemplate(
+    r"""$args_struct
+
+namespace $name {
+
+$tensor_maps_code
 
 // SMs of the current device: asked of the driver once per device (every launch needs it)
 static int sm_count(int* sms) {
@@ -490,7 +496,7 @@ $entry_points_code
 $mask_blocks
 """)
 _PARTS = [("epilogue_code", _EPILOGUE), ("consumers_code", _CONSUMERS), ("producer_code", _PRODUCER), ("kernel_code", _KERNEL),
-          ("header_code", _HEADER), ("types_code", _TYPES), ("host_code", _HOST), ("entry_points_code", _ENTRY_POINTS),
+          ("header_code", _HEADER), ("types_code", _TYPES), ("tensor_maps_code", TENSOR_MAPS), ("host_code", _HOST), ("entry_points_code", _ENTRY_POINTS),
           ("file", _FILE)]
 
 

@@ -148,3 +148,8 @@ def o_store_problems(plan: HopperPlan) -> list[str]:
     first = {b.col0: b.smem_offset for b in st.boxes if b.row0 == 0}
     return [f"O store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it"
             for b in st.boxes if b.smem_offset != first[b.col0] + (b.row0 // rows) * st.tma.bytes][:SHOWN]
+
+
+def hopper_backward_checks(plan) -> tuple:
+    """The wgmma backward's proofs (none yet)."""
+    return ()

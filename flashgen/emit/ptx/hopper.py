@@ -81,6 +81,27 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
 
 
 
+def bulk_load() -> str:
+    """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes`` (PTX ISA "cp.async.bulk"): a
+    contiguous copy without a tensor map (16-byte aligned source, destination and size)."""
+    return r'''// Bulk copy: `bytes` contiguous bytes from global `src` to shared `dst` (all 16-byte aligned); completion
+// adds the bytes to `bar`'s transaction count.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}'''
+
+
+def bulk_reduce_add() -> str:
+    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`` (PTX ISA "cp.reduce.async.bulk")."""
+    return r'''// Bulk reduction: `bytes` contiguous fp32 values of shared `src` added into global `dst` (16-byte aligned,
+// elementwise atomic); one bulk group of this thread (bulk_commit_group / bulk_wait_group*).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}'''
+
+
 def tma_store_4d() -> str:
     """``cp.async.bulk.tensor.4d.global.shared::cta.bulk_group`` and its bulk-group completion
     (PTX ISA "cp.async.bulk.tensor", "cp.async.bulk.commit_group", "cp.async.bulk.wait_group")."""
@@ -195,29 +216,31 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }'''
 
 
-def wgmma_helper_name(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
-    return f"wgmma_m64n{atom.n}k16_{atom.dtype.ptx}_ss{'_tb' if trans_b else ''}"
+def wgmma_helper_name(atom: WGMMA_64xNx16, trans_b: bool = False, trans_a: bool = False) -> str:
+    return f"wgmma_m64n{atom.n}k16_{atom.dtype.ptx}_ss{'_ta' if trans_a else ''}{'_tb' if trans_b else ''}"
 
 
-def wgmma(atom: WGMMA_64xNx16, trans_b: bool = False) -> str:
+def wgmma(atom: WGMMA_64xNx16, trans_b: bool = False, trans_a: bool = False) -> str:
     """``wgmma.mma_async`` with A and B from shared-memory descriptors (PTX ISA "wgmma.mma_async").
 
     ``name(float (&d)[N/2], uint64_t desc_a, uint64_t desc_b, int scale_d)``: ``d = A*B + (scale_d ? d : 0)``;
-    A is K-major, B K-major (``imm-trans-b = 0``) or, with ``trans_b``, MN-major (1).
+    A is K-major (``imm-trans-a = 0``) or, with ``trans_a``, MN-major (1); B K-major (``imm-trans-b = 0``)
+    or, with ``trans_b``, MN-major (1).
     Accumulator register i is at (row, col) ``atom.c_map(thread, i)``.
     """
     n = atom.c_regs
     d_ops = ", ".join(f"%{i}" for i in range(n))
     d_cons = ",\n          ".join(", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, n))) for j in range(0, n, 8))
-    tb = 1 if trans_b else 0
-    return f'''// {atom.name}: D(64x{atom.n}, f32) += A(64x16, smem desc) * B(16x{atom.n}, smem desc){", B transposed (MN-major)" if trans_b else ""}.
+    tb, ta = int(trans_b), int(trans_a)
+    majors = (", A transposed (MN-major)" if trans_a else "") + (", B transposed (MN-major)" if trans_b else "")
+    return f'''// {atom.name}: D(64x{atom.n}, f32) += A(64x16, smem desc) * B(16x{atom.n}, smem desc){majors}.
 // Issue between wgmma_fence() and wgmma_commit_group(); scale_d == 0 overwrites d.
-__device__ __forceinline__ void {wgmma_helper_name(atom, trans_b)}(float (&d)[{n}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
+__device__ __forceinline__ void {wgmma_helper_name(atom, trans_b, trans_a)}(float (&d)[{n}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
     asm volatile(
         "{{\\n"
         ".reg .pred p;\\n"
         "setp.ne.b32 p, %{n + 2}, 0;\\n"
-        "{atom.ptx} {{{d_ops}}}, %{n}, %{n + 1}, p, 1, 1, 0, {tb};\\n"
+        "{atom.ptx} {{{d_ops}}}, %{n}, %{n + 1}, p, 1, 1, {ta}, {tb};\\n"
         "}}\\n"
         : {d_cons}
         : "l"(desc_a), "l"(desc_b), "r"(scale_d)
@@ -251,7 +274,7 @@ __device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)
 
 def helpers(atoms: tuple[WGMMA_64xNx16, ...] = ()) -> str:
     """All Hopper helpers in a fixed order, then one wgmma helper per atom (K-major B)."""
-    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(), tma_load_4d(), tma_store_4d(),
+    parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(), tma_load_4d(), bulk_load(), bulk_reduce_add(), tma_store_4d(),
              fence_mbarrier_init(), named_barrier(), smem_descriptor(), fence_proxy_async(), wgmma_sync(), setmaxnreg()]
     parts += [wgmma(a) for a in atoms]
     return "\n".join(parts)

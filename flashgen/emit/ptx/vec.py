@@ -26,4 +26,8 @@ __device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
 // One 32-bit shared-memory store (a packed pair of 16-bit values).
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+// Two fp32 values to 8 aligned bytes of shared memory.
+__device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
 }'''

@@ -1,0 +1,443 @@
+"""HopperBackwardPlan -> CUDA C++ of the attention backward on wgmma (sm_90a; pure, deterministic).
+
+The same three kernels and launcher ABI as the mma.sync backward (:mod:`flashgen.emit.backward_kernel`:
+``preprocess``, ``kernel``, ``convert_dq``, ``<name>_workspace`` / ``<name>_launch`` taking
+:func:`flashgen.emit.abi.backward_args_struct`), so one launcher operator runs either. Here the
+preprocess also writes lse * log2(e) and D padded to whole query blocks, which the producer loads with
+one bulk copy each beside the TMA boxes of Q and dO. Every shared-memory offset, descriptor field, ring
+parity, accumulator-to-A table and the consumer's step order come from
+:func:`flashgen.dsl.hopper_backward_plan.make_hopper_backward_plan`.
+"""
+from __future__ import annotations
+
+import json
+
+from ..dsl.config import LOG2E
+from ..dsl.hopper_backward_plan import HopperBackwardPlan
+from ..dsl.steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, Step, StoreRF, WaitFull, WgmmaWait
+from .abi import backward_args_struct
+from .backward_kernel import aux_kernels
+from .hopper_kernel import TARGET, TENSOR_MAPS
+from .ptx import hopper as ptx_hopper, math as ptx_math, vec
+from .ptx.used import HELPERS_MARK, insert_used
+from .source import KernelSource, kernel_meta
+from .template import CodeTemplate, compose
+
+__all__ = ["TARGET", "emit_hopper_backward"]
+
+#: per GEMM: its accumulator, A (a descriptor variable or the A-fragment array) and B's descriptor variable;
+#: ``staged``: the operand lives in the Q/dO ring (its stage's bytes added) or in a dS buffer
+_OPERANDS = {"S": ("s_acc", "desc_k", "desc_q"), "dP": ("dp_acc", "desc_v", "desc_do"), "dV": ("dv_acc", "p_frag", "desc_do_mn"),
+             "dK": ("dk_acc", "ds_frag", "desc_q_mn"), "dQ": ("dq_acc", "desc_ds", "desc_k_mn")}
+_STAGED = {"desc_q": "st * (Q_BYTES >> 4)", "desc_do": "st * (Q_BYTES >> 4)", "desc_q_mn": "st * (Q_BYTES >> 4)",
+           "desc_do_mn": "st * (Q_BYTES >> 4)", "desc_ds": "buf * (DS_BYTES >> 4)"}
+#: the accumulators a GEMM's retirement frees (its own, and the A fragments it read)
+_HOLDS = {"S": ("s_acc",), "dP": ("dp_acc",), "dV": ("dv_acc", "p_frag"), "dK": ("dk_acc", "ds_frag"), "dQ": ("dq_acc",)}
+#: the fresh accumulators (their first k step overwrites: scale-d 0)
+_FRESH = ("S", "dP", "dQ")
+
+
+def _desc(plan: HopperBackwardPlan, var: str, gemm: str, operand: str, tile: str, per_consumer: bool) -> str:
+    g = plan.gemms[gemm]
+    d = getattr(g, operand)
+    base = f"s{tile}" + (f" + cw * {d.row_block_offset}u" if per_consumer and d.row_block_offset else "")
+    return f"const uint64_t {var} = smem_desc({base}, {d.lbo}u, {d.sbo}u, {d.swizzle.desc_code}u);  // {g.name}'s {operand.upper()}: {d.operand} {d.major}-major"
+
+
+def _descriptors(plan: HopperBackwardPlan) -> list[str]:
+    return [_desc(plan, "desc_k", "S", "a", "K", True), _desc(plan, "desc_q", "S", "b", "Q", False),
+            _desc(plan, "desc_v", "dP", "a", "V", True), _desc(plan, "desc_do", "dP", "b", "dO", False),
+            _desc(plan, "desc_do_mn", "dV", "b", "dO", False), _desc(plan, "desc_q_mn", "dK", "b", "Q", False),
+            _desc(plan, "desc_ds", "dQ", "a", "dS", False), _desc(plan, "desc_k_mn", "dQ", "b", "K", True)]
+
+
+def _helper(plan: HopperBackwardPlan, name: str) -> str:
+    g = plan.gemms[name]
+    if g.a_from == "smem":
+        return ptx_hopper.wgmma_helper_name(g.atom, g.trans_b, g.trans_a)
+    return ptx_hopper.wgmma_rs_helper_name(g.atom, g.trans_b)
+
+
+def _operand(var: str, offset: int) -> str:
+    staged = f" + {_STAGED[var]}" if var in _STAGED else ""
+    return f"{var}{staged} + {offset >> 4}u"
+
+
+def _gemm(plan: HopperBackwardPlan, step: Step) -> list[str]:
+    """fence, one wgmma per k16 step (A and B at their per-step offsets), commit."""
+    g = plan.gemms[step.arg]
+    acc, a, b = _OPERANDS[step.arg]
+    fn = _helper(plan, step.arg)
+    calls = []
+    for t, boff in enumerate(g.b.step_offsets):
+        scale = 0 if step.arg in _FRESH and t == 0 else 1
+        a_arg = _operand(a, g.a.step_offsets[t]) if g.a_from == "smem" else f"{a}[{t}]"
+        calls.append(f"{fn}({acc}, {a_arg}, {_operand(b, boff)}, {scale});")
+    fence = [f"wgmma_fence_operands({acc});"] + ([f"wgmma_fence_operands({a});"] if g.a_from == "regs" else [])
+    return fence + ["wgmma_fence();"] + calls + ["wgmma_commit_group();", f"wgmma_fence_operands({acc});"]
+
+
+def _retired(plan: HopperBackwardPlan, upto: int, keep: int) -> list[str]:
+    """The GEMMs a ``wgmma.wait_group keep`` at schedule position ``upto`` retires: every GEMM issued in
+    this block's steps before it, less the ``keep`` newest, less those an earlier wait retired."""
+    issued, done = [], set()
+    for i, s in enumerate(plan.schedule[:upto]):
+        if isinstance(s, Gemm):
+            issued.append(s.arg)
+        elif isinstance(s, WgmmaWait):
+            done |= set(issued[:len(issued) - int(s.arg)])
+    return [g for g in issued[:len(issued) - keep] if g not in done]
+
+
+def _wait(plan: HopperBackwardPlan, step: WgmmaWait, at: int) -> list[str]:
+    fences = [f"wgmma_fence_operands({r});" for g in _retired(plan, at, int(step.arg)) for r in _HOLDS[g]]
+    return [f"wgmma_wait_group<{step.arg}>();"] + fences
+
+
+def _per_value(plan: HopperBackwardPlan, n: str, lines: list[str], gemm: str = "S", step: int = 1) -> list[str]:
+    """``lines`` for every accumulator value ``i`` of ``gemm`` with its tile row ``r`` and column ``c``."""
+    row, col = plan.gemms[gemm].atom.c_map.to_cpp("wtid", "i")
+    return ["#pragma unroll", f"for (uint32_t i = 0; i < {n}; i += {step}) {{", f"    const uint32_t r = {row}, c = {col};", "    (void)r; (void)c;"] + \
+        ["    " + l for l in lines] + ["}"]
+
+
+def _recompute(plan: HopperBackwardPlan) -> list[str]:
+    return ["const bool masked = bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + \
+        _per_value(plan, "B_r / 2", [
+            "float s = s_acc[i];",
+            "if (masked) {  // key row kb * B_c + 64 cw + r, query row q_row0 + c",
+            "    int lo, hi;",
+            "    score_row_range(q_row0 + int(c), p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
+            "    const int key = kb * int(B_c) + int(64 * cw + r);",
+            "    if (key < lo || key >= hi || q_row0 + int(c) >= p.seq_q) s = -INFINITY;",
+            "}",
+            "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
+        ])
+
+
+def _convert(plan: HopperBackwardPlan, step: ConvertP) -> list[str]:
+    src, dst = {"P": ("s_acc", "p_frag"), "dS": ("dp_acc", "ds_frag")}[step.arg]
+    out = [f"// {src} -> A fragments ({dst}): plan.a_from_acc names the two values each 32-bit register packs"]
+    for t, regs in enumerate(plan.a_from_acc):
+        out.append(" ".join(f"{dst}[{t}][{r}] = pack2({src}[{lo}], {src}[{hi}]);" for r, (lo, hi) in enumerate(regs)))
+    return out
+
+
+def _store_ds(plan: HopperBackwardPlan) -> list[str]:
+    lay = plan.tiles["dS"].layout.to_cpp(["64 * cw + r", "c"])
+    return _per_value(plan, "B_r / 2", [f"st_shared_b32(sdS + buf * DS_BYTES + 2 * ({lay}), pack2(dp_acc[i], dp_acc[i + 1]));"], step=2)
+
+
+def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
+    """dQ -> this consumer's staging region in fragment order (once the previous block's reduction read
+    it) -> one bulk reduction into the block's chunk of the fp32 buffer (DqStage)."""
+    st = plan.dq_stage
+    chunk = f"((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
+    return [
+        "const uint32_t sdQ = smem + " + f"{st.offset}u + cw * {st.region_bytes}u;",
+        "if (wtid == 0) bulk_wait_group_read<0>();  // the previous block's reduction has read the region",
+        "named_bar_sync(2 + cw, 128);",
+        "#pragma unroll",
+        "for (uint32_t i = 0; i < DQ_COLS / 2; i += 2)  // values i, i + 1: 8-byte slot 128 (i / 2) + wtid",
+        "    st_shared_v2_f32(sdQ + 8u * (128u * (i / 2) + wtid), dq_acc[i], dq_acc[i + 1]);",
+        "fence_proxy_async();  // the bulk reduction (async proxy) reads what st.shared wrote",
+        "named_bar_sync(2 + cw, 128);",
+        "if (wtid == 0) {",
+        f"    bulk_reduce_add_f32(p.dq_accum + {chunk}, sdQ, {st.region_bytes}u);",
+        "    bulk_commit_group();",
+        "}",
+    ]
+
+
+def _step(plan: HopperBackwardPlan, step: Step, at: int) -> list[str]:
+    kind = type(step)
+    if kind is WaitFull:
+        code = [f"mbar_wait(bar_{step.arg.lower()}_full + 8 * st, ph);"]
+    elif kind is Release:
+        code = [f"mbar_arrive(bar_{step.arg.lower()}_empty + 8 * st);  // every thread: each read the stage's lse or D"]
+    elif kind is Gemm:
+        code = _gemm(plan, step)
+    elif kind is WgmmaWait:
+        code = _wait(plan, step, at)
+    elif kind is RecomputeP:
+        code = _recompute(plan)
+    elif kind is ConvertP:
+        code = _convert(plan, step)
+    elif kind is GradScores:
+        code = _per_value(plan, "B_r / 2", ["dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], dsum[c]);"])
+    elif kind is StoreRF:
+        code = _store_ds(plan)
+    elif kind is Handoff:
+        code = ["fence_proxy_async();  // wgmma (async proxy) reads what st.shared wrote",
+                "named_bar_sync(1, 128 * CONSUMERS);"]
+    elif kind is ReduceGM:
+        code = _reduce_dq(plan)
+    else:
+        raise KeyError(f"the wgmma backward emitter has no code for step {step}")
+    return [f"// [{step}]" + (f" {step.why}" if step.why else "")] + code
+
+
+def _tma(plan: HopperBackwardPlan, name: str, dst: str, bar: str, row: str, head: str) -> list[str]:
+    return [f"tma_load_4d({dst} + {b.smem_offset}u, &p.tm_{name.lower()}, {bar}, {b.col0}, {row} + {b.row0}, {head}, batch);"
+            for b in plan.loads[name].boxes]
+
+
+def _producer(plan: HopperBackwardPlan) -> list[str]:
+    ring = plan.ring
+    out = ["mbar_arrive_expect_tx(bar_kv_full, 2 * KV_BYTES);"]
+    out += _tma(plan, "K", "sK", "bar_kv_full", "kb * int(B_c)", "kv_head") + _tma(plan, "V", "sV", "bar_kv_full", "kb * int(B_c)", "kv_head")
+    body = [f"const uint32_t st = {ring.stage_cpp('uint32_t(w)')}, ph = {ring.phase_cpp('uint32_t(w)')};",
+            "const Item it = item(w);",
+            "const int64_t stat = (int64_t(batch) * p.heads + it.head) * p.stat_len + it.q_row0;  // its lse and D"]
+    for name, stat in (("Q", "LSE"), ("dO", "D")):
+        bar = f"bar_{name.lower()}_full + 8 * st"
+        src = "p.lse_log2" if stat == "LSE" else "p.delta"
+        body += [f"mbar_wait(bar_{name.lower()}_empty + 8 * st, {ring.empty_phase_cpp('ph')});  // a fresh barrier passes parity 1",
+                 f"mbar_arrive_expect_tx({bar}, Q_BYTES + STAT_BYTES);"]
+        body += _tma(plan, name, f"s{name} + st * Q_BYTES", bar, "it.q_row0", "it.head")
+        body += [f"bulk_load(s{stat} + st * STAT_BYTES, {src} + stat, STAT_BYTES, {bar});"]
+    return out + ["for (int w = 0; w < work; ++w) {"] + ["    " + l for l in body] + ["}"]
+
+
+def _epilogue(plan: HopperBackwardPlan) -> list[str]:
+    """dK times the scale, dK and dV of this consumer's key rows straight from the accumulators; the dQ
+    reductions finished before the CTA (and its shared memory) ends."""
+    return ["if (wtid == 0) bulk_wait_group<0>();", "elem_t* gdK = p.dk + batch * p.dk_batch + kv_head * p.dk_head;",
+            "elem_t* gdV = p.dv + batch * p.dv_batch + kv_head * p.dv_head;"] + _per_value(plan, "D_HEAD / 2", [
+        "const int key = kb * int(B_c) + int(64 * cw + r);",
+        "if (key < p.seq_k) {",
+        "    *reinterpret_cast<uint32_t*>(gdK + int64_t(key) * p.dk_ld + c) =",
+        "        pack2(bwd_grad_scaled(dk_acc[i], p.scale), bwd_grad_scaled(dk_acc[i + 1], p.scale));",
+        "    *reinterpret_cast<uint32_t*>(gdV + int64_t(key) * p.dv_ld + c) = pack2(dv_acc[i], dv_acc[i + 1]);",
+        "}",
+    ], gemm="dV", step=2)
+
+
+_HEADER = CodeTemplate(
+    r"""// Generated by flashgen. Do not edit: change the config and re-emit.
+//
+// $short_form
+// knobs: $knobs_json
+// grid: (ceil(seq_k / $B_c), kv_heads, batch), block: $threads threads (warpgroup 0: TMA producer, warpgroups
+// 1..$consumers: consumers of 64 key rows each), dynamic shared memory: $smem_bytes bytes
+// build: $gencode
+// schedule per query block: $schedule
+#include <stdint.h>
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder is fetched through the runtime)
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <math.h>
+
+namespace $name {
+
+constexpr uint32_t B_r = $B_r, B_c = $B_c, D_HEAD = $d_head, STAGES = $stages, CONSUMERS = $consumers, THREADS = $threads;
+static_assert(THREADS == 128 * (1 + CONSUMERS), "one producer and CONSUMERS consumer warpgroups");
+constexpr uint32_t Q_BYTES = $q_bytes, KV_BYTES = $kv_bytes, DS_BYTES = $ds_bytes;  // a Q or dO stage, K or V, a dS^T buffer
+constexpr uint32_t STAT_BYTES = B_r * 4;  // a query block's lse or D (fp32)
+constexpr uint32_t DQ_COLS = $dq_cols;  // columns of dQ per consumer
+
+// ---- the score mask, and the mask seen from a key block ----
+$mask_fns
+$query_block_fns
+
+// ---- the backward's rules ----
+$rule_fns
+
+$dq_index_fn
+
+using elem_t = $elem_t;
+
+// ---- PTX helpers ----
+$ptx_helpers
+
+struct Params {
+    CUtensorMap tm_q, tm_k, tm_v, tm_do;  // (d_head, seq, heads, batch) maps, 64-column boxes of B_r or B_c rows, 128B swizzle
+    const elem_t* o; const elem_t* dout; elem_t* dq; elem_t* dk; elem_t* dv;
+    const float* lse;   // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
+    const float* dlse;  // the gradient of the returned lse, the same shape, or nullptr
+    float* delta;       // D = rowsum(dO * O) - dlse, (batch, heads, stat_len): the workspace's, padded
+    float* lse_log2;    // lse * log2(e), (batch, heads, stat_len): the workspace's, padded with +inf
+    float* dq_accum;    // fp32 dQ sums, (batch, heads, stat_len / B_r) chunks of B_r x D_HEAD in fragment order (dq_chunk_index): the workspace's, zero at launch
+    int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
+    int64_t dq_batch, dq_head, dq_ld, dk_batch, dk_head, dk_ld, dv_batch, dv_head, dv_ld;
+    int heads, seq_q, seq_k, kv_group, stat_len;  // stat_len: seq_q rounded up to whole query blocks
+    int mask_offset, window_left, window_right;
+    float scale, scale_log2;
+};
+
+}  // namespace $name"""
+)
+
+_KERNEL = CodeTemplate(
+    r"""namespace $name {
+
+$aux_code
+
+// One key block of one kv head (blockIdx.x, .y, .z = key block, kv head, batch) over the query blocks of its
+// group's heads.
+__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
+    extern __shared__ unsigned char smem_raw[];
+    // the 128B swizzle repeats every 1024 bytes of absolute address: align the base (slack is in the size)
+    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)), smem = (raw + 1023u) & ~1023u;
+    $smem_decls
+    const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128;
+    const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
+    int qb_begin, qb_end;  // query blocks holding kept scores of this key block
+    q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
+    const int n_q = qb_end - qb_begin, work = n_q > 0 ? n_q * p.kv_group : 0;  // (query head, query block) items
+    struct Item { int head, q_row0; };
+    // item w: the CTA of key block kb starts at item kb, so that the key blocks' CTAs, which run side by side,
+    // add into different query blocks of dQ at any one time instead of all into the same rows
+    auto item = [&](int w) {
+        const int v = (w + kb) % work;
+        return Item{kv_head * p.kv_group + v / n_q, (qb_begin + v % n_q) * int(B_r)};
+    };
+    if (threadIdx.x == 0) {
+        $barrier_init
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---- producer: registers back to the pool, one thread issues every copy ----
+        setmaxnreg_dec<$producer_regs>();
+        if (wtid == 0 && work > 0) {
+            $producer
+        }
+        return;
+    }
+
+    // ---- consumers: 64 key rows each ----
+    setmaxnreg_inc<$consumer_regs>();
+    const uint32_t cw = wg - 1;
+    $descriptors
+    float dk_acc[D_HEAD / 2], dv_acc[D_HEAD / 2];
+    #pragma unroll
+    for (uint32_t i = 0; i < D_HEAD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+    if (work > 0) mbar_wait(bar_kv_full, 0);
+    for (int w = 0; w < work; ++w) {
+        const Item it = item(w);
+        const int head = it.head, q_row0 = it.q_row0, qb = q_row0 / int(B_r);
+        const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) & 1u;  // ring slot and parity; dS^T buffer
+        const float* lse_log2 = reinterpret_cast<const float*>(smem_raw + (sLSE - raw) + st * STAT_BYTES);
+        const float* dsum = reinterpret_cast<const float*>(smem_raw + (sD - raw) + st * STAT_BYTES);
+        float s_acc[B_r / 2], dp_acc[B_r / 2], dq_acc[DQ_COLS / 2];
+        uint32_t p_frag[B_r / 16][4], ds_frag[B_r / 16][4];
+        $body
+    }
+
+    // ---- epilogue ----
+    $epilogue
+}
+
+}  // namespace $name"""
+)
+
+_HOST = CodeTemplate(
+    r"""$args_struct
+
+namespace $name {
+
+$tensor_maps_code
+
+}  // namespace $name
+
+// The dQ fp32 buffer (zeroed), then D and lse * log2(e); all padded to whole query blocks.
+extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
+    const size_t padded = size_t(a->batch) * a->heads * ((a->seq_q + $B_r - 1) / $B_r * $B_r);
+    *zeroed = padded * $d_head * sizeof(float);
+    *bytes = *zeroed + 2 * padded * sizeof(float);
+    return 0;
+}
+
+// Launch on `stream`. cudaErrorInvalidValue for sizes the kernels cannot take or strides a tensor map cannot
+// describe (multiples of 16 bytes); cudaErrorNotSupported when the driver has no cuTensorMapEncodeTiled.
+extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
+    using namespace $name;
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace)
+        return (int)cudaErrorInvalidValue;
+    if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
+    static Params p;  // large (4 tensor maps): built in static storage, passed by value to the launches
+    p = Params{};
+    if (!make_map(&p.tm_q, a->q, a->seq_q, a->heads, a->batch, a->q_stride, B_r) ||
+        !make_map(&p.tm_do, a->dout, a->seq_q, a->heads, a->batch, a->do_stride, B_r) ||
+        !make_map(&p.tm_k, a->k, a->seq_k, a->kv_heads, a->batch, a->k_stride, B_c) ||
+        !make_map(&p.tm_v, a->v, a->seq_k, a->kv_heads, a->batch, a->v_stride, B_c))
+        return (int)cudaErrorInvalidValue;
+    const int stat_len = (a->seq_q + int(B_r) - 1) / int(B_r) * int(B_r);
+    float* dq_accum = (float*)a->workspace;
+    float* delta = dq_accum + size_t(a->batch) * a->heads * stat_len * D_HEAD;
+    float* lse_log2 = delta + size_t(a->batch) * a->heads * stat_len;
+    p.o = (const elem_t*)a->o; p.dout = (const elem_t*)a->dout; p.dq = (elem_t*)a->dq; p.dk = (elem_t*)a->dk; p.dv = (elem_t*)a->dv;
+    p.lse = a->lse; p.dlse = a->dlse; p.delta = delta; p.lse_log2 = lse_log2; p.dq_accum = dq_accum;
+    p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_ld = a->o_stride[2];
+    p.do_batch = a->do_stride[0]; p.do_head = a->do_stride[1]; p.do_ld = a->do_stride[2];
+    p.dq_batch = a->dq_stride[0]; p.dq_head = a->dq_stride[1]; p.dq_ld = a->dq_stride[2];
+    p.dk_batch = a->dk_stride[0]; p.dk_head = a->dk_stride[1]; p.dk_ld = a->dk_stride[2];
+    p.dv_batch = a->dv_stride[0]; p.dv_head = a->dv_stride[1]; p.dv_ld = a->dv_stride[2];
+    p.heads = a->heads; p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.kv_group = a->heads / a->kv_heads; p.stat_len = stat_len;
+    p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
+    p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
+    cudaStream_t s = (cudaStream_t)stream;
+    preprocess<<<dim3((stat_len * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
+    constexpr int smem = $smem_bytes;
+    static bool attr_set = false;  // the attribute is per function; set it once
+    if (!attr_set) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return (int)e;
+        attr_set = true;
+    }
+    kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
+    convert_dq<<<dim3((a->seq_q * D_HEAD + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
+    return (int)cudaGetLastError();
+}"""
+)
+
+_FILE = CodeTemplate("""$header_code
+
+$kernel_code
+
+$host_code
+""")
+_PARTS = [("header_code", _HEADER), ("kernel_code", _KERNEL), ("tensor_maps_code", TENSOR_MAPS), ("host_code", _HOST), ("file", _FILE)]
+
+
+def _smem_decls(plan: HopperBackwardPlan) -> list[str]:
+    tiles = ", ".join(f"s{n} = smem + {t.offset}u" for n, t in plan.tiles.items())
+    stats = ", ".join(f"s{n} = smem + {off}u" for n, (off, _, _) in plan.stats.items())
+    bars = [f"const uint32_t bar_{n} = smem + {off}u;  // [{stages}] x 8 bytes" for n, (_, off, stages) in plan.barriers.items()]
+    return [f"const uint32_t {tiles};", f"const uint32_t {stats};"] + bars
+
+
+def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
+    """The CUDA source of one wgmma backward plan. Pure and deterministic."""
+    cfg = plan.cfg
+    name = cfg.mangle()
+    g = plan.gemms
+    wgmma_fns = [ptx_hopper.wgmma(g[n].atom, g[n].trans_b, g[n].trans_a) if g[n].a_from == "smem" else ptx_hopper.wgmma_rs(g[n].atom, g[n].trans_b)
+                 for n in ("S", "dV", "dQ")]
+    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
+    env = dict(
+        name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), gencode=TARGET.gencode,
+        schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,
+        consumers=plan.consumers, threads=plan.threads, smem_bytes=plan.smem_bytes,
+        q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
+        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
+        rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
+        dq_index_fn=plan.dq_stage.index_cpp(),
+        ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(padded=True), smem_decls=_smem_decls(plan),
+        barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
+                      for n, (bar, _, stages) in plan.barriers.items()],
+        producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, producer=_producer(plan),
+        descriptors=_descriptors(plan), stage=plan.ring.stage_cpp("uint32_t(w)"), phase=plan.ring.phase_cpp("uint32_t(w)"),
+        body=[line for i, s in enumerate(plan.schedule) for line in _step(plan, s, i)], epilogue=_epilogue(plan),
+        args_struct=backward_args_struct(name), log2e=f"{LOG2E!r}f",
+        box_cols=plan.loads["Q"].tma.box_cols, tma_dtype={"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value],
+        tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
+    )
+    text = compose(_PARTS, env)
+    meta = {**kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", arch=TARGET.name,
+                          kind="backward", strides="multiples of 8 elements (16 bytes)"),
+            "arguments": f"{name}_args", "workspace": f"{name}_workspace"}
+    return KernelSource(name, insert_used(text, helpers), meta)
