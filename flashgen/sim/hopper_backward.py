@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 
 from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan, make_hopper_backward_plan
+from flashgen.dsl.hopper_plan import SMEM_ALIGN
 from flashgen.sim.backward_cta import BackwardResult, BwdPass
 from flashgen.sim.copies import Coverage, coverage_of
-from flashgen.dsl.hopper_plan import SMEM_ALIGN
-from flashgen.sim.hopper import SWIZZLE_SPAN, tma_byte_addresses
+from flashgen.sim.hopper import SWIZZLE_SPAN, c_table, tma_byte_addresses
 from flashgen.sim.hopper_backward_cta import HopperBwdCta, tile_table
-from flashgen.sim.hopper import c_table
 
 _F32 = np.float32
 

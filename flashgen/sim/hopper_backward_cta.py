@@ -49,7 +49,7 @@ import numpy as np
 from flashgen.dsl.atoms.hopper import SmemDescriptor, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.config import WARPGROUP as WG, WARPS_PER_WG
 from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
-from flashgen.dsl.steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, Step, StoreRF, WaitFull, WgmmaWait, runs
+from flashgen.dsl.steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, StoreRF, WaitFull, WgmmaWait, runs
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, wgmma_k16
@@ -140,8 +140,10 @@ class HopperBwdCta:
         self.full_phases: dict = {}
         self.empty_phases: dict = {}
         self.empty_arrivals: dict = {}
+        # vector clocks: of each stage's last fill, of its last completed empty phase, joined over the releases so far
         self.fill_vc: dict = {}
         self.empty_vc: dict = {}
+        self.empty_joined: dict = {}
         self.stage_item: dict = {"Q": [None] * plan.ring.stages, "dO": [None] * plan.ring.stages}
         # dS^T buffers: the item whose rows each consumer last stored there, the stores' and dQ reads' clocks
         self.ds_owner = [[None] * n for _ in range(self.buffers)]
@@ -250,12 +252,11 @@ class HopperBwdCta:
         need = self.plan.barriers[f"{t.lower()}_empty"][0].arrive_count
         key = (t, st)
         self.empty_arrivals[key] = self.empty_arrivals.get(key, 0) + WARPS_PER_WG
-        pending = self.empty_vc.get(("pending",) + key, np.zeros_like(c.vc))
-        self.empty_vc[("pending",) + key] = np.maximum(pending, c.vc)
+        self.empty_joined[key] = np.maximum(self.empty_joined.get(key, 0), c.vc)
         if self.empty_arrivals[key] >= need:
             self.empty_arrivals[key] = 0
             self.empty_phases[key] = self.empty_phases.get(key, 0) + 1
-            self.empty_vc[key] = self.empty_vc.pop(("pending",) + key)
+            self.empty_vc[key] = self.empty_joined.pop(key)
 
     def handoff_step(self, c: _Consumer, s: Handoff, j: int, where: str) -> bool:
         """The named barrier over the consumers: arrive once, pass when every consumer arrived."""
@@ -381,10 +382,12 @@ class HopperBwdCta:
     def column_stat(self, c: _Consumer, stat: str, j: int, where: str) -> np.ndarray:
         """``stat`` (LSE: lse * log2e; D) of each S^T accumulator value's column (query row), from its ring stage."""
         t = "Q" if stat == "LSE" else "dO"
-        if (t, j) not in c.full_seen or (t, j) in c.released:
-            self.flag(where, f"consumer {c.w} reads {stat} of item {j} outside its {t} stage's wait_full .. release")
         off, _, size = self.plan.stats[stat]
         st = self.plan.ring.stage(j)
+        if (t, j) not in c.full_seen or (t, j) in c.released:
+            self.flag(where, f"consumer {c.w} reads {stat} of item {j} outside its {t} stage's wait_full .. release")
+        elif self.stage_item[t][st] != j:
+            self.flag(where, f"consumer {c.w} reads {stat} of item {j} from stage {st}, which holds item {self.stage_item[t][st]}")
         values = self.smem[off + st * size:off + (st + 1) * size].view("<f4")
         return values[self.maps["S"].cols].astype(_F32)
 
