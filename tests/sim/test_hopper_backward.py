@@ -31,6 +31,8 @@ CASES = [
     (_cfg("fp16", mask="causal", stages=1), 1, 101, 141, 2, 1, {"causal": True, "align": "bottom_right"}),
     (_cfg("bf16", mask="window"), 1, 141, 101, 2, 1, {"window": (40, 7)}),
     (_cfg("bf16", stages=1), 2, 1, 1, 1, 1, {}),
+    # key block 1 meets no query: its CTA walks no item and writes zero dK, dV
+    (_cfg("fp16", mask="causal"), 1, 1, 141, 2, 1, {"causal": True}),
     (_cfg("fp16", mask="causal"), 1, 70, 141, 4, 2, {"causal": True, "align": "bottom_right"}),
     (_cfg("bf16", d_head=128, mask="causal"), 1, 101, 141, 2, 1, {"causal": True, "align": "bottom_right"}),
 ]
