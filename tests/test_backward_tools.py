@@ -103,7 +103,8 @@ def test_build_puts_a_backward_library_in_the_cache(capsys, monkeypatch, tmp_pat
 
 
 def test_forward_only_commands_refuse_backward_configs():
-    with pytest.raises(CommandError, match=r"flashgen bench runs forward kernels; bwd\(FP16, 64, 64, 64, 4\): swizzled\+stages_2 \(and 11 more\)"):
+    more = len(backward_configs()) - 1
+    with pytest.raises(CommandError, match=rf"flashgen bench runs forward kernels; bwd\(FP16, 64, 64, 64, 4\): swizzled\+stages_2 \(and {more} more\)"):
         resolve_configs(["defaults", "backward"], forward_only="flashgen bench")
     assert resolve_configs(["defaults"], forward_only="flashgen bench").configs
 

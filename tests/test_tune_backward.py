@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from flashgen import engines
+
 from flashgen.check import CheckResult, PtxasStats
 from flashgen.cli import main
 from flashgen.dsl.backward_config import TUNING_KNOBS, BackwardConfig, tuning_space
@@ -128,15 +130,20 @@ def _tuned(tmp_path, cfg, seq=4096, causal=False, gpu=H100):
     return load_cache(tmp_path / "tune.json")
 
 
+def _sm90_default(dtype, d_head):
+    """The backward a compute capability 9.0 GPU gets untuned: the wgmma engine's."""
+    return engines.ENGINES["wgmma"].backward.default_config(DType.parse(dtype), d_head)
+
+
 def test_a_stored_winner_round_trips_and_serves_its_bucket_only(tmp_path):
     cfg = BackwardConfig("bf16", d_head=128, B_r=128, B_c=32, n_warps=8, d_split=4)
     cache = _tuned(tmp_path, cfg)
     assert backward_lookup(DType.BF16, 128, "none", (9, 0), gpu=H100, seq=3000, cache=cache) == cfg
-    default = BackwardConfig.default("bf16", 128)
+    default = _sm90_default("bf16", 128)
     for other in ({"seq": 1024}, {"gpu": "NVIDIA A100-SXM4-80GB"}, {"seq": 0}, {"gpu": None}):
         kw = {"gpu": H100, "seq": 4096, **other}
         assert backward_lookup(DType.BF16, 128, "none", (9, 0), cache=cache, **kw) == default
-    assert backward_lookup(DType.FP16, 128, "none", (9, 0), gpu=H100, seq=4096, cache=cache) == BackwardConfig.default("fp16", 128)
+    assert backward_lookup(DType.FP16, 128, "none", (9, 0), gpu=H100, seq=4096, cache=cache) == _sm90_default("fp16", 128)
     # an unmasked winner was timed without a mask: masked calls keep the default
     assert backward_lookup(DType.BF16, 128, "causal", (9, 0), gpu=H100, seq=4096, cache=cache) == default.replace(mask="causal")
 
@@ -224,7 +231,8 @@ def test_passes_bwd_tunes_the_backward_space_of_the_head_sizes_only(fake_gpu):
     assert main(["tune", "--passes", "bwd", "--dtypes", "bf16", "--d-heads", "64", "256", "--seqs", "1024", "4096"]) == 0
     [(pass_, cfgs, seqs, kw)] = fake_gpu
     assert pass_ == "bwd" and seqs == [1024, 4096] and kw["causal"] is False and kw["allow_spills"] is False
-    assert cfgs == tuning_space("bf16", 64) + tuning_space("bf16", 256)
+    # compute capability 9.0: the wgmma backward's space where it takes the head size, the mma_sync one's elsewhere
+    assert cfgs == engines.ENGINES["wgmma"].backward.tuning_space(DType.BF16, 64) + tuning_space("bf16", 256)
 
 
 def test_given_configs_go_to_their_pass_with_the_timed_mask(fake_gpu):

@@ -42,6 +42,10 @@ class QueryBlocks:
     def keep(self, i: int, j: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> bool:
         return i < seq_q and self.mask.keep(i, j, seq_k, offset, left, right)
 
+    def keep_array(self, rows, cols, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1):
+        """:meth:`keep` over broadcast numpy index arrays (query rows, key columns)."""
+        return (rows < seq_q) & self.mask.keep_array(rows, cols, seq_k, offset, left, right)
+
     def block_range(self, kb: int, seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
         """``[qb_begin, qb_end)``: the query blocks holding any kept score of key block ``kb``."""
         n_q = -(-seq_q // self.B_r)

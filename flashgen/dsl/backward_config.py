@@ -88,6 +88,14 @@ class BackwardConfig:
                 return cfg.replace(stages=stages)
         return None
 
+    @classmethod
+    def wgmma(cls, dtype: "DType | str", d_head: int, mask: str = "none", stages: int = 2) -> "BackwardConfig | None":
+        """The shipped wgmma backward (sm_90a) of a dtype and head size: query blocks of 64 rows, two
+        consumers of 64 key rows, ``stages`` ring stages; None for head sizes it does not take."""
+        if d_head not in WGMMA_D_HEADS:
+            return None
+        return cls(dtype, d_head=d_head, mask=mask, engine="wgmma", B_r=WGMMA_B_R, B_c=128, n_warps=12, stages=stages)
+
     def __attrs_post_init__(self) -> None:
         for rule in _RULES:
             rule(self)

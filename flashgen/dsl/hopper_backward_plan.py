@@ -117,9 +117,11 @@ class HopperBackwardPlan:
     stats: dict  # LSE, D -> (offset, stages, bytes per stage)
     loads: dict  # K, V, Q, dO -> TmaTile
     barriers: dict  # name -> (Mbarrier, offset, stages)
-    #: one use per (query head, query block) work item of the CTA: Q + lse on q_*, dO + D on do_*; every
-    #: consumer thread arrives on the empty barriers (each read the stage's lse or D itself)
+    #: one use per (query head, query block) work item of the CTA: Q + lse on q_*, dO + D on do_*
     ring: MbarrierRing
+    #: arrivals of one consumer's release on an empty barrier: every thread's (each read the stage's lse
+    #: or D itself, so each orders its own reads before the producer's next fill)
+    release_arrivals: int
     gemms: dict  # S, dP, dV, dK, dQ -> WarpgroupGemm
     #: [k16 step][A reg] -> (accumulator value lo, hi): P^T -> A of dV and dS^T -> A of dK (one table)
     a_from_acc: tuple
@@ -144,6 +146,16 @@ class HopperBackwardPlan:
     @property
     def threads(self) -> int:
         return WARPGROUP * (1 + self.consumers)
+
+
+def item_order(items: int, kb: int) -> list[int]:
+    """The order in which the CTA of key block ``kb`` walks its ``items`` work items: from item ``kb`` on,
+    cyclically, so that the key blocks' CTAs, which run side by side, add into different query blocks of dQ
+    at any one time instead of all into the same rows."""
+    return [(w + kb) % items for w in range(items)]
+
+
+ITEM_ORDER_CPP = "(w + kb) % work"
 
 
 def _kmajor_desc(operand: str, rows: int, cols: int, dtype, rows_per_wgmma: int) -> OperandDesc:
@@ -201,7 +213,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
     bar0 = layout["barriers"][0]
     barriers, off = {}, bar0
     for name, stages, count in (("kv_full", 1, 1), ("q_full", cfg.stages, 1), ("do_full", cfg.stages, 1),
-                                ("q_empty", cfg.stages, WARPGROUP * n), ("do_empty", cfg.stages, WARPGROUP * n)):
+                                ("q_empty", cfg.stages, WARPGROUP * n), ("do_empty", cfg.stages, WARPGROUP * n)):  # release_arrivals each
         barriers[name] = (Mbarrier(name, count), off, stages)
         off += 8 * stages
     dq_cols = d // n
@@ -217,7 +229,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
     mask = ScoreMask(cfg.mask, B_r, B_c)
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
-        ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), gemms=gemms,
+        ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
         a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,

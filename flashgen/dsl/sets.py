@@ -18,9 +18,11 @@ BACKWARD_HEADS = (64, 128, 256)
 
 
 def backward_configs() -> list[BackwardConfig]:
-    """The shipped backward kernels (mma.sync, the only engine with a backward): the default config of
-    each dtype and head size of :data:`BACKWARD_HEADS`, unmasked and causal."""
-    return [BackwardConfig.default(dt, d, m) for dt in DType for d in BACKWARD_HEADS for m in ("none", "causal")]
+    """The shipped backward kernels of both engines: the mma.sync default of each dtype and head size of
+    :data:`BACKWARD_HEADS`, then the wgmma one of those it takes, unmasked and causal."""
+    mma_sync = [BackwardConfig.default(dt, d, m) for dt in DType for d in BACKWARD_HEADS for m in ("none", "causal")]
+    wgmma = [BackwardConfig.wgmma(dt, d, m) for dt in DType for d in BACKWARD_HEADS for m in ("none", "causal")]
+    return mma_sync + [c for c in wgmma if c is not None]
 
 
 NAMED_SETS: dict[str, Callable[[], list[KernelConfig | BackwardConfig]]] = {

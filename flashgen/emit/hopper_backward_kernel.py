@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 from ..dsl.config import LOG2E
-from ..dsl.hopper_backward_plan import HopperBackwardPlan
+from ..dsl.config import WARPGROUP
+from ..dsl.hopper_backward_plan import ITEM_ORDER_CPP, HopperBackwardPlan
 from ..dsl.steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, Step, StoreRF, WaitFull, WgmmaWait
 from .abi import backward_args_struct
 from .backward_kernel import aux_kernels
@@ -154,6 +155,7 @@ def _step(plan: HopperBackwardPlan, step: Step, at: int) -> list[str]:
     if kind is WaitFull:
         code = [f"mbar_wait(bar_{step.arg.lower()}_full + 8 * st, ph);"]
     elif kind is Release:
+        assert plan.release_arrivals == WARPGROUP, "every consumer thread arrives on the empty barriers"
         code = [f"mbar_arrive(bar_{step.arg.lower()}_empty + 8 * st);  // every thread: each read the stage's lse or D"]
     elif kind is Gemm:
         code = _gemm(plan, step)
@@ -287,10 +289,9 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
     const int n_q = qb_end - qb_begin, work = n_q > 0 ? n_q * p.kv_group : 0;  // (query head, query block) items
     struct Item { int head, q_row0; };
-    // item w: the CTA of key block kb starts at item kb, so that the key blocks' CTAs, which run side by side,
-    // add into different query blocks of dQ at any one time instead of all into the same rows
+    // the w-th item walked (item_order: from item kb on, so that the CTAs add into different rows of dQ)
     auto item = [&](int w) {
-        const int v = (w + kb) % work;
+        const int v = $item_order;
         return Item{kv_head * p.kv_group + v / n_q, (qb_begin + v % n_q) * int(B_r)};
     };
     if (threadIdx.x == 0) {
@@ -425,7 +426,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
         dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
-        dq_index_fn=plan.dq_stage.index_cpp(),
+        dq_index_fn=plan.dq_stage.index_cpp(), item_order=ITEM_ORDER_CPP,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(padded=True), smem_decls=_smem_decls(plan),
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],

@@ -27,10 +27,6 @@ HOPPER_SMEM = target_named("sm_90a").smem_per_block
 BENCH_D_HEAD = 128
 
 
-#: The wgmma backward's shipped shape: 64-row query blocks, two consumers of 64 key rows, two ring stages.
-BACKWARD_SHAPE = dict(B_r=64, B_c=128, n_warps=12, stages=2)
-
-
 class WgmmaBackward(BackwardKernels):
     """The backward on wgmma (sm_90a): TMA producer, consumers of 64 key rows, dQ by fp32 reductions."""
 
@@ -65,22 +61,18 @@ class WgmmaBackward(BackwardKernels):
         return hopper_backward_report(plan, verification, cta=cta)
 
     def default_config(self, dtype: DType, d_head: int, mask: str = "none", target: Target | None = None) -> Any:
-        """:data:`BACKWARD_SHAPE` for d_head 64 and 128 where it fits the target's shared memory; else None."""
-        from ..dsl.backward_config import WGMMA_D_HEADS, BackwardConfig
+        """:meth:`BackwardConfig.wgmma` where it fits the target's shared memory; else None."""
+        from ..dsl.backward_config import BackwardConfig
 
-        if d_head not in WGMMA_D_HEADS:
-            return None
-        cfg = BackwardConfig(dtype, d_head=d_head, mask=mask, engine="wgmma", **BACKWARD_SHAPE)
+        cfg = BackwardConfig.wgmma(dtype, d_head, mask)
         limit = target.smem_per_block if target is not None else HOPPER_SMEM
-        return cfg if cfg.smem_bytes <= limit else None
+        return cfg if cfg is not None and cfg.smem_bytes <= limit else None
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
-        """The shipped shape with one and two ring stages (the other knobs are fixed by the head size)."""
-        from ..dsl.backward_config import WGMMA_D_HEADS, BackwardConfig
+        """The shipped shape with two and one ring stages (the other knobs are fixed by the head size)."""
+        from ..dsl.backward_config import BackwardConfig
 
-        if d_head not in WGMMA_D_HEADS:
-            return []
-        return [BackwardConfig(dtype, d_head=d_head, mask=mask, engine="wgmma", **{**BACKWARD_SHAPE, "stages": s}) for s in (2, 1)]
+        return [c for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages) for stages in (2, 1)) if c is not None]
 
 
 class WgmmaEngine(Engine):

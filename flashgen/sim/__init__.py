@@ -13,6 +13,12 @@ Layers, each using only the ones above it:
   row a tile reads and the key-block clip;
 * ``cta``          -- one CTA's forward pass through ``plan.schedule``, with the async
   copy / barrier hazard tracker;
+* ``hopper``       -- one CTA of the wgmma forward (TMA fills, mbarrier rings, wgmma groups, pingpong);
+* ``backward_cta`` -- the mma.sync backward's CTAs and a whole backward pass (``BwdPass``: the inputs,
+  preprocess and dQ conversion both backward simulators share);
+* ``hopper_backward_cta`` / ``hopper_backward`` -- the wgmma backward's CTA (producer, consumers, dS^T
+  handoff, vector-clock ordering) and its whole pass, coverage and report; ``hopper_backward_checks``
+  -- its descriptor, dS^T handoff and barrier proofs;
 * ``verify``       -- the proofs of the verification step (``flashgen.verify``, cached per config by
   :mod:`flashgen.engines`): what the plan derived and the emitters rely on (address splits,
   fragment-map patterns, P-from-S registers);

@@ -423,6 +423,63 @@ def _forward(cfg: BackwardConfig, q, k, v, scale: float, keep) -> tuple[np.ndarr
     return hw.encode(g.o, cfg.dtype), g.lse.astype(_F32)
 
 
+@attrs.frozen
+class BwdPass:
+    """One backward problem as every engine's CTAs see it: the inputs' 16-bit patterns (``bits``) and
+    values (``val``) by name (q, k, v, do: ``(batch, seq, heads, d)``), the kept scores, the scale and
+    the mask's run-time arguments. ``plan``: any backward plan (its cfg, row_dot and score_grad)."""
+
+    plan: object
+    bits: dict
+    val: dict
+    keep: np.ndarray
+    scale: float
+    offset: int
+    left: int
+    right: int
+
+    @classmethod
+    def of(cls, plan, q, k, v, do, causal: bool, window: "tuple[int, int] | None", align: str,
+           softmax_scale: "float | None") -> "BwdPass":
+        """The inputs rounded to the plan's dtype; the call's mask must be the config's."""
+        from flashgen.sim.grad_reference import keep_mask
+
+        cfg = plan.cfg
+        kind = "causal" if causal else "window" if window is not None else "none"
+        if kind != cfg.mask:
+            raise ValueError(f"the call's mask is {kind!r}, the config's {cfg.mask!r}")
+        Sq, d, Sk = q.shape[1], q.shape[3], k.shape[1]
+        scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+        bits = {n: hw.encode(x, cfg.dtype) for n, x in (("q", q), ("k", k), ("v", v), ("do", do))}
+        val = {n: hw.decode(x, cfg.dtype).astype(np.float64) for n, x in bits.items()}
+        left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
+        offset = Sk - Sq if align == "bottom_right" else 0
+        return cls(plan, bits, val, keep_mask(Sq, Sk, causal, window, align), scale, offset, left, right)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.bits["q"].shape[2] // self.bits["k"].shape[2]
+
+    def problem(self, kb: int) -> BwdProblem:
+        return BwdProblem(self.bits["q"].shape[1], self.bits["k"].shape[1], kb, self.offset, self.left, self.right)
+
+    def heads(self, b: int, hk: int) -> list[BwdHeadData]:
+        """The query heads of kv head ``hk`` with the forward's lse and the preprocess's D."""
+        cfg, val, out = self.plan.cfg, self.val, []
+        for h in range(hk * self.group, (hk + 1) * self.group):
+            o, lse = _forward(cfg, val["q"][b, :, h], val["k"][b, :, hk], val["v"][b, :, hk], self.scale, self.keep)
+            delta = self.plan.row_dot.evaluate(val["do"][b, :, h], hw.decode(o, cfg.dtype))
+            out.append(BwdHeadData(self.bits["q"][b, :, h], self.bits["do"][b, :, h], lse, delta))
+        return out
+
+    def result(self, dq_acc: np.ndarray, dk: np.ndarray, dv: np.ndarray, hazards: list[str]) -> "BackwardResult":
+        """dQ (``dq_acc``: fp32 ``[batch, heads, seq_q, d]``) times the scale, and dK, dV (16-bit patterns), as values."""
+        dt = self.plan.cfg.dtype
+        dq = hw.encode(self.plan.score_grad.scaled(dq_acc, self.scale), dt).transpose(0, 2, 1, 3)
+        return BackwardResult(*(hw.decode(x, dt).astype(np.float64) for x in (dq, dk, dv)), hazards)
+
+
 def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray,
                       do: np.ndarray, *, causal: bool = False, window: "tuple[int, int] | None" = None,
                       align: str = "top_left", softmax_scale: float | None = None,
@@ -430,22 +487,12 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
     """The backward of ``(batch, seq, heads, d_head)`` float inputs (rounded to the config's dtype
     first; k and v may have fewer heads): every CTA of the grid (batch, kv head, key block) with the
     preprocess before and the dQ conversion after. The config's mask must match ``causal`` / ``window``."""
-    from flashgen.sim.grad_reference import keep_mask
-
     plan = cfg_or_plan if isinstance(cfg_or_plan, BackwardPlan) else make_backward_plan(cfg_or_plan)
     cfg = plan.cfg
-    kind = "causal" if causal else "window" if window is not None else "none"
-    if kind != cfg.mask:
-        raise ValueError(f"the call's mask is {kind!r}, the config's {cfg.mask!r}")
+    run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale)
     B, Sq, H, d = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
-    group = H // Hk
-    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    bits = {n: hw.encode(x, cfg.dtype) for n, x in (("q", q), ("k", k), ("v", v), ("do", do))}
-    val = {n: hw.decode(x, cfg.dtype).astype(np.float64) for n, x in bits.items()}
-    keep = keep_mask(Sq, Sk, causal, window, align)
-    left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
-    offset = Sk - Sq if align == "bottom_right" else 0
+    group = run.group
     n_kb = -(-Sk // cfg.B_c)
     if key_block_order is not None and sorted(key_block_order) != list(range(n_kb)):
         raise ValueError(f"key_block_order={list(key_block_order)}: expected an order of the {n_kb} key blocks 0..{n_kb - 1}")
@@ -456,22 +503,17 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
     hazards: list[str] = []
     for b in range(B):
         for hk in range(Hk):
-            heads = []
-            for h in range(hk * group, (hk + 1) * group):
-                o, lse = _forward(cfg, val["q"][b, :, h], val["k"][b, :, hk], val["v"][b, :, hk], scale, keep)
-                delta = plan.row_dot.evaluate(val["do"][b, :, h], hw.decode(o, cfg.dtype))
-                heads.append(BwdHeadData(bits["q"][b, :, h], bits["do"][b, :, h], lse, delta))
+            heads = run.heads(b, hk)
             turns = [np.zeros(-(-Sq // cfg.B_r), np.int64) for _ in range(group)]
             order = list(range(n_kb)) if key_block_order is None else list(key_block_order)
-            ctas = [_BwdCta(plan, BwdProblem(Sq, Sk, kb, offset, left, right), traces, bits["k"][b, :, hk], bits["v"][b, :, hk],
-                            heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], scale, turns) for kb in order]
+            ctas = [_BwdCta(plan, run.problem(kb), traces, run.bits["k"][b, :, hk], run.bits["v"][b, :, hk],
+                            heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale, turns) for kb in order]
             for kb, cta, (dk_blk, dv_blk) in zip(order, ctas, run_ctas(ctas)):
                 if dk_blk is not None:
                     dk[b, kb * cfg.B_c:kb * cfg.B_c + dk_blk.shape[0], hk] = dk_blk
                     dv[b, kb * cfg.B_c:kb * cfg.B_c + dv_blk.shape[0], hk] = dv_blk
                 hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hz.hazards]
-    dq = hw.encode(plan.score_grad.scaled(dq_acc, scale), cfg.dtype).transpose(0, 2, 1, 3)
-    return BackwardResult(*(hw.decode(x, cfg.dtype).astype(np.float64) for x in (dq, dk, dv)), hazards)
+    return run.result(dq_acc, dk, dv, hazards)
 
 
 def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = None) -> dict:

@@ -9,7 +9,7 @@ checks}``, with ``cta`` ``grads`` ``{ok, detail, max_abs_err, bound}``, and ``ok
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,7 +33,7 @@ def _per(kind: str, name: str) -> str:
     return "cta" if once else "query_block"
 
 
-def problem(plan: BackwardPlan) -> tuple[dict[str, int], dict[str, Any]]:
+def problem(plan: Any) -> tuple[dict[str, int], dict[str, Any]]:
     """The simulated sizes (a query tail, a key tail) and the mask arguments of the config's mask."""
     cfg = plan.cfg
     sizes = {"seq_q": cfg.B_r + 37, "seq_k": 2 * cfg.B_c + 13, "heads": HEADS, "kv_heads": KV_HEADS}
@@ -42,16 +42,16 @@ def problem(plan: BackwardPlan) -> tuple[dict[str, int], dict[str, Any]]:
     return sizes, mask
 
 
-def check_gradients(plan: BackwardPlan, seed: int = 0) -> tuple[dict[str, Any], list[str]]:
-    """The simulated backward vs float64 gradients: each of dQ, dK, dV within twice the error of
-    the same math at the kernel's 16-bit roundings (P, dS, the outputs) plus :data:`ABS_TOL`; and the
-    hazards every CTA met."""
+def check_gradients(plan: Any, seed: int = 0, simulate: Callable[..., Any] = simulate_backward) -> tuple[dict[str, Any], list[str]]:
+    """The simulated backward (``simulate``: the plan's engine's whole pass) vs float64 gradients: each of
+    dQ, dK, dV within twice the error of the same math at the kernel's 16-bit roundings (P, dS, the
+    outputs) plus :data:`ABS_TOL`; and the hazards every CTA met."""
     cfg = plan.cfg
     sizes, mask = problem(plan)
     rng = np.random.default_rng(seed)
     shapes = [(1, sizes["seq_q"], HEADS), (1, sizes["seq_k"], KV_HEADS), (1, sizes["seq_k"], KV_HEADS), (1, sizes["seq_q"], HEADS)]
     inputs = [rng.standard_normal((*s, cfg.d_head)) for s in shapes]
-    res = simulate_backward(plan, *inputs, **mask)
+    res = simulate(plan, *inputs, **mask)
     round16 = lambda x: hw.decode(hw.encode(x, cfg.dtype), cfg.dtype).astype(np.float64)  # noqa: E731
     vals = [round16(x) for x in inputs]
     ref = gradients(*vals, **mask)

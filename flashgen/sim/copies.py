@@ -258,6 +258,11 @@ class Coverage:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
+def coverage_of(name: str, problems: list[str], ok_detail: str) -> Coverage:
+    """A check's result: ``ok_detail`` where ``problems`` is empty, else the first problems."""
+    return _fail(name, problems) if problems else Coverage(name, True, ok_detail)
+
+
 def _fail(name: str, problems: list[str]) -> Coverage:
     shown = problems[:4] + ([f"... and {len(problems) - 4} more"] if len(problems) > 4 else [])
     return Coverage(name, False, "; ".join(shown))

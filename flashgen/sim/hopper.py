@@ -154,7 +154,7 @@ def tma_read(smem: np.ndarray, tt: TmaTile, base_byte: int, rows: tuple[int, int
     return out
 
 
-def _read16(smem: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
+def read16(smem: np.ndarray, addr: np.ndarray, dtype) -> np.ndarray:
     """float64 values of the 16-bit elements at byte addresses ``addr`` (NaN outside the image)."""
     idx = np.asarray(addr) // 2
     img = smem.view("<u2")
@@ -180,13 +180,28 @@ def _eval_tv(tv) -> _TV:
 
 
 @functools.lru_cache(maxsize=None)
-def _c_map(atom: WGMMA_64xNx16) -> _TV:
+def c_table(atom: WGMMA_64xNx16) -> _TV:
     return _eval_tv(atom.c_map)
 
 
 @functools.lru_cache(maxsize=None)
-def _a_map(atom: WGMMA_64xNx16) -> _TV:
+def a_table(atom: WGMMA_64xNx16) -> _TV:
     return _eval_tv(atom.a_map)
+
+
+def phase_passed(phases: dict, barrier: tuple, parity: int) -> bool:
+    """``mbarrier.try_wait.parity`` on ``barrier`` (``phases``: barrier -> phases completed): the phase of
+    this parity completed, i.e. the phase in progress has the other one (a fresh barrier is in phase 0:
+    parity 1 passes at once)."""
+    return (phases.get(barrier, 0) & 1) != parity
+
+
+def wgmma_k16(acc: np.ndarray, a: np.ndarray, b: np.ndarray, c: _TV) -> np.ndarray:
+    """One k16 wgmma: ``acc [thread, value]`` (fp32 values held in float64) plus ``A B^T`` (``a [64, 16]``,
+    ``b [N, 16]`` float64, the 16-term products summed in float64) at the accumulator map ``c``'s
+    (row, col) of each value, rounded to fp32."""
+    d = a @ b.T
+    return (acc + d[c.rows, c.cols]).astype(np.float32).astype(np.float64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,7 +214,7 @@ def _register_load_map(load, a_atom: WGMMA_64xNx16) -> tuple[np.ndarray, np.ndar
     lanes 8m..8m+7; lane l's register m holds row l/4 of matrix m, columns 2 (l % 4) + {0, 1}.
     """
     part, (kk,) = load.partition, load.partition.loops
-    a = _a_map(a_atom)
+    a = a_table(a_atom)
     src_r = np.zeros((kk.extent, WG, 8), np.int64)
     src_c = np.zeros_like(src_r)
     for k in range(kk.extent):
@@ -383,8 +398,8 @@ class _Cta:
         self.o = [np.zeros((r, cfg.d_head), np.uint16) for r in rows]
         self.lse = [np.full(r, np.nan, np.float32) for r in rows]
         # maps
-        self.cs, self.co = _c_map(plan.gemm_S.atom), _c_map(plan.gemm_O.atom)
-        self.a = _a_map(plan.gemm_O.atom)
+        self.cs, self.co = c_table(plan.gemm_S.atom), c_table(plan.gemm_O.atom)
+        self.a = a_table(plan.gemm_O.atom)
         self.s_rows, self.s_slot = _row_slots(self.cs)
         o_rows, _ = _row_slots(self.co)
         if not np.array_equal(o_rows, self.s_rows):
@@ -464,7 +479,7 @@ class _Cta:
             ring, it = (self.q_ring, self.q_use[x]) if t == "Q" else (self.kv_ring, x)
             st = ring.stage(it)
             # the emitted producer waits for Q's empty barrier only when persistent (one tile otherwise)
-            if (t != "Q" or "q_empty" in plan.barriers) and not self._passes(self.empty_phases, (t, st), ring.empty_phase(it)):
+            if (t != "Q" or "q_empty" in plan.barriers) and not phase_passed(self.empty_phases, (t, st), ring.empty_phase(it)):
                 return
             if t == "Q":
                 tile = self.tiles[x]
@@ -512,12 +527,6 @@ class _Cta:
         c.pc += 1
         return True
 
-    @staticmethod
-    def _passes(phases: dict, barrier: tuple, parity: int) -> bool:
-        """``mbarrier.try_wait.parity``: the phase of this parity completed, i.e. the phase in progress has
-        the other one (a fresh barrier is in phase 0: parity 1 passes at once)."""
-        return (phases.get(barrier, 0) & 1) != parity
-
     def slot(self, tensor: str, block: "Block | None", b: int, ti: int) -> tuple[int, int]:
         """(slot, full parity) the emitted code computes for ``tensor``'s ``block`` (use ``b``) of tile ``ti``:
         Q's from the tile's use; K/V's from the loop's block ``j`` (use ``it``), for block j - 1 (the last
@@ -537,7 +546,7 @@ class _Cta:
             self.flag(where, f"waits for {s.arg}_{b}, outside the visited blocks")
         else:
             st, parity = self.slot(s.arg, s.block, b, ti)
-            if not self._passes(self.full_phases, (s.arg, st), parity):
+            if not phase_passed(self.full_phases, (s.arg, st), parity):
                 return False
             held = self.q_tile if s.arg == "Q" else self.stage_block[s.arg][st]
             if held != key[1]:
@@ -663,7 +672,7 @@ class _Cta:
             inside = (rows < tile.rows) & (src_c < tile.cols)
             self._q_frag_addr[c.w] = (tile.offset + 2 * table[np.where(inside, rows, 0), np.where(inside, src_c, 0)], inside)
         addr, inside = self._q_frag_addr[c.w]
-        return np.where(inside, _read16(self.smem, addr, self.dtype), np.nan)
+        return np.where(inside, read16(self.smem, addr, self.dtype), np.nan)
 
     def exec_s(self, c: _Consumer, b: int, ti: int, st: int, where: str) -> None:
         """S = Q K_b^T: ``k_steps`` wgmma; step 0 has scale-d 0 (fresh accumulator). A is Q's tile in
@@ -684,10 +693,9 @@ class _Cta:
                 a = np.full((64, 16), np.nan)
                 a[a_rows, a_cols] = c.q_frag[1][s] if c.q_frag is not None else np.nan
             else:
-                a = _read16(self.smem, descriptor_addresses(g.a.descriptor(q_base, s, c.w), 64, 16, dt), dt)
-            bm = _read16(self.smem, descriptor_addresses(g.b.descriptor(k_base, s), g.atom.N, 16, dt), dt)
-            d = a @ bm.T
-            acc = (acc + d[self.cs.rows, self.cs.cols]).astype(np.float32).astype(np.float64)
+                a = read16(self.smem, descriptor_addresses(g.a.descriptor(q_base, s, c.w), 64, 16, dt), dt)
+            bm = read16(self.smem, descriptor_addresses(g.b.descriptor(k_base, s), g.atom.N, 16, dt), dt)
+            acc = wgmma_k16(acc, a, bm, self.cs)
         c.s_acc = acc.astype(np.float32)
         c.s_state = ("raw", b)
         self.count(c, "S", b)
@@ -701,9 +709,8 @@ class _Cta:
             a = np.zeros((64, 16))
             regs = c.p_frag[:, t]  # [thread, reg, half]
             a[self.a.rows, self.a.cols] = hw.decode(regs.reshape(WG, 8), dt)  # value v = 2*reg + half
-            bm = _read16(self.smem, descriptor_addresses_mn(g.b.descriptor(v_base, t), g.atom.N, 16, dt), dt)
-            d = a @ bm.T
-            acc = (acc + d[self.co.rows, self.co.cols]).astype(np.float32).astype(np.float64)
+            bm = read16(self.smem, descriptor_addresses_mn(g.b.descriptor(v_base, t), g.atom.N, 16, dt), dt)
+            acc = wgmma_k16(acc, a, bm, self.co)
         c.o_acc = acc.astype(np.float32)
         self.count(c, "O", b)
 

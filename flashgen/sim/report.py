@@ -226,6 +226,9 @@ def format_report(results: list[dict[str, Any]]) -> str:
         lines = [f"{res['config']}  [{_ok(res['ok'])}]", f"  kernel {res['name']}"]
         if "copies" in res:
             lines += _copy_lines(res["copies"])
+        if "coverage" in res:  # checks without a copies' table (the wgmma backward's TMA boxes, dS^T stores, regions)
+            lines.append(f"  coverage ({', '.join(res['coverage'])}): {_ok(res['coverage_ok'])}")
+            lines += [f"    {name}: {c['detail']}" for name, c in res["coverage"].items() if not c["ok"]]
         if "fragments" in res:
             fr = res["fragments"]
             lines.append(f"  fragments: {_ok(fr['ok'])}")

@@ -9,6 +9,9 @@ config, over every thread, warp and index, and caches the result per config:
   index; the MMA's C fragment map holds values ``(2h, 2h+1)`` of a lane in one row, neighbouring
   columns (the softmax masks and reduces them as a pair);
 * mma.sync backward: every shared-memory copy's address split, as the forward's;
+* wgmma backward: the accumulator-to-A table of dV and dK, each GEMM's descriptors (every address
+  read is the tile element the GEMM needs), the dS^T stores against what dQ's A descriptors read,
+  the barrier counts (:mod:`flashgen.sim.hopper_backward_checks`);
 * wgmma: the P-from-S register table (derived from thread 0) names, in every thread, the S
   accumulator value holding the P element each A register needs; the accumulator maps of both
   GEMMs follow the ``(chunk, half, e)`` pattern the softmax, rescale and epilogue index by; the
@@ -27,6 +30,7 @@ from flashgen.dsl.addressing import plan_splits, smem_copies, split_offsets, spl
 from flashgen.dsl.backward_plan import BackwardPlan
 from flashgen.dsl.config import WGMMA_M
 from flashgen.dsl.hopper_plan import HopperPlan
+from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
 from flashgen.dsl.plan import KernelPlan
 from flashgen.dsl.tiling import TVMap
 
@@ -81,6 +85,22 @@ def wgmma_checks(plan: HopperPlan) -> tuple[Check, ...]:
     )
 
 
+def hopper_backward_checks(plan: HopperBackwardPlan) -> tuple[Check, ...]:
+    """The proofs of a wgmma backward plan: the accumulator-to-A table of dV and dK, the S^T accumulator
+    pattern, every GEMM's descriptors, the dS^T stores against dQ's A reads, the barrier counts."""
+    from flashgen.sim.hopper_backward_checks import barrier_problems, descriptor_problems, ds_handoff_problems
+
+    g = plan.gemms
+    return (
+        Check("a_from_acc (P^T -> dV)", tuple(acc_to_a_problems(plan.a_from_acc, g["S"].atom.c_map, g["dV"].atom.a_map, "P^T"))),
+        Check("a_from_acc (dS^T -> dK)", tuple(acc_to_a_problems(plan.a_from_acc, g["dP"].atom.c_map, g["dK"].atom.a_map, "dS^T"))),
+        Check("S^T accumulator pattern", tuple(c_chunk_problems(g["S"].atom.c_map))),
+    ) + tuple(Check(f"descriptors {name}", tuple(descriptor_problems(plan, name)[:SHOWN])) for name in g) + (
+        Check("dS^T stores = dQ's A reads", tuple(ds_handoff_problems(plan)[:SHOWN])),
+        Check("barriers and ring", tuple(barrier_problems(plan))),
+    )
+
+
 def mma_sync_checks(plan: KernelPlan) -> tuple[Check, ...]:
     """The proofs of an mma.sync plan: every shared-memory copy's address split, the C map's row pairs."""
     splits = plan_splits(plan)
@@ -126,16 +146,22 @@ def c_chunk_problems(c_map: TVMap) -> list[str]:
     return out + _mismatches("column", cols, cols[:, :1] + 8 * (i // 4) + i % 2, where)
 
 
-def p_from_s_problems(plan: HopperPlan) -> list[str]:
-    """In every thread, S value ``p_from_s[t][r][half]`` is P's element that A value ``2r + half`` of
-    k16 step ``t`` needs: row ``a_row``, column ``16 t + a_col`` (the same register in all threads)."""
-    table = np.array(plan.p_from_s, dtype=np.int64).reshape(len(plan.p_from_s), 8)  # [step, A value]
-    s_rows, s_cols = plan.gemm_S.atom.c_map.tables()
-    a_rows, a_cols = plan.gemm_O.atom.a_map.tables()
+def acc_to_a_problems(table, c_map: TVMap, a_map: TVMap, what: str = "P") -> list[str]:
+    """In every thread, accumulator value ``table[t][r][half]`` (of ``c_map``) holds the element of ``what``
+    that A value ``2r + half`` of k16 step ``t`` needs (``a_map``): row ``a_row``, column ``16 t + a_col``
+    (the same register in all threads, as the table was derived from thread 0)."""
+    table = np.array(table, dtype=np.int64).reshape(len(table), 8)  # [step, A value]
+    s_rows, s_cols = c_map.tables()
+    a_rows, a_cols = a_map.tables()
     steps = np.arange(table.shape[0])[None, :, None]
-    where = lambda k: f"thread {k[0]} step {k[1]} A register {k[2] // 2} half {k[2] % 2} <- S value {table[k[1], k[2]]}"  # noqa: E731
-    out = _mismatches("P row", s_rows[:, table], np.broadcast_to(a_rows[:, None, :], (len(a_rows),) + table.shape), where)
-    return out + _mismatches("P column", s_cols[:, table], 16 * steps + a_cols[:, None, :], where)
+    where = lambda k: f"thread {k[0]} step {k[1]} A register {k[2] // 2} half {k[2] % 2} <- accumulator value {table[k[1], k[2]]}"  # noqa: E731
+    out = _mismatches(f"{what} row", s_rows[:, table], np.broadcast_to(a_rows[:, None, :], (len(a_rows),) + table.shape), where)
+    return out + _mismatches(f"{what} column", s_cols[:, table], 16 * steps + a_cols[:, None, :], where)
+
+
+def p_from_s_problems(plan: HopperPlan) -> list[str]:
+    """The forward's P-from-S table (:func:`acc_to_a_problems` of S's accumulator and O's A map)."""
+    return acc_to_a_problems(plan.p_from_s, plan.gemm_S.atom.c_map, plan.gemm_O.atom.a_map)
 
 
 def o_store_problems(plan: HopperPlan) -> list[str]:
@@ -148,8 +174,3 @@ def o_store_problems(plan: HopperPlan) -> list[str]:
     first = {b.col0: b.smem_offset for b in st.boxes if b.row0 == 0}
     return [f"O store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it"
             for b in st.boxes if b.smem_offset != first[b.col0] + (b.row0 // rows) * st.tma.bytes][:SHOWN]
-
-
-def hopper_backward_checks(plan) -> tuple:
-    """The wgmma backward's proofs (none yet)."""
-    return ()

@@ -141,7 +141,7 @@ def test_a_deterministic_schedule_orders_the_dq_adds_between_the_gemm_and_the_ne
     assert not {WaitOrder, SignalOrder} & {type(s) for s in make_backward_plan(B("fp16", d_head=64)).schedule.body}
 
 
-@pytest.mark.parametrize("cfg", [c.replace(deterministic=True) for c in backward_configs()], ids=str)
+@pytest.mark.parametrize("cfg", [c.replace(deterministic=True) for c in backward_configs() if c.engine == "mma_sync"], ids=str)
 def test_each_dq_element_of_a_query_block_is_added_by_one_thread(cfg):
     plan = make_backward_plan(cfg)  # checks it (dq_adds_once)
     dq_adds_once(plan.red_dQ, cfg.n_warps, cfg.B_r, cfg.d_mma)

@@ -1,0 +1,124 @@
+"""Proofs about a wgmma backward plan's descriptors, dS^T handoff and barriers (used by
+:func:`flashgen.sim.verify.hopper_backward_checks`).
+
+The emitter renders each GEMM's descriptors from the plan's per-step offsets and the dS^T stores from
+the accumulator map and the tile's layout; these functions read the addresses back through the ISA
+address models and say, for every consumer, k16 step and element, where they differ from what the
+GEMM needs:
+
+==========  =============================================  ============================================
+GEMM        A (m, kk) of k16 step s, consumer w            B (n, kk)
+==========  =============================================  ============================================
+``S``       sK[64 w + m, 16 s + kk] (K-major)              sQ[n, 16 s + kk] (K-major)
+``dP``      sV[64 w + m, 16 s + kk]                        sdO[n, 16 s + kk]
+``dV``      registers (``a_from_acc``)                     sdO[16 s + kk, n] (MN-major)
+``dK``      registers                                      sQ[16 s + kk, n]
+``dQ``      sdS[16 s + kk, m] (MN-major: dS = dS^T's T)    sK[16 s + kk, w * dq_cols + n]
+==========  =============================================  ============================================
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashgen.dsl.atoms.hopper import descriptor_addresses, descriptor_addresses_mn
+from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
+from flashgen.sim.hopper import c_table
+from flashgen.sim.hopper_backward_cta import tile_table
+
+#: (GEMM, operand) -> (tile, K-major: rows and columns are (m or n, k), else (k, m or n), consumer column offset)
+_NEEDS = {
+    ("S", "a"): ("K", True), ("S", "b"): ("Q", True),
+    ("dP", "a"): ("V", True), ("dP", "b"): ("dO", True),
+    ("dV", "b"): ("dO", False), ("dK", "b"): ("Q", False),
+    ("dQ", "a"): ("dS", False), ("dQ", "b"): ("K", False),
+}
+#: the reduction length of each GEMM, from the config
+_K = {"S": "d_head", "dP": "d_head", "dV": "B_r", "dK": "B_r", "dQ": "B_c"}
+
+
+def _wanted(plan: HopperBackwardPlan, gemm: str, operand: str, w: int, s: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tile (row, col) ``[n, 16]`` that element (m or n, kk) of k16 step ``s`` of consumer ``w`` must read."""
+    _, kmajor = _NEEDS[(gemm, operand)]
+    mn = np.arange(n)[:, None]
+    kk = np.arange(16)[None, :] + 16 * s
+    if kmajor:  # A rows are the consumer's 64 key rows; B rows every query row
+        return np.broadcast_to(mn + (64 * w if operand == "a" else 0), (n, 16)), np.broadcast_to(kk, (n, 16))
+    col0 = w * plan.dq_cols if (gemm, operand) == ("dQ", "b") else 0
+    return np.broadcast_to(kk, (n, 16)), np.broadcast_to(mn + col0, (n, 16))
+
+
+def descriptor_problems(plan: HopperBackwardPlan, gemm: str) -> list[str]:
+    """Every address GEMM ``gemm``'s shared-memory descriptors read (every consumer, k16 step and element)
+    is the tile element it needs, at the tile's layout offset; its k16 steps span the reduction."""
+    g, cfg = plan.gemms[gemm], plan.cfg
+    out = []
+    if 16 * g.k_steps != getattr(cfg, _K[gemm]):
+        out.append(f"{g.k_steps} k16 steps for a reduction of {getattr(cfg, _K[gemm])}")
+    for operand, desc, mn in (("a", g.a, g.trans_a), ("b", g.b, g.trans_b)):
+        if desc is None:
+            continue
+        tile = plan.tiles[_NEEDS[(gemm, operand)][0]]
+        table = tile_table(tile)
+        n = 64 if operand == "a" else g.atom.N
+        read = descriptor_addresses_mn if mn else descriptor_addresses
+        for w in range(plan.consumers):
+            for s in range(len(desc.step_offsets)):
+                rows, cols = _wanted(plan, gemm, operand, w, s, n)
+                if rows.max() >= tile.rows or cols.max() >= tile.cols:
+                    out.append(f"{operand.upper()} of consumer {w}, step {s}: needs rows/columns past the {tile.rows}x{tile.cols} tile")
+                    continue
+                got = read(desc.descriptor(tile.offset, s, w), n, 16, cfg.dtype)
+                bad = np.argwhere(got != tile.offset + 2 * table[rows, cols])
+                out += [f"{operand.upper()} of consumer {w}, step {s}, element ({i}, {k}): reads byte {got[i, k]}, "
+                        f"{tile.name}[{rows[i, k]}, {cols[i, k]}] is at {tile.offset + 2 * table[rows[i, k], cols[i, k]]}"
+                        for i, k in bad[:1]]
+    return out
+
+
+def ds_handoff_problems(plan: HopperBackwardPlan) -> list[str]:
+    """What the consumers' dS^T stores put at each address (pairs of accumulator values as one 32-bit
+    store at the even value's layout offset) is what dQ's A descriptors read there: dS^T[16 s + kk, m]."""
+    tile, cs = plan.tiles["dS"], c_table(plan.gemms["S"].atom)
+    table = tile_table(tile)
+    held = {}  # element offset -> (key row, query column) of dS^T stored there
+    ev = np.arange(0, cs.rows.shape[1], 2)
+    for w in range(plan.consumers):
+        r, c = 64 * w + cs.rows, cs.cols
+        if r.max() >= tile.rows or c.max() >= tile.cols:
+            return [f"consumer {w}'s dS^T rows reach past the {tile.rows}x{tile.cols} tile"]
+        base = table[r[:, ev], c[:, ev]]
+        for half in (0, 1):
+            for e, rr, cc in zip(base.ravel() + half, r[:, ev + half].ravel(), c[:, ev + half].ravel()):
+                held[int(e)] = (int(rr), int(cc))
+    g, out = plan.gemms["dQ"], []
+    for s in range(g.k_steps):
+        got = (descriptor_addresses_mn(g.a.descriptor(tile.offset, s, 0), 64, 16, plan.cfg.dtype) - tile.offset) // 2
+        for m, kk in np.ndindex(got.shape):
+            want = (16 * s + kk, m)
+            if held.get(int(got[m, kk])) != want:
+                out.append(f"dQ's A, step {s}, element ({m}, {kk}): reads element {got[m, kk]}, which holds dS^T"
+                           f"{held.get(int(got[m, kk]))}, not dS^T{want}")
+                if len(out) >= 3:
+                    return out
+    return out
+
+
+def barrier_problems(plan: HopperBackwardPlan) -> list[str]:
+    """The empty barriers count one arrival per consumer warp, the full ones the producer's one; the ring,
+    the streamed tiles and the statistics have the same stages; the consumers' dQ columns make d_head."""
+    cfg, out = plan.cfg, []
+    for name, (bar, _, stages) in plan.barriers.items():
+        want = plan.release_arrivals * plan.consumers if name.endswith("_empty") else 1
+        if bar.arrive_count != want:
+            out.append(f"{name}: arrive count {bar.arrive_count}, expected {want}")
+        if name != "kv_full" and stages != plan.ring.stages:
+            out.append(f"{name}: {stages} stage(s), the ring has {plan.ring.stages}")
+    for name in ("Q", "dO"):
+        if plan.tiles[name].stages != plan.ring.stages:
+            out.append(f"s{name}: {plan.tiles[name].stages} stage(s), the ring has {plan.ring.stages}")
+    for name, (_, stages, size) in plan.stats.items():
+        if stages != plan.ring.stages or size != 4 * cfg.B_r:
+            out.append(f"{name}: {stages} stage(s) of {size} bytes, expected {plan.ring.stages} of {4 * cfg.B_r}")
+    if plan.dq_cols * plan.consumers != cfg.d_head:
+        out.append(f"{plan.consumers} consumers x {plan.dq_cols} dQ columns != d_head {cfg.d_head}")
+    return out

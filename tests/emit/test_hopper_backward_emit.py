@@ -1,0 +1,75 @@
+"""The emitted wgmma backward (flashgen.emit.hopper_backward_kernel): its kernels compile for sm_90a
+without local memory, the dQ buffer's index function compiled for the host inverts the staging order of
+the plan's DqStage at every thread and value, and emitting is pure."""
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+
+import pytest
+
+from flashgen.check import check_configs, failure_report
+from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+from flashgen.emit.hopper_backward_kernel import emit_hopper_backward
+from flashgen.toolchain import find_nvcc
+
+W = BackwardConfig.wgmma
+#: the shipped shapes of both head sizes, both dtypes, every mask, one and two ring stages
+CONFIGS = [W("bf16", 128, "causal"), W("fp16", 64), W("bf16", 128, "window", stages=1)]
+GXX = shutil.which("g++")
+
+
+def background_builds(folder):
+    if find_nvcc() is None:
+        return {}
+    return {cfg.mangle(): functools.partial(check_configs, [cfg], ("sm_80", "sm_90a"), jobs=1, workdir=folder, use_cache=False)
+            for cfg in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def results(background, request, nvcc):
+    return {(r.cfg, r.arch): r for cfg in CONFIGS for r in background.result(request.module, cfg.mangle())}
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("cfg", CONFIGS, ids=BackwardConfig.mangle)
+def test_compiles_for_sm90a_without_local_memory(cfg, results):
+    assert (cfg, "sm_80") not in results, "wgmma kernels exist for sm_90a only"
+    r = results[(cfg, "sm_90a")]
+    assert r.ok, failure_report(r)
+    s = r.stats
+    assert (s.spill_stores, s.spill_loads, s.stack_frame) == (0, 0, 0), f"{cfg}: local memory used\n  {r.command}"
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
+@pytest.mark.parametrize("d_head", [64, 128])
+def test_the_dq_index_inverts_the_staging_order(tmp_path, d_head):
+    """Value i of consumer thread t (its accumulator map's row and column) is staged at DqStage.slot(t, i)
+    of the consumer's region; dq_chunk_index must find it there for the dQ conversion."""
+    plan = make_hopper_backward_plan(W("bf16", d_head))
+    st = plan.dq_stage
+    src = tmp_path / "index.cpp"
+    src.write_text("#include <cstdint>\n#include <cstdio>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
+                   + st.index_cpp() + f"\nint main() {{ for (uint32_t r = 0; r < {st.rows}u; ++r) for (uint32_t c = 0; c < "
+                   f"{st.cols * st.consumers}u; ++c) std::printf(\"%u\\n\", dq_chunk_index(r, c)); return 0; }}\n")
+    subprocess.run([GXX, "-O1", "-o", str(tmp_path / "index"), str(src)], check=True)
+    got = [int(x) for x in subprocess.run([str(tmp_path / "index")], capture_output=True, text=True, check=True).stdout.split()]
+    width = st.cols * st.consumers
+    rows, cols = plan.gemms["dQ"].atom.c_map.tables()
+    placed = {}
+    for w in range(st.consumers):
+        for t in range(128):
+            for i in range(st.cols // 2):
+                r, c = int(rows[t, i]), w * st.cols + int(cols[t, i])
+                placed[(r, c)] = w * st.rows * st.cols + st.slot(t, i)
+    assert len(placed) == st.rows * width and sorted(placed.values()) == list(range(st.rows * width))
+    assert all(got[r * width + c] == at for (r, c), at in placed.items())
+
+
+def test_emitting_is_pure():
+    cfg = W("fp16", 64, "causal")
+    assert emit_hopper_backward(make_hopper_backward_plan(cfg)).text == emit_hopper_backward(make_hopper_backward_plan(cfg)).text
+    other = emit_hopper_backward(make_hopper_backward_plan(cfg.replace(stages=1))).text
+    assert other != emit_hopper_backward(make_hopper_backward_plan(cfg)).text

@@ -1,0 +1,186 @@
+"""The wgmma backward on the CPU (flashgen.sim.hopper_backward): dQ, dK, dV of odd shapes against the
+float64 gradients within FlashAttention's rule, with no hazard; altered plans (a descriptor offset, the
+accumulator-to-A table, the dS^T layout) give wrong gradients and fail their proofs; schedules with a
+step missing, moved or a buffer short report the hazard; coverage, proofs and ``flashgen simulate``."""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from flashgen import engines
+from flashgen.cli import main
+from flashgen.dsl.atoms.hopper import GmmaSwizzle, kmajor_tile_layout
+from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+from flashgen.dsl.steps import Handoff, Release, WaitFull, WgmmaWait
+from flashgen.sim import hardware as hw
+from flashgen.sim.grad_reference import gradients
+from flashgen.sim.hopper_backward import hopper_backward_coverage, simulate_hopper_backward
+from flashgen.sim.verify import hopper_backward_checks
+
+
+def _cfg(dtype="fp16", d_head=64, mask="none", stages=2):
+    return BackwardConfig(dtype, d_head=d_head, B_r=64, B_c=128, n_warps=12, engine="wgmma", stages=stages, mask=mask)
+
+
+#: (config, batch, seq_q, seq_k, heads, kv_heads, mask arguments)
+CASES = [
+    (_cfg(), 1, 101, 141, 2, 1, {}),
+    (_cfg("bf16", mask="causal"), 1, 101, 141, 2, 1, {"causal": True}),
+    (_cfg("fp16", mask="causal", stages=1), 1, 101, 141, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (_cfg("bf16", mask="window"), 1, 141, 101, 2, 1, {"window": (40, 7)}),
+    (_cfg("bf16", stages=1), 2, 1, 1, 1, 1, {}),
+    # key block 1 meets no query: its CTA walks no item and writes zero dK, dV
+    (_cfg("fp16", mask="causal"), 1, 1, 141, 2, 1, {"causal": True}),
+    (_cfg("fp16", mask="causal"), 1, 70, 141, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (_cfg("bf16", d_head=128, mask="causal"), 1, 101, 141, 2, 1, {"causal": True, "align": "bottom_right"}),
+]
+
+
+def _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, d):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, seq_q, heads, d)), rng.standard_normal((batch, seq_k, kv_heads, d)),
+            rng.standard_normal((batch, seq_k, kv_heads, d)), rng.standard_normal((batch, seq_q, heads, d)))
+
+
+def _errors(cfg, res, inputs, mask):
+    """(error, bound) of dq, dk, dv: FlashAttention's rule, 2x the error of the same math at the kernel's
+    16-bit roundings plus a small absolute slack."""
+    r16 = lambda x: hw.decode(hw.encode(x, cfg.dtype), cfg.dtype).astype(np.float64)  # noqa: E731
+    vals = [r16(x) for x in inputs]
+    ref, lowp = gradients(*vals, **mask), gradients(*vals, **mask, round16=r16)
+    return {n: (np.abs(got - want).max(), 2 * np.abs(base - want).max() + 1e-3)
+            for n, got, want, base in zip(("dq", "dk", "dv"), (res.dq, res.dk, res.dv), ref, lowp)}
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_simulated_gradients_match_the_reference(case):
+    cfg, *shape, mask = CASES[case]
+    inputs = _inputs(case, *shape, cfg.d_head)
+    res = simulate_hopper_backward(cfg, *inputs, **mask)
+    assert res.ok, res.hazards[:3]
+    for name, (err, bound) in _errors(cfg, res, inputs, mask).items():
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+PLAN = make_hopper_backward_plan(_cfg())
+INPUTS = _inputs(0, 1, 101, 141, 2, 1, 64)
+
+
+def _with_gemm(name, operand, **changes):
+    g = PLAN.gemms[name]
+    return attrs.evolve(PLAN, gemms={**PLAN.gemms, name: attrs.evolve(g, **{operand: attrs.evolve(getattr(g, operand), **changes)})})
+
+
+def _swapped_steps(name, operand):
+    steps = list(getattr(PLAN.gemms[name], operand).step_offsets)
+    steps[0], steps[1] = steps[1], steps[0]
+    return _with_gemm(name, operand, step_offsets=tuple(steps))
+
+
+def _swapped_a_from_acc():
+    table = [list(step) for step in PLAN.a_from_acc]
+    table[1][2] = table[1][2][::-1]
+    return attrs.evolve(PLAN, a_from_acc=tuple(tuple(step) for step in table))
+
+
+def _ds_layout(swizzle):
+    tile = PLAN.tiles["dS"]
+    layout = kmajor_tile_layout(tile.rows, tile.cols, PLAN.cfg.dtype, swizzle)
+    return attrs.evolve(PLAN, tiles={**PLAN.tiles, "dS": attrs.evolve(tile, layout=layout)})
+
+
+@pytest.mark.parametrize("broken, check, wrong", [
+    (lambda: _swapped_steps("S", "b"), "descriptors S", ("dq", "dk", "dv")),
+    (lambda: _swapped_steps("dV", "b"), "descriptors dV", ("dv",)),
+    (lambda: _swapped_steps("dQ", "a"), "descriptors dQ", ("dq",)),
+    (lambda: _with_gemm("dQ", "b", row_block_offset=0), "descriptors dQ", ("dq",)),
+    (lambda: _with_gemm("S", "a", row_block_offset=0), "descriptors S", ("dq", "dk", "dv")),
+    (_swapped_a_from_acc, "a_from_acc (P^T -> dV)", ("dk", "dv")),
+    (lambda: _ds_layout(GmmaSwizzle.B64), "dS^T stores = dQ's A reads", ("dq",)),
+])
+def test_an_altered_plan_gives_wrong_gradients_and_fails_its_proof(broken, check, wrong):
+    plan = broken()
+    failing = [c.name for c in hopper_backward_checks(plan) if not c.ok]
+    assert check in failing
+    errors = _errors(plan.cfg, simulate_hopper_backward(plan, *INPUTS), INPUTS, {})
+    assert all(errors[n][0] > 10 * errors[n][1] for n in wrong), errors
+
+
+def _schedule(plan, schedule):
+    return attrs.evolve(plan, schedule=tuple(schedule))
+
+
+def _without(step, plan=PLAN):
+    i = plan.schedule.index(step)
+    return _schedule(plan, plan.schedule[:i] + plan.schedule[i + 1:])
+
+
+def _moved(step, before, plan=PLAN):
+    rest = [s for s in plan.schedule if s != step]
+    i = rest.index(before)
+    return _schedule(plan, rest[:i] + [step] + rest[i:])
+
+
+def _one_ds_buffer(stages):
+    plan = make_hopper_backward_plan(_cfg(stages=stages))
+    return attrs.evolve(plan, tiles={**plan.tiles, "dS": attrs.evolve(plan.tiles["dS"], stages=1)})
+
+
+def _empty_count(count):
+    bar, off, stages = PLAN.barriers["q_empty"]
+    return attrs.evolve(PLAN, barriers={**PLAN.barriers, "q_empty": (attrs.evolve(bar, arrive_count=count), off, stages)})
+
+
+S_READY = WgmmaWait("1", why="S^T ready (dP^T may still run)")
+
+
+@pytest.mark.parametrize("broken, words", [
+    (lambda: _without(S_READY), "touches S while wgmma group S[item 0] writing it is in flight"),
+    (lambda: _without(WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time")), "still reads it"),
+    (lambda: _without(Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)")), "dS^T rows"),
+    (lambda: _without(WaitFull("dO", why="dO and its D landed")), "without its wait_full"),
+    (lambda: _moved(Release("Q"), S_READY), "releases Q of item 0 while wgmma group"),
+    (lambda: _one_ds_buffer(2), "overwrites its dS^T rows"),
+    (lambda: _empty_count(4), "holds item"),
+    (lambda: _empty_count(PLAN.release_arrivals * PLAN.consumers + 1), "deadlock"),
+])
+def test_a_broken_schedule_is_a_hazard(broken, words):
+    res = simulate_hopper_backward(broken(), *INPUTS)
+    assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+def test_one_ds_buffer_is_safe_with_one_ring_stage():
+    """With one stage, a consumer's next dS^T store comes after its wait for the next Q, which the producer
+    fills only once every consumer released this block's Q, after its dQ GEMM retired: no hazard."""
+    res = simulate_hopper_backward(_one_ds_buffer(1), *INPUTS)
+    assert res.ok, res.hazards[:3]
+
+
+@pytest.mark.parametrize("d_head, stages", [(64, 1), (64, 2), (128, 2)])
+def test_the_shipped_plans_are_covered_and_proven(d_head, stages):
+    plan = make_hopper_backward_plan(_cfg("bf16", d_head=d_head, stages=stages))
+    cov = hopper_backward_coverage(plan)
+    assert all(c.ok for c in cov.values()), {n: c.detail for n, c in cov.items() if not c.ok}
+    assert engines.verify_plan(plan).ok
+
+
+def test_a_tile_layout_other_than_tma_s_fails_coverage():
+    tile = PLAN.tiles["Q"]
+    layout = kmajor_tile_layout(tile.rows, tile.cols, PLAN.cfg.dtype, GmmaSwizzle.B64)
+    plan = attrs.evolve(PLAN, tiles={**PLAN.tiles, "Q": attrs.evolve(tile, layout=layout)},
+                        loads={**PLAN.loads, "Q": attrs.evolve(PLAN.loads["Q"], tile=attrs.evolve(tile, layout=layout))})
+    cov = hopper_backward_coverage(plan)
+    assert not cov["tma_Q"].ok and "where the tile layout does not" in cov["tma_Q"].detail
+    assert cov["tma_K"].ok
+
+
+def test_flashgen_simulate_reports_the_wgmma_backward(capsys):
+    name = "bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2"
+    rep = engines.simulate_config(name)
+    assert rep["ok"] and rep["engine"] == "wgmma" and rep["kind"] == "backward" and rep["grads"]["ok"]
+    assert set(rep["coverage"]) == {"tma_K", "tma_V", "tma_Q", "tma_dO", "store_dS", "smem"}
+    assert main(["simulate", name, "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "backward pass (dQ, dK, dV vs float64): ok" in out and "coverage (tma_K" in out
