@@ -154,7 +154,7 @@ class BackwardConfig:
         """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit);
         wgmma: two dS^T buffers, the ring's mbarriers and the slack that aligns the base to 1024 bytes."""
         if self.engine == "wgmma":
-            from .hopper_backward_plan import smem_plan
+            from .hopper_backward_smem import smem_plan
 
             return smem_plan(self)[1]
         streamed = self.stages * (2 * self.B_r * self.d_smem * self.dtype.size + 2 * 4 * self.B_r)

@@ -1,0 +1,76 @@
+"""Shared-memory placement of the wgmma backward (sm_90a): its tiles, statistics, staged dQ and mbarriers.
+
+Kept apart from :mod:`flashgen.dsl.hopper_backward_plan` so that :class:`~flashgen.dsl.backward_config.BackwardConfig`
+can size a config (``smem_bytes``) without building its plan. ``cfg`` is a wgmma ``BackwardConfig``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .atoms.hopper import kmajor_tile_layout
+from .hopper_plan import SMEM_ALIGN, SWIZZLE, SmemTile
+
+#: bytes of one query block's lse or D (fp32 per row), one bulk copy each
+STAT = 4
+
+
+@attrs.frozen
+class DqStage:
+    """How a consumer's dQ of a query block reaches the fp32 buffer: staged in shared memory in fragment
+    order (the 32-bit values ``2p`` and ``2p+1`` of thread ``t`` at 8-byte slot ``128 p + t``: each
+    warp's 8-byte stores fill 256 contiguous bytes, free of bank conflicts), then added with one
+    ``cp.reduce.async.bulk`` into the same bytes of the buffer's chunk for (batch, head, query block,
+    consumer). The buffer is flashgen's own workspace, so it keeps fragment order too; the dQ conversion
+    finds element (row, col) of a query block with :meth:`index_cpp`, the inverse of the accumulator map."""
+
+    offset: int  # bytes from the aligned shared-memory base: consumer w's region at offset + w * region_bytes
+    rows: int  # B_r
+    cols: int  # dQ columns per consumer
+    consumers: int
+
+    @property
+    def region_bytes(self) -> int:
+        return 4 * self.rows * self.cols
+
+    def slot(self, thread: int, value: int) -> int:
+        """The fp32 index, in a consumer's region, of accumulator value ``value`` of thread ``thread``."""
+        return 2 * (128 * (value // 2) + thread) + value % 2
+
+    def index_cpp(self) -> str:
+        """``dq_chunk_index(r, c)``: the fp32 index of dQ element (row ``r`` of the query block, column ``c``)
+        within the block's chunk (every consumer's region in order): the accumulator map of a 64 x n
+        wgmma inverted (row ``16 w + 8 h + g``: warp ``w``, half ``h``, lane group ``g``; column
+        ``8 j + 2 q + e``: thread ``32 w + 4 g + q`` holds it as value ``4 j + 2 h + e``)."""
+        return f"""// the fp32 index of dQ element (r, c) of a query block in its chunk of the dQ buffer (DqStage's fragment order)
+__host__ __device__ __forceinline__ uint32_t dq_chunk_index(uint32_t r, uint32_t c) {{
+    const uint32_t consumer = c / {self.cols}u, cc = c % {self.cols}u;
+    const uint32_t thread = 32u * (r / 16u) + 4u * (r % 8u) + (cc % 8u) / 2u;
+    const uint32_t value = 4u * (cc / 8u) + 2u * ((r % 16u) / 8u) + cc % 2u;
+    return consumer * {self.rows * self.cols}u + 2u * (128u * (value / 2u) + thread) + value % 2u;
+}}"""
+
+
+def _kmajor(name: str, rows: int, cols: int, dtype, offset: int, stages: int) -> SmemTile:
+    return SmemTile(name, rows, cols, kmajor_tile_layout(rows, cols, dtype, SWIZZLE), offset, stages, rows * cols * dtype.size)
+
+
+def smem_plan(cfg: Any) -> tuple[dict, int]:
+    """(name -> SmemTile or (offset, stages, stage bytes), total bytes with the alignment slack).
+
+    Order: K, V (resident), Q and dO (``stages`` each), dS^T (2 buffers), lse and D (``stages`` each),
+    the consumers' staged dQ (:class:`DqStage`), the mbarriers. Every 16-bit tile starts on the 1024-byte swizzle pattern."""
+    d, B_r, B_c, st, dt = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages, cfg.dtype
+    tiles, off = {}, 0
+    for name, rows, cols, stages in (("K", B_c, d, 1), ("V", B_c, d, 1), ("Q", B_r, d, st), ("dO", B_r, d, st), ("dS", B_c, B_r, 2)):
+        tiles[name] = _kmajor("s" + name, rows, cols, dt, off, stages)
+        off += stages * tiles[name].stage_bytes
+    for name in ("LSE", "D"):
+        tiles[name] = (off, st, B_r * STAT)
+        off += st * B_r * STAT
+    tiles["dQ"] = DqStage(off, B_r, d // cfg.consumers, cfg.consumers)
+    off += cfg.consumers * tiles["dQ"].region_bytes
+    tiles["barriers"] = (off, 0, 8)
+    off += 8 * (1 + 4 * st)  # kv_full; q_full, do_full, q_empty, do_empty per stage
+    return tiles, off + SMEM_ALIGN
