@@ -301,9 +301,9 @@ def _rule_wgmma(c: BackwardConfig) -> None:
     if c.B_r != WGMMA_B_R:
         raise ConfigError(f"B_r={c.B_r}: the wgmma backward walks query blocks of {WGMMA_B_R} rows (S^T and dP^T of "
                           f"64 x {WGMMA_B_R} per consumer beside dK and dV in its registers)")
-    if c.d_split != 1 or not c.swizzled or c.deterministic:
-        raise ConfigError(f"{c.short_form()}: the wgmma backward has no d_split, needs swizzled tiles (TMA's 128-byte "
-                          "swizzle) and has no deterministic variant yet (engine=mma_sync has one)")
+    if c.d_split != 1 or not c.swizzled:
+        raise ConfigError(f"{c.short_form()}: the wgmma backward has no d_split and needs swizzled tiles (TMA's 128-byte "
+                          "swizzle)")
 
 
 _RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)

@@ -26,6 +26,11 @@ computes ``d / consumers`` columns of the block's dQ and adds them into the fp32
 ``red.global.add``. dK (times the scale) and dV go straight from the accumulators to global memory
 once the loop ends.
 
+``deterministic``: each consumer's bulk reduction of a query block waits until the key blocks below
+this one that visit the query block have made theirs (a turn counter per query block and consumer,
+:meth:`~flashgen.attention.query_blocks.QueryBlocks.key_rank`) and passes the turn once it completed,
+so every dQ element is summed in ascending key blocks; the CTAs then walk their query blocks upwards.
+
 The emitter (:mod:`flashgen.emit.hopper_backward_kernel`) and the CPU checks read these objects: the
 tile layouts and offsets, descriptor fields and per-step offsets, the accumulator-to-A tables, the
 barrier counts and the schedule.
@@ -45,7 +50,8 @@ from .backward_config import BackwardConfig
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, consumer_regs
 from .hopper_backward_smem import DqStage, smem_plan
 from .hopper_plan import BOX_COLS, SWIZZLE, OperandDesc, TmaTile, WarpgroupGemm, _p_from_s
-from .steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, Step, StoreRF, WaitFull, WgmmaWait
+from .steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
+                    WaitOrder, WgmmaWait)
 
 @attrs.frozen
 class HopperBackwardPlan:
@@ -84,15 +90,22 @@ class HopperBackwardPlan:
     def threads(self) -> int:
         return WARPGROUP * (1 + self.consumers)
 
+    @property
+    def rotates_items(self) -> bool:
+        """Whether the CTA of key block ``kb`` starts its walk at item ``kb`` (cyclically), so that the key
+        blocks' CTAs, which run side by side, add into different query blocks of dQ at any one time instead
+        of all into the same rows. Not with ordered dQ adds: there a CTA waits for the lower key blocks'
+        adds of each query block, which they make soonest when every CTA walks the query blocks upwards."""
+        return not self.cfg.deterministic
 
-def item_order(items: int, kb: int) -> list[int]:
-    """The order in which the CTA of key block ``kb`` walks its ``items`` work items: from item ``kb`` on,
-    cyclically, so that the key blocks' CTAs, which run side by side, add into different query blocks of dQ
-    at any one time instead of all into the same rows."""
-    return [(w + kb) % items for w in range(items)]
+    def item_order(self, items: int, kb: int) -> list[int]:
+        """The order in which the CTA of key block ``kb`` walks its ``items`` work items."""
+        return [(w + kb) % items if self.rotates_items else w for w in range(items)]
 
-
-ITEM_ORDER_CPP = "(w + kb) % work"
+    @property
+    def item_order_cpp(self) -> str:
+        """:meth:`item_order`'s item at place ``w`` in C++ (``work`` items, key block ``kb``)."""
+        return "(w + kb) % work" if self.rotates_items else "w"
 
 
 def _kmajor_desc(operand: str, rows: int, cols: int, dtype, rows_per_wgmma: int) -> OperandDesc:
@@ -112,8 +125,11 @@ def _mnmajor_desc(operand: str, k_rows: int, n_cols: int, dtype, block_cols: int
                        tuple(x.start_address for x in ds), row_block_offset=block)
 
 
-def _schedule() -> tuple[Step, ...]:
-    """A consumer's steps per query block (the ring's use ``w``, the dS buffer ``w % 2``)."""
+def _schedule(deterministic: bool) -> tuple[Step, ...]:
+    """A consumer's steps per query block (the ring's use ``w``, the dS buffer ``w % 2``); ``deterministic``:
+    its dQ added in its turn among the key blocks that visit the query block (ascending)."""
+    ordered = (WaitOrder("dQ", why="the lower key blocks' adds of this consumer's dQ columns made"),) if deterministic else ()
+    signal = (SignalOrder("dQ", why="this add complete: the next key block's turn"),) if deterministic else ()
     return (
         WaitFull("Q", why="Q and its lse landed"),
         Gemm("S", why="S^T = K_w Q^T"),
@@ -133,7 +149,9 @@ def _schedule() -> tuple[Step, ...]:
         WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time"),
         Release("Q"),
         Release("dO"),
+        *ordered,
         ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction"),
+        *signal,
     )
 
 
@@ -167,7 +185,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
-        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(),
+        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(cfg.deterministic),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
     )

@@ -14,12 +14,13 @@ import json
 
 from ..dsl.config import LOG2E
 from ..dsl.config import WARPGROUP
-from ..dsl.hopper_backward_plan import ITEM_ORDER_CPP, HopperBackwardPlan
-from ..dsl.steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, Step, StoreRF, WaitFull, WgmmaWait
+from ..dsl.hopper_backward_plan import HopperBackwardPlan
+from ..dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
+                         WaitOrder, WgmmaWait)
 from .abi import backward_args_struct
 from .backward_kernel import aux_kernels
 from .hopper_kernel import TARGET, TENSOR_MAPS
-from .ptx import hopper as ptx_hopper, math as ptx_math, vec
+from .ptx import hopper as ptx_hopper, math as ptx_math, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .source import KernelSource, kernel_meta
 from .template import CodeTemplate, compose
@@ -150,6 +151,11 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
     ]
 
 
+#: this (batch, query head, query block, consumer)'s turn counter of the ordered dQ adds (each consumer adds
+#: its own columns, so each orders its adds on its own)
+_DQ_TURN = "p.dq_turns + ((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * CONSUMERS + cw"
+
+
 def _step(plan: HopperBackwardPlan, step: Step, at: int) -> list[str]:
     kind = type(step)
     if kind is WaitFull:
@@ -174,6 +180,19 @@ def _step(plan: HopperBackwardPlan, step: Step, at: int) -> list[str]:
                 "named_bar_sync(1, 128 * CONSUMERS);"]
     elif kind is ReduceGM:
         code = _reduce_dq(plan)
+    elif kind is WaitOrder:
+        code = ["// deadlock-free only because a CTA of lower blockIdx.x (key block) is dispatched no later than this one:",
+                "// the key blocks waited for are lower ones of the same (kv head, batch), and the lowest never waits",
+                "if (wtid == 0) {",
+                "    turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
+                "    fence_proxy_async_global();  // the bulk reduction (async proxy) comes after the turn",
+                "}"]
+    elif kind is SignalOrder:
+        code = ["if (wtid == 0) {",
+                "    bulk_wait_group<0>();  // this consumer's adds of the block are done",
+                "    fence_proxy_async_global();  // ... and ordered before the release below",
+                "    turn_pass(" + _DQ_TURN + ");",
+                "}"]
     else:
         raise KeyError(f"the wgmma backward emitter has no code for step {step}")
     return [f"// [{step}]" + (f" {step.why}" if step.why else "")] + code
@@ -260,6 +279,7 @@ struct Params {
     const float* dlse;  // the gradient of the returned lse, the same shape, or nullptr
     float* delta;       // D = rowsum(dO * O) - dlse, (batch, heads, stat_len): the workspace's, padded
     float* lse_log2;    // lse * log2(e), (batch, heads, stat_len): the workspace's, padded with +inf
+    int* dq_turns;      // deterministic: key blocks done adding dQ, (batch, heads, query blocks, consumers), zero at launch; else nullptr
     float* dq_accum;    // fp32 dQ sums, (batch, heads, stat_len / B_r) chunks of B_r x D_HEAD in fragment order (dq_chunk_index): the workspace's, zero at launch
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
     int64_t dq_batch, dq_head, dq_ld, dk_batch, dk_head, dk_ld, dv_batch, dv_head, dv_ld;
@@ -289,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
     const int n_q = qb_end - qb_begin, work = n_q > 0 ? n_q * p.kv_group : 0;  // (query head, query block) items
     struct Item { int head, q_row0; };
-    // the w-th item walked (item_order: from item kb on, so that the CTAs add into different rows of dQ)
+    // the w-th item walked (the plan's item_order)
     auto item = [&](int w) {
         const int v = $item_order;
         return Item{kv_head * p.kv_group + v / n_q, (qb_begin + v % n_q) * int(B_r)};
@@ -344,10 +364,18 @@ $tensor_maps_code
 
 }  // namespace $name
 
-// The dQ fp32 buffer (zeroed), then D and lse * log2(e); all padded to whole query blocks.
+namespace $name {
+// Turn counters of the ordered dQ adds: one per (batch, query head, query block, consumer) where deterministic, else none.
+inline size_t dq_turn_count(const ${name}_args* a) {
+    (void)a;
+    return $turn_count;
+}
+}  // namespace $name
+
+// The dQ fp32 buffer and the turn counters (zeroed), then D and lse * log2(e); all padded to whole query blocks.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     const size_t padded = size_t(a->batch) * a->heads * ((a->seq_q + $B_r - 1) / $B_r * $B_r);
-    *zeroed = padded * $d_head * sizeof(float);
+    *zeroed = padded * $d_head * sizeof(float) + $name::dq_turn_count(a) * sizeof(int);
     *bytes = *zeroed + 2 * padded * sizeof(float);
     return 0;
 }
@@ -368,10 +396,12 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
         return (int)cudaErrorInvalidValue;
     const int stat_len = (a->seq_q + int(B_r) - 1) / int(B_r) * int(B_r);
     float* dq_accum = (float*)a->workspace;
-    float* delta = dq_accum + size_t(a->batch) * a->heads * stat_len * D_HEAD;
+    int* turns = (int*)(dq_accum + size_t(a->batch) * a->heads * stat_len * D_HEAD);
+    float* delta = (float*)(turns + dq_turn_count(a));
     float* lse_log2 = delta + size_t(a->batch) * a->heads * stat_len;
     p.o = (const elem_t*)a->o; p.dout = (const elem_t*)a->dout; p.dq = (elem_t*)a->dq; p.dk = (elem_t*)a->dk; p.dv = (elem_t*)a->dv;
     p.lse = a->lse; p.dlse = a->dlse; p.delta = delta; p.lse_log2 = lse_log2; p.dq_accum = dq_accum;
+    p.dq_turns = dq_turn_count(a) ? turns : nullptr;
     p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_ld = a->o_stride[2];
     p.do_batch = a->do_stride[0]; p.do_head = a->do_stride[1]; p.do_ld = a->do_stride[2];
     p.dq_batch = a->dq_stride[0]; p.dq_head = a->dq_stride[1]; p.dq_ld = a->dq_stride[2];
@@ -418,7 +448,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
     g = plan.gemms
     wgmma_fns = [ptx_hopper.wgmma(g[n].atom, g[n].trans_b, g[n].trans_a) if g[n].a_from == "smem" else ptx_hopper.wgmma_rs(g[n].atom, g[n].trans_b)
                  for n in ("S", "dV", "dQ")]
-    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns]
+    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns] + ([turns.helpers()] if cfg.deterministic else [])
     env = dict(
         name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), gencode=TARGET.gencode,
         schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,
@@ -426,7 +456,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
         dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
-        dq_index_fn=plan.dq_stage.index_cpp(), item_order=ITEM_ORDER_CPP,
+        dq_index_fn=plan.dq_stage.index_cpp(), item_order=plan.item_order_cpp,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(padded=True), smem_decls=_smem_decls(plan),
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],
@@ -434,6 +464,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         descriptors=_descriptors(plan), stage=plan.ring.stage_cpp("uint32_t(w)"), phase=plan.ring.phase_cpp("uint32_t(w)"),
         body=[line for i, s in enumerate(plan.schedule) for line in _step(plan, s, i)], epilogue=_epilogue(plan),
         args_struct=backward_args_struct(name), log2e=f"{LOG2E!r}f",
+        turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r}) * {plan.consumers}" if cfg.deterministic else "0",
         box_cols=plan.loads["Q"].tma.box_cols, tma_dtype={"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value],
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
     )

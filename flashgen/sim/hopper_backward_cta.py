@@ -48,8 +48,9 @@ import numpy as np
 
 from flashgen.dsl.atoms.hopper import SmemDescriptor, descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.config import WARPGROUP as WG
-from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan, item_order
-from flashgen.dsl.steps import ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, StoreRF, WaitFull, WgmmaWait, runs
+from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
+from flashgen.dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, StoreRF, WaitFull,
+                                WaitOrder, WgmmaWait, runs)
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, wgmma_k16
@@ -125,7 +126,7 @@ class HopperBwdCta:
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
         items = [(h, j) for h in range(len(heads)) for j in range(*qb)]
-        self.work = [items[i] for i in item_order(len(items), prob.kb)] if items else []
+        self.work = [items[i] for i in plan.item_order(len(items), prob.kb)] if items else []
         self.scale = _F32(scale)
         self.scale_log2 = plan.recompute.scale_log2(scale)
         self.smem = np.zeros(plan.smem_bytes, np.uint8)
@@ -501,4 +502,7 @@ _STEPS = {
     ConvertP: lambda cta, c, s, j, where: cta.convert(c, s.arg, j, where),
     StoreRF: lambda cta, c, s, j, where: cta.store_ds(c, j, where),
     ReduceGM: lambda cta, c, s, j, where: cta.reduce_dq(c, j, where),
+    # the ordered adds' turns order the fp32 sums across CTAs; one CTA's values do not depend on them
+    WaitOrder: lambda cta, c, s, j, where: None,
+    SignalOrder: lambda cta, c, s, j, where: None,
 }

@@ -35,6 +35,8 @@ CASES = [
     (_cfg("fp16", mask="causal"), 1, 1, 141, 2, 1, {"causal": True}),
     (_cfg("fp16", mask="causal"), 1, 70, 141, 4, 2, {"causal": True, "align": "bottom_right"}),
     (_cfg("bf16", d_head=128, mask="causal"), 1, 101, 141, 2, 1, {"causal": True, "align": "bottom_right"}),
+    # ordered dQ adds: the query blocks walked upwards, the turns around each add
+    (_cfg("fp16", mask="causal").replace(deterministic=True), 1, 101, 141, 4, 2, {"causal": True}),
 ]
 
 
@@ -184,3 +186,14 @@ def test_flashgen_simulate_reports_the_wgmma_backward(capsys):
     assert main(["simulate", name, "-q"]) == 0
     out = capsys.readouterr().out
     assert "backward pass (dQ, dK, dV vs float64): ok" in out and "coverage (tma_K" in out
+
+
+def test_ordered_adds_walk_the_query_blocks_upwards_and_take_turns():
+    """With ordered dQ adds a CTA must not start at item kb (it would wait for the lower key blocks' adds
+    of that query block, which they make last), and every add sits between its turn and its pass."""
+    plain, ordered = make_hopper_backward_plan(_cfg()), make_hopper_backward_plan(_cfg().replace(deterministic=True))
+    assert plain.item_order(5, 2) == [2, 3, 4, 0, 1] and ordered.item_order(5, 2) == [0, 1, 2, 3, 4]
+    ops = [s.op for s in ordered.schedule]
+    at = ops.index("reduce_gm")
+    assert ops[at - 1:at + 2] == ["wait_order", "reduce_gm", "signal_order"]
+    assert "wait_order" not in [s.op for s in plain.schedule]

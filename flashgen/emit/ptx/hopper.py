@@ -159,11 +159,15 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 
 
 def fence_proxy_async() -> str:
-    """``fence.proxy.async.shared::cta`` (PTX ISA "membar/fence", proxy fences)."""
+    """``fence.proxy.async.shared::cta`` and ``.global`` (PTX ISA "membar/fence", proxy fences)."""
     return r'''// Order this thread's generic-proxy shared-memory accesses before later async-proxy ones
 // (wgmma / TMA reading what st.shared or stmatrix wrote). Follow with a barrier.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// The same between the proxies' global-memory accesses (bulk reductions ordered by generic-proxy turn counters).
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }'''
 
 
