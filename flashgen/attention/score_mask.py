@@ -338,6 +338,14 @@ __global__ void mask_ranges_kernel(int rows, int n_kb, int* out) {
 }
 }  // namespace $NAME
 
+// The int32 count of the block mask of a call with these sizes (KernelMods.block_mask_shape); 0 for invalid sizes.
+extern "C" int64_t $NAME_block_mask_numel(const $NAME_args* a) {
+    using namespace $NAME;
+    if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return 0;
+    const int64_t nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
+    return nb * nh * n_qb * (2 + n_kb);
+}
+
 // The block mask of a call with these arguments into `out` (int32, KernelMods.block_mask_shape), on `stream`.
 extern "C" int $NAME_mask_blocks(const $NAME_args* a, int* out, void* stream) {
     using namespace $NAME;

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
@@ -63,6 +64,7 @@ struct Kernel {
     void* launch;
     void* workspace;
     void* mask_blocks;  // <name>_mask_blocks of a kernel built with a mask_mod, else nullptr
+    void* block_mask_numel;  // <name>_block_mask_numel: the int32 count of a call's block mask (with mask_blocks)
     c10::ScalarType dtype;
     int64_t d_head;
     std::atomic<uint64_t> devices_ok{0};  // bit i: flashgen.runtime checked CUDA device i can run this kernel
@@ -96,7 +98,10 @@ int64_t load_kernel(const std::string& path, const std::string& name, const std:
     const int64_t id = n_kernels.load();
     FG_CHECK(id < kMaxKernels, "flashgen: more than ", kMaxKernels, " kernels loaded in one process");
     void* mask_blocks = dlsym(lib, (name + "_mask_blocks").c_str());  // optional
-    registry[id] = new Kernel{name, short_form, backward, launch, workspace, mask_blocks, dtype, d_head};
+    void* block_mask_numel = dlsym(lib, (name + "_block_mask_numel").c_str());
+    FG_CHECK((mask_blocks == nullptr) == (block_mask_numel == nullptr), "flashgen: ", path, " exports only one of ", name,
+             "_mask_blocks and ", name, "_block_mask_numel");
+    registry[id] = new Kernel{name, short_form, backward, launch, workspace, mask_blocks, block_mask_numel, dtype, d_head};
     n_kernels.store(id + 1);
     return id;
 }
@@ -250,6 +255,17 @@ std::vector<int64_t> mod_words_of(const at::Tensor& q, c10::IntArrayRef mod_word
     return words;
 }
 
+// The int32 count of the block mask a call with q's and k's sizes has (the kernel's own rule), so that a tensor of
+// another size is refused before a kernel reads or writes past it.
+int64_t block_mask_numel(const Kernel& kn, const at::Tensor& q, const at::Tensor& k) {
+    FG_REQUIRE(kn.block_mask_numel != nullptr, "flashgen: kernel ", kn.short_form, " has no mask_mod (no block mask)");
+    FG_REQUIRE(q.dim() == 4 && k.dim() == 4, "q and k must be 4-D (batch, seq, heads, d_head)");
+    flashgen_args a{};
+    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
+    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
+    return reinterpret_cast<int64_t (*)(const flashgen_args*)>(kn.block_mask_numel)(&a);
+}
+
 // Attention through a kernel built with a score_mod / mask_mod; `block_mask` from mask_blocks (or none).
 std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   int64_t kernel, double softmax_scale, int64_t mask_offset,
@@ -257,12 +273,15 @@ std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at:
                                                   c10::IntArrayRef mod_words, at::TensorList mod_tensors,
                                                   const std::optional<at::Tensor>& block_mask) {
     const Kernel& kn = kernel_at(kernel, false);
-    check_call(q, k, v, nullptr, kn);
-    const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
     if (block_mask.has_value()) {
         FG_REQUIRE(block_mask->device() == q.device() && block_mask->scalar_type() == at::kInt && block_mask->is_contiguous(),
                    "block_mask must be a contiguous int32 tensor on q's device (from flashgen::mask_blocks)");
+        const int64_t want = block_mask_numel(kn, q, k);
+        FG_REQUIRE(block_mask->numel() == want, "block_mask has ", block_mask->numel(), " elements; a call with these sizes "
+                   "needs ", want, " (flashgen::mask_blocks makes it)");
     }
+    check_call(q, k, v, nullptr, kn);
+    const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse, &words,
                             block_mask.has_value() ? block_mask->data_ptr<int>() : nullptr);
@@ -276,6 +295,9 @@ at::Tensor mask_blocks(const at::Tensor& q, const at::Tensor& k, int64_t kernel,
     const Kernel& kn = kernel_at(kernel, false);
     FG_REQUIRE(kn.mask_blocks != nullptr, "flashgen: kernel ", kn.short_form, " has no mask_mod (no block mask)");
     FG_REQUIRE(q.is_cuda() && q.dim() == 4 && k.dim() == 4, "mask_blocks: q and k must be 4-D CUDA tensors");
+    const int64_t want = block_mask_numel(kn, q, k);
+    FG_REQUIRE(c10::multiply_integers(shape) == want, "mask_blocks: shape ", shape, " holds ", c10::multiply_integers(shape),
+               " elements; this kernel writes ", want, " for these sizes (flashgen.mods.KernelMods.block_mask_shape)");
     const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
     const c10::DeviceGuard guard(q.device());
     at::Tensor out = at::empty(shape, q.options().dtype(at::kInt));

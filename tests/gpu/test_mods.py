@@ -177,6 +177,25 @@ def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
     assert variant._block_masks == before, "a repeated call made its block mask again"
 
 
+def test_a_block_mask_of_another_size_is_refused_before_any_kernel_runs(attn):
+    """The launcher operators check a block mask's size against the kernel's own rule: a caller of the raw
+    operators cannot make the kernel read, or the block-mask kernels write, past the tensor."""
+    shape = SHAPES[3]
+    _, fn = _factory("document_mask", shape, "cuda")
+    q, k, v = _inputs(attn, shape, seed=3)
+    mods, (_, mask_args) = fg_mods.prepare_mods(mask_mod=fn)
+    variant = attn._with_mods(mods)
+    words, tensors = mods.pack(None, mask_args)
+    good = variant._block_mask(mods, q, k, words, tensors)
+    scale = q.shape[-1] ** -0.5
+    with pytest.raises(RuntimeError, match="block_mask has .* elements"):
+        torch.ops.flashgen.attention_mods(q, k, v, variant._handle, scale, 0, -1, -1, False, words, tensors, good[..., :-1].contiguous())
+    with pytest.raises(RuntimeError, match="mask_blocks: shape"):
+        torch.ops.flashgen.mask_blocks(q, k, variant._handle, [1, 1, 1, 2], words, tensors)
+    o, _ = torch.ops.flashgen.attention_mods(q, k, v, variant._handle, scale, 0, -1, -1, False, words, tensors, good)
+    assert torch.isfinite(o).all()
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]])
 def test_memcheck_clean_with_mods(cfg):
     """A score_mod and a mask_mod reading a captured tensor, odd lengths (seq_q 37, seq_k 91), GQA: the
