@@ -71,18 +71,23 @@ class BackwardConfig:
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
                 smem_limit: int = SMEM_LIMIT_BYTES) -> "BackwardConfig | None":
-        """The shipped config of a dtype, head size and mask: 64 query and 64 key rows, swizzled. Up to
-        128 columns, 4 warps each hold all of d_head's accumulators (on an H100 at d_head 128 about 1.5x
-        the speed of 8 warps in pairs splitting the columns, whose S^T and dP^T are computed twice);
-        above 128, 8 warps in such pairs (``d_split=2``: 4 warps cannot hold the accumulators), each
-        warp 128 columns of dK, dV and dQ (:attr:`d_cols_per_warp`; d_head 192: the last 64 are
-        computed and dropped), S^T and dP^T over d_head rounded up to 16. Two stages
-        (the next query block loads under this one's GEMMs) where they fit ``smem_limit``, a GPU's
-        shared memory per block; else one. None where even one stage does not fit, and above 256."""
+        """The shipped config of a dtype, head size and mask: 64 query rows, swizzled. Up to 128 columns,
+        64 key rows and 4 warps each holding all of d_head's accumulators (on an H100 at d_head 128 about
+        1.5x the speed of 8 warps in pairs splitting the columns, whose S^T and dP^T are computed twice).
+        Past 128, 4 warps cannot hold the accumulators: d_head 256 takes 8 warps in pairs
+        (``d_split=2``), each 128 columns of dK, dV and dQ; the others 8 warps in fours on 32 key rows
+        (``d_split=4``), each 64 columns (:attr:`d_cols_per_warp`: d_head's share rounded up to a power
+        of two), S^T and dP^T over d_head rounded up to 16. Pairs there would need the 256-column
+        accumulators of d_head 256 beside address registers for the columns past d_head, and ptxas
+        spills some of them; the fours leave about 40 registers spare. Two stages (the next query block
+        loads under this one's GEMMs) where they fit ``smem_limit``, a GPU's shared memory per block;
+        else one. None where even one stage does not fit, and above 256."""
         if d_head <= 128:
             cfg = cls(dtype, d_head=d_head, mask=mask, stages=2)
-        elif d_head <= 256:
+        elif d_head == 256:
             cfg = cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2, stages=2)
+        elif d_head < 256:
+            cfg = cls(dtype, d_head=d_head, mask=mask, B_c=32, n_warps=8, d_split=4, stages=2)
         else:
             return None
         for stages in (2, 1):
