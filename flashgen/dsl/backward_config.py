@@ -10,10 +10,11 @@ same kind of validity rules, each naming the values it rejects.
 Work split (mma.sync): the warps form ``n_warps / d_split`` groups of ``d_split``; warp ``w`` is
 in group ``g = w // d_split`` at place ``h = w % d_split``. Group ``g`` owns key rows
 ``[g * B_c/groups, ...)`` of S^T, dP^T, dS^T, dK and dV and query rows ``[g * B_r/groups, ...)`` of
-dQ; of those rows' dK, dV and dQ, warp ``h`` owns the ``dw`` columns from ``h * dw``, ``dw`` its share
-of d_head rounded up to a power of two (:attr:`BackwardConfig.d_cols_per_warp`; the shared tiles keep
-their ``d_smem`` columns, and the shares' columns past d_head are computed and dropped). Every warp of a group computes the group's S^T and dP^T (the A operands of
-its dV and dK columns) itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
+dQ; of those rows' dK, dV and dQ, warp ``h`` owns the ``dw`` columns from ``h * dw``, ``dw`` its
+share of d_head rounded up to a power of two (:attr:`BackwardConfig.d_cols_per_warp`; the shared
+tiles keep their ``d_smem`` columns, and the shares' columns past d_head are computed and dropped).
+Every warp of a group computes the group's S^T and dP^T (the A operands of its dV and dK columns)
+itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
 by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. Row counts are whole
 numbers of the MMA's 16 rows, column counts of its k16.
 """
@@ -270,8 +271,8 @@ def _rule_d_split(c: BackwardConfig) -> None:
     if c.d_split == 1:
         return
     if c.d_cols > c.d_smem:
-        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: each warp's share of d_head rounds up to {c.d_cols_per_warp} "
-                          f"columns (a power of two, at least the MMA's {MMA_K}), and {c.d_split} shares make {c.d_cols} "
+        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: each warp's share of d_head rounds up to "
+                          f"{c.d_cols_per_warp} columns (a power of two, at least the MMA's {MMA_K}), and {c.d_split} shares make {c.d_cols} "
                           f"columns of dK and dV, more than the {c.d_smem} of the shared tiles they are staged in; "
                           "use a smaller d_split")
 

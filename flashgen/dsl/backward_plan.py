@@ -7,10 +7,10 @@ meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`) of every query h
 Warp ``w`` is warp ``h = w % d_split`` of group ``g = w // d_split``; the group owns key rows
 ``[g*kr, (g+1)*kr)``, ``kr = B_c / groups``, and query rows ``[g*qr, (g+1)*qr)`` of dQ, and warp
 ``h`` of them the ``dw`` columns from ``h*dw`` of dK, dV and dQ (every warp's partitions carry that
-grid: ``warp_cols = d_split``); ``dw`` is d_head's share rounded up to a power of
-two (:attr:`BackwardConfig.d_cols_per_warp`), so the shares may cover more than ``d_mma`` (never more than
-the ``d_smem`` columns of the shared tiles, which are zero-filled past d_head). Per query block (``B_r`` rows of Q, dO, lse
-and D copied to shared memory):
+grid: ``warp_cols = d_split``); ``dw`` is d_head's share rounded up to a power of two
+(:attr:`BackwardConfig.d_cols_per_warp`), so the shares may cover more than ``d_mma``, never more
+than the ``d_smem`` columns of the shared tiles, which are zero-filled past d_head. Per query block
+(``B_r`` rows of Q, dO, lse and D copied to shared memory):
 
 ==========  ============================  =======================  ==================================
 GEMM        warp tile (m x n, k)          A operand                B operand
