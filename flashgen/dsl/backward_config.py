@@ -272,8 +272,8 @@ def _rule_d_split(c: BackwardConfig) -> None:
         return
     if c.d_cols > c.d_smem:
         raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: each warp's share of d_head rounds up to "
-                          f"{c.d_cols_per_warp} columns (a power of two, at least the MMA's {MMA_K}), and {c.d_split} shares make {c.d_cols} "
-                          f"columns of dK and dV, more than the {c.d_smem} of the shared tiles they are staged in; "
+                          f"{c.d_cols_per_warp} columns (a power of two, at least the MMA's {MMA_K}), and {c.d_split} shares "
+                          f"make {c.d_cols} columns of dK and dV, more than the {c.d_smem} of the shared tiles they are staged in; "
                           "use a smaller d_split")
 
 
