@@ -155,5 +155,5 @@ def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int,
             return found
     where = f" within the {target.smem_per_block}-byte shared memory per block of compute capability " \
             f"{target.capability[0]}.{target.capability[1]}" if target is not None else ""
-    raise ConfigError(f"no backward kernel takes d_head={d_head}{where} (the mma_sync backward takes d_head <= 128 "
-                      "and 256, each where a block's shared memory holds its kernel)")
+    raise ConfigError(f"no backward kernel takes d_head={d_head}{where} (the mma_sync backward takes every d_head "
+                      "the forward takes, multiples of 8 up to 256, where a block's shared memory holds its kernel)")

@@ -10,9 +10,11 @@ same kind of validity rules, each naming the values it rejects.
 Work split (mma.sync): the warps form ``n_warps / d_split`` groups of ``d_split``; warp ``w`` is
 in group ``g = w // d_split`` at place ``h = w % d_split``. Group ``g`` owns key rows
 ``[g * B_c/groups, ...)`` of S^T, dP^T, dS^T, dK and dV and query rows ``[g * B_r/groups, ...)`` of
-dQ; of those rows' dK, dV and dQ, warp ``h`` owns the ``d_mma / d_split`` columns from
-``h * d_mma/d_split``. Every warp of a group computes the group's S^T and dP^T (the A operands of
-its dV and dK columns) itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
+dQ; of those rows' dK, dV and dQ, warp ``h`` owns the ``dw`` columns from ``h * dw``, ``dw`` its
+share of d_head rounded up to a power of two (:attr:`BackwardConfig.d_cols_per_warp`; the shared
+tiles keep their ``d_smem`` columns, and the shares' columns past d_head are computed and dropped).
+Every warp of a group computes the group's S^T and dP^T (the A operands of its dV and dK columns)
+itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
 by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. Row counts are whole
 numbers of the MMA's 16 rows, column counts of its k16.
 """
@@ -70,17 +72,23 @@ class BackwardConfig:
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
                 smem_limit: int = SMEM_LIMIT_BYTES) -> "BackwardConfig | None":
-        """The shipped config of a dtype, head size and mask: 64 query and 64 key rows, swizzled. Up to
-        128 columns, 4 warps each hold all of d_head's accumulators (on an H100 at d_head 128 about 1.5x
-        the speed of 8 warps in pairs splitting the columns, whose S^T and dP^T are computed twice);
-        d_head 256 takes 8 warps in such pairs (``d_split=2``: 4 warps cannot hold its accumulators).
-        Two stages (the next query block loads under this one's GEMMs) where they fit ``smem_limit``, a
-        GPU's shared memory per block; else one. None where even one stage does not fit, and for head
-        sizes above 128 other than 256 (a split needs d_head 64, 128 or 256)."""
+        """The shipped config of a dtype, head size and mask: 64 query rows, swizzled. Up to 128 columns,
+        64 key rows and 4 warps each holding all of d_head's accumulators (on an H100 at d_head 128 about
+        1.5x the speed of 8 warps in pairs splitting the columns, whose S^T and dP^T are computed twice).
+        Past 128, 4 warps cannot hold the accumulators: d_head 256 takes 8 warps in pairs
+        (``d_split=2``), each 128 columns of dK, dV and dQ; the others 8 warps in fours on 32 key rows
+        (``d_split=4``), each 64 columns (:attr:`d_cols_per_warp`: d_head's share rounded up to a power
+        of two), S^T and dP^T over d_head rounded up to 16. Pairs there would need the 256-column
+        accumulators of d_head 256 beside address registers for the columns past d_head, and ptxas
+        spills some of them; the fours leave about 40 registers spare. Two stages (the next query block
+        loads under this one's GEMMs) where they fit ``smem_limit``, a GPU's shared memory per block;
+        else one. None where even one stage does not fit, and above 256."""
         if d_head <= 128:
             cfg = cls(dtype, d_head=d_head, mask=mask, stages=2)
         elif d_head == 256:
             cfg = cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2, stages=2)
+        elif d_head < 256:
+            cfg = cls(dtype, d_head=d_head, mask=mask, B_c=32, n_warps=8, d_split=4, stages=2)
         else:
             return None
         for stages in (2, 1):
@@ -127,8 +135,22 @@ class BackwardConfig:
 
     @property
     def d_cols_per_warp(self) -> int:
-        """Columns of dK, dV and dQ owned by one warp: its share of ``d_mma``."""
-        return self.d_mma // self.d_split
+        """Columns of dK, dV and dQ owned by one warp: ``d_mma`` without a split; with one, d_head's
+        share rounded up to a power of two (at least the MMA's 16). A power of two because warp ``h``'s
+        columns start at ``h * dw``: the emitted addresses are one per-thread base xor/plus constants
+        read off warp 0 (:mod:`flashgen.dsl.addressing`), which holds for every warp only where the
+        warp's offset sets swizzle bits that the steps within its share never carry into."""
+        if self.d_split == 1:
+            return self.d_mma
+        return max(MMA_K, 1 << (-(-self.d_head // self.d_split) - 1).bit_length())
+
+    @property
+    def d_cols(self) -> int:
+        """Columns of dK, dV and dQ the warps of a group compute together, ``d_split`` shares: ``d_mma``
+        or more (d_head 192 in halves: 2 x 128). The columns past d_head read the zero-filled columns of
+        the shared tiles, land in the staging tiles over sK / sV and are never stored; so they must fit
+        ``d_smem`` (:func:`_rule_d_split`)."""
+        return self.d_split * self.d_cols_per_warp
 
     @property
     def d_smem(self) -> int:
@@ -248,12 +270,11 @@ def _rule_d_split(c: BackwardConfig) -> None:
         raise ConfigError(f"d_split={c.d_split!r} with n_warps={c.n_warps}: must be a power of two dividing n_warps")
     if c.d_split == 1:
         return
-    if c.d_mma != c.d_smem:
-        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: the warps of a group split the shared tiles of dK and "
-                          f"dV ({c.d_smem} columns) as they split d_head, so d_head must be 64, 128 or 256")
-    if c.d_cols_per_warp % MMA_K:
-        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: each warp's {c.d_cols_per_warp} columns of dK, dV and dQ "
-                          f"must be a multiple of {MMA_K} (B operands load two n8 tiles at a time)")
+    if c.d_cols > c.d_smem:
+        raise ConfigError(f"d_split={c.d_split}, d_head={c.d_head}: each warp's share of d_head rounds up to "
+                          f"{c.d_cols_per_warp} columns (a power of two, at least the MMA's {MMA_K}), and {c.d_split} shares "
+                          f"make {c.d_cols} columns of dK and dV, more than the {c.d_smem} of the shared tiles they are staged in; "
+                          "use a smaller d_split")
 
 
 def acc_reg_limit(threads: int) -> int:

@@ -6,9 +6,11 @@ One CTA owns key/value block ``kb`` (``B_c`` rows of one kv head) and walks the 
 meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`) of every query head of its group.
 Warp ``w`` is warp ``h = w % d_split`` of group ``g = w // d_split``; the group owns key rows
 ``[g*kr, (g+1)*kr)``, ``kr = B_c / groups``, and query rows ``[g*qr, (g+1)*qr)`` of dQ, and warp
-``h`` of them the ``dw = d_mma / d_split`` columns from ``h*dw`` of dK, dV and dQ (every warp's
-partitions carry that grid: ``warp_cols = d_split``). Per query block (``B_r`` rows of Q, dO, lse
-and D copied to shared memory):
+``h`` of them the ``dw`` columns from ``h*dw`` of dK, dV and dQ (every warp's partitions carry that
+grid: ``warp_cols = d_split``); ``dw`` is d_head's share rounded up to a power of two
+(:attr:`BackwardConfig.d_cols_per_warp`), so the shares may cover more than ``d_mma``, never more
+than the ``d_smem`` columns of the shared tiles, which are zero-filled past d_head. Per query block
+(``B_r`` rows of Q, dO, lse and D copied to shared memory):
 
 ==========  ============================  =======================  ==================================
 GEMM        warp tile (m x n, k)          A operand                B operand
@@ -30,7 +32,9 @@ fragment's coordinates, each element of a query block by one thread of the CTA
 (:func:`dq_adds_once`); the key blocks' CTAs add in whatever order they come, or, ``deterministic``,
 in ascending key blocks (:class:`WaitOrder` / :class:`SignalOrder` around the adds, the rank from
 :meth:`QueryBlocks.key_rank`), so that the fp32 sums are the same run to run. dK (times the softmax scale) and dV go registers -> shared (over sK, sV)
--> global at the end, as the forward's O.
+-> global at the end, as the forward's O: each warp copies back the ``kr x dw`` block it staged (its
+own rows and columns, so a ``__syncwarp`` orders them); the columns past d_head, of the stores and of
+the dQ adds, are dropped.
 """
 from __future__ import annotations
 
@@ -260,7 +264,7 @@ def _schedule(stages: int, deterministic: bool = False) -> Schedule:
 
 def dq_adds_once(red: TiledCopy, n_warps: int, rows: int, cols: int) -> None:
     """ValueError unless the dQ reduction of ``n_warps`` warps adds each element of the query block's
-    ``rows x cols`` tile (B_r x d_mma) from exactly one (warp, lane, value, loop index) and nothing
+    ``rows x cols`` tile (B_r x the warps' d_cols) from exactly one (warp, lane, value, loop index) and nothing
     outside it: then the order of the adds into one element is the order of the CTAs alone."""
     import numpy as np
 
@@ -301,14 +305,16 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
         "dK": _acc_copy("r2s_dK", RF2SM(), "rdK", t["sdK"], mk, nd, kr, mma, dt, sp, own),
         "dV": _acc_copy("r2s_dV", RF2SM(), "rdV", t["sdV"], mk, nd, kr, mma, dt, sp, own),
     }
+    # a split warp stores the dw columns it staged, no other warp's; an unsplit one its rows' D columns
+    s2g_cols = dw if sp > 1 else D
     s2g = {name: TiledCopy(f"s2g_{name}", SM2GM(), t[f"sd{name[1:]}"], t[f"gd{name[1:]}"],
-                           Partition(vector_copy_tv(f"s2g_{name}", kr, D // sp, 32), (), kr, D // sp if sp > 1 else 0, sp), "warp")
+                           Partition(vector_copy_tv(f"s2g_{name}", kr, s2g_cols, 32), (), kr, own, sp), "warp")
            for name in ("dK", "dV")}
     gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
     red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt, sp, own)
     mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c)
     if cfg.deterministic:
-        dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_mma)
+        dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_cols)
     return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages, cfg.deterministic),
                         _row_reduce_lanes(mma.c_map), mask,
                         QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, sp)

@@ -182,8 +182,8 @@ class _BwdCta:
         sel = (lambda a: a) if warp is None else (lambda a: a[warp])
         r, ok = sel(getattr(t, axis)), sel(t.in_tile)
         parts = self.parts.get(tile, 1)
-        if parts > 1:
-            r = r * parts + sel(t.cols) // (t.tile[1] // parts)
+        if parts > 1:  # part h: the columns warp h of a group stages dK / dV in (the last: up to d_smem)
+            r = r * parts + np.minimum(sel(t.cols) // self.cfg.d_cols_per_warp, parts - 1)
         return np.unique(r[ok])
 
     def label(self, name: str, j: int) -> str:
@@ -547,6 +547,6 @@ def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = 
             out[copy.name] = cp.check_r2s(tr, kr, cfg.d_head if whole_d else dw, origins=[(g * kr, h * dw) for g, h in zip(group, place)],
                                           owned_cols=None if whole_d else dw)
         else:
-            cols = cfg.d_smem // sp
+            cols = cfg.d_smem if whole_d else dw
             out[copy.name] = cp.check_s2g(tr, kr, [(g * kr, h * cols) for g, h in zip(group, place)], cols)
     return out

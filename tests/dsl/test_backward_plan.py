@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.backward_config import BackwardConfig, acc_reg_limit
 from flashgen.dsl.backward_plan import dq_adds_once, make_backward_plan, transposed
 from flashgen.dsl.config import ConfigError
 from flashgen.dsl.plan import smem_tile_layout
@@ -18,7 +18,9 @@ B = BackwardConfig
 CONFIGS = [B("fp16"), B("bf16", d_head=64, B_r=128, B_c=128, n_warps=8), B("fp16", d_head=40, swizzled=False, mask="causal"),
            B("bf16", d_head=96, B_r=64, B_c=32, n_warps=2, mask="window"), B("fp16", n_warps=8, d_split=2),
            B("bf16", d_head=64, B_r=128, B_c=32, n_warps=8, d_split=4, swizzled=False),
-           B("bf16", n_warps=8, d_split=2, mask="causal", stages=2)]
+           B("bf16", n_warps=8, d_split=2, mask="causal", stages=2),
+           # split shares past d_head: d_mma below d_smem, and d_head 24's 16-column shares (a quarter of its tiles)
+           B.default("fp16", 160, "causal"), B("bf16", d_head=192, n_warps=8, d_split=2), B("fp16", d_head=24, n_warps=8, d_split=2)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
@@ -86,8 +88,9 @@ def test_transposed_layout_reads_the_same_memory():
     ({"engine": "wgmma", "n_warps": 12, "B_c": 128, "d_split": 2}, ["d_split"]),
     ({"d_split": 3, "n_warps": 8, "B_c": 128, "B_r": 128}, ["d_split=3", "power of two"]),
     ({"d_split": 8, "n_warps": 4}, ["d_split=8", "n_warps=4"]),
-    ({"d_split": 2, "d_head": 96, "n_warps": 8}, ["d_split=2", "d_head=96", "64, 128 or 256"]),
-    ({"d_split": 8, "d_head": 64, "n_warps": 8, "B_c": 16}, ["d_split=8", "8 columns", "multiple of 16"]),
+    # shares rounded up to 16 columns: 8 of them are 128, past d_head 64's shared tiles
+    ({"d_split": 8, "d_head": 64, "n_warps": 8, "B_c": 16}, ["d_split=8", "d_head=64", "16 columns", "128 columns", "the 64 of"]),
+    ({"d_split": 16, "d_head": 128, "n_warps": 16, "B_c": 16}, ["d_split=16", "d_head=128", "256 columns", "the 128 of"]),
     ({"d_split": 2, "n_warps": 8, "B_c": 128, "B_r": 128}, ["d_split=2", "registers"]),
     ({"d_split": 2, "n_warps": 8, "B_c": 32}, ["B_c=32", "d_split=2", "16 rows"]),
     # 512 threads share the register file: 128 registers a thread (ptxas spilled this config)
@@ -98,6 +101,35 @@ def test_invalid_configs_name_the_rule_and_values(knobs, words):
     with pytest.raises(ConfigError) as e:
         B("fp16", **knobs)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("knobs, share", [
+    ({"d_head": 96, "n_warps": 8, "d_split": 2}, 64),  # d_mma 96 < d_smem 128
+    ({"d_head": 160, "n_warps": 8, "d_split": 2}, 128),
+    ({"d_head": 192, "B_c": 32, "n_warps": 8, "d_split": 4}, 64),
+    ({"d_head": 240, "n_warps": 8, "d_split": 2}, 128),
+    ({"d_head": 24, "n_warps": 8, "d_split": 2}, 16),
+    ({"d_head": 136, "n_warps": 8, "d_split": 2, "B_c": 64}, 128),
+])
+def test_split_shares_cover_d_head_within_the_shared_tiles(knobs, share):
+    """Each warp's share of a split is a power of two columns; the shares cover d_head and stay in the
+    tiles of d_smem columns that dK and dV are staged in."""
+    cfg = B("fp16", **knobs)
+    assert cfg.d_cols_per_warp == share
+    assert cfg.d_head <= cfg.d_cols <= cfg.d_smem
+
+
+def test_the_default_backward_takes_every_forward_head_size():
+    """Every multiple of 8 up to 256 has a default within the shared memory of sm_80 and sm_90, whose
+    accumulators fit the register rule and whose split shares cover d_head."""
+    from flashgen.targets import TARGETS
+
+    for d in range(8, 257, 8):
+        for limit in {TARGETS[a].smem_per_block for a in ("sm_80", "sm_90a")}:
+            cfg = B.default("bf16", d, "causal", smem_limit=limit)
+            assert cfg is not None and cfg.smem_bytes <= limit and cfg.d_cols >= d, (d, limit)
+            assert cfg.acc_regs <= acc_reg_limit(cfg.threads)
+    assert B.default("bf16", 264) is None
 
 
 def test_names_and_round_trip():

@@ -114,6 +114,38 @@ def test_strided_inputs_and_an_mma_sync_forward():
     _check_gradients(got, q, k, v, do, "strided", causal=True)
 
 
+#: (dtype, d_head, batch, seq_q, seq_k, heads, kv_heads, call keywords, deterministic): head sizes between 128
+#: and 256, whose backward splits d_head's columns over four warps with shares past d_head
+MID_CASES = [
+    ("bf16", 160, 1, 300, 257, 4, 2, {"causal": True}, False),
+    ("fp16", 192, 2, 1000, 777, 4, 2, {}, False),
+    ("bf16", 224, 1, 513, 513, 2, 1, {"window": (100, 20)}, False),
+    ("fp16", 240, 1, 400, 400, 2, 2, {"causal": True, "align": "bottom_right"}, False),
+    ("bf16", 192, 1, 1000, 777, 4, 2, {"causal": True}, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MID_CASES)), ids=lambda i: f"{MID_CASES[i][0]}-d{MID_CASES[i][1]}-"
+                         f"{_mask_of(MID_CASES[i][7])}{'-det' if MID_CASES[i][8] else ''}")
+def test_gradients_of_head_sizes_between_128_and_256(case):
+    """Through an mma.sync forward of 64 query rows (the engines' default forwards do not take every
+    such head size); the deterministic case twice, bit-identical."""
+    from flashgen.dsl.config import KernelConfig
+
+    dt, d, b, sq, sk, h, hk, kw, det = MID_CASES[case]
+    mask = _mask_of(kw)
+    fwd = KernelConfig.from_short_form(f"({dt.upper()}, {d}, 64, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"
+                                       + ("" if mask == "none" else f"+{mask}"))
+    attn = flashgen.compile(fwd, deterministic=det)
+    q, k, v, do = _inputs(dt, d, b, sq, sk, h, hk, seed=200 + case)
+    _poison_allocator(q, k, v)
+    got = _grads(attn, q, k, v, do, **kw)
+    if det:
+        again = _grads(attn, q, k, v, do, **kw)
+        assert all(torch.equal(a.view(torch.int16), x.view(torch.int16)) for a, x in zip(got, again))
+    _check_gradients(got, q, k, v, do, f"d_head {d} case {case}", **kw)
+
+
 def test_a_gradient_through_the_returned_lse(auto):
     q, k, v, do = _inputs("fp16", 128, 1, 300, 400, 2, 2, seed=11)
     dlse = torch.randn(1, 2, 300, device="cuda", dtype=torch.float64)
@@ -148,8 +180,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 @pytest.mark.parametrize("args", [["(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+causal", "37", "2", "4", "91", "2", "bottom_right"],
-                                  ["(BF16, 64, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax", "130", "1", "2", "77", "1"]],
-                         ids=["wgmma-fwd-causal-gqa", "mma_sync-fwd-mqa"])
+                                  ["(BF16, 64, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax", "130", "1", "2", "77", "1"],
+                                  ["(BF16, 192, 64, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax+causal", "130", "1", "4",
+                                   "77", "2", "bottom_right"]],
+                         ids=["wgmma-fwd-causal-gqa", "mma_sync-fwd-mqa", "d192-causal-gqa"])
 def test_compute_sanitizer_clean(args, tool):
     """The backward's three kernels (and the forward) on odd lengths: no out-of-bounds access, no race."""
     exe = shutil.which("compute-sanitizer")

@@ -1,5 +1,6 @@
 """The backward CTA simulation (flashgen.sim.backward_cta) of the mma.sync backward plan: dQ, dK, dV
-of odd shapes (seq 1, 17, 113), causal, window and unmasked, GQA, against the float64 numpy
+of odd shapes (seq 1, 17, 113), causal, window and unmasked, GQA, head sizes up to 256 (the
+split ones past 128 among them), against the float64 numpy
 reference within FlashAttention's rule; with no hazard in the schedule; and broken plans caught."""
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ CASES = [
     (B("fp16", d_head=64, stages=2), 1, 1, 1, 1, {}),
     (B("bf16", n_warps=8, d_split=2, mask="causal", stages=2), 200, 130, 4, 2, {"causal": True, "align": "bottom_right"}),
     (B("fp16", d_head=64, B_c=32, n_warps=2, mask="window", stages=2), 150, 70, 2, 1, {"window": (20, 3)}),
+    # head sizes whose split shares run past d_head: the shipped 160, 192 and 240 (fours of warps on
+    # 64-column shares), 192 in pairs on 128-column shares, and d_head 24's shares of 16 columns,
+    # narrower than half its 64-column tiles
+    (B.default("bf16", 160, "causal"), 70, 65, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (B.default("fp16", 160), 17, 33, 2, 1, {}),
+    (B.default("fp16", 192, "causal"), 33, 70, 2, 1, {"causal": True}),
+    (B.default("bf16", 192), 65, 17, 4, 2, {}),
+    (B.default("fp16", 240, "causal"), 20, 20, 1, 1, {"causal": True}),
+    (B("bf16", d_head=192, n_warps=8, d_split=2, mask="causal", stages=2), 70, 33, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (B("fp16", d_head=24, n_warps=8, d_split=2), 17, 70, 2, 1, {}),
 ]
 
 
