@@ -25,7 +25,6 @@ CLEAN = [B("fp16", d_head=64, stages=2), B("bf16", mask="causal", stages=2),  # 
          B("fp16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2),  # ... and 256
          # ... and between: 8 warps in fours on 64-column shares (pairs on 128 columns spill some head sizes)
          B("bf16", d_head=192, B_c=32, n_warps=8, d_split=4, mask="causal", stages=2),
-         B("fp16", d_head=240, B_c=32, n_warps=8, d_split=4, stages=2),
          B("fp16", d_head=64, B_r=128, B_c=128, n_warps=8, mask="causal"),
          B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"),
          B("fp16", n_warps=8, d_split=2, mask="window"),
