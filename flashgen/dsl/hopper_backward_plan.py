@@ -49,12 +49,12 @@ from .atoms.hopper import Mbarrier, TmaLoad, WGMMA_64xNx16, wgmma_kmajor_descrip
 from .backward_config import BackwardConfig
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, consumer_regs
 from .hopper_backward_smem import DqStage, smem_plan
-from .hopper_plan import BOX_COLS, SWIZZLE, OperandDesc, TmaTile, WarpgroupGemm, _p_from_s
+from .hopper_plan import BOX_COLS, SWIZZLE, OperandDesc, TmaTile, WarpgroupGemm, WarpSpecialized, _p_from_s
 from .steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
                     WaitOrder, WgmmaWait)
 
 @attrs.frozen
-class HopperBackwardPlan:
+class HopperBackwardPlan(WarpSpecialized):
     cfg: BackwardConfig
     tiles: dict  # K, V, Q, dO, dS -> SmemTile
     stats: dict  # LSE, D -> (offset, stages, bytes per stage)
@@ -81,14 +81,6 @@ class HopperBackwardPlan:
     producer_regs: int
     consumer_regs: int
     smem_bytes: int
-
-    @property
-    def consumers(self) -> int:
-        return self.cfg.consumers
-
-    @property
-    def threads(self) -> int:
-        return WARPGROUP * (1 + self.consumers)
 
     @property
     def rotates_items(self) -> bool:

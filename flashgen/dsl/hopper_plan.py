@@ -160,8 +160,21 @@ class WarpgroupGemm:
         return len(self.b.step_offsets)
 
 
+class WarpSpecialized:
+    """A plan of one TMA producer warpgroup and ``cfg.consumers`` consumer warpgroups (both engines' wgmma
+    kernels, forward and backward)."""
+
+    @property
+    def consumers(self) -> int:
+        return self.cfg.consumers
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * (1 + self.consumers)
+
+
 @attrs.frozen
-class HopperPlan:
+class HopperPlan(WarpSpecialized):
     cfg: KernelConfig
     tiles: dict  # Q, K, V, O (O stages the output per consumer rows: in Q's space, or after the ring when persistent)
     loads: dict  # Q, K, V -> TmaTile
@@ -194,14 +207,6 @@ class HopperPlan:
     producer_regs: int
     consumer_regs: int
     smem_bytes: int
-
-    @property
-    def consumers(self) -> int:
-        return self.cfg.consumers
-
-    @property
-    def threads(self) -> int:
-        return WARPGROUP * (1 + self.consumers)
 
     @property
     def tail_split(self) -> TailSplit:

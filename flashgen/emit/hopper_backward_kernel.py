@@ -23,7 +23,7 @@ from .hopper_kernel import TARGET, TENSOR_MAPS
 from .ptx import hopper as ptx_hopper, math as ptx_math, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .source import KernelSource, kernel_meta
-from .template import CodeTemplate, compose
+from .template import SMEM_ATTRIBUTE, CodeTemplate, compose
 
 __all__ = ["TARGET", "emit_hopper_backward"]
 
@@ -413,12 +413,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     cudaStream_t s = (cudaStream_t)stream;
     preprocess<<<dim3((stat_len * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
     constexpr int smem = $smem_bytes;
-    static bool attr_set = false;  // the attribute is per function; set it once
-    if (!attr_set) {
-        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e != cudaSuccess) return (int)e;
-        attr_set = true;
-    }
+    $smem_attribute
     kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
     convert_dq<<<dim3((a->seq_q * D_HEAD + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
     return (int)cudaGetLastError();
@@ -466,7 +461,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         args_struct=backward_args_struct(name), log2e=f"{LOG2E!r}f",
         turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r}) * {plan.consumers}" if cfg.deterministic else "0",
         box_cols=plan.loads["Q"].tma.box_cols, tma_dtype={"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value],
-        tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name,
+        tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, smem_attribute=SMEM_ATTRIBUTE,
     )
     text = compose(_PARTS, env)
     meta = {**kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", arch=TARGET.name,

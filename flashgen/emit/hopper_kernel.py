@@ -21,7 +21,7 @@ from .abi import args_struct
 from .ptx import hopper as ptx_hopper, ldmatrix, math as ptx_math, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .source import KernelSource, kernel_meta
-from .template import CodeTemplate, compose
+from .template import SMEM_ATTRIBUTE, CodeTemplate, compose
 
 #: What this emitter writes for: TMA, mbarriers, wgmma and setmaxnreg exist on sm_90a only.
 TARGET: Target = target_named("sm_90a")
@@ -467,12 +467,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
     $mod_fill
     constexpr int smem = $smem_bytes;
-    static bool attr_set = false;  // the attribute is per function; set it once
-    if (!attr_set) {
-        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e != cudaSuccess) return (int)e;
-        attr_set = true;
-    }
+    $smem_attribute
     const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;
     if (tiles > INT32_MAX) return (int)cudaErrorInvalidValue;
     int ctas = 0, parts = 1;
@@ -830,7 +825,7 @@ def _host_env(plan: HopperPlan) -> dict:
     name = plan.score_mask.kernel_name(cfg.mangle())
     return dict(args_struct=args_struct(name), mod_fill=plan.score_mask.fill_cpp(), mask_blocks=plan.score_mask.mask_blocks_cpp(name), o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,
                 tma_dtype=tma_dtype, tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, log2e=f"{LOG2E!r}f",
-                tile_blocks_body=tile_blocks_body)
+                tile_blocks_body=tile_blocks_body, smem_attribute=SMEM_ATTRIBUTE)
 
 
 def emit_hopper(plan: HopperPlan) -> KernelSource:

@@ -68,3 +68,14 @@ def compose(parts: "list[tuple[str, CodeTemplate]]", env: "dict[str, Value]") ->
     if unused:
         raise KeyError(f"template names unused: {sorted(unused)}")
     return env[parts[-1][0]]
+
+
+#: A launcher's opt-in to ``smem`` bytes of dynamic shared memory for its ``kernel``, once per process.
+SMEM_ATTRIBUTE = [
+    "static bool attr_set = false;  // the attribute is per function; set it once",
+    "if (!attr_set) {",
+    "    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);",
+    "    if (e != cudaSuccess) return (int)e;",
+    "    attr_set = true;",
+    "}",
+]
