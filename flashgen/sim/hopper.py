@@ -242,6 +242,25 @@ def _row_slots(c: _TV) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([lo, hi], axis=1), (c.rows == hi[:, None]).astype(np.int64)
 
 
+def walk_consumers(consumers, step, produce, flag, greedy: bool) -> None:
+    """Step ``consumers`` (each with ``done``, ``w``, ``pc`` and ``steps``) in turn until all are done, the
+    producer (``produce``) after every step that ran; ``step(c)`` False: ``c`` has to wait. ``greedy``: each
+    goes as far as it can in its turn, else one step. A round in which none moves is a deadlock (``flag``)."""
+    produce()
+    while not all(c.done for c in consumers):
+        progressed = False
+        for c in consumers:
+            while not c.done and step(c):
+                progressed = True
+                produce()
+                if not greedy:
+                    break
+        if not progressed:
+            blocked = "; ".join(f"consumer {c.w} at {c.steps[c.pc][0]}" for c in consumers if not c.done)
+            flag("deadlock", f"no warpgroup can proceed ({blocked})")
+            return
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -501,17 +520,7 @@ class _Cta:
                 self.flag("start", f"pingpong needs 2 or more consumer warpgroups, the plan has {self.cfg.consumers}")
             else:
                 self.pending[0] += 1  # the last consumer hands consumer 0 the first turn (before the tile loop)
-        self.produce()
-        while not all(c.done for c in self.consumers):
-            progressed = False
-            for c in self.consumers:
-                if not c.done and self.step(c):
-                    progressed = True
-                    self.produce()
-            if not progressed:
-                blocked = "; ".join(f"consumer {c.w} at {c.steps[c.pc][0]}" for c in self.consumers if not c.done)
-                self.flag("deadlock", f"no warpgroup can proceed ({blocked})")
-                break
+        walk_consumers(self.consumers, self.step, self.produce, self.flag, greedy=False)
         for c in self.consumers:
             self.finish(c)
         self.final_checks()

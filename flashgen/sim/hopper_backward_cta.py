@@ -53,7 +53,7 @@ from flashgen.dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP,
                                 WaitOrder, WgmmaWait, runs)
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem
-from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, wgmma_k16
+from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, walk_consumers, wgmma_k16
 from flashgen.sim.layout_eval import offsets
 
 _F32 = np.float32
@@ -170,17 +170,7 @@ class HopperBwdCta:
     # -- the walk
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         """Every consumer to the end (each as far as it can before the next goes); dK and dV of the block."""
-        self.produce()
-        while not all(c.done for c in self.consumers):
-            progressed = False
-            for c in self.consumers:
-                while not c.done and self.step(c):
-                    progressed = True
-                    self.produce()
-            if not progressed:
-                blocked = "; ".join(f"consumer {c.w} at {c.steps[c.pc][0]}" for c in self.consumers if not c.done)
-                self.flag("deadlock", f"no warpgroup can proceed ({blocked})")
-                break
+        walk_consumers(self.consumers, self.step, self.produce, self.flag, greedy=True)
         for c in self.consumers:
             self.finish(c)
         return self.dk, self.dv
