@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..dsl.config import DType, KernelConfig, default_configs, tuning_space
+from ..dsl.config import ConfigError, DType, KernelConfig, default_configs, tuning_space
 from ..emit.source import KernelSource
 from ..targets import AMPERE, Target
 from .base import BackwardKernels, Engine
@@ -58,6 +58,10 @@ class MmaSyncBackward(BackwardKernels):
         return tuning_space(dtype, d_head, mask)
 
 
+#: The query rows of the default past the head sizes whose accumulators fit 128 rows (4 warps).
+SMALL_B_R = 64
+
+
 class MmaSyncEngine(Engine):
     name = "mma_sync"
     instructions = AMPERE
@@ -101,9 +105,15 @@ class MmaSyncEngine(Engine):
         return tuning_space() if dtypes is None else tuning_space(dtypes)
 
     def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig:
-        """The seed's default of the dtype, at ``d_head`` (every head size the config takes)."""
+        """The seed's default of the dtype at ``d_head``; where its 128 query rows leave the O and S
+        accumulators too few registers (d_head 192 and up), the same with 64 (16 rows per warp)."""
         base = next(c for c in default_configs() if c.dtype == dtype)
-        return base if base.d_head == d_head else base.replace(d_head=d_head)
+        if base.d_head == d_head:
+            return base
+        try:
+            return base.replace(d_head=d_head)
+        except ConfigError:
+            return base.replace(d_head=d_head, B_r=SMALL_B_R)
 
     def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
         return default_configs()

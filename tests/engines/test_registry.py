@@ -47,3 +47,15 @@ def test_the_emitted_manifest_names_the_engines_target():
     wgmma = flashgen.emit(KernelConfig.wgmma("fp16"))
     assert wgmma.meta["arch"] == "sm_90a" and "-gencode=arch=compute_90a,code=sm_90a" in wgmma.text
     assert "arch" not in flashgen.emit(default_configs()[0]).meta
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_the_mma_sync_default_takes_every_head_size_from_24_to_256(dtype):
+    """Past d_head 160 the seed default's 128 query rows leave its O and S accumulators too few registers:
+    the default falls back to 64 rows (16 per warp) there, and keeps 128 rows where they fit."""
+    from flashgen.dsl.dtypes import DType
+
+    engine = engines.ENGINES["mma_sync"]
+    for d_head in range(24, 257, 8):
+        cfg = engine.default_config(DType.parse(dtype), d_head)
+        assert cfg.d_head == d_head and cfg.B_r == (128 if d_head <= 160 else 64), cfg
