@@ -256,6 +256,7 @@ constexpr uint32_t B_r = $B_r, B_c = $B_c, D_HEAD = $d_head, STAGES = $stages, C
 static_assert(THREADS == 128 * (1 + CONSUMERS), "one producer and CONSUMERS consumer warpgroups");
 constexpr uint32_t Q_BYTES = $q_bytes, KV_BYTES = $kv_bytes, DS_BYTES = $ds_bytes;  // a Q or dO stage, K or V, a dS^T buffer
 constexpr uint32_t STAT_BYTES = B_r * 4;  // a query block's lse or D (fp32)
+constexpr uint32_t DS_BUFFERS = $ds_buffers;  // dS^T buffers: item w's rows in buffer w % DS_BUFFERS
 constexpr uint32_t DQ_COLS = $dq_cols;  // columns of dQ per consumer
 
 // ---- the score mask, and the mask seen from a key block ----
@@ -340,7 +341,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     for (int w = 0; w < work; ++w) {
         const Item it = item(w);
         const int head = it.head, q_row0 = it.q_row0, qb = q_row0 / int(B_r);
-        const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) & 1u;  // ring slot and parity; dS^T buffer
+        const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) % DS_BUFFERS;  // ring slot and parity; dS^T buffer
         const float* lse_log2 = reinterpret_cast<const float*>(smem_raw + (sLSE - raw) + st * STAT_BYTES);
         const float* dsum = reinterpret_cast<const float*>(smem_raw + (sD - raw) + st * STAT_BYTES);
         float s_acc[B_r / 2], dp_acc[B_r / 2], dq_acc[DQ_COLS / 2];
@@ -451,7 +452,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
         dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
-        dq_index_fn=plan.dq_stage.index_cpp(), item_order=plan.item_order_cpp,
+        dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(padded=True), smem_decls=_smem_decls(plan),
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],

@@ -473,6 +473,16 @@ class BwdPass:
             out.append(BwdHeadData(self.bits["q"][b, :, h], self.bits["do"][b, :, h], lse, delta))
         return out
 
+    def buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Zeroed outputs: dQ's fp32 sums ``[batch, heads, seq_q, d]``, dK and dV (16-bit patterns, k's shape)."""
+        B, Sq, H, d = self.bits["q"].shape
+        return np.zeros((B, H, Sq, d), _F32), np.zeros(self.bits["k"].shape, np.uint16), np.zeros(self.bits["k"].shape, np.uint16)
+
+    def put_block(self, out: np.ndarray, b: int, hk: int, kb: int, block: np.ndarray) -> None:
+        """Key block ``kb``'s rows of dK or dV (``block``: those below seq_k) into ``out``."""
+        B_c = self.plan.cfg.B_c
+        out[b, kb * B_c:kb * B_c + block.shape[0], hk] = block
+
     def result(self, dq_acc: np.ndarray, dk: np.ndarray, dv: np.ndarray, hazards: list[str]) -> "BackwardResult":
         """dQ (``dq_acc``: fp32 ``[batch, heads, seq_q, d]``) times the scale, and dK, dV (16-bit patterns), as values."""
         dt = self.plan.cfg.dtype
@@ -490,16 +500,13 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
     plan = cfg_or_plan if isinstance(cfg_or_plan, BackwardPlan) else make_backward_plan(cfg_or_plan)
     cfg = plan.cfg
     run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale)
-    B, Sq, H, d = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
+    B, Sq, Sk, Hk = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     group = run.group
     n_kb = -(-Sk // cfg.B_c)
     if key_block_order is not None and sorted(key_block_order) != list(range(n_kb)):
         raise ValueError(f"key_block_order={list(key_block_order)}: expected an order of the {n_kb} key blocks 0..{n_kb - 1}")
     traces = trace_backward(plan)
-    dq_acc = np.zeros((B, H, Sq, d), _F32)
-    dk = np.zeros((B, Sk, Hk, d), np.uint16)
-    dv = np.zeros((B, Sk, Hk, d), np.uint16)
+    dq_acc, dk, dv = run.buffers()
     hazards: list[str] = []
     for b in range(B):
         for hk in range(Hk):
@@ -510,8 +517,8 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
                             heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale, turns) for kb in order]
             for kb, cta, (dk_blk, dv_blk) in zip(order, ctas, run_ctas(ctas)):
                 if dk_blk is not None:
-                    dk[b, kb * cfg.B_c:kb * cfg.B_c + dk_blk.shape[0], hk] = dk_blk
-                    dv[b, kb * cfg.B_c:kb * cfg.B_c + dv_blk.shape[0], hk] = dv_blk
+                    run.put_block(dk, b, hk, kb, dk_blk)
+                    run.put_block(dv, b, hk, kb, dv_blk)
                 hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hz.hazards]
     return run.result(dq_acc, dk, dv, hazards)
 

@@ -47,12 +47,9 @@ def simulate_hopper_backward(cfg_or_plan: Any, q: np.ndarray, k: np.ndarray, v: 
     plan = cfg_or_plan if isinstance(cfg_or_plan, HopperBackwardPlan) else make_hopper_backward_plan(cfg_or_plan)
     cfg = plan.cfg
     run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale)
-    B, Sq, H, d = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
+    B, Sk, Hk = q.shape[0], k.shape[1], k.shape[2]
     group = run.group
-    dq_acc = np.zeros((B, H, Sq, d), _F32)
-    dk = np.zeros((B, Sk, Hk, d), np.uint16)
-    dv = np.zeros((B, Sk, Hk, d), np.uint16)
+    dq_acc, dk, dv = run.buffers()
     hazards: list[str] = []
     for b in range(B):
         for hk in range(Hk):
@@ -62,8 +59,8 @@ def simulate_hopper_backward(cfg_or_plan: Any, q: np.ndarray, k: np.ndarray, v: 
                 cta = HopperBwdCta(plan, run.problem(kb), run.bits["k"][b, :, hk], run.bits["v"][b, :, hk], heads, stats,
                                    [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale)
                 dk_blk, dv_blk = cta.run()
-                dk[b, kb * cfg.B_c:kb * cfg.B_c + dk_blk.shape[0], hk] = dk_blk
-                dv[b, kb * cfg.B_c:kb * cfg.B_c + dv_blk.shape[0], hk] = dv_blk
+                run.put_block(dk, b, hk, kb, dk_blk)
+                run.put_block(dv, b, hk, kb, dv_blk)
                 hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hazards]
     return run.result(dq_acc, dk, dv, hazards)
 
