@@ -156,46 +156,46 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
 _DQ_TURN = "p.dq_turns + ((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * CONSUMERS + cw"
 
 
+def _release(plan: HopperBackwardPlan, step: Step) -> list[str]:
+    assert plan.release_arrivals == WARPGROUP, "every consumer thread arrives on the empty barriers"
+    return [f"mbar_arrive(bar_{step.arg.lower()}_empty + 8 * st);  // every thread: each read the stage's lse or D"]
+
+
+_WAIT_ORDER = ["// deadlock-free only because a CTA of lower blockIdx.x (key block) is dispatched no later than this one:",
+               "// the key blocks waited for are lower ones of the same (kv head, batch), and the lowest never waits",
+               "if (wtid == 0) {",
+               "    turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
+               "    fence_proxy_async_global();  // the bulk reduction (async proxy) comes after the turn",
+               "}"]
+_SIGNAL_ORDER = ["if (wtid == 0) {",
+                 "    bulk_wait_group<0>();  // this consumer's adds of the block are done",
+                 "    fence_proxy_async_global();  // ... and ordered before the release below",
+                 "    turn_pass(" + _DQ_TURN + ");",
+                 "}"]
+
+#: consumer step class -> its code (plan, step, its place in the schedule)
+_STEP_CODE = {
+    WaitFull: lambda plan, step, at: [f"mbar_wait(bar_{step.arg.lower()}_full + 8 * st, ph);"],
+    Release: lambda plan, step, at: _release(plan, step),
+    Gemm: lambda plan, step, at: _gemm(plan, step),
+    WgmmaWait: _wait,
+    RecomputeP: lambda plan, step, at: _recompute(plan),
+    ConvertP: lambda plan, step, at: _convert(plan, step),
+    GradScores: lambda plan, step, at: _per_value(plan, "B_r / 2", ["dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], dsum[c]);"]),
+    StoreRF: lambda plan, step, at: _store_ds(plan),
+    Handoff: lambda plan, step, at: ["fence_proxy_async();  // wgmma (async proxy) reads what st.shared wrote",
+                                     "named_bar_sync(1, 128 * CONSUMERS);"],
+    ReduceGM: lambda plan, step, at: _reduce_dq(plan),
+    WaitOrder: lambda plan, step, at: _WAIT_ORDER,
+    SignalOrder: lambda plan, step, at: _SIGNAL_ORDER,
+}
+
+
 def _step(plan: HopperBackwardPlan, step: Step, at: int) -> list[str]:
-    kind = type(step)
-    if kind is WaitFull:
-        code = [f"mbar_wait(bar_{step.arg.lower()}_full + 8 * st, ph);"]
-    elif kind is Release:
-        assert plan.release_arrivals == WARPGROUP, "every consumer thread arrives on the empty barriers"
-        code = [f"mbar_arrive(bar_{step.arg.lower()}_empty + 8 * st);  // every thread: each read the stage's lse or D"]
-    elif kind is Gemm:
-        code = _gemm(plan, step)
-    elif kind is WgmmaWait:
-        code = _wait(plan, step, at)
-    elif kind is RecomputeP:
-        code = _recompute(plan)
-    elif kind is ConvertP:
-        code = _convert(plan, step)
-    elif kind is GradScores:
-        code = _per_value(plan, "B_r / 2", ["dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], dsum[c]);"])
-    elif kind is StoreRF:
-        code = _store_ds(plan)
-    elif kind is Handoff:
-        code = ["fence_proxy_async();  // wgmma (async proxy) reads what st.shared wrote",
-                "named_bar_sync(1, 128 * CONSUMERS);"]
-    elif kind is ReduceGM:
-        code = _reduce_dq(plan)
-    elif kind is WaitOrder:
-        code = ["// deadlock-free only because a CTA of lower blockIdx.x (key block) is dispatched no later than this one:",
-                "// the key blocks waited for are lower ones of the same (kv head, batch), and the lowest never waits",
-                "if (wtid == 0) {",
-                "    turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
-                "    fence_proxy_async_global();  // the bulk reduction (async proxy) comes after the turn",
-                "}"]
-    elif kind is SignalOrder:
-        code = ["if (wtid == 0) {",
-                "    bulk_wait_group<0>();  // this consumer's adds of the block are done",
-                "    fence_proxy_async_global();  // ... and ordered before the release below",
-                "    turn_pass(" + _DQ_TURN + ");",
-                "}"]
-    else:
+    code = _STEP_CODE.get(type(step))
+    if code is None:
         raise KeyError(f"the wgmma backward emitter has no code for step {step}")
-    return [f"// [{step}]" + (f" {step.why}" if step.why else "")] + code
+    return [f"// [{step}]" + (f" {step.why}" if step.why else "")] + code(plan, step, at)
 
 
 def _tma(plan: HopperBackwardPlan, name: str, dst: str, bar: str, row: str, head: str) -> list[str]:
