@@ -14,6 +14,11 @@ and for any call made while ``torch.are_deterministic_algorithms_enabled()``. Th
 the forward call and kept with the saved tensors; each of a kernel's two backward variants is built
 on first use.
 
+Calls with a score_mod / mask_mod (``flashgen::attention_mods``) are differentiated the same way, by a backward
+kernel built with the same functions, on the values the forward call had (its captured numbers and tensors):
+gradients flow through the score_mod with respect to the score (:mod:`flashgen.mods.grad`), not into captured
+tensors.
+
 A gradient that reaches the returned lse is taken into account (``d lse_i / d s_ij = scale * p_ij``
 folds into the backward's ``D = rowsum(dO * O)`` as ``D - dlse``).
 """
@@ -110,3 +115,31 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
 
 
 torch.library.register_autograd("flashgen::attention", _backward, setup_context=_setup_context)
+
+
+def _setup_context_mods(ctx, inputs, output) -> None:
+    q, k, v, kernel, softmax_scale, mask_offset, window_left, window_right, _, mod_words, mod_tensors, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *mod_tensors)
+    ctx.call = (kernel, softmax_scale, mask_offset, window_left, window_right)
+    ctx.mod_words = list(mod_words)
+    ctx.deterministic = deterministic(kernel)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_mods(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+    """``flashgen::attention_mods``'s backward: the backward kernel built with the same score_mod / mask_mod, on
+    the forward call's values (the captured tensors as they were saved: an in-place change after the forward
+    is caught by autograd's version check)."""
+    q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
+    kernel, softmax_scale, mask_offset, window_left, window_right = ctx.call
+    q, k, v, out = (_launchable(t) for t in (q, k, v, out))
+    dout = torch.zeros_like(out) if dout is None else _launchable(dout)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    dq, dk, dv = torch.ops.flashgen.attention_backward_mods(
+        dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1], ctx.deterministic), softmax_scale, mask_offset,
+        window_left, window_right, ctx.mod_words, mod_tensors)
+    return (dq, dk, dv) + (None,) * 9
+
+
+torch.library.register_autograd("flashgen::attention_mods", _backward_mods, setup_context=_setup_context_mods)

@@ -8,8 +8,8 @@ small library, built once per torch/CUDA version into the cache, that
 * loads a kernel library (``flashgen::load_kernel(path, name, ...) -> handle``) and
   remembers what it was built for (dtype, d_head, compute capability);
 * defines the operators ``flashgen::attention``, ``flashgen::attention_out``,
-  ``flashgen::attention_mods`` (kernels built with a score_mod / mask_mod) and
-  ``flashgen::attention_backward`` that
+  ``flashgen::attention_mods`` (kernels built with a score_mod / mask_mod),
+  ``flashgen::attention_backward`` and ``flashgen::attention_backward_mods`` that
   take a kernel handle, check every input (in C++: no Python on the call
   path), fill the argument struct and launch on the current stream;
 * is also a Python module (:func:`native`) whose entry points do the same without
@@ -54,6 +54,10 @@ MASK_BLOCKS_SCHEMA = ("mask_blocks(Tensor q, Tensor k, int kernel, int[] shape, 
 ATTENTION_BACKWARD_SCHEMA = ("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                              "Tensor? dlse, int kernel, float softmax_scale, int mask_offset, int window_left, "
                              "int window_right) -> (Tensor, Tensor, Tensor)")
+#: ``attention_backward_mods(..., mod_words, mod_tensors) -> (dq, dk, dv)``: the backward of an ``attention_mods``
+#: call, through a backward kernel built with the same score_mod / mask_mod, on the same values.
+ATTENTION_BACKWARD_MODS_SCHEMA = ATTENTION_BACKWARD_SCHEMA.replace("attention_backward(", "attention_backward_mods(").replace(
+    "int window_right)", "int window_right, int[] mod_words, Tensor[] mod_tensors)")
 
 class LauncherError(RuntimeError):
     """The launcher library could not be built; the message holds the compiler's output."""
@@ -65,6 +69,7 @@ _LIB.define(ATTENTION_OUT_SCHEMA)
 _LIB.define(ATTENTION_BACKWARD_SCHEMA)
 _LIB.define(ATTENTION_MODS_SCHEMA)
 _LIB.define(MASK_BLOCKS_SCHEMA)
+_LIB.define(ATTENTION_BACKWARD_MODS_SCHEMA)
 
 
 def _lse_like(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
@@ -95,6 +100,12 @@ def _mask_blocks_fake(q, k, kernel, shape, mod_words, mod_tensors):
 
 @torch.library.register_fake("flashgen::attention_backward")
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("flashgen::attention_backward_mods")
+def _attention_backward_mods_fake(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right,
+                                  mod_words, mod_tensors):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -139,7 +139,8 @@ class Attention:
         cfg = self.backward_config(seq_k, deterministic)
         handle = self._backwards.get(cfg)
         if handle is None:
-            handle = self._backwards[cfg] = _load(build(cfg, self.built.capability, verbose=self.verbose), self.verbose)
+            built = build(cfg, self.built.capability, verbose=self.verbose, mods=self.built.mods)
+            handle = self._backwards[cfg] = _load(built, self.verbose)
         return handle
 
     def _variant(self, mask: str) -> "Attention":
@@ -190,7 +191,8 @@ class Attention:
         ``score_mod(score, b, h, q_idx, kv_idx)`` / ``mask_mod(b, h, q_idx, kv_idx)``: FlexAttention's
         functions, traced once per function (:mod:`flashgen.mods`) and compiled into a variant of this kernel
         (one per structure: new captured values reuse it). score_mod sees the scaled score; a key is kept where
-        the causal/window rule and mask_mod both keep it. Such calls are not differentiable yet.
+        the causal/window rule and mask_mod both keep it. Such calls are differentiable too (with respect to q, k
+        and v, through the score_mod; captured tensors that require grad are refused).
         """
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
@@ -204,20 +206,20 @@ class Attention:
         mods, (score_args, mask_args) = prepare_mods(score_mod, mask_mod)
         if out is not None:
             raise InputError("out= is not supported with score_mod / mask_mod; call without out=")
-        if autograd.needs_grad(q, k, v):
-            raise InputError("gradients through score_mod / mask_mod are not supported yet: call under torch.no_grad() "
-                             "or with inputs that do not require grad")
         attn = self._with_mods(mods)
         if not isinstance(q, torch.Tensor) or q.device not in attn._checked_devices:  # the first call on a device
             attn.check(q, k, v)
             attn._checked_devices.add(q.device)
+        differentiate = autograd.needs_grad(q, k, v)
+        if differentiate:  # its backward (built with the same mods) is built now: a head size it cannot take fails here
+            autograd.backward_handle(attn._handle, k.shape[1], autograd.deterministic(attn._handle))
         words, tensors = mods.pack(score_args, mask_args)
         tensors = [stable_copy(t, t.dtype, q.device) for t in tensors]  # on q's device: copied once per version
         scale = attn._scale if softmax_scale is None else float(softmax_scale)
         try:  # the operator checks every input in C++
             block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
-            o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right, return_lse,
-                                     words, tensors, block_mask)
+            o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right,
+                                     return_lse or differentiate, words, tensors, block_mask)
         except (RuntimeError, ValueError, TypeError):
             attn.check(q, k, v)  # raises the InputError that explains a refused input
             raise

@@ -212,7 +212,7 @@ def _backward_configs(ops):
 
 
 def test_compile_deterministic_runs_every_backward_on_the_deterministic_kernel(ops, monkeypatch):
-    monkeypatch.setattr(runtime, "build", lambda cfg, capability=None, verbose=False: ops.kernels.build(cfg, (9, 0)))
+    monkeypatch.setattr(runtime, "build", lambda cfg, capability=None, verbose=False, mods=None: ops.kernels.build(cfg, (9, 0), mods=mods))
     attn = runtime.compile(lookup("H100", DType.FP16, 64, 64, cache={}, capability=(9, 0)), deterministic=True)
     plain = attention_of(ops)
     q, k, v = inputs()

@@ -31,9 +31,9 @@ class Kernels:
         self.selects: list = []  # (device, dtype, d_head, seq, masked) looked up
         self.launched: list[int] = []  # handles the operator ran
 
-    def build(self, cfg, capability=None, verbose=False):
+    def build(self, cfg, capability=None, verbose=False, mods=None):
         self.built.append(cfg)
-        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), tuple(capability), 0.0, True)
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), tuple(capability), 0.0, True, mods)
 
     def load(self, built, verbose):
         return len(self.built) - 1  # the handle of the kernel just built

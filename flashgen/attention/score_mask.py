@@ -137,9 +137,9 @@ class ScoreMask:
         """The kernel parameters the mods read (none without mods)."""
         return [] if self.mods is None else self.mods.params_cpp()
 
-    def fill_cpp(self) -> list[str]:
-        """Host lines of the launch function filling them (``p`` from ``a``)."""
-        return [] if self.mods is None else self.mods.fill_cpp()
+    def fill_cpp(self, backward: bool = False) -> list[str]:
+        """Host lines of the launch function filling them (``p`` from ``a``; ``backward``: a backward kernel's)."""
+        return [] if self.mods is None else self.mods.fill_cpp(backward=backward)
 
     def keep_array(self, rows: np.ndarray, cols: np.ndarray, seq_k: int, offset: int = 0, left: int = -1,
                    right: int = -1) -> np.ndarray:
@@ -175,6 +175,27 @@ class ScoreMask:
             sel = np.nonzero(keep)
             scaled = (s[sel] * f32(scale)).astype(f32)
             out[sel] = self.score_mod.evaluate(scaled, b, h, rows[sel], cols[sel], args=mod_values[0])
+        return out
+
+    def score_grad(self, ds: np.ndarray, prob: np.ndarray, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, *, b: int,
+                   h: int, mod_values: tuple = (None, None), scale: float = 1.0) -> np.ndarray:
+        """:meth:`score_grad_cpp` in numpy (the backward simulators'): ``ds`` (fp32, P (dP - D)) times the score_mod's
+        derivative at the scaled raw scores ``s * scale`` where ``prob`` is not 0; ``rows``/``cols`` broadcast to ``s``."""
+        f32 = np.float32
+        kind = self.mods.derivative_kind if self.mods is not None else "one"
+        ds = np.asarray(ds, dtype=f32)
+        if kind == "one":
+            return ds
+        if kind == "zero":
+            return np.zeros_like(ds)
+        from ..mods.evaluate import evaluate  # mods' package imports torch: only for kernels with mods
+
+        s = np.asarray(s, dtype=f32)
+        rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
+        sel = np.nonzero(np.asarray(prob) != 0)
+        inputs = {"score": (s[sel] * f32(scale)).astype(f32), "b": b, "h": h, "q_idx": rows[sel], "kv_idx": cols[sel]}
+        out = ds.copy()
+        out[sel] = (ds[sel] * evaluate(self.mods.score_derivative(), inputs, mod_values[0] or {})).astype(f32)
         return out
 
     def bits_cpp(self, loops: Sequence[str], i: str, c0: str, bits: str, b: str, h: str) -> list[str]:
@@ -219,8 +240,56 @@ class ScoreMask:
         plain += ["    " + l for l in _per_value([f"{at} = score_mod({at} * p.mod_scale, {b}, {h}, i, c0 + int(t * 8 + e), p.score_args);"])]
         return out[:-1] + ["} else {  // unmasked block: the score_mod alone"] + ["    " + l for l in _nest(loops, plain)] + ["}"]
 
-    def to_cpp(self) -> str:
-        """The three functions above as C++ (floor division where operands may be negative)."""
+    # ---- the backward's side of the rule ----------------------------------------------------
+
+    def backward_masked_cpp(self, needs: str) -> str:
+        """The backward's ``masked`` flag of one (query block, key block): the built-in rule's ``needs`` (a C++
+        bool), or every block where a mask_mod is compiled in (the backward has no block mask)."""
+        return needs if self.mask_mod is None else "true"
+
+    def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "") -> list[str]:
+        """The backward's rule on one recomputed score: lvalue ``s`` (the raw accumulator value of global query
+        row ``i``, key ``j``; ``b``/``h`` the batch and query head) becomes the score the forward's softmax saw,
+        -inf where not kept (the mask is evaluated where ``masked``, the rows past seq_q included). ``grad``: a
+        float lvalue taking ``d score_mod / d score`` there (0 where not kept), for a derivative that reads the
+        score (``KernelMods.derivative_kind`` "score"), whose value dS needs after the score is gone."""
+        rule = ["int lo, hi;", f"score_row_range({i}, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);"]
+        if self.mods is None:
+            return _block("if (masked) {", rule + [f"if ({j} < lo || {j} >= hi || {i} >= p.seq_q) {s} = -INFINITY;"])
+        keep = [f"keep = {j} >= lo && {j} < hi && {i} < p.seq_q;  // rows past seq_q reach no mod"]
+        if self.mask_mod is not None:
+            keep.append(f"keep = keep && mask_mod({b}, {h}, {i}, {j}, p.mask_args);")
+        out = ["bool keep = true;"] + _block("if (masked) {", rule + keep)
+        if self.score_mod is None:
+            return out + [f"if (!keep) {s} = -INFINITY;"]
+        args, keeps_grad = f"{b}, {h}, {i}, {j}, p.score_args", self.mods.derivative_kind == "score"
+        kept = [f"const float x = {s} * p.mod_scale;  // the score_mod sees the scaled score"]
+        kept += [f"{grad} = score_mod_grad(x, {args});"] if keeps_grad else []
+        return out + _block("if (keep) {", kept + [f"{s} = score_mod(x, {args});"])[:-1] + _block(
+            "} else {", [f"{s} = -INFINITY;"] + ([f"{grad} = 0.f;"] if keeps_grad else []))
+
+    def score_grad_cpp(self, ds: str, prob: str, i: str, j: str, b: str, h: str, grad: str = "") -> list[str]:
+        """The score_mod's chain rule on the backward's ``ds`` (the gradient of the modded score, P (dP - D)):
+        times ``d score_mod / d score`` (``grad`` as :meth:`recompute_cpp` left it, or evaluated here from the
+        indices), where ``prob`` is not 0 (elsewhere ds is 0 and the derivative need not be finite). Nothing
+        without a score_mod or for a bias (derivative 1)."""
+        kind = self.mods.derivative_kind if self.mods is not None else "one"
+        if kind == "one":
+            return []
+        if kind == "zero":
+            return [f"{ds} = 0.f;  // the score_mod ignores the score: nothing flows back to Q and K"]
+        g = grad if kind == "score" else f"score_mod_grad(0.f, {b}, {h}, {i}, {j}, p.score_args)"
+        return [f"if ({prob} != 0.f) {ds} *= {g};  // d score_mod / d score"]
+
+    @property
+    def derivative_reads_score(self) -> bool:
+        """Whether the score_mod's derivative reads the score (``KernelMods.derivative_kind`` "score"): the
+        backward then makes dS in the pass that recomputes P (:meth:`recompute_cpp`'s ``grad``)."""
+        return self.mods is not None and self.mods.derivative_kind == "score"
+
+    def to_cpp(self, backward: bool = False) -> str:
+        """The three functions above as C++ (floor division where operands may be negative); ``backward``: with
+        the score_mod's derivative (a backward kernel's)."""
         kind = self.kind
         row = ["int l = 0, h = seq_k;"]
         if kind == "causal":
@@ -261,8 +330,12 @@ class ScoreMask:
             f"// false when every score of key block jb is kept for these rows\n"
             f"__host__ __device__ __forceinline__ bool block_needs_mask(int jb, int q_row0, {sig}) {{\n"
             f"    (void)offset; (void)left; (void)right; (void)seq_q;\n{ind(need)}\n}}"
-        ) + (f"\n// ---- score_mod / mask_mod: {self.mods.describe()}\n{self.mods.to_cpp()}" if self.mods is not None else "") + (
+        ) + (f"\n// ---- score_mod / mask_mod: {self.mods.describe()}\n{self.mods.to_cpp(backward)}" if self.mods is not None else "") + (
             _BLOCK_MASK_FNS.replace("$ROW", self._block_row_cpp()) if self.mask_mod is not None else "")
+
+
+def _block(head: str, body: Sequence[str]) -> list[str]:
+    return [head] + ["    " + l for l in body] + ["}"]
 
 
 def _per_value(body: Sequence[str]) -> list[str]:

@@ -38,6 +38,8 @@ the dQ adds, are dropped.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from ..attention.backward import Recompute, RowDot, ScoreGrad
@@ -221,7 +223,7 @@ def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles
 ANY_BLOCK = Guard(0, "<", "end")
 
 
-def _schedule(stages: int, deterministic: bool = False) -> Schedule:
+def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = False) -> Schedule:
     """Prologue: K and V of the CTA's key block. Body, per query block ``j`` (of every query head of
     the kv head's group): Q, dO, lse, D in one cp.async group; the five GEMMs and the rules between.
 
@@ -231,7 +233,8 @@ def _schedule(stages: int, deterministic: bool = False) -> Schedule:
     complete in order, so the first wait also completes K and V; the barrier at the end keeps the
     next copies off tiles that other warps may still read. ``deterministic``: the dQ adds wait for
     their turn (as late as possible, after the dQ GEMM) and the end barrier, behind every warp's adds,
-    precedes passing it on.
+    precedes passing it on. ``grad_with_p`` (a score_mod whose derivative reads the score): dP^T first, so
+    that dS^T is made in the same pass as P^T, from the score it needs.
     """
     def copies(block, guard=None, which="j"):
         return tuple(Copy(n, block, guard, why=f"{n.lower() if n in STATS else n}_{which}") for n in STREAMED + STATS)
@@ -243,13 +246,16 @@ def _schedule(stages: int, deterministic: bool = False) -> Schedule:
         pro += copies(BEGIN, ANY_BLOCK, "first") + (Commit(),)
         head = copies(NEXT, HAS_NEXT, "j+1") + (Commit(why="(empty in the last block: the wait below counts it)"),
                                                 Wait("1", why="all but block j+1's group: Q_j, dO_j, lse_j, D_j (and K, V)"))
+    if grad_with_p:
+        scores = (Gemm("S", why="S^T = K Q_j^T"), Gemm("dP", why="dP^T = V dO_j^T"),
+                  RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse_j log2e), masked"),
+                  GradScores(why="dS^T = P^T * (dP^T - D_j) score_mod', in the same pass"), Gemm("dV", why="dV += P^T dO_j"))
+    else:
+        scores = (Gemm("S", why="S^T = K Q_j^T"), RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"),
+                  Gemm("dV", why="dV += P^T dO_j"), Gemm("dP", why="dP^T = V dO_j^T"), GradScores(why="dS^T = P^T * (dP^T - D_j)"))
     body = head + (
         Barrier(why="... and are visible to all warps"),
-        Gemm("S", why="S^T = K Q_j^T"),
-        RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"),
-        Gemm("dV", why="dV += P^T dO_j"),
-        Gemm("dP", why="dP^T = V dO_j^T"),
-        GradScores(why="dS^T = P^T * (dP^T - D_j)"),
+        *scores,
         Gemm("dK", why="dK += dS^T Q_j"),
         StoreRF("dS", why="dS^T -> shared memory for the dQ GEMM"),
         Barrier(why="dS^T visible to all warps"),
@@ -280,8 +286,9 @@ def dq_adds_once(red: TiledCopy, n_warps: int, rows: int, cols: int) -> None:
                          "have to order the threads of a CTA too")
 
 
-def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
-    """The DSL objects of one backward config (pure; equal configs give equal plans)."""
+def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
+    """The DSL objects of one backward config (pure; equal configs give equal plans); ``mods``: the
+    score_mod / mask_mod of the forward it differentiates (a :class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "mma_sync":
         raise ValueError(f"{cfg.short_form()}: make_backward_plan builds mma_sync plans, not engine={cfg.engine}")
     dt, D, T = cfg.dtype, cfg.d_smem, cfg.threads
@@ -312,10 +319,10 @@ def make_backward_plan(cfg: BackwardConfig) -> BackwardPlan:
            for name in ("dK", "dV")}
     gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
     red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt, sp, own)
-    mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c)
+    mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c, mods)
     if cfg.deterministic:
         dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_cols)
-    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages, cfg.deterministic),
+    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score),
                         _row_reduce_lanes(mma.c_map), mask,
                         QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, sp)
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import functools
 
+from typing import Any
+
 import attrs
 
 from ..attention.backward import Recompute, RowDot, ScoreGrad
@@ -117,11 +119,36 @@ def _mnmajor_desc(operand: str, k_rows: int, n_cols: int, dtype, block_cols: int
                        tuple(x.start_address for x in ds), row_block_offset=block)
 
 
-def _schedule(deterministic: bool) -> tuple[Step, ...]:
+def _schedule(deterministic: bool, grad_with_p: bool = False) -> tuple[Step, ...]:
     """A consumer's steps per query block (the ring's use ``w``, the dS buffer ``w % 2``); ``deterministic``:
-    its dQ added in its turn among the key blocks that visit the query block (ascending)."""
+    its dQ added in its turn among the key blocks that visit the query block (ascending). ``grad_with_p``
+    (a score_mod whose derivative reads the score): dP^T is waited for before the recompute, so that dS^T
+    is made in the same pass as P^T, from the score it needs (kept, it would cost a register per value)."""
     ordered = (WaitOrder("dQ", why="the lower key blocks' adds of this consumer's dQ columns made"),) if deterministic else ()
     signal = (SignalOrder("dQ", why="this add complete: the next key block's turn"),) if deterministic else ()
+    if grad_with_p:
+        return (
+            WaitFull("Q", why="Q and its lse landed"),
+            Gemm("S", why="S^T = K_w Q^T"),
+            WaitFull("dO", why="dO and its D landed"),
+            Gemm("dP", why="dP^T = V_w dO^T, in flight with S^T"),
+            WgmmaWait("0", why="S^T and dP^T ready"),
+            RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse log2e), the score mask where the block needs it"),
+            GradScores(why="dS^T = P^T (dP^T - D) score_mod', in the same pass"),
+            ConvertP("P", why="P^T -> 16-bit A fragments of dV"),
+            Gemm("dV", why="dV += P^T dO"),
+            ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"),
+            StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"),
+            Gemm("dK", why="dK += dS^T Q"),
+            Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)"),
+            Gemm("dQ", why="dQ = dS K, this consumer's columns"),
+            WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time"),
+            Release("Q"),
+            Release("dO"),
+            *ordered,
+            ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction"),
+            *signal,
+        )
     return (
         WaitFull("Q", why="Q and its lse landed"),
         Gemm("S", why="S^T = K_w Q^T"),
@@ -148,8 +175,8 @@ def _schedule(deterministic: bool) -> tuple[Step, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
-    """The DSL objects of one wgmma backward config."""
+def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBackwardPlan:
+    """The DSL objects of one wgmma backward config; ``mods`` as :func:`flashgen.dsl.backward_plan.make_backward_plan`."""
     if cfg.engine != "wgmma":
         raise ValueError(f"{cfg.short_form()} is an engine={cfg.engine} backward; make_hopper_backward_plan builds wgmma ones")
     d, B_r, B_c, dt, n = cfg.d_head, cfg.B_r, cfg.B_c, cfg.dtype, cfg.consumers
@@ -173,11 +200,11 @@ def make_hopper_backward_plan(cfg: BackwardConfig) -> HopperBackwardPlan:
         "dQ": WarpgroupGemm("dQ", atom_q, "smem", _mnmajor_desc("dS", B_c, B_r, dt), _mnmajor_desc("K", B_c, d, dt, dq_cols),
                             trans_b=True, trans_a=True),
     }
-    mask = ScoreMask(cfg.mask, B_r, B_c)
+    mask = ScoreMask(cfg.mask, B_r, B_c, mods)
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
-        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(cfg.deterministic),
+        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(cfg.deterministic, mask.derivative_reads_score),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
     )

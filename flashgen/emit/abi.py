@@ -46,6 +46,9 @@ BACKWARD_FIELDS: tuple[tuple[str, str, int, str], ...] = (
     ("softmax_scale", "float", 0, ""),
     *((n, "int", 0, "") for n in ("mask_offset", "window_left", "window_right")),
     ("workspace", "void*", 0, "<name>_workspace's bytes, the first `zeroed` of them zero"),
+    ("mod_words", "const int64_t*", 0, "score_mod / mask_mod values (flashgen.mods.KernelMods' order), or nullptr"),
+    ("n_mod_words", "int", 0, "how many; a kernel checks it is its mods' count (0 without mods)"),
+    ("block_mask", "const int*", 0, "unused by backward kernels (no block mask): nullptr"),
 )
 
 

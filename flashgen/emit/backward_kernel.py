@@ -179,15 +179,27 @@ def _per_value(plan: BackwardPlan, lines: list[str]) -> list[str]:
 
 
 def _recompute_code(plan: BackwardPlan, step: Step) -> list[str]:
-    return ["const bool masked = bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + _per_value(plan, [
-        "float s = s_acc[mi][nt][r];",
-        "if (masked) {",
-        "    int lo, hi;",
-        "    score_row_range(q_row0 + qc, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
-        "    if (key < lo || key >= hi || q_row0 + qc >= p.seq_q) s = -INFINITY;",
-        "}",
+    """P^T from S^T; where the score_mod's derivative reads the score, dS^T too (dP^T is ready: see the schedule)."""
+    mask = plan.score_mask
+    needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
+    fused = mask.derivative_reads_score
+    return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + _per_value(plan, [
+        "float s = s_acc[mi][nt][r];", *(["float g;  // d score_mod / d score"] if fused else []),
+        *mask.recompute_cpp("s", "q_row0 + qc", "key", "batch", "head", "g"),
         "s_acc[mi][nt][r] = bwd_prob(s, p.scale_log2, bwd_lse_log2(sLSE[qc]));",
-    ])
+    ] + (_grad_lines(plan, "g") if fused else []))
+
+
+def _grad_lines(plan: BackwardPlan, grad: str) -> list[str]:
+    at = "[mi][nt][r]"
+    return [f"dp_acc{at} = bwd_dscore(s_acc{at}, dp_acc{at}, sD[qc]);",
+            *plan.score_mask.score_grad_cpp(f"dp_acc{at}", f"s_acc{at}", "q_row0 + qc", "key", "batch", "head", grad)]
+
+
+def _grad_scores_code(plan: BackwardPlan, step: Step) -> list[str]:
+    if plan.score_mask.derivative_reads_score:
+        return ["// made with P^T (the score_mod's derivative reads the score)"]
+    return _per_value(plan, _grad_lines(plan, ""))
 
 
 def _store_ds_code(plan: BackwardPlan, step: Step) -> list[str]:
@@ -287,7 +299,7 @@ _STEP_CODE = {
     Barrier: lambda plan, step: ["__syncthreads();"],
     Gemm: _gemm_code,
     RecomputeP: _recompute_code,
-    GradScores: lambda plan, step: _per_value(plan, ["dp_acc[mi][nt][r] = bwd_dscore(s_acc[mi][nt][r], dp_acc[mi][nt][r], sD[qc]);"]),
+    GradScores: _grad_scores_code,
     StoreRF: _store_ds_code,
     ReduceGM: _reduce_dq_code,
     WaitOrder: _wait_order_code,
@@ -400,6 +412,7 @@ struct Params {
     int heads, seq_q, seq_k, kv_group;
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
+    $mod_params
 };"""
 )
 
@@ -546,6 +559,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
              a->dk_stride[0], a->dk_stride[1], a->dk_stride[2], a->dv_stride[0], a->dv_stride[1], a->dv_stride[2],
              a->heads, a->seq_q, a->seq_k, a->heads / a->kv_heads, a->mask_offset, a->window_left, a->window_right,
              a->softmax_scale, a->softmax_scale * $log2e};
+    $mod_fill
     cudaStream_t s = (cudaStream_t)stream;
     preprocess<<<dim3((a->seq_q * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
     constexpr int smem = $smem_bytes;
@@ -581,7 +595,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
     from ..dsl.config import LOG2E
 
     cfg = plan.cfg
-    name = cfg.mangle()
+    name = plan.score_mask.kernel_name(cfg.mangle())
     lay = plan.smem_layout
     atoms = {load.copy.atom for g in plan.gemms.values() for load in (g.a, g.b) if load is not None}
     helpers = [cp_async.helpers(plan.g2s["Q"].atom), vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_mma.helper(plan.mma),
@@ -594,9 +608,10 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         B_r=cfg.B_r, B_c=cfg.B_c, n_warps=cfg.n_warps, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
         d_cols=8 * plan.gemms["dV"].n_tiles,
-        index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
+        index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
+        mod_params=plan.score_mask.params_cpp(), mod_fill=plan.score_mask.fill_cpp(backward=True),
         smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS")]
                    + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
         stage_addrs=[f"const uint32_t s{n}_addr = s{n}_stage0 + stage * {plan.stage_bytes[n]}u;" for n in ("Q", "dO")],

@@ -103,18 +103,31 @@ def _per_value(plan: HopperBackwardPlan, n: str, lines: list[str], gemm: str = "
         ["    " + l for l in lines] + ["}"]
 
 
+#: a consumer's accumulator value (r, c): its key and query rows
+_KEY, _QUERY = "kb * int(B_c) + int(64 * cw + r)", "q_row0 + int(c)"
+
+
 def _recompute(plan: HopperBackwardPlan) -> list[str]:
-    return ["const bool masked = bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + \
-        _per_value(plan, "B_r / 2", [
-            "float s = s_acc[i];",
-            "if (masked) {  // key row kb * B_c + 64 cw + r, query row q_row0 + c",
-            "    int lo, hi;",
-            "    score_row_range(q_row0 + int(c), p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);",
-            "    const int key = kb * int(B_c) + int(64 * cw + r);",
-            "    if (key < lo || key >= hi || q_row0 + int(c) >= p.seq_q) s = -INFINITY;",
-            "}",
-            "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
-        ])
+    """P^T from S^T; where the score_mod's derivative reads the score, dS^T too (dP^T is ready: see the schedule)."""
+    mask = plan.score_mask
+    needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
+    fused = mask.derivative_reads_score
+    return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + _per_value(plan, "B_r / 2", [
+        "float s = s_acc[i];", f"const int key = {_KEY};", *(["float g;  // d score_mod / d score"] if fused else []),
+        *mask.recompute_cpp("s", _QUERY, "key", "batch", "head", "g"),
+        "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
+    ] + (_grad_lines(plan, "g") if fused else []))
+
+
+def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:
+    return ["dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], dsum[c]);",
+            *plan.score_mask.score_grad_cpp("dp_acc[i]", "s_acc[i]", _QUERY, _KEY, "batch", "head", grad)]
+
+
+def _grad_scores(plan: HopperBackwardPlan) -> list[str]:
+    if plan.score_mask.derivative_reads_score:
+        return ["// made with P^T (the score_mod's derivative reads the score)"]
+    return _per_value(plan, "B_r / 2", _grad_lines(plan, ""))
 
 
 def _convert(plan: HopperBackwardPlan, step: ConvertP) -> list[str]:
@@ -181,7 +194,7 @@ _STEP_CODE = {
     WgmmaWait: _wait,
     RecomputeP: lambda plan, step, at: _recompute(plan),
     ConvertP: lambda plan, step, at: _convert(plan, step),
-    GradScores: lambda plan, step, at: _per_value(plan, "B_r / 2", ["dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], dsum[c]);"]),
+    GradScores: lambda plan, step, at: _grad_scores(plan),
     StoreRF: lambda plan, step, at: _store_ds(plan),
     Handoff: lambda plan, step, at: ["fence_proxy_async();  // wgmma (async proxy) reads what st.shared wrote",
                                      "named_bar_sync(1, 128 * CONSUMERS);"],
@@ -287,6 +300,7 @@ struct Params {
     int heads, seq_q, seq_k, kv_group, stat_len;  // stat_len: seq_q rounded up to whole query blocks
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
+    $mod_params
 };
 
 }  // namespace $name"""
@@ -411,6 +425,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     p.heads = a->heads; p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.kv_group = a->heads / a->kv_heads; p.stat_len = stat_len;
     p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
+    $mod_fill
     cudaStream_t s = (cudaStream_t)stream;
     preprocess<<<dim3((stat_len * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
     constexpr int smem = $smem_bytes;
@@ -440,7 +455,7 @@ def _smem_decls(plan: HopperBackwardPlan) -> list[str]:
 def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
     """The CUDA source of one wgmma backward plan. Pure and deterministic."""
     cfg = plan.cfg
-    name = cfg.mangle()
+    name = plan.score_mask.kernel_name(cfg.mangle())
     g = plan.gemms
     wgmma_fns = [ptx_hopper.wgmma(g[n].atom, g[n].trans_b, g[n].trans_a) if g[n].a_from == "smem" else ptx_hopper.wgmma_rs(g[n].atom, g[n].trans_b)
                  for n in ("S", "dV", "dQ")]
@@ -450,7 +465,8 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,
         consumers=plan.consumers, threads=plan.threads, smem_bytes=plan.smem_bytes,
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
-        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(), query_block_fns=plan.query_blocks.to_cpp(),
+        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(),
+        mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
         dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(padded=True), smem_decls=_smem_decls(plan),

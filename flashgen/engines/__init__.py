@@ -60,14 +60,11 @@ def preferred(target: Target | None) -> Engine:
 
 def make_plan(cfg: Any, mods: Any = None):
     """The plan of a config (object, dict, YAML path or short form), by its engine; ``mods``: the
-    score_mod / mask_mod of a forward kernel (a :class:`flashgen.mods.KernelMods`)."""
+    score_mod / mask_mod compiled in (a :class:`flashgen.mods.KernelMods`; a backward config's: those of the
+    forward it differentiates)."""
     cfg = load_config(cfg)
     kernels = kernels_of(cfg)
-    if mods is None:
-        return kernels.make_plan(cfg)
-    if kernels is not engine_of(cfg):
-        raise ValueError(f"{cfg.short_form()}: score_mod / mask_mod are compiled into forward kernels only (no backward yet)")
-    return kernels.make_plan(cfg, mods)
+    return kernels.make_plan(cfg) if mods is None else kernels.make_plan(cfg, mods)
 
 
 def emit(cfg: Any, mods: Any = None) -> KernelSource:

@@ -17,7 +17,8 @@ class BackwardKernels:
     """An engine's backward pass (dQ, dK, dV from dO): plan maker, emitter and simulator of a
     :class:`~flashgen.dsl.backward_config.BackwardConfig`, kept apart from the forward's methods."""
 
-    def make_plan(self, cfg: Any) -> Any:
+    def make_plan(self, cfg: Any, mods: Any = None) -> Any:
+        """The plan of a backward config; ``mods``: the score_mod / mask_mod of the forward it differentiates."""
         raise NotImplementedError
 
     def emit(self, plan: Any) -> KernelSource:

@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 class MmaSyncBackward(BackwardKernels):
     """The backward on mma.sync: one CTA per key block, dQ by fp32 reductions (modules loaded on first use)."""
 
-    def make_plan(self, cfg: Any) -> Any:
+    def make_plan(self, cfg: Any, mods: Any = None) -> Any:
         from ..dsl.backward_plan import make_backward_plan
 
-        return make_backward_plan(cfg)
+        return make_backward_plan(cfg, mods)
 
     def emit(self, plan: Any) -> KernelSource:
         from ..emit.backward_kernel import emit_backward

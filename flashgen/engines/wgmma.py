@@ -30,10 +30,10 @@ BENCH_D_HEAD = 128
 class WgmmaBackward(BackwardKernels):
     """The backward on wgmma (sm_90a): TMA producer, consumers of 64 key rows, dQ by fp32 reductions."""
 
-    def make_plan(self, cfg: Any) -> Any:
+    def make_plan(self, cfg: Any, mods: Any = None) -> Any:
         from ..dsl.hopper_backward_plan import make_hopper_backward_plan
 
-        return make_hopper_backward_plan(cfg)
+        return make_hopper_backward_plan(cfg, mods)
 
     def emit(self, plan: Any) -> KernelSource:
         from ..emit.hopper_backward_kernel import emit_hopper_backward

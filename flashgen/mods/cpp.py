@@ -74,8 +74,10 @@ def _expr(node, names: dict) -> str:
     raise TypeError(f"not an expression node: {node!r}")
 
 
-def function_cpp(kind: str, name: str, root) -> str:
-    """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool)."""
+def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
+    """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool); its values in
+    struct ``args`` (default ``<name>_args``)."""
+    args = args or f"{name}_args"
     params = SCORE_ARGS if kind == "score" else MASK_ARGS
     sig = ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
     result = "float" if kind == "score" else "bool"
@@ -89,7 +91,7 @@ def function_cpp(kind: str, name: str, root) -> str:
             lines.append(f"const {CPP_TYPE[node.dtype]} v{i} = {text};")
     lines.append(f"return {names[root]};")
     body = "".join(f"\n    {line}" for line in lines)
-    return (f"__host__ __device__ __forceinline__ {result} {name}({sig}, const {name}_args& a) {{{body}\n}}")
+    return (f"__host__ __device__ __forceinline__ {result} {name}({sig}, const {args}& a) {{{body}\n}}")
 
 
 def render(kind: str, name: str, root, scalars: tuple, buffers: tuple) -> str:

@@ -21,6 +21,7 @@ import attrs
 
 from .cpp import CPP_TYPE, function_cpp, struct_cpp
 from .expr import FLOAT
+from .grad import derivative, is_one, reads_score
 from .ops import HELPERS
 from .traced import ModArgs, TracedMod
 
@@ -69,14 +70,34 @@ class KernelMods:
     def describe(self) -> str:
         return " + ".join(m.description for m in self.mods)
 
+    def score_derivative(self):
+        """``d score_mod / d score`` (:func:`flashgen.mods.grad.derivative`; None: 0, or no score_mod)."""
+        return derivative(self.score.expr) if self.score is not None else None
+
+    @property
+    def derivative_kind(self) -> str:
+        """How the backward applies the score_mod's derivative: "one" (a bias: not at all), "zero" (scores do not
+        reach the output: dS is 0), "indices" (a function of b, h, q_idx, kv_idx: evaluated where used) or
+        "score" (it reads the score: evaluated where the score is recomputed and kept until dS)."""
+        d = self.score_derivative()
+        if self.score is None or is_one(d):
+            return "one"
+        if d is None:
+            return "zero"
+        return "score" if reads_score(d) else "indices"
+
     # ---- C++ ---------------------------------------------------------------------------------
 
-    def to_cpp(self) -> str:
-        """The helpers, then per mod its ``<kind>_mod_args`` struct and ``<kind>_mod`` function."""
+    def to_cpp(self, backward: bool = False) -> str:
+        """The helpers, then per mod its ``<kind>_mod_args`` struct and ``<kind>_mod`` function; ``backward``:
+        also ``score_mod_grad`` (the derivative, same arguments) where the backward evaluates it."""
         parts = [HELPERS, _WORD_FLOAT]
         for m in self.mods:
             name = f"{m.kind}_mod"
             parts += [struct_cpp(name, m.scalars, m.tensors), function_cpp(m.kind, name, m.expr)]
+        if backward and self.derivative_kind in ("indices", "score"):
+            parts.append("// d score_mod / d score (flashgen.mods.grad)")
+            parts.append(function_cpp("score", "score_mod_grad", self.score_derivative(), args="score_mod_args"))
         return "\n".join(parts)
 
     def params_cpp(self) -> list[str]:
@@ -88,9 +109,11 @@ class KernelMods:
             out.append("const int* block_mask;  // the mask_mod's block mask (block_mask_row), or nullptr")
         return out
 
-    def fill_cpp(self, p: str = "p", a: str = "a") -> list[str]:
+    def fill_cpp(self, p: str = "p", a: str = "a", backward: bool = False) -> list[str]:
         """Host lines filling ``p``'s mod parameters from ``a->mod_words`` (false return: wrong count).
-        With a score_mod the softmax runs on its results as they are: scale 1 (the score_mod saw the scale)."""
+        With a score_mod the softmax runs on its results as they are: scale_log2 is log2(e) (the score_mod saw
+        the scale); the forward's scale is 1, the backward's stays softmax_scale (d score / d (q k) = scale,
+        applied to dK and dQ as they are written)."""
         lines = [f"if ({a}->n_mod_words != {self.n_words} || ({self.n_words} && {a}->mod_words == nullptr))",
                  "    return (int)cudaErrorInvalidValue;  // the launcher passes the words of flashgen.mods.KernelMods"]
         w = 0
@@ -104,7 +127,8 @@ class KernelMods:
                 lines += [f"{p}.{m.kind}_args.{t.name}_s{d} = int({a}->mod_words[{w + 1 + d}]);" for d in range(t.rank)]
                 w += 1 + t.rank
         if self.score is not None:
-            lines.append(f"{p}.mod_scale = {a}->softmax_scale; {p}.scale = 1.f; {p}.scale_log2 = 1.4426950408889634f;")
+            scale = "" if backward else f" {p}.scale = 1.f;"
+            lines.append(f"{p}.mod_scale = {a}->softmax_scale;{scale} {p}.scale_log2 = 1.4426950408889634f;")
         if self.mask is not None:
             lines.append(f"{p}.block_mask = {a}->block_mask;")
         return lines

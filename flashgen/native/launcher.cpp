@@ -204,11 +204,14 @@ void check_row_stats(const char* what, const at::Tensor& t, const at::Tensor& q)
     FG_REQUIRE(t.is_contiguous(), what, " must be contiguous");
 }
 
-// dq, dk, dv of the attention whose forward gave `out` and `lse`, through backward kernel `kernel`
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+std::vector<int64_t> mod_words_of(const at::Tensor& q, c10::IntArrayRef mod_words, at::TensorList mod_tensors);
+
+// dq, dk, dv of the attention whose forward gave `out` and `lse`, through backward kernel `kernel`; `mod_words`: the
+// values of the score_mod / mask_mod it is built with (mod_words_of), or none
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_launch(
         const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
         const at::Tensor& lse, const std::optional<at::Tensor>& dlse, int64_t kernel, double softmax_scale,
-        int64_t mask_offset, int64_t window_left, int64_t window_right) {
+        int64_t mask_offset, int64_t window_left, int64_t window_right, const std::vector<int64_t>* mod_words) {
     const Kernel& kn = kernel_at(kernel, true);
     check_call(q, k, v, &out, kn);
     check_tensor("dout", dout, q, kn);
@@ -228,8 +231,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
     a.softmax_scale = float(softmax_scale);
     a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
+    if (mod_words != nullptr) { a.mod_words = mod_words->data(); a.n_mod_words = int(mod_words->size()); }
     run_library(kn, a, q);
     return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+        const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+        const at::Tensor& lse, const std::optional<at::Tensor>& dlse, int64_t kernel, double softmax_scale,
+        int64_t mask_offset, int64_t window_left, int64_t window_right) {
+    return backward_launch(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right, nullptr);
+}
+
+// The backward through a kernel built with a score_mod / mask_mod, on the values of the forward call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_mods(
+        const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+        const at::Tensor& lse, const std::optional<at::Tensor>& dlse, int64_t kernel, double softmax_scale,
+        int64_t mask_offset, int64_t window_left, int64_t window_right, c10::IntArrayRef mod_words,
+        at::TensorList mod_tensors) {
+    const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
+    return backward_launch(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right, &words);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t kernel,
@@ -430,6 +451,7 @@ TORCH_LIBRARY_IMPL(flashgen, CUDA, m) {
     m.impl("attention_mods", &attention_mods);
     m.impl("mask_blocks", &mask_blocks);
     m.impl("attention_backward", &attention_backward);
+    m.impl("attention_backward_mods", &attention_backward_mods);
 }
 TORCH_LIBRARY_IMPL(flashgen, CPU, m) {
     m.impl("attention", &attention);
@@ -437,4 +459,5 @@ TORCH_LIBRARY_IMPL(flashgen, CPU, m) {
     m.impl("attention_mods", &attention_mods);
     m.impl("mask_blocks", &mask_blocks);
     m.impl("attention_backward", &attention_backward);
+    m.impl("attention_backward_mods", &attention_backward_mods);
 }

@@ -150,7 +150,7 @@ def test_argument_struct_layout_is_the_field_tables(tmp_path):
 
     from flashgen.emit.abi import BACKWARD_FIELDS as ARGS_FIELDS
 
-    types = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
+    types = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p, "const int64_t*": ctypes.c_void_p, "const int*": ctypes.c_void_p,
              "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
     layout = type("Args", (ctypes.Structure,), {"_fields_": [(n, types[t] * k if k else types[t]) for n, t, k, _ in ARGS_FIELDS]})
     src = emit_backward(make_backward_plan(B("fp16", d_head=64)))

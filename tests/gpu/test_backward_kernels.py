@@ -25,7 +25,7 @@ from flashgen.sim.grad_reference import gradients as lowp_gradients  # noqa: E40
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the kernel")]
 
-_CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
+_CTYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const float*": ctypes.c_void_p, "const int64_t*": ctypes.c_void_p, "const int*": ctypes.c_void_p,
            "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 
 
