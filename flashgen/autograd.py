@@ -123,6 +123,7 @@ def _setup_context_mods(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, out, lse, *mod_tensors)
     ctx.call = (kernel, softmax_scale, mask_offset, window_left, window_right)
     ctx.mod_words = list(mod_words)
+    ctx.n_mod_tensors = len(mod_tensors)
     ctx.deterministic = deterministic(kernel)
     ctx.set_materialize_grads(False)
 
@@ -139,7 +140,8 @@ def _backward_mods(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     dq, dk, dv = torch.ops.flashgen.attention_backward_mods(
         dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1], ctx.deterministic), softmax_scale, mask_offset,
         window_left, window_right, ctx.mod_words, mod_tensors)
-    return (dq, dk, dv) + (None,) * 9
+    # no gradient for kernel, scale, offsets, return_lse, mod_words; a list for the tensor list; none for the block mask
+    return (dq, dk, dv) + (None,) * 7 + ([None] * ctx.n_mod_tensors, None)
 
 
 torch.library.register_autograd("flashgen::attention_mods", _backward_mods, setup_context=_setup_context_mods)
