@@ -236,3 +236,29 @@ def test_wgmma_split_tile_parts_walk_their_non_empty_blocks():
     assert any(not _non_empty(plan, blocks, q_block, b, e) for b, e in parts)  # a part without a non-empty block
     assert all([j for _, j in rep.visited[w]] == want for w in range(WGMMA.consumers)), rep.visited
     _check(WGMMA, SINKS, q, k, v, q_block * WGMMA.B_r, o, lse, 0, 0)
+
+
+@pytest.mark.parametrize("engine", ["mma_sync", "wgmma"])
+def test_a_query_block_without_kept_keys_walks_no_block(engine):
+    """A causal window without sinks, queries past the keys: the last query block keeps no key (its
+    block-mask row is [0, 0)); it walks no block and gives o = 0, lse = -inf, as before the skipping."""
+    cfg = EAGER if engine == "mma_sync" else WGMMA
+    case = (None, EX.sliding_window_sinks(10, 0), "none", 200, 60)
+    mods, (_, ma) = prepare_mods(None, case[1])
+    plan = make_plan(cfg, mods)
+    rng = np.random.default_rng(2)
+    q, k, v = (hw.encode(rng.standard_normal((n, cfg.d_head)), cfg.dtype) for n in (200, 60, 60))
+    blocks = bm.block_mask(plan.score_mask, ma.values(), 1, 1, 200, 60)
+    q_block = 200 // cfg.B_r if 200 % cfg.B_r else 200 // cfg.B_r - 1
+    assert bm.row(plan.score_mask, blocks, 0, 0, q_block)[:2].tolist() == [0, 0]
+    row0 = q_block * cfg.B_r
+    if engine == "mma_sync":
+        r = cta.simulate_cta(plan, q[row0: row0 + cfg.B_r], k, v, q_row0=row0, seq_q=200, mod_values=(None, ma.values()),
+                             block_mask=blocks)
+        o, lse, ok, visited = r.o, r.lse, r.ok, r.visited
+    else:
+        o, lse, rep = hopper.simulate_cta(plan, q, k, v, q_block, mod_values=(None, ma.values()), block_mask=blocks)
+        ok, visited = rep.ok, [j for w in rep.visited for _, j in rep.visited[w]]
+    assert ok and visited == []
+    assert np.all(hw.decode(o, cfg.dtype) == 0) and np.all(lse == -np.inf)
+    _check(cfg, case, q, k, v, row0, o, lse, 0, 0)
