@@ -4,7 +4,7 @@ several (batch, head) pairs, with and without the built-in causal mask.
 
 With the numpy block mask (:mod:`flashgen.sim.block_mask`) a tile skips the key blocks the mask_mod
 empties and the mask math of full ones; without it (row None) every block is partial. Both must pass,
-and agree closely: not bit for bit, since every visited block, an empty one too, multiplies the row
+and agree closely: not bit for bit, since every visited block (without the block mask an empty one too) multiplies the row
 sum by ``ex2(fma(m, k, -m k))``, 2 to the rounding error of ``m k``, within an ulp of 1. Tolerance: :func:`flashgen.sim.cta.compare_with_reference` (the simulators' rule).
 """
 from __future__ import annotations
