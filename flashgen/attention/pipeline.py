@@ -120,12 +120,18 @@ class MbarrierRing:
         return f"(({it} + {self._n} - 1) / {self._n} - 1) & 1u"
 
     def use_cpp(self, used: str, j: str = "j", j_begin: str = "j_begin") -> str:
-        """:meth:`use` of C++ ``used`` (a ``uint32_t``), key block ``j`` and the tile's ``j_begin``."""
-        return used if self.per_tile else f"{used} + uint32_t({j} - {j_begin})"
+        """:meth:`use` of C++ ``used`` (a ``uint32_t``), key block ``j`` and the tile's ``j_begin``; ``j_begin``
+        "": ``j`` is the block's position in the tile's walk (a walk that skips blocks counts them)."""
+        if self.per_tile:
+            return used
+        return f"{used} + uint32_t({j} - {j_begin})" if j_begin else f"{used} + uint32_t({j})"
 
     def after_tile_cpp(self, used: str, j_begin: str = "j_begin", j_end: str = "j_end") -> str:
-        """The statement advancing the C++ counter ``used`` past a tile (:meth:`after_tile`)."""
-        return f"++{used};" if self.per_tile else f"{used} += uint32_t({j_end} - {j_begin});"
+        """The statement advancing the C++ counter ``used`` past a tile (:meth:`after_tile`); ``j_begin`` "":
+        ``j_end`` is the count of the tile's blocks walked."""
+        if self.per_tile:
+            return f"++{used};"
+        return f"{used} += uint32_t({j_end} - {j_begin});" if j_begin else f"{used} += uint32_t({j_end});"
 
 
 @attrs.frozen

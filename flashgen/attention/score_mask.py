@@ -110,11 +110,17 @@ class ScoreMask:
 
     def tile_cpp(self, row: str, b: str, h: str, qb: str, heads: str, begin: str, end: str) -> list[str]:
         """Lines after a tile's ``kv_block_range``: its block-mask row ``row`` (a mask_mod only) and the key
-        blocks ``[begin, end)`` clipped to the blocks the mask_mod keeps."""
+        blocks ``[begin, end)`` clipped to the blocks the mask_mod keeps: they start and end on non-empty blocks,
+        and :meth:`next_cpp` steps over the empty ones between."""
         if self.mask_mod is None:
             return []
         return [f"const int* {row} = block_mask_row(p.block_mask, {b}, {h}, {qb}, {heads}, p.seq_q, p.seq_k);",
                 f"block_mask_clip({row}, &{begin}, &{end});  // key blocks the mask_mod keeps (block mask)"]
+
+    def next_cpp(self, row: str, j: str, end: str) -> str:
+        """The key block a tile walks after block ``j`` (of ``[begin, end)`` as :meth:`tile_cpp` leaves it):
+        ``j + 1``, or with a mask_mod the next block the block mask does not call empty (``end`` if none)."""
+        return f"{j} + 1" if self.mask_mod is None else f"block_mask_next({row}, {j}, {end})"
 
     def masked_cpp(self, row: str, j: str) -> str:
         """The condition, after ``block_needs_mask(...)``, that sends block ``j`` down the masked path."""
@@ -371,11 +377,20 @@ __host__ __device__ __forceinline__ const int* block_mask_row(const int* bm, int
     const int n_qb = (seq_q + int(B_r) - 1) / int(B_r), n_kb = (seq_k + int(B_c) - 1) / int(B_c);
     return bm + int64_t($ROW) * (2 + n_kb);
 }
+// [j_begin, j_end) narrowed to the row's [lo, hi), then to its first and last non-empty block (never reversed)
 __host__ __device__ __forceinline__ void block_mask_clip(const int* r, int* j_begin, int* j_end) {
     if (r == nullptr) return;
     if (r[0] > *j_begin) *j_begin = r[0];
     if (r[1] < *j_end) *j_end = r[1];
     if (*j_end < *j_begin) *j_end = *j_begin;
+    while (*j_begin < *j_end && r[2 + *j_begin] == 0) ++*j_begin;  // a split tile's part may start or end
+    while (*j_end > *j_begin && r[2 + *j_end - 1] == 0) --*j_end;    // on an empty block
+}
+// The key block a tile walks after block j of its clipped [j_begin, j_end): the next non-empty one, else j_end
+__host__ __device__ __forceinline__ int block_mask_next(const int* r, int j, int j_end) {
+    if (r == nullptr) return j + 1;
+    for (++j; j < j_end && r[2 + j] == 0; ++j) {}
+    return j;
 }
 __host__ __device__ __forceinline__ bool block_mask_partial(const int* r, int kb) { return r == nullptr || r[2 + kb] != 2; }"""
 

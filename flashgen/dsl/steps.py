@@ -36,11 +36,15 @@ class Guard:
     def holds(self, j: int, j_begin: int, j_end: int) -> bool:
         return _CMP[self.cmp](j + self.offset, j_begin if self.bound == "begin" else j_end)
 
-    def to_cpp(self, begin: str = "j_begin", end: str = "j_end", j: str = "j") -> str:
+    def to_cpp(self, begin: str = "j_begin", end: str = "j_end", j: str = "j", next: str = "") -> str:
         """The condition in C++ with the loop bounds named ``begin`` and ``end`` (and the block ``j``:
-        ``j_begin`` before the loop)."""
+        ``j_begin`` before the loop); ``next``: the block the loop walks after ``j`` where that is not
+        ``j + 1`` (a walk that skips blocks: ``j + 1`` reads as the walk's next block)."""
         lhs = f"{j} + {self.offset}" if self.offset else j
+        if next and self.offset:
+            lhs = _walk_step(self.offset, next, f"guard j + {self.offset} {self.cmp} {self.bound}")
         return f"{lhs} {self.cmp} {begin if self.bound == 'begin' else end}"
+
 
 
 #: the first block of the loop; a next block exists; the last block
@@ -64,8 +68,11 @@ class Block:
     def index(self, j: int, j_begin: int, j_end: int) -> int:
         return {"j": j, "begin": j_begin, "end": j_end}[self.base] + self.offset
 
-    def to_cpp(self, j: str = "j", begin: str = "j_begin", end: str = "j_end") -> str:
+    def to_cpp(self, j: str = "j", begin: str = "j_begin", end: str = "j_end", next: str = "") -> str:
+        """The block in C++; ``next`` as :meth:`Guard.to_cpp`'s (only block ``j + 1`` reads it)."""
         name = {"j": j, "begin": begin, "end": end}[self.base]
+        if next and self.base == "j" and self.offset:
+            return _walk_step(self.offset, next, f"block {self}")
         return f"({name} {'+' if self.offset > 0 else '-'} {abs(self.offset)})" if self.offset else name
 
     def __str__(self) -> str:  # the listing's short names: j, j+1, j-1, j_begin, last
@@ -73,6 +80,13 @@ class Block:
             return "last"
         name = "j_begin" if self.base == "begin" else "j" if self.base == "j" else "j_end"
         return name + (f"{self.offset:+d}" if self.offset else "")
+
+
+def _walk_step(offset: int, next: str, what: str) -> str:
+    """``next`` for a step of +1 along a walk that skips blocks; no other step can be named there."""
+    if offset != 1:
+        raise ValueError(f"{what}: a walk that skips blocks names only its next block (j + 1), not j {offset:+d}")
+    return next
 
 
 #: the loop's block, the next and the previous one, the first and the last block of the loop

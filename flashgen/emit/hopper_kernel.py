@@ -141,7 +141,8 @@ def _step(plan: HopperPlan, step: Step) -> list[str]:
     """C++ for one consumer step (blocks j, j-1, last; a guarded step runs where its guard holds)."""
     code = _STEP_CODE[type(step)](plan, step)
     if step.guard:
-        code = [f"if ({step.guard.to_cpp(end='j_end')}) {{"] + ["    " + c for c in code] + ["}"]
+        next = plan.score_mask.next_cpp("bm", "j", "j_end") if _skips(plan) else ""
+        code = [f"if ({step.guard.to_cpp(end='j_end', next=next)}) {{"] + ["    " + c for c in code] + ["}"]
     why = f"// [{step}]" + (f" {step.why}" if step.why else "")
     return [why] + code
 
@@ -237,6 +238,7 @@ _KERNEL = CodeTemplate(
         t->unit = -1;
         if (part >= 0) {  // part `part` of the tile: its share of the key blocks (tail_range) and workspace slot
             tail_range(t->j_begin, t->j_end, part, p.tail_parts, &t->j_begin, &t->j_end);
+            $block_mask_part
             t->tail_tile = tile - r * int(gridDim.x);
             t->part = part;
             t->unit = t->tail_tile * p.tail_parts + part;
@@ -272,7 +274,7 @@ _PRODUCER = CodeTemplate(
             $wait_q_empty
             mbar_arrive_expect_tx(bar_q_full, Q_BYTES);
             $load_q
-            for (int j = j_begin; j < j_end; ++j) {
+            $producer_walk
                 const uint32_t $kv_use_vars;
                 mbar_wait(bar_k_empty + 8 * st, $kv_empty_phase);  // a fresh barrier passes parity 1 at once
                 mbar_arrive_expect_tx(bar_k_full + 8 * st, KV_BYTES);
@@ -563,10 +565,36 @@ def _tma_store_calls(plan: HopperPlan) -> list[str]:
 
 
 def _kv_use_vars(plan: HopperPlan) -> str:
-    """``it``: the K/V ring's use of block ``j`` (the CTA's counter ``kv_it`` runs over its tiles); ``st``,
-    ``ph``: its slot and the parity of its full barrier (plan.kv_ring)."""
+    """``it``: the K/V ring's use of block ``j`` (the CTA's counter ``kv_it`` runs over its tiles; with a
+    mask_mod, ``kv_u`` counts the blocks of the tile walked before ``j``); ``st``, ``ph``: its slot and
+    the parity of its full barrier (plan.kv_ring)."""
     ring = plan.kv_ring
-    return f"it = {ring.use_cpp('kv_it')}, st = {ring.stage_cpp('it')}, ph = {ring.phase_cpp('it')}"
+    use = ring.use_cpp("kv_it", "kv_u", "") if _skips(plan) else ring.use_cpp("kv_it")
+    return f"it = {use}, st = {ring.stage_cpp('it')}, ph = {ring.phase_cpp('it')}"
+
+
+def _skips(plan: HopperPlan) -> bool:
+    """Whether the tiles' walks skip the key blocks the block mask calls empty (a mask_mod): the producer
+    and the consumers then step with ``block_mask_next`` and count the blocks walked (``kv_u``), so both
+    sides use the same ring slots and phases."""
+    return plan.score_mask.mask_mod is not None
+
+
+#: the tile's block-mask row, and the count of its blocks walked (a mask_mod only)
+_WALK_DECLS = ["const int* bm = block_mask_row(p.block_mask, batch, head, q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k);",
+               "int kv_u = 0;  // blocks of this tile walked so far: block j is the K/V ring's use kv_it + kv_u"]
+
+
+def _walk_env(plan: HopperPlan) -> dict:
+    """The producer's loop over a tile's key blocks, the tiles' counters' advance, a split part's clip."""
+    ring, mask = plan.kv_ring, plan.score_mask
+    if not _skips(plan):
+        return dict(producer_walk=["for (int j = j_begin; j < j_end; ++j) {"], block_mask_part=[],
+                    count_tile=[ring.after_tile_cpp("kv_it"), plan.q_ring.after_tile_cpp("q_it")])
+    part = ("block_mask_clip(block_mask_row(p.block_mask, t->batch, t->head, t->q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k), "
+            "&t->j_begin, &t->j_end);  // the part starts and ends on non-empty blocks")
+    return dict(producer_walk=_WALK_DECLS + [f"for (int j = j_begin; j < j_end; j = {mask.next_cpp('bm', 'j', 'j_end')}, ++kv_u) {{"],
+                block_mask_part=[part], count_tile=[ring.after_tile_cpp("kv_it", "", "kv_u"), plan.q_ring.after_tile_cpp("q_it")])
 
 
 def _main_loop(plan: HopperPlan) -> list[str]:
@@ -583,19 +611,24 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
     ]
     bits = plan.score_mask.bits_cpp(bits="mask_bits[h]", **_fragment_rows(plan))  # blocks with a softmax
+    mask, skips = plan.score_mask, _skips(plan)
+    row = "bm" if skips else "block_mask_row(p.block_mask, batch, head, q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k)"
     dispatch = lambda fn: [  # noqa: E731
         "if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
-        + plan.score_mask.masked_cpp("block_mask_row(p.block_mask, batch, head, q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k)", "j") + ")",
+        + mask.masked_cpp(row, "j") + ")",
         f"    {fn}(j, std::true_type{{}});",
         "else",
         f"    {fn}(j, std::false_type{{}});",
     ]
+    out += _WALK_DECLS if skips else []
     if plan.prologue:
         out += ["auto first_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + bits + steps(plan.prologue)] + ["};"]
         out += ["{", "    const int j = j_begin;"] + ["    " + l for l in dispatch("first_block")] + ["}"]
-    body_start = "j_begin + 1" if plan.prologue else "j_begin"
+        out += ["++kv_u;  // block j_begin walked"] if skips else []
+    body_start = mask.next_cpp("bm", "j_begin", "j_end") if plan.prologue else "j_begin"
+    step = f"j = {mask.next_cpp('bm', 'j', 'j_end')}, ++kv_u" if skips else "++j"
     out += ["auto kv_block = [&](const int j, auto masked) {"] + ["    " + l for l in stage_vars + bits + steps(plan.body)] + ["};"]
-    out += [f"for (int j = {body_start}; j < j_end; ++j) {{"] + ["    " + l for l in dispatch("kv_block")] + ["}"]
+    out += [f"for (int j = {body_start}; j < j_end; {step}) {{"] + ["    " + l for l in dispatch("kv_block")] + ["}"]
     if plan.epilogue:
         out += ["{", "    const int j = j_end;  // the last block's PV: its stage is the 'previous' one of j_end"]
         out += ["    " + l for l in stage_vars + steps(plan.epilogue)] + ["}"]
@@ -787,8 +820,7 @@ def _roles_env(plan: HopperPlan) -> dict:
     tile_loop_doc = ("persistent: gridDim.x about one CTA per SM (grid_ctas), each CTA loops over rounds" if plan.scheduler.persistent
                      else "one tile per CTA (gridDim.x = tiles: one round, or tiles x parts: see grid_ctas)")
     return dict(producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, kv_use_vars=_kv_use_vars(plan),
-                kv_empty_phase=plan.kv_ring.empty_phase_cpp("ph"),
-                count_tile=[plan.kv_ring.after_tile_cpp("kv_it"), plan.q_ring.after_tile_cpp("q_it")],
+                kv_empty_phase=plan.kv_ring.empty_phase_cpp("ph"), **_walk_env(plan),
                 load_q=_tma_calls(plan, "Q"), load_k=_tma_calls(plan, "K"), load_v=_tma_calls(plan, "V"),
                 q_frag_decl=_q_frag_decl(plan), desc_q_decl=_desc_q_decl(plan), load_q_frags=_load_q_frags(plan),
                 k_lbo=f"{bk.lbo}u", k_sbo=f"{bk.sbo}u", v_lbo=f"{bv.lbo}u", v_sbo=f"{bv.sbo}u", swizzle_code=f"{bk.swizzle.desc_code}u",

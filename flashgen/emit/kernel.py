@@ -385,10 +385,10 @@ def _softmax(plan: KernelPlan) -> list[str]:
     return lines
 
 
-def _copy_code(plan: KernelPlan, step: Copy) -> list[str]:
+def _copy_code(plan: KernelPlan, step: Copy, next: str = "") -> list[str]:
     if step.arg == "Q":
         return ["copy_Q(gQ, p.q_ld, q_rows_valid);"]
-    blk = step.block.to_cpp()
+    blk = step.block.to_cpp(next=next)
     g, ld = f"g{step.arg}", f"p.{step.arg.lower()}_ld"
     return [f"copy_{step.arg}({g} + int64_t({blk}) * B_c * {ld}, {ld}, p.seq_k - {blk} * (int)B_c);"]
 
@@ -405,14 +405,24 @@ _STEP_CODE = {
 }
 
 
-def _step_code(plan: KernelPlan, step: Step, j: str = "j") -> list[str]:
+def _step_code(plan: KernelPlan, step: Step, j: str = "j", next: str = "") -> list[str]:
     """One schedule step's code with its comment, inside ``if (guard)`` when guarded; ``j``: the block
-    index (``j_begin`` in the prologue)."""
-    code = _STEP_CODE[type(step)](plan, step)
+    index (``j_begin`` in the prologue); ``next``: the block walked after ``j`` when that is not ``j + 1``."""
+    code = _copy_code(plan, step, next) if isinstance(step, Copy) else _STEP_CODE[type(step)](plan, step)
     comment = [f"// [{step.op}{' ' + step.arg if step.arg else ''}{' block ' + str(step.block) if step.block else ''}] {step.why}".rstrip()] if step.why else []
     if step.guard:
-        return comment + [f"if ({step.guard.to_cpp(end='n_blocks', j=j)}) {{"] + ["    " + c for c in code] + ["}"]
+        return comment + [f"if ({step.guard.to_cpp(end='n_blocks', j=j, next=next)}) {{"] + ["    " + c for c in code] + ["}"]
     return comment + code
+
+
+def _walk_next(plan: KernelPlan) -> tuple[list[str], str]:
+    """With a mask_mod, the body's first line naming the block walked after ``j`` (the block mask skips
+    empty blocks), and that name for the steps on block ``j + 1`` and their guards; else nothing."""
+    mask = plan.score_mask
+    if mask.mask_mod is None or not any((s.guard and s.guard.offset) or (s.block and s.block.base == "j" and s.block.offset)
+                                        for s in plan.schedule.body):
+        return [], ""
+    return [f"const int j_next = {mask.next_cpp('bm_row', 'j', 'n_blocks')};  // the next key block walked (empty ones skipped)"], "j_next"
 
 
 #: The file's head and its index functions (all a host compile with -DFLASHGEN_INDEX_ONLY keeps).
@@ -537,7 +547,7 @@ _KERNEL = CodeTemplate(
     auto kv_block = [&](const int j, auto masked) {
         $body
     };
-    for (int j = j_begin; j < n_blocks; ++j) {
+    for (int j = j_begin; j < n_blocks; $kv_step) {
         if (block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)$block_mask_masked)
             kv_block(j, std::true_type{});
         else
@@ -666,9 +676,10 @@ def emit(plan: KernelPlan) -> KernelSource:
     if cfg.async_copy:
         helpers.insert(0, cp_async.helpers(plan.g2s["Q"].atom))
     q_res = f"uint32_t q_res[MT][D_MMA / 16][4];  // Q fragments, resident for the whole CTA" if q.resident else "// Q fragments are re-read from shared memory every block"
-    body: list[str] = _mask_bits(plan)
+    body, next = _walk_next(plan)
+    body += _mask_bits(plan)
     for step in plan.schedule.body:
-        body += _step_code(plan, step)
+        body += _step_code(plan, step, next=next)
     prologue: list[str] = []
     for step in plan.schedule.prologue:
         prologue += _step_code(plan, step, j="j_begin")
@@ -708,6 +719,7 @@ def emit(plan: KernelPlan) -> KernelSource:
         block_mask_tile=plan.score_mask.tile_cpp("bm_row", "int(blockIdx.z)", "int(blockIdx.y)", "int(blockIdx.x)",
                                                  "int(gridDim.y)", "j_begin", "n_blocks"),
         block_mask_masked=plan.score_mask.masked_cpp("bm_row", "j"),
+        kv_step="++j" if plan.score_mask.mask_mod is None else "j = " + plan.score_mask.next_cpp("bm_row", "j", "n_blocks"),
         mask_blocks=plan.score_mask.mask_blocks_cpp(name),
         final_wait=(
             "if (j_begin >= n_blocks) {  // no key block ran: make sure the Q copy has landed before O reuses its space\n"

@@ -5,7 +5,8 @@ block) of the mask, ``[lo, hi)`` the key blocks holding a kept score (``[0, 0)``
 then one class per key block: 0 empty, 1 partial, 2 full, over the scores with ``i < seq_q`` and
 ``j < seq_k`` (the key tail is the kernels' own rule). Batch and head extents are 1 where the
 mask_mod ignores them. :func:`row` picks a tile's row as ``block_mask_row`` does, :func:`clip`
-narrows a tile's key blocks as ``block_mask_clip`` does; the simulators use all three.
+narrows a tile's key blocks as ``block_mask_clip`` does, :func:`walk` lists the blocks a tile visits
+(``block_mask_next`` steps over the empty ones); the simulators use them all.
 """
 from __future__ import annotations
 
@@ -58,8 +59,38 @@ def row(score_mask: "ScoreMask", mask: "np.ndarray | None", b: int, h: int, q_bl
 
 
 def clip(r: "np.ndarray | None", begin: int, end: int) -> tuple[int, int]:
-    """Key blocks ``[begin, end)`` narrowed to the row's ``[lo, hi)`` (never reversed)."""
+    """Key blocks ``[begin, end)`` narrowed to the row's ``[lo, hi)``, then to its first and last
+    non-empty block (never reversed), as ``block_mask_clip``."""
     if r is None:
         return begin, end
     begin, end = max(begin, int(r[0])), min(end, int(r[1]))
-    return begin, max(begin, end)
+    end = max(begin, end)
+    while begin < end and r[2 + begin] == EMPTY:
+        begin += 1
+    while end > begin and r[2 + end - 1] == EMPTY:
+        end -= 1
+    return begin, end
+
+
+def next_block(r: "np.ndarray | None", j: int, end: int) -> int:
+    """The key block walked after block ``j`` of ``[begin, end)``: the next one the row does not call
+    empty, else ``end`` (``j + 1`` without a block mask), as ``block_mask_next``."""
+    if r is None:
+        return j + 1
+    j += 1
+    while j < end and r[2 + j] == EMPTY:
+        j += 1
+    return j
+
+
+def walk(r: "np.ndarray | None", begin: int, end: int) -> list[int]:
+    """The key blocks a tile visits, in order, from ``[begin, end)``: :func:`clip`, then :func:`next_block`
+    from the first (both engines' loops; the simulators evaluate their steps at the position in this list,
+    so a guard such as "a next block exists" or a step on "block j + 1" means the list's next entry)."""
+    begin, end = clip(r, begin, end)
+    out = []
+    j = begin
+    while j < end:
+        out.append(j)
+        j = next_block(r, j, end)
+    return out

@@ -218,6 +218,8 @@ class CtaResult:
     hazards: list[str]
     j_begin: int
     n_blocks: int
+    #: the key blocks whose S GEMM ran, in order: the blocks walked
+    visited: list = attrs.Factory(list)
 
     @property
     def ok(self) -> bool:
@@ -232,6 +234,11 @@ class _Cta:
         self.plan, self.cfg, self.prob, self.tr = plan, plan.cfg, prob, traces
         cfg = plan.cfg
         self.j_begin, self.n_blocks = kv_range(plan, prob) if blocks is None else blocks
+        # the blocks walked (the block mask's empty ones skipped); steps, guards and blocks are evaluated at
+        # a block's position in this list, so "block j + 1" is the walk's next block
+        self.walk = bm.walk(prob.block_row, self.j_begin, self.n_blocks)
+        self.pos = 0
+        self.visited: list[int] = []
         self.hz = HazardTracker({"Q": cfg.B_r, "K": cfg.B_c, "V": cfg.B_c}, cfg.n_warps)
         self.data = data
         self._row_cache: dict = {}
@@ -279,22 +286,23 @@ class _Cta:
     # -- steps
     def run(self) -> None:
         sched = self.plan.schedule
-        jb, nb = self.j_begin, self.n_blocks
+        n = len(self.walk)
         for i, step in enumerate(sched.prologue):
             self.where = f"prologue step {i} ({_step_text(step)})"
-            if runs(step.guard, jb, jb, nb):
-                self.step(step, jb, in_body=False)
-        for j in range(jb, nb):
+            if runs(step.guard, 0, 0, n):
+                self.step(step, self.j_begin, in_body=False)
+        for self.pos, j in enumerate(self.walk):
             for i, step in enumerate(sched.body):
                 self.where = f"block j={j} step {i} ({_step_text(step)})"
-                if runs(step.guard, j, jb, nb):
+                if runs(step.guard, self.pos, 0, n):
                     self.step(step, j, in_body=True)
         self.where = "end of the KV loop"
+        walked = set(self.walk)
         for name, count in self.done.items():
-            bad = [b for b in range(jb, nb) if count[b] != 1]
+            bad = [b for b in range(len(count)) if count[b] != (b in walked)]
             if bad:
                 what = name if name == "softmax" else f"gemm {name}"
-                self._flag(f"{what} ran {count[bad[0]]} time(s) for block {bad[0]} (expected once per block)")
+                self._flag(f"{what} ran {count[bad[0]]} time(s) for block {bad[0]} (expected once per block walked)")
         self.epilogue()
         self.hz.finish("end of kernel")
 
@@ -319,10 +327,11 @@ class _Cta:
         if op == "Q":
             label = "Q"
         else:
-            b = step.block.index(j, self.j_begin, self.n_blocks)
-            if not self.j_begin <= b < self.n_blocks:
-                self._flag(f"copies {op} block {b}, outside the visited blocks [{self.j_begin}, {self.n_blocks})")
+            u = step.block.index(self.pos, 0, len(self.walk))  # a position in the walk
+            if not 0 <= u < len(self.walk):
+                self._flag(f"copies {op} block {step.block} at position {u}, outside the {len(self.walk)} block(s) walked")
                 return
+            b = self.walk[u]
             label = f"{op}[{b}]"
         ev = self.hz.write(op, self._rows(trace.name), CTA, trace.atom.is_async, label, self.where)
         if self.data is not None:
@@ -352,6 +361,7 @@ class _Cta:
     def gemm_S(self, j: int) -> None:
         q = self.plan.s2r["Q"]
         self.done["S"][j] += 1
+        self.visited.append(j)
         for w in range(self.cfg.n_warps):
             if q.resident:
                 if not self.q_res_loaded[w]:
@@ -591,7 +601,7 @@ def simulate_cta(
     scale = 1.0 / np.sqrt(cfg.d_head) if scale is None else scale
     cta = _Cta(plan, prob, trace_plan(plan) if traces is None else traces, data, scale)
     cta.run()
-    return CtaResult(cta.out, cta.lse, cta.hz.hazards, cta.j_begin, cta.n_blocks)
+    return CtaResult(cta.out, cta.lse, cta.hz.hazards, cta.j_begin, cta.n_blocks, cta.visited)
 
 
 def check_mods(mask, mod_values: tuple, block_mask: "np.ndarray | None") -> None:

@@ -277,6 +277,8 @@ class HopperReport:
     pingpong: dict = attrs.Factory(dict)
     #: (query block, part) of each tile walked, in order (part -1: the whole tile)
     tiles: list = attrs.Factory(list)
+    #: per consumer, the (tile, key block) of each S GEMM it executed, in order: the blocks walked
+    visited: dict = attrs.Factory(dict)
 
     @property
     def ok(self) -> bool:
@@ -331,15 +333,25 @@ class _Consumer:
 
 @attrs.frozen
 class _Tile:
-    """One output tile of the CTA's walk: query rows from ``q_row0``, key blocks ``[jb, je)``."""
+    """One output tile of the CTA's walk: query rows from ``q_row0``, key blocks ``[jb, je)`` of which it
+    visits ``walk`` (:func:`flashgen.sim.block_mask.walk`: all of them without a block mask)."""
 
     q_row0: int
     jb: int
     je: int
+    walk: tuple = ()
+
+    @classmethod
+    def of(cls, q_row0: int, row: "np.ndarray | None", jb: int, je: int) -> "_Tile":
+        """The tile as ``tile_at`` (and, for a part of a split tile, ``cta_work``) leaves it: ``[jb, je)``
+        clipped to the block mask's ``row``, the empty blocks between skipped."""
+        jb, je = bm.clip(row, jb, je)
+        return cls(q_row0, jb, je, tuple(bm.walk(row, jb, je)))
 
     @property
     def n(self) -> int:
-        return max(0, self.je - self.jb)
+        """The key blocks walked: the K/V ring's uses of the tile."""
+        return len(self.walk)
 
 
 @attrs.frozen
@@ -378,21 +390,24 @@ class _Cta:
         self.scale = np.float32(1.0 if plan.score_mask.score_mod is not None else scale)
         self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
         self.block_rows = [mods.row(plan, qb) for qb in q_blocks]
-        self.tiles = [_Tile(qb * cfg.B_r, *mods.blocks(plan, qb, seq_q, seq_k, mask_args)) for qb in q_blocks]
-        if ranges is not None:  # parts of split tiles: key-block ranges given (tail_split.ranges)
-            self.tiles = [_Tile(t.q_row0, jb, je) for t, (jb, je) in zip(self.tiles, ranges, strict=True)]
+        if ranges is None:
+            ranges = [mods.blocks(plan, qb, seq_q, seq_k, mask_args) for qb in q_blocks]
+        # parts of split tiles: key-block ranges given (tail_split.ranges), clipped again as cta_work does
+        self.tiles = [_Tile.of(qb * cfg.B_r, row, jb, je) for qb, row, (jb, je) in zip(q_blocks, self.block_rows, ranges, strict=True)]
         if len(self.tiles) > 1 and "q_empty" not in plan.barriers:
             raise ValueError(f"{cfg.short_form()}: only a persistent plan (q_empty barrier) walks several tiles")
         # key blocks in the order the CTA visits them: global index g (the K/V ring's use) -> (tile, key block);
         # the rings count uses over the tiles as the emitted kv_it and q_it do (tiles without key blocks use none)
         self.kv_ring, self.q_ring = plan.kv_ring, plan.q_ring
-        self.blocks = [(ti, j) for ti, t in enumerate(self.tiles) for j in range(t.jb, t.je)]
+        # (the rings count a tile's uses along its walk: position u of the walk is use first_g + u)
+        self.blocks = [(ti, j) for ti, t in enumerate(self.tiles) for j in t.walk]
         self.first_g, self.q_use = [0], [0]
         for t in self.tiles:
-            self.first_g.append(self.kv_ring.after_tile(self.first_g[-1], t.jb, t.je) if t.n else self.first_g[-1])
-            self.q_use.append(self.q_ring.after_tile(self.q_use[-1], t.jb, t.je) if t.n else self.q_use[-1])
+            self.first_g.append(self.kv_ring.after_tile(self.first_g[-1], 0, t.n) if t.n else self.first_g[-1])
+            self.q_use.append(self.q_ring.after_tile(self.q_use[-1], 0, t.n) if t.n else self.q_use[-1])
         self.jb, self.je = self.tiles[0].jb, self.tiles[0].je
         self.hazards: list[str] = []
+        self.visited: dict[int, list] = {}  # consumer -> (tile, key block) of each S GEMM executed
         self.smem = np.zeros(plan.smem_bytes, np.uint8)  # base 0 stands for the 1024-aligned dynamic base
         self.n_groups = 0
         self.counts: dict = {}  # (consumer, "S"|"softmax"|"O", g) or (consumer, "finish_rows"|"store_O", tile) -> times done
@@ -449,35 +464,36 @@ class _Cta:
 
     def _flat_steps(self) -> list:
         """(where, step, block g, tile) for each tile: the Q wait, prologue, body per block, epilogue,
-        then the output steps; blocks resolved to global indices."""
+        then the output steps; blocks resolved to global indices. Steps, guards and blocks are evaluated
+        at a block's position ``u`` in the tile's walk (block ``j + 1``: the walk's next one)."""
         p = self.plan
         out = []
 
-        def add(where, steps, ti, j):
-            t = self.tiles[ti]
+        def add(where, steps, ti, u):
+            n = self.tiles[ti].n
             for i, s in enumerate(steps):
-                if runs(s.guard, j, t.jb, t.je):
-                    out.append((f"{where} step {i} ({_text(s)})", s, self._block(s, ti, j), ti))
+                if runs(s.guard, u, 0, n):
+                    out.append((f"{where} step {i} ({_text(s)})", s, self._block(s, ti, u), ti))
 
         for ti, t in enumerate(self.tiles):
             at = f"tile {ti} " if len(self.tiles) > 1 else ""
             if t.n:
-                add(f"{at}start j={t.jb}", p.tile_start, ti, t.jb)
-                add(f"{at}prologue j={t.jb}", p.prologue, ti, t.jb)
-            first_body = t.jb + 1 if p.prologue else t.jb
-            for j in range(first_body, t.je):
-                add(f"{at}body j={j}", p.body, ti, j)
+                add(f"{at}start j={t.jb}", p.tile_start, ti, 0)
+                add(f"{at}prologue j={t.jb}", p.prologue, ti, 0)
+            for u in range(1 if p.prologue else 0, t.n):
+                add(f"{at}body j={t.walk[u]}", p.body, ti, u)
             if t.n:
-                add(f"{at}epilogue", p.epilogue, ti, t.je - 1)
-            add(f"{at}output", p.tile_output, ti, t.je - 1)
+                add(f"{at}epilogue", p.epilogue, ti, t.n - 1)
+            add(f"{at}output", p.tile_output, ti, t.n - 1)
         return out
 
-    def _block(self, s: Step, ti: int, j: int) -> int | None:
-        """Global index of the block a step names (``last``: tile ``ti``'s last; None if it has none)."""
+    def _block(self, s: Step, ti: int, u: int) -> int | None:
+        """Global index of the block a step names at position ``u`` of tile ``ti``'s walk (``last``: the
+        tile's last; None if it has none)."""
         t, block = self.tiles[ti], s.block or J
         if block.base == "end" and not t.n:
             return None
-        return self.kv_ring.use(self.first_g[ti], block.index(j, t.jb, t.je), t.jb)
+        return self.kv_ring.use(self.first_g[ti], block.index(u, 0, t.n), 0)
 
     def _consumer(self, w: int) -> _Consumer:
         g = self.plan
@@ -708,6 +724,7 @@ class _Cta:
         c.s_acc = acc.astype(np.float32)
         c.s_state = ("raw", b)
         self.count(c, "S", b)
+        self.visited.setdefault(c.w, []).append(self.blocks[b])
 
     def exec_o(self, c: _Consumer, b: int, st: int, where: str) -> None:
         """O += P V_b: A (64x16 per k16 step) from the P registers via the A map, B = V MN-major."""
@@ -1033,7 +1050,7 @@ def simulate_tiles(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarr
     run = _Cta(plan, q, k, v, [qb for qb, _ in walk], seq_q, seq_k, scale, mask_args, ranges=ranges, mods=mods)
     run.run()
     pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in run.consumers}
-    return run.o, run.lse, HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, walk)
+    return run.o, run.lse, HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, walk, run.visited)
 
 
 def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, parts: int, q_block: int = 0,
@@ -1072,7 +1089,8 @@ def simulate_split_tile(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.
         ow, lw = ctas[-1].merge_parts([cta.consumers[w].partial[0] for cta in ctas], w)
         o[64 * w: 64 * w + 64], lse[64 * w: 64 * w + 64] = ow, lw
     hazards += ctas[-1].hazards[before:]
-    return o[:rows], lse[:rows], HopperReport(hazards, jb, je, sum(c.n_groups for c in ctas))
+    visited = {w: [blk for cta in ctas for blk in cta.visited.get(w, [])] for w in range(cfg.consumers)}
+    return o[:rows], lse[:rows], HopperReport(hazards, jb, je, sum(c.n_groups for c in ctas), visited=visited)
 
 
 def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray, q_block: int = 0,
@@ -1099,7 +1117,7 @@ def simulate_cta(plan: "HopperPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray
     run = _Cta(plan, q, k, v, [q_block], seq_q, seq_k, scale, (mask_offset, window_left, window_right), mods=mods)
     run.run()
     pp = {c.w: {"turn": c.turns, "pass": c.passes, "absorbed": c.absorbed} for c in run.consumers}
-    return run.o[0], run.lse[0], HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, [(q_block, -1)])
+    return run.o[0], run.lse[0], HopperReport(run.hazards, run.jb, run.je, run.n_groups, pp, [(q_block, -1)], run.visited)
 
 
 def check_schedule(plan: "HopperPlan", n_blocks: int = 3, seed: int = 0, tiles: int = 1) -> list[str]:

@@ -353,3 +353,23 @@ def test_emitting_leaves_the_proofs_and_the_simulator_alone():
     done = subprocess.run([sys.executable, "-c", code, BASE.short_form()], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_key_block_loop_and_prefetch_walk_past_empty_blocks_with_a_mask_mod():
+    """With a mask_mod the loop steps with ``block_mask_next`` and the eager schedule prefetches, and
+    guards on, the walk's next block (``j_next``), never ``j + 1``; without one the text keeps ``j + 1``."""
+    from flashgen.mods.kernel_mods import prepare_mods
+
+    def sinks(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx) & (q_idx - kv_idx <= 40)) | (kv_idx < 3)
+
+    cfg = parse_config("(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax")
+    text = emit(cfg, prepare_mods(mask_mod=sinks)[0]).text
+    loop = text[text.index("auto kv_block = [&]"): text.index("// ---- epilogue")]
+    assert "const int j_next = block_mask_next(bm_row, j, n_blocks);" in loop
+    assert "for (int j = j_begin; j < n_blocks; j = block_mask_next(bm_row, j, n_blocks)) {" in loop
+    assert "copy_K(gK + int64_t(j_next) * B_c * p.k_ld, p.k_ld, p.seq_k - j_next * (int)B_c);" in loop
+    assert loop.count("if (j_next < n_blocks) {") == 3 and "if (j_next >= n_blocks) {" in loop
+    assert "j + 1" not in loop and "++j)" not in loop
+    plain = emit(cfg).text
+    assert "block_mask_next" not in plain and "if (j + 1 < n_blocks) {" in plain

@@ -266,3 +266,26 @@ int main() {{
                 r, c = plan.q_load.partition.coord(wtid % 32, 0, warp=wtid // 32, **{kk.name: k})
                 want.append((64 * cw + r, c, table[64 * cw + r, c]))
     np.testing.assert_array_equal(got, np.array(want))
+
+
+@pytest.mark.parametrize("cfg", [KernelConfig.wgmma("bf16", d_head=64, B_c=64, persistent=True),
+                                 KernelConfig.wgmma("fp16", d_head=64, pingpong=False, intra_overlap=False)],
+                         ids=lambda c: c.short_form())
+def test_producer_and_consumers_walk_the_same_blocks_with_a_mask_mod(cfg):
+    """With a mask_mod both sides of the K/V ring step over the block mask's empty blocks with
+    ``block_mask_next`` and count the blocks walked (``kv_u``) for the ring's slots and phases, and a split
+    tile's part is clipped again; without one the loops step ``++j`` and no walk code is emitted."""
+    from flashgen.mods.kernel_mods import prepare_mods
+
+    def sinks(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx) & (q_idx - kv_idx <= 40)) | (kv_idx < 3)
+
+    text = emit(cfg, prepare_mods(mask_mod=sinks)[0]).text
+    producer = text[text.index("// ---- producer:"): text.index("// ---- consumers:")]
+    consumers = text[text.index("// ---- consumers:"): text.index("// ---- epilogue:")]
+    for side in (producer, consumers):
+        assert "j = block_mask_next(bm, j, j_end), ++kv_u) {" in side
+        assert "it = kv_it + uint32_t(kv_u)," in side and "kv_it += uint32_t(kv_u);" in side
+        assert "j - j_begin" not in side and "++j)" not in side and "j + 1" not in side
+    assert "tail_range(" in text and "block_mask_clip(block_mask_row(p.block_mask, t->batch, t->head" in text
+    assert "block_mask_next" not in emit(cfg, prepare_mods(score_mod=lambda s, b, h, q, k: s * 2)[0]).text

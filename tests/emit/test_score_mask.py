@@ -78,3 +78,76 @@ def test_emitted_mask_functions_equal_the_plan(mask, tmp_path):
             lo, hi = sm.row_range(i, sk, off, left, right)
             want.append(f"S {lo} {hi}")
     assert got[: len(want)] == want
+
+
+def _block_mask_rows(n_kb: int, count: int, seed: int) -> list[list[int]]:
+    """Block-mask rows as ``<name>_mask_blocks`` makes them: random classes (empty ones frequent), then
+    ``[lo, hi)`` of the non-empty blocks (``[0, 0)`` when none)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        classes = [int(c) for c in rng.choice(3, size=n_kb, p=(0.6, 0.2, 0.2))]
+        kept = [kb for kb, c in enumerate(classes) if c]
+        rows.append([kept[0] if kept else 0, kept[-1] + 1 if kept else 0] + classes)
+    return rows
+
+
+def test_emitted_block_mask_walk_equals_the_simulators(tmp_path):
+    """``block_mask_clip`` and the walk ``block_mask_next`` makes from it, compiled for the host, equal
+    :func:`flashgen.sim.block_mask.clip` / :func:`~flashgen.sim.block_mask.walk`, and the walk is exactly
+    the blocks of ``[begin, end)`` the row does not call empty (a row without any: no block)."""
+    import importlib.util
+    import pathlib
+
+    from flashgen.mods.kernel_mods import prepare_mods
+    from flashgen.sim import block_mask as bm
+
+    spec = importlib.util.spec_from_file_location("ex", pathlib.Path(__file__).resolve().parents[2] / "examples" / "mods.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    mods, _ = prepare_mods(mask_mod=ex.sliding_window_sinks())
+    src = emit(KernelConfig(dtype="fp16", B_r=64, B_c=32, Q_mma_load_K_tiles=2), mods)
+    # the block mask's functions as emitted (the mods' own C++ is device code: left out of the host build)
+    start = src.text.index("// ---- block mask:")
+    end = src.text.index("\n", src.text.index("bool block_mask_partial(", start))
+    (tmp_path / "k.cu").write_text("#define __host__\n#define __device__\n#define __forceinline__ inline\n#include <stdint.h>\n"
+                                   f"constexpr uint32_t B_r = 64, B_c = 32;\n{src.text[start:end]}\n")
+    n_kb = 9
+    rows = _block_mask_rows(n_kb, 60, seed=1) + [[0, 0] + [0] * n_kb]
+    ranges = [(b, e) for b in range(n_kb + 1) for e in range(b, n_kb + 1)]
+    lines = ["#include \"k.cu\"", "#include <cstdio>", "int main() {",
+             f"  static const int rows[][{2 + n_kb}] = {{" + ", ".join("{" + ",".join(map(str, r)) + "}" for r in rows) + "};",
+             "  static const int ranges[][2] = {" + ", ".join("{%d,%d}" % r for r in ranges) + "};",
+             """  for (const auto& r : rows)
+    for (const auto& g : ranges) {
+      int b = g[0], e = g[1];
+      block_mask_clip(r, &b, &e);
+      std::printf("C %d %d W", b, e);
+      for (int j = b; j < e; j = block_mask_next(r, j, e)) std::printf(" %d", j);
+      std::printf("\\n");
+    }
+  int b = 2, e = 5;
+  block_mask_clip(nullptr, &b, &e);
+  std::printf("N %d %d %d\\n", b, e, block_mask_next(nullptr, 3, 5));
+  return 0;
+}"""]
+    (tmp_path / "main.cpp").write_text("\n".join(lines))
+    exe = tmp_path / "walk"
+    res = subprocess.run([GXX, "-std=c++17", "-O1", "-x", "c++", "-DFLASHGEN_INDEX_ONLY", "main.cpp", "-o", str(exe)],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+    import numpy as np
+
+    want = []
+    for r, (b, e) in itertools.product(rows, ranges):
+        row = np.array(r, np.int32)
+        cb, ce = bm.clip(row, b, e)
+        walk = bm.walk(row, b, e)
+        assert walk == [j for j in range(b, e) if r[2 + j] != 0]  # every non-empty block of the range, nothing else
+        assert (cb, ce) == ((walk[0], walk[-1] + 1) if walk else (cb, cb))
+        want.append(f"C {cb} {ce} W" + "".join(f" {j}" for j in walk))
+    want.append("N 2 5 4")
+    assert got == want

@@ -194,6 +194,32 @@ def test_a_block_mask_of_another_size_is_refused_before_any_kernel_runs(attn):
     assert torch.isfinite(o).all()
 
 
+@pytest.mark.parametrize("window, sinks, shape", [(40, 3, (1, 999, 1011, 4, 2)), (40, 3, (2, 777, 1029, 12, 4)),
+                                                  (40, 0, (1, 1300, 1011, 4, 2))])
+def test_sink_window_walks_past_empty_blocks(attn, window, sinks, shape):
+    """Attention sinks + a causal window (examples/mods.py): the key blocks between the sinks and the
+    window are empty for every later query block, and the kernels walk past them (the wgmma producer and
+    consumers alike; persistent CTAs, and wave-tail splits whose parts may hold only empty blocks). Odd
+    lengths, GQA; without sinks the query blocks past the keys keep nothing: o = 0, lse = -inf."""
+    b, sq, sk, hq, hk = shape
+    fn = examples.sliding_window_sinks(window, sinks)
+    q, k, v = _inputs(attn, shape, seed=window + sinks)
+    mods, (_, mask_args) = fg_mods.prepare_mods(mask_mod=fn)
+    rows = block_mask(ScoreMask("none", attn.cfg.B_r, attn.cfg.B_c, mods), mask_args.values(), b, hq, sq, sk)
+    rows = rows.reshape(-1, rows.shape[-1])
+    if sinks:
+        assert any((r[2 + r[0]: 2 + r[1]] == 0).any() for r in rows), "no query block has an empty block to skip"
+    else:
+        assert any(r[0] == r[1] for r in rows), "no query block without a kept key"
+    o, lse = attn(q, k, v, return_lse=True, mask_mod=fn)
+    check_attention(o, q, k, v, f"{attn.cfg.short_form()} sinks {sinks} + window {window} {shape}", mask_mod=fn)
+    ref_o, ref_lse = flashgen.reference.attention(q, k, v, return_lse=True, mask_mod=fn)
+    kept = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), kept), "rows without a kept key must give lse -inf, the others finite"
+    assert (o.float()[~kept.transpose(1, 2)] == 0).all(), "rows without a kept key give o = 0"
+    assert (lse[kept] - ref_lse[kept]).abs().max().item() < 1e-3
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]])
 def test_memcheck_clean_with_mods(cfg):
     """A score_mod and a mask_mod reading a captured tensor, odd lengths (seq_q 37, seq_k 91), GQA: the

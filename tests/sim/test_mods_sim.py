@@ -4,7 +4,7 @@ several (batch, head) pairs, with and without the built-in causal mask.
 
 With the numpy block mask (:mod:`flashgen.sim.block_mask`) a tile skips the key blocks the mask_mod
 empties and the mask math of full ones; without it (row None) every block is partial. Both must pass,
-and agree closely: not bit for bit, since every visited block, an empty one too, multiplies the row
+and agree closely: not bit for bit, since every visited block (without the block mask an empty one too) multiplies the row
 sum by ``ex2(fma(m, k, -m k))``, 2 to the rounding error of ``m k``, within an ulp of 1. Tolerance: :func:`flashgen.sim.cta.compare_with_reference` (the simulators' rule).
 """
 from __future__ import annotations
@@ -152,3 +152,113 @@ def test_simulators_refuse_values_that_do_not_fit_the_plan():
         hopper.simulate_cta(wplan, q, k, v, mod_values=wvalues, block_mask=np.zeros((1, 1, 1, 3), np.int32))
     with pytest.raises(ValueError, match="block mask needs"):
         bm.block_mask(wplan.score_mask, {}, 1, 1, 8, 8)
+
+
+# ---- key blocks the block mask calls empty are not walked -----------------------------------------------
+
+#: attention sinks and a causal window: the key blocks between the sinks' block and the window are empty
+#: for every later query block (odd lengths: query and key tails)
+SINKS = (None, EX.sliding_window_sinks(40, 3), "none", 520, 515)
+EAGER = parse_config("(BF16, 128, 64, 32, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax")
+
+
+def _sinks_setup(cfg):
+    mods, (_, ma) = prepare_mods(None, SINKS[1])
+    plan = make_plan(cfg, mods)
+    rng = np.random.default_rng(11)
+    q, k, v = (hw.encode(2.0 * rng.standard_normal((n, cfg.d_head)), cfg.dtype) for n in (SINKS[3], SINKS[4], SINKS[4]))
+    values = (None, ma.values())
+    return plan, values, (q, k, v), bm.block_mask(plan.score_mask, values[1], 1, 1, SINKS[3], SINKS[4])
+
+
+def _non_empty(plan, blocks, q_block: int, begin: int, end: int) -> list[int]:
+    """The key blocks of ``[begin, end)`` that the block mask's row does not call empty."""
+    row = bm.row(plan.score_mask, blocks, 0, 0, q_block)
+    return [j for j in range(begin, end) if row[2 + j] != bm.EMPTY]
+
+
+
+def test_mma_sync_walk_skips_empty_blocks():
+    """The eager schedule (K_{j+1} prefetched during block j) on a sink + window mask: with the block mask
+    the S GEMMs run on exactly the non-empty blocks (the prefetch fetches the walk's next block: a wrong
+    one is a hazard), without it on every block of the range; both match float64 attention."""
+    plan, values, (q, k, v), blocks = _sinks_setup(EAGER)
+    seq_q, seq_k = SINKS[3], SINKS[4]
+    traces = trace_plan(plan)
+    skipped = 0
+    for q_block in (0, 3, 8):
+        row0 = q_block * EAGER.B_r
+        runs = [cta.simulate_cta(plan, q[row0: row0 + EAGER.B_r], k, v, traces=traces, q_row0=row0, seq_q=seq_q,
+                                 mod_values=values, block_mask=mask) for mask in (None, blocks)]
+        for r in runs:
+            assert r.ok, r.hazards[:3]
+            _check(EAGER, SINKS, q, k, v, row0, r.o, r.lse, 0, 0)
+        full = list(range(*plan.score_mask.block_range(row0, seq_q, seq_k)))
+        assert runs[0].visited == full
+        assert runs[1].visited == _non_empty(plan, blocks, q_block, full[0], full[-1] + 1)
+        skipped += len(full) - len(runs[1].visited)
+    assert skipped >= 10  # q block 8 alone skips blocks 1-10 (keys 32-351)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one_tile", "persistent"])
+def test_wgmma_walk_skips_empty_blocks(persistent):
+    """Producer and consumers (pingpong, intra-warpgroup overlap) walk only the non-empty blocks, each
+    consumer's S GEMMs exactly those in order; persistent: one CTA walks every tile of the head, the K/V
+    ring counted over the tiles' walks (the Q release on the walk's last block). Float64 reference."""
+    cfg = WGMMA.replace(persistent=persistent)
+    plan, values, (q, k, v), blocks = _sinks_setup(cfg)
+    seq_q, seq_k = SINKS[3], SINKS[4]
+    if persistent:
+        o, lse, rep = hopper.simulate_tiles(plan, q, k, v, sms=1, mod_values=values, block_mask=blocks)
+        q_blocks = [qb for qb, _ in rep.tiles]
+        assert sorted(q_blocks) == list(range(-(-seq_q // cfg.B_r)))  # every tile of the head, in the scheduler's order
+    else:
+        q_blocks = [3]
+        o1, lse1, rep = hopper.simulate_cta(plan, q, k, v, 3, mod_values=values, block_mask=blocks)
+        o, lse = [o1], [lse1]
+    assert rep.ok, rep.hazards[:3]
+    want = [(ti, j) for ti, qb in enumerate(q_blocks) for j in _non_empty(plan, blocks, qb, 0, -(-seq_k // cfg.B_c))]
+    assert all(rep.visited[w] == want for w in range(cfg.consumers)), (rep.visited, want)
+    assert len(want) < len(q_blocks) * -(-seq_k // cfg.B_c) - 4  # q block 3 alone skips blocks 1-4
+    for qb, ot, lt in zip(q_blocks, o, lse):
+        _check(cfg, SINKS, q, k, v, qb * cfg.B_r, ot, lt, 0, 0)
+
+
+def test_wgmma_split_tile_parts_walk_their_non_empty_blocks():
+    """A wave-tail tile split in 4 parts of its 9 key blocks: each part is clipped again to its non-empty
+    blocks (one part holds none: its rows merge as a part without keys); the merged rows match float64."""
+    plan, values, (q, k, v), blocks = _sinks_setup(WGMMA)
+    q_block = 3
+    o, lse, rep = hopper.simulate_split_tile(plan, q, k, v, 4, q_block, mod_values=values, block_mask=blocks)
+    assert rep.ok, rep.hazards[:3]
+    want = _non_empty(plan, blocks, q_block, rep.j_begin, rep.j_end)
+    parts = plan.tail_split.ranges(rep.j_begin, rep.j_end, 4)
+    assert any(not _non_empty(plan, blocks, q_block, b, e) for b, e in parts)  # a part without a non-empty block
+    assert all([j for _, j in rep.visited[w]] == want for w in range(WGMMA.consumers)), rep.visited
+    _check(WGMMA, SINKS, q, k, v, q_block * WGMMA.B_r, o, lse, 0, 0)
+
+
+@pytest.mark.parametrize("engine", ["mma_sync", "wgmma"])
+def test_a_query_block_without_kept_keys_walks_no_block(engine):
+    """A causal window without sinks, queries past the keys: the last query block keeps no key (its
+    block-mask row is [0, 0)); it walks no block and gives o = 0, lse = -inf, as before the skipping."""
+    cfg = EAGER if engine == "mma_sync" else WGMMA
+    case = (None, EX.sliding_window_sinks(10, 0), "none", 200, 60)
+    mods, (_, ma) = prepare_mods(None, case[1])
+    plan = make_plan(cfg, mods)
+    rng = np.random.default_rng(2)
+    q, k, v = (hw.encode(rng.standard_normal((n, cfg.d_head)), cfg.dtype) for n in (200, 60, 60))
+    blocks = bm.block_mask(plan.score_mask, ma.values(), 1, 1, 200, 60)
+    q_block = 200 // cfg.B_r if 200 % cfg.B_r else 200 // cfg.B_r - 1
+    assert bm.row(plan.score_mask, blocks, 0, 0, q_block)[:2].tolist() == [0, 0]
+    row0 = q_block * cfg.B_r
+    if engine == "mma_sync":
+        r = cta.simulate_cta(plan, q[row0: row0 + cfg.B_r], k, v, q_row0=row0, seq_q=200, mod_values=(None, ma.values()),
+                             block_mask=blocks)
+        o, lse, ok, visited = r.o, r.lse, r.ok, r.visited
+    else:
+        o, lse, rep = hopper.simulate_cta(plan, q, k, v, q_block, mod_values=(None, ma.values()), block_mask=blocks)
+        ok, visited = rep.ok, [j for w in rep.visited for _, j in rep.visited[w]]
+    assert ok and visited == []
+    assert np.all(hw.decode(o, cfg.dtype) == 0) and np.all(lse == -np.inf)
+    _check(cfg, case, q, k, v, row0, o, lse, 0, 0)
