@@ -79,11 +79,16 @@ class CallValues:
 
     def __init__(self, mods: KernelMods, score_fn: "Callable | None", mask_fn: "Callable | None") -> None:
         self.mods = mods
-        self._fns = tuple((weakref.ref(fn), fn.__code__) if fn is not None else None for fn in (score_fn, mask_fn))
+        # a dropped function drops the readers too: they hold its cells, and the cells its captured tensors
+        self._fns = tuple((weakref.ref(fn, self._forget), fn.__code__) if fn is not None else None
+                          for fn in (score_fn, mask_fn))
         pairs = [(m, score_fn if m.kind == "score" else mask_fn) for m in mods.mods]
         self._statics = [(_reader(source, fn), value) for m, fn in pairs for source, value in m.static]
         self._scalars = [(_reader(a.source, fn), a) for m, fn in pairs for a in m.scalars]
         self._tensors = [_TensorSlot(_reader(a.source, fn), a) for m, fn in pairs for a in m.tensors]
+
+    def _forget(self, _ref=None) -> None:
+        self._statics, self._scalars, self._tensors = (), (), ()
 
     @staticmethod
     def usable(score_fn: Any, mask_fn: Any) -> bool:

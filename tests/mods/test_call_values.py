@@ -2,6 +2,9 @@
 wherever that path must run instead (a stale value, one it refuses, another function or code)."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -126,3 +129,16 @@ def test_only_plain_functions_are_usable():
             return s
 
     assert not CallValues.usable(Softcap(), None)
+
+
+def test_a_dropped_function_releases_what_its_cells_held():
+    score, mask, set_values = _pair()
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+    set_values(doc=doc)
+    reader = CallValues(prepare_mods(score, mask)[0], score, mask)
+    copy = weakref.ref(reader.read(CPU)[1][0])
+    held = weakref.ref(doc)
+    del doc, set_values, mask, score
+    gc.collect()
+    assert held() is None and copy() is None
+    assert reader.read(CPU) == ([], [])  # nothing left to read; serves() refuses every call anyway
