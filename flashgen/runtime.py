@@ -97,7 +97,8 @@ class Attention:
         self._variants: dict[str, Attention] = {}
         self._mod_variants: dict[str, Attention] = {}  # by KernelMods.key: same structure, same kernel
         self._block_masks: dict[tuple, tuple] = {}  # a mask_mod kernel's block masks (_block_mask)
-        self._mod_calls: dict[tuple, tuple] = {}  # (id(score_mod), id(mask_mod)) -> (CallValues, variant): _mods_fast
+        # (id(score_mod), id(mask_mod)) -> [CallValues, the variant, the last call's block mask]: _mods_fast
+        self._mod_calls: dict[tuple, list] = {}
         self._checked_devices: set = set()  # devices check() passed on for calls with mods
         self._backwards: dict[BackwardConfig, int] = {}
         autograd.register(self._handle, self._load_backward, deterministic)
@@ -242,7 +243,7 @@ class Attention:
         if CallValues.usable(score_mod, mask_mod):
             if len(self._mod_calls) >= _MAX_MOD_CALLS:
                 self._mod_calls.clear()
-            self._mod_calls[(id(score_mod), id(mask_mod))] = (CallValues(mods, score_mod, mask_mod), attn)
+            self._mod_calls[(id(score_mod), id(mask_mod))] = [CallValues(mods, score_mod, mask_mod), attn, None]
 
     def _mods_fast(self, q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
         """An eager call with the functions of an earlier call (same objects, same code): their values re-read
@@ -252,15 +253,23 @@ class Attention:
         entry = self._mod_calls.get((id(score_mod), id(mask_mod)))
         if entry is None or not entry[0].serves(score_mod, mask_mod):
             return None
-        reader, attn = entry
+        reader, attn, last = entry
         if not isinstance(q, torch.Tensor) or autograd.needs_grad(q, k, v):
             return None
-        values = reader.read(q.device)
+        device = q.device
+        values = reader.read(device)
         if values is None:
             return None
         words, tensors = values
         try:
-            block_mask = None if reader.mods.mask is None else attn._block_mask(reader.mods, q, k, words, tensors)
+            block_mask = None
+            if reader.mods.mask is not None:  # the last call's, for the same values and sizes
+                state = (reader.epoch, q.shape, k.shape[1], device)
+                if last is not None and last[0] == state:
+                    block_mask = last[1]
+                else:
+                    block_mask = attn._block_mask(reader.mods, q, k, words, tensors)
+                    entry[2] = (state, block_mask)
             return self._native.call_mods(q, k, v, attn._handle, softmax_scale, left, right, align, return_lse, words,
                                           tensors, block_mask)
         except (RuntimeError, ValueError, TypeError):

@@ -129,7 +129,10 @@ def test_a_new_document_tensor_and_an_in_place_change_reach_the_kernel_and_the_b
     attn(Q, Q, Q, mask_mod=same_document)
     assert launcher.eager[-1][2][0].tolist() == [4, 4, 4, 4, 5, 5] and len(launcher.block_masks) == 3
     assert launcher.block_masks[-1][1][0].tolist() == [4, 4, 4, 4, 5, 5]
-    assert len(launcher.operator) == 1 and len(launcher.eager) == 3
+    attn(Q, Q[:, :5], Q[:, :5], mask_mod=same_document)  # another key length: another block mask
+    attn(Q, Q, Q, mask_mod=same_document)  # and back: the kept one
+    assert len(launcher.block_masks) == 4 and launcher.eager[-1][3].flatten()[0] == 3
+    assert len(launcher.operator) == 1 and len(launcher.eager) == 5
 
 
 def test_a_new_tensor_at_a_dead_ones_address_gets_its_own_block_mask(launcher):
@@ -203,3 +206,17 @@ def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
     auto(Q, Q, Q, score_mod=softcap, causal=True)
     assert len(launcher.operator) == 2 and [e[1] for e in launcher.eager] == [[_float_word(20.0)]] * 2
     assert launcher.eager[0][0] != launcher.eager[1][0]
+
+
+def test_torch_compile_runs_calls_with_mods_eagerly_through_the_full_path(launcher):
+    attn = _attention()
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    compiled = torch.compile(lambda q: attn(q, q, q, score_mod=softcap) * 2, backend="eager")
+    assert torch.equal(compiled(Q), (Q + launcher.operator[-1][0]) * 2)
+    cap = 10.0
+    compiled(Q)
+    assert len(launcher.operator) == 2 and not launcher.eager and launcher.operator[-1][1] == [_float_word(10.0)]

@@ -54,10 +54,10 @@ def _scalar_word(arg, value) -> int:
 class _TensorSlot:
     """One captured tensor's reader and what it passed last time."""
 
-    __slots__ = ("read", "arg", "source", "version", "dtype", "device", "passed")
+    __slots__ = ("read", "arg", "changes", "source", "version", "dtype", "device", "passed")
 
-    def __init__(self, read: Callable, arg) -> None:
-        self.read, self.arg, self.source = read, arg, None
+    def __init__(self, read: Callable, arg, changes: list) -> None:
+        self.read, self.arg, self.changes, self.source = read, arg, changes, None  # changes: [count], shared
         self.version = self.dtype = self.device = self.passed = None
 
     def value(self, device) -> Any:
@@ -70,6 +70,7 @@ class _TensorSlot:
         passed = stable_copy(passed, passed.dtype, device)
         self.source, self.version, self.dtype, self.device = weakref.ref(t), t._version, t.dtype, device
         self.passed = None if passed is t else passed  # the source itself is held only weakly
+        self.changes[0] += 1
         return passed
 
 
@@ -85,7 +86,15 @@ class CallValues:
         pairs = [(m, score_fn if m.kind == "score" else mask_fn) for m in mods.mods]
         self._statics = [(_reader(source, fn), value) for m, fn in pairs for source, value in m.static]
         self._scalars = [(_reader(a.source, fn), a) for m, fn in pairs for a in m.scalars]
-        self._tensors = [_TensorSlot(_reader(a.source, fn), a) for m, fn in pairs for a in m.tensors]
+        self._changes = [0]  # bumped by every read whose values differ from the previous read's
+        self._words: list = []
+        self._tensors = [_TensorSlot(_reader(a.source, fn), a, self._changes) for m, fn in pairs for a in m.tensors]
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a read's values differ from the previous read's (a new number, another tensor, a new
+        version of one): equal epochs, equal values."""
+        return self._changes[0]
 
     def _forget(self, _ref=None) -> None:
         self._statics, self._scalars, self._tensors = (), (), ()
@@ -129,6 +138,9 @@ class CallValues:
                 words.append(_scalar_word(arg, read()))
             for slot in self._tensors:
                 tensors.append(slot.value(device))
+            if words != self._words:
+                self._words = words
+                self._changes[0] += 1
         except (StaleTrace, ValueError, TypeError, KeyError, OverflowError, AttributeError, RuntimeError):
             return None  # the full path reports it (ModError is a ValueError) or retraces
         return words, tensors
