@@ -1,10 +1,12 @@
 """What reaching a kernel costs: host time per call, eager calls against CUDA-graph replay, warm start, cold build.
 
     python benchmarks/call_overhead.py -o results/        # on a CUDA GPU; writes call_overhead.json
+    python benchmarks/call_overhead.py --parts host       # the host-time table only
 
 * **host time per call** on a tiny input (1 x 128 x 1 x 128, bf16): ``compile("auto")`` (and a causal
-  call), a fixed config's ``Attention``, SDPA under the cuDNN and flash backends (each backend chosen
-  once per timing, outside the loop). Each timing issues
+  call, and calls with a score_mod / mask_mod: a softcap, a document mask over two documents, both; the
+  same function objects every call, so after the first call no tracing), a fixed config's ``Attention``,
+  SDPA under the cuDNN and flash backends (each backend chosen once per timing, outside the loop). Each timing issues
   ``--calls`` calls back to back and reads the clock before synchronizing (the GPU work of a tiny
   call is shorter than its host work, so the queue never fills); rounds rotate the order.
 * **eager against graph replay**: ``compile("auto")`` at seq 512 and 1024 (16k tokens, 16 heads,
@@ -71,17 +73,38 @@ def tiny_host_times(rounds: int, calls: int) -> dict:
                              else flashgen.dsl.config.default_configs()[1])
 
     sdpa = lambda: F.scaled_dot_product_attention(qt, qt, qt)  # noqa: E731
+    softcap, document = tiny_mods(q.shape[1], q.device)
     fns = {"sdpa_cudnn": (sdpa, lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
            "sdpa_flash": (sdpa, lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
            "flashgen_fixed": (lambda: fixed(q, q, q), contextlib.nullcontext),
            "flashgen_auto": (lambda: auto(q, q, q), contextlib.nullcontext),
            "flashgen_auto_causal": (lambda: auto(q, q, q, causal=True), contextlib.nullcontext)}
+    mods = {"flashgen_auto_score_mod_softcap": lambda: auto(q, q, q, score_mod=softcap),
+            "flashgen_auto_mask_mod_document": lambda: auto(q, q, q, mask_mod=document),
+            "flashgen_auto_softcap_and_document_mods": lambda: auto(q, q, q, score_mod=softcap, mask_mod=document)}
+    fns.update({n: (fn, contextlib.nullcontext) for n, fn in mods.items()})
     for fn, context in fns.values():  # builds, first launches, warm-up
         host_us(fn, 50, context)
     per_round = rotating_rounds(fns, rounds, lambda f: host_us(f[0], calls, f[1]))
     result = {n: summary(v) for n, v in per_round.items()}
     result["auto_over_cudnn"] = result["flashgen_auto"]["median"] / result["sdpa_cudnn"]["median"]
+    result["mods_over_auto"] = {n: result[n]["median"] / result["flashgen_auto"]["median"] for n in mods}
     return result
+
+
+def tiny_mods(seq: int, device: torch.device) -> tuple:
+    """A softcap score_mod and a document mask_mod (two documents over ``seq`` tokens), their captures kept as
+    a program keeps them: a number, and int32 document ids on the device."""
+    cap = 30.0
+    doc = torch.tensor([0] * (seq // 2) + [1] * (seq - seq // 2), device=device, dtype=torch.int32)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return softcap, same_document
 
 
 def events_us(fn, calls: int) -> float:
@@ -189,24 +212,37 @@ def prebuild() -> None:
         raise SystemExit("\n".join(f"{cfg.short_form()}: {err}" for (cfg, _), err in failures.items()))
 
 
+PARTS = ("host", "graph", "start", "cold")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-o", "--out", type=Path, default=Path("."), help="folder for call_overhead.json (default: .)")
     p.add_argument("--rounds", type=int, default=5, help="rotating rounds per measurement (default: 5)")
     p.add_argument("--calls", type=int, default=200, help="calls per timing (default: 200)")
     p.add_argument("--starts", type=int, default=3, help="fresh processes per warm-start timing (default: 3)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to measure: host (host time per call), graph (eager against graph replay), start "
+                        "(warm start), cold (cold build) (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.rounds < 1 or args.calls < 1 or args.starts < 1:
+        p.error("--rounds, --calls and --starts must be >= 1")
     prebuild()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "host_us": tiny_host_times(args.rounds, args.calls)}
-    print(json.dumps(result["host_us"], indent=1, default=float), file=sys.stderr)
-    result["eager_vs_graph"] = eager_vs_graph(args.rounds, 20)
-    result["warm_start_s"] = warm_start(args.starts)
-    print("warm start", result["warm_start_s"], file=sys.stderr)
-    result["cold_build"] = cold_build()
-    print("cold build", result["cold_build"], file=sys.stderr)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    if "host" in args.parts:
+        result["host_us"] = tiny_host_times(args.rounds, args.calls)
+        print(json.dumps({n: v["median"] if isinstance(v, dict) and "median" in v else v
+                          for n, v in result["host_us"].items()}, indent=1, default=float), file=sys.stderr)
+    if "graph" in args.parts:
+        result["eager_vs_graph"] = eager_vs_graph(args.rounds, 20)
+    if "start" in args.parts:
+        result["warm_start_s"] = warm_start(args.starts)
+        print("warm start", result["warm_start_s"], file=sys.stderr)
+    if "cold" in args.parts:
+        result["cold_build"] = cold_build()
+        print("cold build", result["cold_build"], file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "call_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -13,8 +13,9 @@ small library, built once per torch/CUDA version into the cache, that
   take a kernel handle, check every input (in C++: no Python on the call
   path), fill the argument struct and launch on the current stream;
 * is also a Python module (:func:`native`) whose entry points do the same without
-  the dispatcher, for eager calls: ``call`` (one kernel) and ``dispatch`` (the
-  kernel a dispatch table holds for the call's shape).
+  the dispatcher, for eager calls: ``call`` (one kernel), ``dispatch`` (the
+  kernel a dispatch table holds for the call's shape) and ``call_mods`` (a kernel
+  built with a score_mod / mask_mod, as ``attention_mods``).
 
 The operator schemas and their fake (meta) implementations are registered from
 Python, so ``torch.compile`` traces calls before any library is loaded.

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any
 
 import torch
 
 from . import autograd, cache, launcher, tracing
+from .mods.call_values import CallValues
 from .mods.copies import stable_copy
 from .mods.kernel_mods import KernelMods, prepare_mods
 from .build import BuildError, Built, build
@@ -48,6 +50,8 @@ _attention_mods = torch.ops.flashgen.attention_mods.default
 _mask_blocks = torch.ops.flashgen.mask_blocks.default
 #: Block masks an Attention with a mask_mod keeps before it starts afresh.
 _MAX_BLOCK_MASKS = 32
+#: (score_mod, mask_mod) pairs an Attention keeps the fast path of (_mods_fast) before it starts afresh.
+_MAX_MOD_CALLS = 64
 #: The launcher's numbers for a kernel's score mask (its dispatch keys hold them).
 _MASK_CODES = {"none": 0, "causal": 1, "window": 2}
 
@@ -92,7 +96,9 @@ class Attention:
         self._dtype = self.cfg.dtype.torch
         self._variants: dict[str, Attention] = {}
         self._mod_variants: dict[str, Attention] = {}  # by KernelMods.key: same structure, same kernel
-        self._block_masks: dict[tuple, torch.Tensor] = {}  # a mask_mod kernel's block masks (_block_mask)
+        self._block_masks: dict[tuple, tuple] = {}  # a mask_mod kernel's block masks (_block_mask)
+        # (id(score_mod), id(mask_mod)) -> [CallValues, the variant, the last call's block mask]: _mods_fast
+        self._mod_calls: dict[tuple, list] = {}
         self._checked_devices: set = set()  # devices check() passed on for calls with mods
         self._backwards: dict[BackwardConfig, int] = {}
         autograd.register(self._handle, self._load_backward, deterministic)
@@ -197,8 +203,16 @@ class Attention:
         mask, left, right = _score_mask(causal, window)
         attn = self if mask == self._mask else self._variant(mask)
         if score_mod is not None or mask_mod is not None:
-            return attn._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+            return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
+
+    def _run_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
+        """A call with a score_mod / mask_mod: through :meth:`_mods_fast` where it serves, else :meth:`_launch_mods`."""
+        if out is None and not torch.compiler.is_compiling():
+            result = self._mods_fast(q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+            if result is not None:
+                return result
+        return self._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
 
     @torch.compiler.disable  # the mods are traced in Python: torch.compile runs this call eagerly
     def _launch_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
@@ -223,24 +237,69 @@ class Attention:
         except (RuntimeError, ValueError, TypeError):
             attn.check(q, k, v)  # raises the InputError that explains a refused input
             raise
+        self._remember_mods(mods, score_mod, mask_mod, attn)
         return (o, lse) if return_lse else o
+
+    def _remember_mods(self, mods: KernelMods, score_mod, mask_mod, attn: "Attention") -> None:
+        """Keep the fast path (:meth:`_mods_fast`) of a pair of functions that ran through ``attn``."""
+        if CallValues.usable(score_mod, mask_mod):
+            if len(self._mod_calls) >= _MAX_MOD_CALLS:
+                self._mod_calls.clear()
+            self._mod_calls[(id(score_mod), id(mask_mod))] = [CallValues(mods, score_mod, mask_mod), attn, None]
+
+    def _mods_fast(self, q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
+        """An eager call with the functions of an earlier call (same objects, same code): their values re-read
+        (:class:`CallValues`) and the variant launched through the launcher's eager entry, no tracing and no
+        dispatcher. None where :meth:`_launch_mods` must run: a new pair, a stale or refused value, an unchecked
+        device, a call to differentiate, or any input the launcher refuses (that path explains it)."""
+        entry = self._mod_calls.get((id(score_mod), id(mask_mod)))
+        if entry is None or not entry[0].serves(score_mod, mask_mod):
+            return None
+        reader, attn, last = entry
+        if not isinstance(q, torch.Tensor) or autograd.needs_grad(q, k, v):
+            return None
+        device = q.device
+        values = reader.read(device)
+        if values is None:
+            return None
+        words, tensors = values
+        try:
+            block_mask = None
+            if reader.mods.mask is not None:  # the last call's, for the same values and sizes
+                state = (reader.epoch, q.shape, k.shape[1], device)
+                if last is not None and last[0] == state:
+                    block_mask = last[1]
+                else:
+                    block_mask = attn._block_mask(reader.mods, q, k, words, tensors)
+                    entry[2] = (state, block_mask)
+            return self._native.call_mods(q, k, v, attn._handle, softmax_scale, left, right, align, return_lse, words,
+                                          tensors, block_mask)
+        except (RuntimeError, ValueError, TypeError):
+            return None
 
     def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list):
         """The mask_mod's block mask for this call's sizes and values, made on the GPU once per (sizes, values,
         captured tensors' addresses and versions) and kept (a few dozen of them at most)."""
-        # only the mask_mod's own values matter (KernelMods.pack: scalars score then mask, tensors likewise)
+        # only the mask_mod's own values matter (KernelMods.pack: scalars score then mask, tensors likewise); a
+        # tensor is named by identity (checked through a weak reference: a new tensor that the allocator places at
+        # a dead one's address, of the same version, is another tensor), version and address
+        mask = mods.mask
         first = len(mods.score.scalars) if mods.score is not None else 0
-        mask_words = tuple(words[first:first + len(mods.mask.scalars)])
-        mask_tensors = tensors[len(tensors) - len(mods.mask.tensors):]
-        key = (mods.mask.key, tuple(q.shape[:3]), k.shape[1], q.device, mask_words,
-               tuple((t.data_ptr(), t._version, t.shape, t.stride()) for t in mask_tensors))
+        q_shape, k_shape = q.shape, k.shape
+        key = [mask.key, q_shape, k_shape[1], q.device, *words[first:first + len(mask.scalars)]]
+        mask_tensors = tensors[len(tensors) - len(mask.tensors):] if mask.tensors else ()
+        for t in mask_tensors:
+            key += (id(t), t._version, t.data_ptr())
+        key = tuple(key)
         found = self._block_masks.get(key)
-        if found is None:
-            if len(self._block_masks) >= _MAX_BLOCK_MASKS:
-                self._block_masks.clear()
-            shape = mods.block_mask_shape(q.shape[0], q.shape[2], q.shape[1], k.shape[1], self.cfg.B_r, self.cfg.B_c)
-            found = self._block_masks[key] = _mask_blocks(q, k, self._handle, list(shape), words, tensors)
-        return found
+        if found is not None and _same_objects(found[1], mask_tensors):
+            return found[0]
+        if len(self._block_masks) >= _MAX_BLOCK_MASKS:
+            self._block_masks.clear()
+        shape = mods.block_mask_shape(q_shape[0], q_shape[2], q_shape[1], k_shape[1], self.cfg.B_r, self.cfg.B_c)
+        made = _mask_blocks(q, k, self._handle, list(shape), words, tensors)
+        self._block_masks[key] = (made, [weakref.ref(t) for t in mask_tensors])
+        return made
 
     def _launch(self, q, k, v, out, softmax_scale, left: int, right: int, align: str, return_lse: bool):
         """Run this kernel (its mask is the call's). Eager calls are checked by the launcher, and on a failed
@@ -264,6 +323,14 @@ class Attention:
         except (TypeError, ValueError) as exc:  # a check failed in the launcher
             self.check(*args[:4])  # raises the InputError that explains it
             raise InputError(str(exc)) from None
+
+
+def _same_objects(refs: list, objects) -> bool:
+    """Whether each weak reference still points to the object in the same place."""
+    for ref, obj in zip(refs, objects):
+        if ref() is not obj:
+            return False
+    return True
 
 
 def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, left: int, right: int, align: str,
@@ -366,8 +433,9 @@ class AutoAttention:
         mask, left, right = _score_mask(causal, window)
         if score_mod is not None or mask_mod is not None:  # the picked kernel's variant with the mods
             _check_lookup(q)
-            attn = self.pick(q.device, q.dtype, q.shape[3], q.shape[1], mask)
-            return attn._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+            shape = q.shape
+            attn = self.pick(q.device, q.dtype, shape[3], shape[1], mask)
+            return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
             handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)

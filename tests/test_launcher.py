@@ -116,9 +116,14 @@ except runtime.InputError as exc:
     print("InputError", exc)
 table = native.new_dispatch_table()
 print(native.dispatch(table, q, q, q, None, None, 0, -1, -1, "top_left", False))
+doc = torch.zeros(8, dtype=torch.int32)
+mods = (attn._handle, None, -1, -1, "top_left", False, [1, 2**31 - 1], [doc])  # as flashgen.runtime passes them
+print(native.call_mods(q, q, q, *mods, None), native.call_mods(q, q, q, *mods, torch.zeros(3, dtype=torch.int32)))
 for bad in (lambda: native.call(q, q, q, None, attn._handle + 1, None, -1, -1, "top_left", False),
             lambda: native.remember(table, q, 0, attn._handle),
-            lambda: native.call("q", q, q, *args)):
+            lambda: native.call("q", q, q, *args),
+            lambda: native.call_mods(q, q, q, attn._handle + 1, *mods[1:], None),
+            lambda: native.call_mods(q, q, q, *mods[:-1], ["doc"], None)):
     try:
         bad()
         print("no error")
@@ -127,11 +132,13 @@ for bad in (lambda: native.call(q, q, q, None, attn._handle + 1, None, -1, -1, "
 """, cache)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == "None" and lines[2] == "None"
+    assert lines[0] == "None" and lines[2] == "None" and lines[3] == "None None"
     assert lines[1] == "InputError q is on cpu; flashgen kernels run on CUDA devices"
-    assert lines[3].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[3]
-    assert lines[4].startswith("ValueError") and "4-D CUDA tensor" in lines[4]
-    assert lines[5].startswith("TypeError")
+    assert lines[4].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[4]
+    assert lines[5].startswith("ValueError") and "4-D CUDA tensor" in lines[5]
+    assert lines[6].startswith("TypeError")
+    assert lines[7].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[7]
+    assert lines[8].startswith("TypeError")
 
 
 def test_the_backward_operator_runs_backward_kernels_only_and_checks_its_inputs(cache):

@@ -17,7 +17,7 @@ _COUNTS = {"hits": 0, "traces": 0}
 
 
 class CacheInfo(NamedTuple):
-    hits: int  # calls answered without tracing
+    hits: int  # look-ups answered without tracing (eager calls through flashgen.mods.call_values look up nothing)
     traces: int  # traces run (first calls, changed code, stale values)
     functions: int  # functions held now
 

@@ -389,6 +389,23 @@ py::object call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     return return_lse ? py::make_tuple(o, lse) : py::cast(o);
 }
 
+// A kernel built with a score_mod / mask_mod (attention_mods' checks and launch), without the dispatcher:
+// `mod_words` the scalars, `mod_tensors` the captured tensors (flashgen.mods.KernelMods.pack), `block_mask`
+// from mask_blocks or None. None as for `call`.
+py::object call_mods(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t kernel,
+                     const py::object& softmax_scale, int64_t window_left, int64_t window_right, const std::string& align,
+                     bool return_lse, const std::vector<int64_t>& mod_words, const std::vector<at::Tensor>& mod_tensors,
+                     const std::optional<at::Tensor>& block_mask) {
+    const Kernel& kn = kernel_at(kernel, false);
+    if (!device_checked(kn, q)) return py::none();
+    if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
+        return py::none();  // a call to differentiate: Python decides
+    const double scale = softmax_scale.is_none() ? 1.0 / std::sqrt(double(kn.d_head)) : softmax_scale.cast<double>();
+    auto [o, lse] = attention_mods(q, k, v, kernel, scale, mask_offset(align, q, k), window_left, window_right,
+                                   return_lse, mod_words, mod_tensors, block_mask);
+    return return_lse ? py::make_tuple(o, lse) : py::cast(o);
+}
+
 // compile("auto")'s dispatch tables: (device, dtype, d_head, seq_q, mask) -> kernel handle.
 constexpr size_t kMaxDispatch = 4096;  // distinct keys a table remembers before it starts afresh
 std::vector<std::unordered_map<uint64_t, int64_t>> dispatch_tables;
@@ -433,6 +450,7 @@ py::object dispatch(int64_t table, const at::Tensor& q, const at::Tensor& k, con
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flashgen's eager entry points (the torch operators are registered by the same library)";
     m.def("call", &call, "attention through kernel `kernel`; None: the device is not checked for it yet");
+    m.def("call_mods", &call_mods, "attention through kernel `kernel` built with mods, on their values; None as call");
     m.def("allow_device", &allow_device, "mark CUDA device `index` as checked for kernel `kernel`");
     m.def("new_dispatch_table", &new_dispatch_table, "a new, empty dispatch table");
     m.def("remember", &remember, "dispatch q's (device, dtype, d_head, seq_q) and `mask` to `kernel`");

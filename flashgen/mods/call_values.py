@@ -1,0 +1,146 @@
+"""The values of repeated calls with one (score_mod, mask_mod) pair of function objects, read fast.
+
+:func:`flashgen.mods.prepare_mods` looks each function up in the trace cache and binds it through its
+traces' sources (:meth:`TracedMod.bind`) on every call. A :class:`CallValues` is made once for a pair
+whose KernelMods came from exactly those functions: it holds their closure cells and globals
+dictionaries (a function's ``__closure__`` and ``__globals__`` cannot be replaced; its ``__code__``
+can, and is compared on every call), and each call only reads the cells again:
+
+* a number compiled in as a literal must still be equal and of the same type;
+* a float scalar must be a ``float``, an int scalar an ``int`` within int32 (other values go through
+  the same conversion as ``bind``);
+* a captured tensor that is the same object as last time, of the same version, dtype and rank, and
+  not requiring grad, is passed as last time (the same converted copy); any other goes through the
+  checks and conversions of ``bind`` and :func:`stable_copy` again.
+
+Whatever ``bind`` would refuse or call stale makes :meth:`CallValues.read` answer None, so the caller
+takes the full path, which retraces or raises the error it always raised.
+"""
+from __future__ import annotations
+
+import struct
+import weakref
+from typing import Any, Callable
+
+from .copies import stable_copy
+from .expr import FLOAT, INT, INT32_MAX, INT32_MIN
+from .kernel_mods import KernelMods, _to_word
+from .traced import StaleTrace, _scalar_value, _tensor_value
+
+_F32 = struct.Struct("<f")
+_I32 = struct.Struct("<i")
+
+
+def _reader(source, fn: Callable) -> Callable[[], Any]:
+    """A function reading ``source``'s value of ``fn`` now (a cell's contents or a global)."""
+    if source.kind == "cell":
+        cell = fn.__closure__[source.key]
+        return lambda: cell.cell_contents
+    table, key = fn.__globals__, source.key
+    return lambda: table[key]
+
+
+def _scalar_word(arg, value) -> int:
+    """The launcher's word for scalar ``arg``'s ``value`` (the conversion of TracedMod.bind + KernelMods.pack)."""
+    if not arg.from_tensor:
+        kind = type(value)
+        if kind is float and arg.dtype == FLOAT:
+            return _I32.unpack(_F32.pack(value))[0]
+        if kind is int and arg.dtype == INT and INT32_MIN <= value <= INT32_MAX:
+            return value
+    return _to_word(arg.dtype, _scalar_value(arg, value))
+
+
+class _TensorSlot:
+    """One captured tensor's reader and what it passed last time."""
+
+    __slots__ = ("read", "arg", "changes", "source", "version", "dtype", "device", "passed")
+
+    def __init__(self, read: Callable, arg, changes: list) -> None:
+        self.read, self.arg, self.changes, self.source = read, arg, changes, None  # changes: [count], shared
+        self.version = self.dtype = self.device = self.passed = None
+
+    def value(self, device) -> Any:
+        """The tensor the launcher gets (on ``device``, in the kernel's dtype)."""
+        t = self.read()
+        if (self.source is not None and self.source() is t and t._version == self.version and t.dtype is self.dtype
+                and not t.requires_grad and device == self.device and t.ndim == self.arg.rank):
+            return t if self.passed is None else self.passed
+        passed = _tensor_value(self.arg, t)
+        passed = stable_copy(passed, passed.dtype, device)
+        self.source, self.version, self.dtype, self.device = weakref.ref(t), t._version, t.dtype, device
+        self.passed = None if passed is t else passed  # the source itself is held only weakly
+        self.changes[0] += 1
+        return passed
+
+
+class CallValues:
+    """Reads the values of calls with ``score_fn`` / ``mask_fn`` (either may be None) for ``mods``, the
+    KernelMods traced from exactly these function objects (``prepare_mods(score_fn, mask_fn)[0]``)."""
+
+    def __init__(self, mods: KernelMods, score_fn: "Callable | None", mask_fn: "Callable | None") -> None:
+        self.mods = mods
+        # a dropped function drops the readers too: they hold its cells, and the cells its captured tensors
+        self._fns = tuple((weakref.ref(fn, self._forget), fn.__code__) if fn is not None else None
+                          for fn in (score_fn, mask_fn))
+        pairs = [(m, score_fn if m.kind == "score" else mask_fn) for m in mods.mods]
+        self._statics = [(_reader(source, fn), value) for m, fn in pairs for source, value in m.static]
+        self._scalars = [(_reader(a.source, fn), a) for m, fn in pairs for a in m.scalars]
+        self._changes = [0]  # bumped by every read whose values differ from the previous read's
+        self._words: list = []
+        self._tensors = [_TensorSlot(_reader(a.source, fn), a, self._changes) for m, fn in pairs for a in m.tensors]
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a read's values differ from the previous read's (a new number, another tensor, a new
+        version of one): equal epochs, equal values."""
+        return self._changes[0]
+
+    def _forget(self, _ref=None) -> None:
+        self._statics, self._scalars, self._tensors = (), (), ()
+
+    @staticmethod
+    def usable(score_fn: Any, mask_fn: Any) -> bool:
+        """Whether both functions can be held weakly and read through their cells (plain Python functions)."""
+        for fn in (score_fn, mask_fn):
+            if fn is None:
+                continue
+            try:
+                weakref.ref(fn)
+            except TypeError:
+                return False
+            if not (hasattr(fn, "__code__") and hasattr(fn, "__closure__") and hasattr(fn, "__globals__")):
+                return False
+        return True
+
+    def serves(self, score_fn: Any, mask_fn: Any) -> bool:
+        """Whether this reader was made for these function objects with their current code."""
+        score, mask = self._fns
+        if score is None:
+            if score_fn is not None:
+                return False
+        elif score[0]() is not score_fn or score_fn.__code__ is not score[1]:
+            return False
+        if mask is None:
+            return mask_fn is None
+        return mask[0]() is mask_fn and mask_fn.__code__ is mask[1]
+
+    def read(self, device) -> "tuple[list[int], list[Any]] | None":
+        """This call's (scalar words, tensors on ``device``) in :meth:`KernelMods.pack`'s order, or None where the
+        full path must run (a value that is stale for the trace, refused, or unreadable)."""
+        words, tensors = [], []
+        try:
+            for read, value in self._statics:
+                now = read()
+                if type(now) is not type(value) or now != value:
+                    return None
+            for read, arg in self._scalars:
+                words.append(_scalar_word(arg, read()))
+            for slot in self._tensors:
+                tensors.append(slot.value(device))
+            if words != self._words:
+                self._words = words
+                self._changes[0] += 1
+        except (StaleTrace, ValueError, TypeError, KeyError, OverflowError, AttributeError, RuntimeError):
+            return None  # the full path reports it (ModError is a ValueError) or retraces
+        return words, tensors

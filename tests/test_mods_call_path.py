@@ -1,0 +1,222 @@
+"""The eager call path of calls with a score_mod / mask_mod, on the CPU: the first call of a pair of functions
+takes the full path (trace, build, check, the ``attention_mods`` operator); later calls with the same function
+objects go to the launcher's eager entry ``call_mods`` with the values of the moment, without tracing.
+
+The kernel side is replaced by doubles that log what reached them: builds (with their mods), the operator,
+``mask_blocks`` and the eager entry (which, as flashgen/native/launcher.cpp says, returns None for a device not
+yet allowed and for a call autograd must record, and raises ValueError on a failed check).
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen import runtime  # noqa: E402
+from flashgen.build import Built  # noqa: E402
+from flashgen.dsl.config import KernelConfig  # noqa: E402
+from flashgen.mods import cache_info  # noqa: E402
+
+
+class Launcher:
+    """Doubles for building, loading, the operators and the eager entry, with a log of each."""
+
+    def __init__(self):
+        self.builds: list = []  # the KernelMods key of each build (None: no mods)
+        self.allowed: set[int] = set()
+        self.operator: list = []  # (handle, words, tensors) of attention_mods calls
+        self.eager: list = []  # (handle, words, tensors, block_mask) of call_mods calls
+        self.block_masks: list = []  # (words, tensors) of each mask_blocks call
+
+    def build(self, cfg, capability=None, verbose=False, mods=None):
+        self.builds.append(None if mods is None else mods.key)
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), (9, 0), 0.0, True)
+
+    def load(self, built, verbose):
+        return len(self.builds) - 1
+
+    def allow_device(self, kernel, index):
+        self.allowed.add(kernel)
+
+    def attention_mods(self, q, k, v, handle, scale, offset, left, right, return_lse, words, tensors, block_mask):
+        self.operator.append((handle, list(words), list(tensors)))
+        return q + handle, q.new_empty((0,), dtype=torch.float32)
+
+    def mask_blocks(self, q, k, handle, shape, words, tensors):
+        self.block_masks.append((list(words), [t.clone() for t in tensors]))
+        return torch.full(shape, len(self.block_masks), dtype=torch.int32)
+
+    def call_mods(self, q, k, v, handle, scale, left, right, align, return_lse, words, tensors, block_mask):
+        if handle not in self.allowed or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            return None
+        if align not in ("top_left", "bottom_right"):
+            raise ValueError(f"align='{align}': expected 'top_left' or 'bottom_right'")
+        self.eager.append((handle, list(words), list(tensors), block_mask))
+        o = q + handle
+        return (o, q.new_empty((0,), dtype=torch.float32)) if return_lse else o
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    fake = Launcher()
+    monkeypatch.setattr(runtime.launcher, "native", lambda: fake)
+    monkeypatch.setattr(runtime.Attention, "check", lambda self, q, k, v, out=None: fake.allow_device(self._handle, 0))
+    monkeypatch.setattr(runtime, "build", fake.build)
+    monkeypatch.setattr(runtime, "_load", fake.load)
+    monkeypatch.setattr(runtime, "_attention_mods", fake.attention_mods)
+    monkeypatch.setattr(runtime, "_mask_blocks", fake.mask_blocks)
+    monkeypatch.setattr(runtime, "device_facts", lambda index: ("NVIDIA H100", (9, 0)))
+    monkeypatch.setattr(runtime, "_device_index", lambda device: 0)
+    return fake
+
+
+def _attention():
+    return runtime.Attention(runtime.build(KernelConfig(dtype="fp16", d_head=64)))
+
+
+Q = torch.zeros(1, 6, 2, 64, dtype=torch.float16)
+
+
+def _float_word(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def test_new_captured_numbers_reach_the_kernel_without_tracing(launcher):
+    attn = _attention()
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    attn(Q, Q, Q, score_mod=softcap)
+    traces = cache_info().traces
+    assert len(launcher.operator) == 1 and not launcher.eager  # the first call: the full path
+    for value in (50.0, 7.5, 50.0):
+        cap = value
+        o = attn(Q, Q, Q, score_mod=softcap)
+        assert launcher.eager[-1][1] == [_float_word(value)]
+    assert len(launcher.eager) == 3 and len(launcher.operator) == 1
+    assert cache_info().traces == traces and launcher.builds == [None, launcher.builds[1]]
+    assert torch.equal(o, Q + launcher.eager[-1][0])  # the variant built with the mods ran
+
+
+def _document_mask(doc):
+    def same_document(b, h, i, j):
+        return doc[i] == doc[j]
+
+    def set_doc(new):
+        nonlocal doc
+        doc = new
+
+    return same_document, set_doc
+
+
+def test_a_new_document_tensor_and_an_in_place_change_reach_the_kernel_and_the_block_mask(launcher):
+    attn = _attention()
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])  # int64: the kernel gets an int32 copy
+    same_document, set_doc = _document_mask(doc)
+    attn(Q, Q, Q, mask_mod=same_document)
+    attn(Q, Q, Q, mask_mod=same_document)
+    assert len(launcher.eager) == 1 and len(launcher.block_masks) == 1  # the block mask is kept
+    doc[5] = 1
+    attn(Q, Q, Q, mask_mod=same_document)
+    assert launcher.eager[-1][2][0].tolist() == [0, 0, 1, 1, 1, 1] and len(launcher.block_masks) == 2
+    assert launcher.eager[-1][3].flatten()[0] == 2  # the new block mask went with the call
+    set_doc(torch.tensor([4, 4, 4, 4, 5, 5], dtype=torch.int32))
+    attn(Q, Q, Q, mask_mod=same_document)
+    assert launcher.eager[-1][2][0].tolist() == [4, 4, 4, 4, 5, 5] and len(launcher.block_masks) == 3
+    assert launcher.block_masks[-1][1][0].tolist() == [4, 4, 4, 4, 5, 5]
+    attn(Q, Q[:, :5], Q[:, :5], mask_mod=same_document)  # another key length: another block mask
+    attn(Q, Q, Q, mask_mod=same_document)  # and back: the kept one
+    assert len(launcher.block_masks) == 4 and launcher.eager[-1][3].flatten()[0] == 3
+    assert len(launcher.operator) == 1 and len(launcher.eager) == 5
+
+
+def test_a_new_tensor_at_a_dead_ones_address_gets_its_own_block_mask(launcher):
+    """The allocator hands a freed block to the next tensor of its size: same address, version 0."""
+    attn = _attention()
+    memory = bytearray(struct.pack("<6i", 0, 0, 1, 1, 1, 2))
+    same_document, set_doc = _document_mask(torch.frombuffer(memory, dtype=torch.int32))
+    attn(Q, Q, Q, mask_mod=same_document)
+    memory[:] = struct.pack("<6i", 7, 7, 7, 7, 7, 7)  # the old tensor's memory, rewritten by its next owner
+    set_doc(torch.frombuffer(memory, dtype=torch.int32))
+    attn(Q, Q, Q, mask_mod=same_document)
+    assert len(launcher.block_masks) == 2 and launcher.block_masks[-1][1][0].tolist() == [7] * 6
+
+
+def test_a_changed_closure_structure_retraces_and_builds_another_kernel(launcher):
+    attn = _attention()
+    scale = 2.0
+
+    def mod(s, b, h, i, j):
+        return s * scale
+
+    def other(s, b, h, i, j):  # the same free variable, another operation
+        return s + scale
+
+    attn(Q, Q, Q, score_mod=mod)
+    attn(Q, Q, Q, score_mod=mod)
+    traces, builds = cache_info().traces, len(launcher.builds)
+    scale = 3  # an int where a float was traced: other casts, another kernel
+    attn(Q, Q, Q, score_mod=mod)
+    assert cache_info().traces == traces + 1 and len(launcher.builds) == builds + 1
+    assert launcher.operator[-1][1] == [3]
+    mod.__code__ = other.__code__  # new code: traced again
+    attn(Q, Q, Q, score_mod=mod)
+    assert cache_info().traces == traces + 2 and len(launcher.builds) == builds + 2
+    attn(Q, Q, Q, score_mod=mod)  # and then served by the fast path again
+    assert cache_info().traces == traces + 2 and launcher.eager[-1][1] == [3]
+
+
+def test_refusals_on_the_fast_path_are_those_of_the_first_call(launcher):
+    attn = _attention()
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    attn(Q, Q, Q, score_mod=softcap)
+    with pytest.raises(runtime.InputError, match="align='diagonal'"):
+        attn(Q, Q, Q, score_mod=softcap, align="diagonal")
+    with pytest.raises(runtime.InputError, match="out= is not supported"):
+        attn(Q, Q, Q, out=torch.empty_like(Q), score_mod=softcap)
+    with pytest.raises(runtime.InputError, match="gradients through score_mod"):
+        attn(Q.clone().requires_grad_(), Q, Q, score_mod=softcap)
+    cap = 1e300  # no fp32: the full path's error
+    with pytest.raises(OverflowError):
+        attn(Q, Q, Q, score_mod=softcap)
+    assert len(launcher.eager) == 0
+
+
+def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
+    monkeypatch.setattr(runtime, "_select", lambda device, dtype, d_head, seq_q, masked: KernelConfig(dtype="fp16", d_head=64))
+    auto = runtime.compile("auto")
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    auto(Q, Q, Q, score_mod=softcap)
+    cap = 20.0
+    auto(Q, Q, Q, score_mod=softcap, causal=True)  # another mask: another kernel, its own first call
+    auto(Q, Q, Q, score_mod=softcap)
+    auto(Q, Q, Q, score_mod=softcap, causal=True)
+    assert len(launcher.operator) == 2 and [e[1] for e in launcher.eager] == [[_float_word(20.0)]] * 2
+    assert launcher.eager[0][0] != launcher.eager[1][0]
+
+
+def test_torch_compile_runs_calls_with_mods_eagerly_through_the_full_path(launcher):
+    attn = _attention()
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    compiled = torch.compile(lambda q: attn(q, q, q, score_mod=softcap) * 2, backend="eager")
+    assert torch.equal(compiled(Q), (Q + launcher.operator[-1][0]) * 2)
+    cap = 10.0
+    compiled(Q)
+    assert len(launcher.operator) == 2 and not launcher.eager and launcher.operator[-1][1] == [_float_word(10.0)]
