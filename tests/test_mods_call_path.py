@@ -33,7 +33,7 @@ class Launcher:
 
     def build(self, cfg, capability=None, verbose=False, mods=None):
         self.builds.append(None if mods is None else mods.key)
-        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), (9, 0), 0.0, True)
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), (9, 0), 0.0, True, mods)
 
     def load(self, built, verbose):
         return len(self.builds) - 1
@@ -183,12 +183,24 @@ def test_refusals_on_the_fast_path_are_those_of_the_first_call(launcher):
         attn(Q, Q, Q, score_mod=softcap, align="diagonal")
     with pytest.raises(runtime.InputError, match="out= is not supported"):
         attn(Q, Q, Q, out=torch.empty_like(Q), score_mod=softcap)
-    with pytest.raises(runtime.InputError, match="gradients through score_mod"):
-        attn(Q.clone().requires_grad_(), Q, Q, score_mod=softcap)
     cap = 1e300  # no fp32: the full path's error
     with pytest.raises(OverflowError):
         attn(Q, Q, Q, score_mod=softcap)
     assert len(launcher.eager) == 0
+
+
+def test_a_call_to_differentiate_takes_the_full_path_and_builds_its_backward_with_the_mods(launcher):
+    attn = _attention()
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    attn(Q, Q, Q, score_mod=softcap)
+    forward_mods = launcher.builds[-1]
+    attn(Q.clone().requires_grad_(), Q, Q, score_mod=softcap)
+    assert len(launcher.operator) == 2 and not launcher.eager  # the operator autograd records, not the eager entry
+    assert launcher.builds[-1] == forward_mods and len(launcher.builds) == 3  # the backward, built with the same mods
 
 
 def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
