@@ -253,6 +253,10 @@ class ScoreMask:
         bool), or every block where a mask_mod is compiled in (the backward has no block mask)."""
         return needs if self.mask_mod is None else "true"
 
+    def backward_masked(self, needs: bool) -> bool:
+        """:meth:`backward_masked_cpp` in Python (the backward simulators')."""
+        return needs or self.mask_mod is not None
+
     def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "") -> list[str]:
         """The backward's rule on one recomputed score: lvalue ``s`` (the raw accumulator value of global query
         row ``i``, key ``j``; ``b``/``h`` the batch and query head) becomes the score the forward's softmax saw,

@@ -12,7 +12,11 @@ forward simulator's :class:`~flashgen.sim.cta.HazardTracker` watching every shar
   paired by :meth:`OperandLoad.b_operand_regs` and :func:`accumulator_as_a_operand` (P^T and dS^T
   reused as A operands), multiplied by the PTX-semantics MMA (:func:`hardware.mma_batch_f64`);
 * P^T, dS^T, the scale through the plan's rule objects (:mod:`flashgen.attention.backward`), with
-  the query block's lse and D read from the shared copies by each value's column;
+  the query block's lse and D read from the shared copies by each value's column; a plan built with a
+  score_mod / mask_mod applies its score rule (:func:`backward_scores`, :func:`backward_dscores`: the
+  plan's ``ScoreMask``), and where the score_mod's derivative reads the score, dS^T is made in the
+  RecomputeP step from dP^T as it stands then (the emitters' order: a schedule that has not made dP^T
+  by then gives wrong gradients);
 * dS^T and dK / dV stored where the r2s traces put each register, dQ added into the fp32 buffer
   at the coordinates the ``red_dQ`` partition gives each register (fp32 adds, in the order the CTAs
   make them);
@@ -41,14 +45,16 @@ from flashgen.dsl.steps import (Barrier, Commit, Copy, Gemm, GradScores, Recompu
 from flashgen.sim import fragments as fr
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import VEC_ELEMS, CopyTrace, trace_copy
-from flashgen.sim.cta import CTA, HazardTracker
+from flashgen.sim.cta import CTA, HazardTracker, check_mods
 
 _F32 = np.float32
 
 
 @attrs.frozen
 class BwdProblem:
-    """What one CTA sees: sequence lengths, its key block ``kb``, the mask's run-time arguments."""
+    """What one CTA sees: sequence lengths, its key block ``kb``, the mask's run-time arguments; for a
+    plan built with mods its batch ``b``, the first query head ``h0`` of its kv head's group (work item
+    ``(h, qb)`` is query head ``h0 + h``) and the mods' values (score, mask; ``{}`` for none)."""
 
     seq_q: int
     seq_k: int
@@ -56,6 +62,9 @@ class BwdProblem:
     mask_offset: int = 0
     window_left: int = -1
     window_right: int = -1
+    b: int = 0
+    h0: int = 0
+    mod_values: tuple = attrs.field(default=({}, {}), eq=False)
 
     @property
     def mask_args(self) -> tuple[int, int, int]:
@@ -76,6 +85,42 @@ class BwdHeadData:
 def trace_backward(plan: BackwardPlan) -> dict[str, CopyTrace]:
     """Traces of every shared-memory copy of the plan, keyed by copy name."""
     return {copy.name: trace_copy(plan, kind, copy) for kind, copy in plan.copies()}
+
+
+def backward_scores(plan, prob: BwdProblem, s: np.ndarray, queries: np.ndarray, keys: np.ndarray, head: int, needs: bool,
+                    scale: float) -> np.ndarray:
+    """The scores P^T is recomputed from (fp32, -inf where not kept), as the emitters' RecomputeP leaves
+    them before ``bwd_prob``: ``s`` raw S^T accumulator values, ``queries`` / ``keys`` their global indices
+    (broadcast to ``s``), ``needs`` the built-in rule's ``bwd_block_needs_mask``. Without mods the built-in
+    rule and ``i < seq_q`` where ``needs``; with mods :meth:`ScoreMask.recompute_cpp`'s rule, whose numpy
+    twin is the forward's :meth:`ScoreMask.apply` (masked blocks: every one with a mask_mod)."""
+    mask = plan.score_mask
+    if mask.mods is None:
+        if not needs:
+            return s
+        keep = plan.query_blocks.keep_array(queries, keys, prob.seq_q, prob.seq_k, *prob.mask_args)
+        return np.where(keep, s, _F32(-np.inf)).astype(_F32)
+    return mask.apply(s, queries, keys, mask.backward_masked(needs), b=prob.b, h=head, seq_q=prob.seq_q, seq_k=prob.seq_k,
+                      mask_args=prob.mask_args, mod_values=prob.mod_values, scale=scale)
+
+
+def backward_dscores(plan, prob: BwdProblem, p: np.ndarray, dp: np.ndarray, d: np.ndarray, s: "np.ndarray | None", queries: np.ndarray,
+                     keys: np.ndarray, head: int, scale: float) -> np.ndarray:
+    """dS^T: :class:`ScoreGrad` of P^T, dP^T and each value's D, then the score_mod's chain rule
+    (:meth:`ScoreMask.score_grad`, :meth:`ScoreMask.score_grad_cpp`'s twin) at the raw scores ``s`` where the
+    derivative reads them (``s`` needed only then), else at score 0 as the emitted call passes."""
+    ds = plan.score_grad.evaluate(p, dp, d)
+    mask = plan.score_mask
+    if mask.mods is None:
+        return ds
+    raw = s if mask.derivative_reads_score else np.zeros_like(ds)
+    return mask.score_grad(ds, p, raw, queries, keys, b=prob.b, h=head, mod_values=prob.mod_values, scale=scale)
+
+
+def scale_log2(plan, scale: float) -> np.float32:
+    """The recompute's ``p.scale_log2``: ``scale * log2(e)``, or ``log2(e)`` with a score_mod (which saw the
+    scale; ``KernelMods.fill_cpp(backward=True)``)."""
+    return plan.recompute.scale_log2(1.0 if plan.score_mask.score_mod is not None else scale)
 
 
 def operand_regs(load: OperandLoad, image: np.ndarray, trace: CopyTrace, warp: int) -> np.ndarray:
@@ -117,7 +162,7 @@ class _BwdCta:
         self.stats = {self.tile(name, s): np.zeros(cfg.B_r, _F32) for name in STATS for s in range(cfg.stages)}
         self.staged: dict[int, tuple] = {}
         self.scale = _F32(scale)
-        self.scale_log2 = plan.recompute.scale_log2(scale)
+        self.scale_log2 = scale_log2(plan, scale)
         W, mk = cfg.n_warps, cfg.key_rows_per_warp // 16
         nd, nq = plan.gemms["dV"].n_tiles, plan.gemms["S"].n_tiles
         self.dk = np.zeros((W, mk, nd, 32, 4), _F32)
@@ -269,24 +314,36 @@ class _BwdCta:
         cols = fr.matrix_to_acc(np.broadcast_to(np.arange(self.cfg.B_r, dtype=_F32), (self.cfg.key_rows_per_warp, self.cfg.B_r)))
         return self.stats[self.tile(stat, j)][cols.astype(np.int64)]
 
+    def _indices(self, w: int, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Global query row and key of each of warp ``w``'s S^T accumulator values ``[mk, nq, 32, 4]``."""
+        cfg, (_, qb) = self.cfg, self.work[j]
+        kr = cfg.key_rows_per_warp
+        keys = self.prob.kb * cfg.B_c + self.plan.gemms["S"].a.copy.partition.warp_offset(w)[0] + np.arange(kr)
+        queries = qb * cfg.B_r + np.arange(cfg.B_r)
+        return (fr.matrix_to_acc(np.ascontiguousarray(np.broadcast_to(queries[None, :], (kr, cfg.B_r)))),
+                fr.matrix_to_acc(np.ascontiguousarray(np.broadcast_to(keys[:, None], (kr, cfg.B_r)))))
+
     def recompute_p(self, step: Step, j: int) -> None:
+        """P^T from S^T through the plan's score rule; dS^T too where the score_mod's derivative reads the score."""
         cfg, prob, plan = self.cfg, self.prob, self.plan
         h, qb = self.work[j]
-        kr = cfg.key_rows_per_warp
-        masked = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        needs = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
         for w in range(cfg.n_warps):
-            s = self.s[w]
-            if masked:
-                keys = prob.kb * cfg.B_c + plan.gemms["S"].a.copy.partition.warp_offset(w)[0] + np.arange(kr)
-                queries = qb * cfg.B_r + np.arange(cfg.B_r)
-                keep = np.array([[plan.query_blocks.keep(int(i), int(c), prob.seq_q, prob.seq_k, *prob.mask_args)
-                                  for i in queries] for c in keys])
-                s = np.where(fr.matrix_to_acc(keep), s, _F32(-np.inf)).astype(_F32)
+            raw, (queries, keys) = self.s[w].copy(), self._indices(w, j)
+            s = backward_scores(plan, prob, raw, queries, keys, prob.h0 + h, needs, self.scale)
             self.s[w] = plan.recompute.evaluate(s, self.scale_log2, plan.recompute.lse_log2(self._columns(w, "LSE", j)))
+            if plan.score_mask.derivative_reads_score:
+                self.dp[w] = backward_dscores(plan, prob, self.s[w], self.dp[w], self._columns(w, "D", j), raw, queries, keys,
+                                              prob.h0 + h, self.scale)
 
     def grad_scores(self, step: Step, j: int) -> None:
+        if self.plan.score_mask.derivative_reads_score:
+            return  # made with P^T
+        h = self.work[j][0]
         for w in range(self.cfg.n_warps):
-            self.dp[w] = self.plan.score_grad.evaluate(self.s[w], self.dp[w], self._columns(w, "D", j))
+            queries, keys = self._indices(w, j)
+            self.dp[w] = backward_dscores(self.plan, self.prob, self.s[w], self.dp[w], self._columns(w, "D", j), None,
+                                          queries, keys, self.prob.h0 + h, self.scale)
 
     # -- stores
     def store_rf(self, step: StoreRF, j: int) -> None:
@@ -423,11 +480,26 @@ def _forward(cfg: BackwardConfig, q, k, v, scale: float, keep) -> tuple[np.ndarr
     return hw.encode(g.o, cfg.dtype), g.lse.astype(_F32)
 
 
+def _forward_mods(plan, prob: BwdProblem, q, k, v, head: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_forward` of a plan with mods: the scores through the forward's rule (:meth:`ScoreMask.apply` on
+    fp32 products, every block masked), then a float64 softmax of them (times the scale without a score_mod,
+    which sees it otherwise); lse in the modded scores' units."""
+    from flashgen.sim.grad_reference import softmax
+
+    rows, cols = np.arange(q.shape[0])[:, None], np.arange(k.shape[0])[None, :]
+    mask = plan.score_mask
+    s = mask.apply(q @ k.T, rows, cols, True, b=prob.b, h=head, seq_q=prob.seq_q, seq_k=prob.seq_k,
+                   mask_args=prob.mask_args, mod_values=prob.mod_values, scale=scale)
+    p, lse = softmax(s.astype(np.float64) * (1.0 if mask.score_mod is not None else scale))
+    return hw.encode(p @ v, plan.cfg.dtype), lse.astype(_F32)
+
+
 @attrs.frozen
 class BwdPass:
     """One backward problem as every engine's CTAs see it: the inputs' 16-bit patterns (``bits``) and
     values (``val``) by name (q, k, v, do: ``(batch, seq, heads, d)``), the kept scores, the scale and
-    the mask's run-time arguments. ``plan``: any backward plan (its cfg, row_dot and score_grad)."""
+    the mask's run-time arguments. ``plan``: any backward plan (its cfg, row_dot, score_grad and
+    score_mask); ``mod_values``: its mods' values (score, mask; ``{}`` for none)."""
 
     plan: object
     bits: dict
@@ -437,14 +509,17 @@ class BwdPass:
     offset: int
     left: int
     right: int
+    mod_values: tuple = ({}, {})
 
     @classmethod
     def of(cls, plan, q, k, v, do, causal: bool, window: "tuple[int, int] | None", align: str,
-           softmax_scale: "float | None") -> "BwdPass":
-        """The inputs rounded to the plan's dtype; the call's mask must be the config's."""
+           softmax_scale: "float | None", mod_values: tuple = (None, None)) -> "BwdPass":
+        """The inputs rounded to the plan's dtype; the call's mask must be the config's, the mods' values
+        those the plan's mods need (:func:`flashgen.sim.cta.check_mods`)."""
         from flashgen.sim.grad_reference import keep_mask
 
         cfg = plan.cfg
+        check_mods(plan.score_mask, mod_values, None)
         kind = "causal" if causal else "window" if window is not None else "none"
         if kind != cfg.mask:
             raise ValueError(f"the call's mask is {kind!r}, the config's {cfg.mask!r}")
@@ -454,21 +529,27 @@ class BwdPass:
         val = {n: hw.decode(x, cfg.dtype).astype(np.float64) for n, x in bits.items()}
         left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
         offset = Sk - Sq if align == "bottom_right" else 0
-        return cls(plan, bits, val, keep_mask(Sq, Sk, causal, window, align), scale, offset, left, right)
+        return cls(plan, bits, val, keep_mask(Sq, Sk, causal, window, align), scale, offset, left, right,
+                   tuple({} if x is None else x for x in mod_values))
 
     @property
     def group(self) -> int:
         """Query heads per kv head."""
         return self.bits["q"].shape[2] // self.bits["k"].shape[2]
 
-    def problem(self, kb: int) -> BwdProblem:
-        return BwdProblem(self.bits["q"].shape[1], self.bits["k"].shape[1], kb, self.offset, self.left, self.right)
+    def problem(self, kb: int, b: int = 0, hk: int = 0) -> BwdProblem:
+        """What the CTA of key block ``kb`` of batch ``b``'s kv head ``hk`` sees."""
+        return BwdProblem(self.bits["q"].shape[1], self.bits["k"].shape[1], kb, self.offset, self.left, self.right,
+                          b, hk * self.group, self.mod_values)
 
     def heads(self, b: int, hk: int) -> list[BwdHeadData]:
         """The query heads of kv head ``hk`` with the forward's lse and the preprocess's D."""
         cfg, val, out = self.plan.cfg, self.val, []
+        prob = self.problem(0, b, hk)
         for h in range(hk * self.group, (hk + 1) * self.group):
-            o, lse = _forward(cfg, val["q"][b, :, h], val["k"][b, :, hk], val["v"][b, :, hk], self.scale, self.keep)
+            qkv = val["q"][b, :, h], val["k"][b, :, hk], val["v"][b, :, hk]
+            o, lse = (_forward(cfg, *qkv, self.scale, self.keep) if self.plan.score_mask.mods is None else
+                      _forward_mods(self.plan, prob, *qkv, h, self.scale))
             delta = self.plan.row_dot.evaluate(val["do"][b, :, h], hw.decode(o, cfg.dtype))
             out.append(BwdHeadData(self.bits["q"][b, :, h], self.bits["do"][b, :, h], lse, delta))
         return out
@@ -493,13 +574,15 @@ class BwdPass:
 def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarray, k: np.ndarray, v: np.ndarray,
                       do: np.ndarray, *, causal: bool = False, window: "tuple[int, int] | None" = None,
                       align: str = "top_left", softmax_scale: float | None = None,
-                      key_block_order: "list[int] | None" = None) -> BackwardResult:
+                      key_block_order: "list[int] | None" = None, mod_values: tuple = (None, None)) -> BackwardResult:
     """The backward of ``(batch, seq, heads, d_head)`` float inputs (rounded to the config's dtype
     first; k and v may have fewer heads): every CTA of the grid (batch, kv head, key block) with the
-    preprocess before and the dQ conversion after. The config's mask must match ``causal`` / ``window``."""
+    preprocess before and the dQ conversion after. The config's mask must match ``causal`` / ``window``.
+    A plan built with a score_mod / mask_mod: ``mod_values`` their values (score, mask:
+    :meth:`~flashgen.mods.ModArgs.values`); the forward's o and lse are made through the same mods."""
     plan = cfg_or_plan if isinstance(cfg_or_plan, BackwardPlan) else make_backward_plan(cfg_or_plan)
     cfg = plan.cfg
-    run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale)
+    run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale, mod_values)
     B, Sq, Sk, Hk = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     group = run.group
     n_kb = -(-Sk // cfg.B_c)
@@ -513,7 +596,7 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
             heads = run.heads(b, hk)
             turns = [np.zeros(-(-Sq // cfg.B_r), np.int64) for _ in range(group)]
             order = list(range(n_kb)) if key_block_order is None else list(key_block_order)
-            ctas = [_BwdCta(plan, run.problem(kb), traces, run.bits["k"][b, :, hk], run.bits["v"][b, :, hk],
+            ctas = [_BwdCta(plan, run.problem(kb, b, hk), traces, run.bits["k"][b, :, hk], run.bits["v"][b, :, hk],
                             heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale, turns) for kb in order]
             for kb, cta, (dk_blk, dv_blk) in zip(order, ctas, run_ctas(ctas)):
                 if dk_blk is not None:

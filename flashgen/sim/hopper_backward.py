@@ -40,13 +40,14 @@ def preprocess(plan: HopperBackwardPlan, lse: np.ndarray, delta: np.ndarray) -> 
 
 def simulate_hopper_backward(cfg_or_plan: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, *,
                              causal: bool = False, window: "tuple[int, int] | None" = None, align: str = "top_left",
-                             softmax_scale: float | None = None) -> BackwardResult:
+                             softmax_scale: float | None = None, mod_values: tuple = (None, None)) -> BackwardResult:
     """The backward of ``(batch, seq, heads, d_head)`` float inputs (rounded to the config's dtype; k and v
     may have fewer heads) through every CTA of the wgmma plan; the config's mask must match
-    ``causal`` / ``window``. dQ, dK, dV as float64 values of the 16-bit outputs, and every CTA's hazards."""
+    ``causal`` / ``window``. dQ, dK, dV as float64 values of the 16-bit outputs, and every CTA's hazards.
+    A plan built with a score_mod / mask_mod: ``mod_values`` as :func:`~flashgen.sim.backward_cta.simulate_backward`'s."""
     plan = cfg_or_plan if isinstance(cfg_or_plan, HopperBackwardPlan) else make_hopper_backward_plan(cfg_or_plan)
     cfg = plan.cfg
-    run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale)
+    run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale, mod_values)
     B, Sk, Hk = q.shape[0], k.shape[1], k.shape[2]
     group = run.group
     dq_acc, dk, dv = run.buffers()
@@ -56,7 +57,7 @@ def simulate_hopper_backward(cfg_or_plan: Any, q: np.ndarray, k: np.ndarray, v: 
             heads = run.heads(b, hk)
             stats = [preprocess(plan, x.lse, x.delta) for x in heads]
             for kb in range(-(-Sk // cfg.B_c)):
-                cta = HopperBwdCta(plan, run.problem(kb), run.bits["k"][b, :, hk], run.bits["v"][b, :, hk], heads, stats,
+                cta = HopperBwdCta(plan, run.problem(kb, b, hk), run.bits["k"][b, :, hk], run.bits["v"][b, :, hk], heads, stats,
                                    [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale)
                 dk_blk, dv_blk = cta.run()
                 run.put_block(dk, b, hk, kb, dk_blk)

@@ -52,7 +52,7 @@ from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
 from flashgen.dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, StoreRF, WaitFull,
                                 WaitOrder, WgmmaWait, runs)
 from flashgen.sim import hardware as hw
-from flashgen.sim.backward_cta import BwdHeadData, BwdProblem
+from flashgen.sim.backward_cta import BwdHeadData, BwdProblem, backward_dscores, backward_scores, scale_log2
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, walk_consumers, wgmma_k16
 from flashgen.sim.layout_eval import offsets
 
@@ -128,7 +128,7 @@ class HopperBwdCta:
         items = [(h, j) for h in range(len(heads)) for j in range(*qb)]
         self.work = [items[i] for i in plan.item_order(len(items), prob.kb)] if items else []
         self.scale = _F32(scale)
-        self.scale_log2 = plan.recompute.scale_log2(scale)
+        self.scale_log2 = scale_log2(plan, scale)
         self.smem = np.zeros(plan.smem_bytes, np.uint8)
         self.hazards: list[str] = []
         n = cfg.consumers
@@ -383,27 +383,43 @@ class HopperBwdCta:
         values = self.smem[off + st * size:off + (st + 1) * size].view("<f4")
         return values[self.maps["S"].cols].astype(_F32)
 
+    def indices(self, c: _Consumer, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Global query row and key of each of ``c``'s S^T accumulator values ``[thread, reg]``."""
+        cs, qb = self.maps["S"], self.work[j][1]
+        return qb * self.cfg.B_r + cs.cols, self.prob.kb * self.cfg.B_c + 64 * c.w + cs.rows
+
     def recompute_p(self, c: _Consumer, j: int, where: str) -> None:
-        """P^T from S^T: the score mask where the block needs it, then the Recompute rule."""
-        cfg, prob, plan = self.cfg, self.prob, self.plan
-        self.touch(c, ("S",), ("S",), where)
+        """P^T from S^T through the plan's score rule (the score mask where the block needs it), then the
+        Recompute rule; where the score_mod's derivative reads the score, dS^T too (dP^T must be ready)."""
+        prob, plan = self.prob, self.plan
+        fused = plan.score_mask.derivative_reads_score
+        self.touch(c, ("S", "dP") if fused else ("S",), ("S", "dP") if fused else ("S",), where)
         self.expect(c, "S", "S", j, where)
         h, qb = self.work[j]
-        s, cs = c.acc["S"], self.maps["S"]
-        if plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args):
-            keys = prob.kb * cfg.B_c + 64 * c.w + cs.rows
-            keep = plan.query_blocks.keep_array(qb * cfg.B_r + cs.cols, keys, prob.seq_q, prob.seq_k, *prob.mask_args)
-            s = np.where(keep, s, _F32(-np.inf)).astype(_F32)
+        raw, (queries, keys) = c.acc["S"], self.indices(c, j)
+        needs = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        s = backward_scores(plan, prob, raw, queries, keys, prob.h0 + h, needs, self.scale)
         c.acc["S"] = plan.recompute.evaluate(s, self.scale_log2, self.column_stat(c, "LSE", j, where))
         c.holds["S"] = ("P", j)
+        if fused:
+            self.make_ds(c, j, raw, where)
+
+    def make_ds(self, c: _Consumer, j: int, raw: "np.ndarray | None", where: str) -> None:
+        """dS^T = P^T (dP^T - D) (times the score_mod's derivative) in dP^T's registers."""
+        self.expect(c, "dP", "dP", j, where)
+        queries, keys = self.indices(c, j)
+        c.acc["dP"] = backward_dscores(self.plan, self.prob, c.acc["S"], c.acc["dP"], self.column_stat(c, "D", j, where), raw,
+                                       queries, keys, self.prob.h0 + self.work[j][0], self.scale)
+        c.holds["dP"] = ("dS", j)
 
     def grad_scores(self, c: _Consumer, j: int, where: str) -> None:
-        """dS^T = P^T (dP^T - D) in dP^T's registers."""
+        """dS^T, unless the RecomputeP step made it (a derivative that reads the score)."""
+        if self.plan.score_mask.derivative_reads_score:
+            self.expect(c, "dP", "dS", j, where)
+            return
         self.touch(c, ("S", "dP"), ("dP",), where)
         self.expect(c, "S", "P", j, where)
-        self.expect(c, "dP", "dP", j, where)
-        c.acc["dP"] = self.plan.score_grad.evaluate(c.acc["S"], c.acc["dP"], self.column_stat(c, "D", j, where))
-        c.holds["dP"] = ("dS", j)
+        self.make_ds(c, j, None, where)
 
     def convert(self, c: _Consumer, frag: str, j: int, where: str) -> None:
         """A fragments of dV (``P``) or dK (``dS``): register ``r`` of step ``t`` packs the accumulator values

@@ -40,3 +40,26 @@ def test_head_forward_results_equal_the_reference_attention():
     assert np.isneginf(g.lse[0]) and (g.o[0] == 0).all() and (g.dq[0] == 0).all()
     np.testing.assert_allclose(g.lse[1:], lse[0, 0, 1:].numpy(), rtol=1e-12)
     np.testing.assert_allclose(g.delta, (do * g.o).sum(axis=1))
+
+
+def test_numpy_gradients_with_mods_equal_autograd():
+    """``head_mods``: a mask_mod's keep and a score_mod with its derivative per (batch, query head), GQA."""
+    rng = np.random.default_rng(11)
+    q, do = (rng.standard_normal((2, 19, 4, 16)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 23, 2, 16)) for _ in range(2))
+    slope = torch.tensor([0.5, 0.25, 0.125, 1.0])
+    score_mod = lambda s, b, h, i, j: 3.0 * torch.tanh(s / 3.0) - slope[h] * (i - j) + b  # noqa: E731
+    mask_mod = lambda b, h, i, j: (j <= i + 2) | (j < 4 + h)  # noqa: E731
+    i, j = np.arange(19)[:, None], np.arange(23)[None, :]
+
+    def head_mods(b, h):
+        def score(s):
+            t = np.tanh(s / 3.0)
+            return 3.0 * t - float(slope[h]) * (i - j) + b, 1.0 - t * t
+        return (j <= i + 2) | (j < 4 + h), score
+
+    got = gradients(q, k, v, do, causal=True, align="bottom_right", head_mods=head_mods)
+    want = reference.gradients(*(torch.from_numpy(x) for x in (q, k, v, do)), causal=True, align="bottom_right",
+                               score_mod=score_mod, mask_mod=mask_mod)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
