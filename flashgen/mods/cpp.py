@@ -55,19 +55,7 @@ def _load(node: Load, names: dict) -> str:
     return f"a.{t.name}[{offset}]"
 
 
-def uniform_nodes(root) -> frozenset:
-    """The nodes whose value is the same for every score of a tile: built from captured values, literals, ``b`` and
-    ``h`` only (the compiler computes them once per tile, e.g. a divisor's reciprocal)."""
-    out = set()
-    for n in postorder(root):
-        if isinstance(n, (Const, Scalar)) or (isinstance(n, Arg) and n.name in ("b", "h")):
-            out.add(n)
-        elif not isinstance(n, Arg) and n.operands and all(o in out for o in n.operands):
-            out.add(n)
-    return frozenset(out)
-
-
-def _expr(node, names: dict, fast: frozenset = frozenset(), uniform: frozenset = frozenset()) -> str:
+def _expr(node, names: dict, fast: frozenset = frozenset()) -> str:
     if isinstance(node, Arg):
         return node.name
     if isinstance(node, Const):
@@ -83,8 +71,6 @@ def _expr(node, names: dict, fast: frozenset = frozenset(), uniform: frozenset =
     if isinstance(node, Unary):
         return unary_cpp(node.op, node.dtype, names[node.x])
     if isinstance(node, Binary):
-        if node.op == "truediv" and node.b in uniform:  # one reciprocal per tile, a multiply per score
-            return f"fg_fdiv_uniform({names[node.a]}, {names[node.b]})"
         return binary_cpp(node.op, node.a.dtype, names[node.a], names[node.b])
     if isinstance(node, Where):
         return f"({names[node.cond]} ? {names[node.a]} : {names[node.b]})"
@@ -99,9 +85,9 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     sig = ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
     result = "float" if kind == "score" else "bool"
     names, lines = {}, [" ".join(f"(void){p};" for p in params + ("a",))]
-    fast, uniform = fast_casts(root), uniform_nodes(root)
+    fast = fast_casts(root)
     for i, node in enumerate(postorder(root)):
-        text = _expr(node, names, fast, uniform)
+        text = _expr(node, names, fast)
         if isinstance(node, (Arg, Const, Scalar)):
             names[node] = text
         else:

@@ -34,14 +34,10 @@ __host__ __device__ __forceinline__ float fg_fmul(float a, float b) { return a *
 #ifdef __CUDA_ARCH__
 __host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return __fdividef(a, b); }
 __host__ __device__ __forceinline__ float fg_exp(float x) { return __expf(x); }
-// a / b with b the same for a whole tile (flashgen/mods/cpp.py: uniform_nodes): the compiler computes the
-// reciprocal once, each score pays one multiply (<= 1.5 ulp, within __fdividef's 2)
-__host__ __device__ __forceinline__ float fg_fdiv_uniform(float a, float b) { return a * __frcp_rn(b); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return __logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 #else
 __host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return a / b; }
-__host__ __device__ __forceinline__ float fg_fdiv_uniform(float a, float b) { return a / b; }
 __host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
