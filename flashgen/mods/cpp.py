@@ -18,7 +18,6 @@ import math
 
 from .expr import BOOL, FLOAT, INT, INT32_MIN, Arg, Binary, Buffer, Cast, Const, Load, Scalar, Unary, Where, postorder
 from .ops import HELPERS, binary_cpp, cast_cpp, unary_cpp
-from .ranges import fast_casts
 
 CPP_TYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -55,7 +54,7 @@ def _load(node: Load, names: dict) -> str:
     return f"a.{t.name}[{offset}]"
 
 
-def _expr(node, names: dict, fast: frozenset = frozenset()) -> str:
+def _expr(node, names: dict) -> str:
     if isinstance(node, Arg):
         return node.name
     if isinstance(node, Const):
@@ -65,8 +64,6 @@ def _expr(node, names: dict, fast: frozenset = frozenset()) -> str:
     if isinstance(node, Load):
         return _load(node, names)
     if isinstance(node, Cast):
-        if node in fast:  # an int known to be small (flashgen.mods.ranges): no quarter-rate conversion
-            return f"fg_i2f_small({names[node.x]})"
         return cast_cpp(node.dtype, node.x.dtype, names[node.x])
     if isinstance(node, Unary):
         return unary_cpp(node.op, node.dtype, names[node.x])
@@ -85,9 +82,8 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     sig = ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
     result = "float" if kind == "score" else "bool"
     names, lines = {}, [" ".join(f"(void){p};" for p in params + ("a",))]
-    fast = fast_casts(root)
     for i, node in enumerate(postorder(root)):
-        text = _expr(node, names, fast)
+        text = _expr(node, names)
         if isinstance(node, (Arg, Const, Scalar)):
             names[node] = text
         else:

@@ -13,7 +13,6 @@ traced call takes them as graph inputs), the scalars come first as numbers.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import struct
 from typing import Any
@@ -23,7 +22,6 @@ import attrs
 from .cpp import CPP_TYPE, function_cpp, struct_cpp
 from .expr import FLOAT
 from .grad import derivative, is_one, reads_score
-from .ranges import INDEX_LIMIT, fast_casts
 from .ops import HELPERS
 from .traced import ModArgs, TracedMod
 
@@ -58,12 +56,6 @@ class KernelMods:
     @property
     def n_words(self) -> int:
         return sum(len(m.scalars) + sum(1 + t.rank for t in m.tensors) for m in self.mods)
-
-    @property
-    def index_limit(self) -> "int | None":
-        """The longest sequence the kernel takes (its index arithmetic converts ints to floats the fast way,
-        exact up to there: :mod:`flashgen.mods.ranges`), or None: any length."""
-        return _index_limit(self)
 
     def uses(self, arg: str) -> bool:
         """Whether the mask mod reads its argument ``arg`` ("b" or "h"): the block mask has that dimension."""
@@ -124,9 +116,6 @@ class KernelMods:
         applied to dK and dQ as they are written)."""
         lines = [f"if ({a}->n_mod_words != {self.n_words} || ({self.n_words} && {a}->mod_words == nullptr))",
                  "    return (int)cudaErrorInvalidValue;  // the launcher passes the words of flashgen.mods.KernelMods"]
-        if self.index_limit is not None:
-            lines += [f"if ({a}->seq_q > {self.index_limit} || {a}->seq_k > {self.index_limit})",
-                      "    return (int)cudaErrorInvalidValue;  // fg_i2f_small is exact for the indices of shorter sequences"]
         w = 0
         for m in self.mods:
             for s in m.scalars:
@@ -176,12 +165,6 @@ def prepare_mods(score_mod: Any = None, mask_mod: Any = None) -> "tuple[KernelMo
     score, score_args = prepare(score_mod, "score") if score_mod is not None else (None, None)
     mask, mask_args = prepare(mask_mod, "mask") if mask_mod is not None else (None, None)
     return KernelMods(score, mask), (score_args, mask_args)
-
-
-@functools.lru_cache(maxsize=256)
-def _index_limit(mods: KernelMods) -> "int | None":
-    exprs = [m.expr for m in mods.mods] + ([mods.score_derivative()] if mods.score_derivative() is not None else [])
-    return INDEX_LIMIT if any(fast_casts(e) for e in exprs) else None
 
 
 def _to_word(dtype: str, value) -> int:

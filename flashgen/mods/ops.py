@@ -42,15 +42,6 @@ __host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
 #endif
-// int -> float, exact for x in [-2^22, 2^22) (callers prove the range: flashgen/mods/ranges.py): x's bits added
-// to those of 1.5 * 2^23, then 1.5 * 2^23 subtracted, two full-rate instructions where a conversion runs at a quarter
-__host__ __device__ __forceinline__ float fg_i2f_small(int x) {
-#ifdef __CUDA_ARCH__
-    return __int_as_float(0x4B400000 + x) - 12582912.0f;
-#else
-    return (float)x;
-#endif
-}
 // Python's and torch's floor division and modulo (C truncates toward zero)
 __host__ __device__ __forceinline__ int fg_floordiv(int a, int b) { const int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
 __host__ __device__ __forceinline__ int fg_floormod(int a, int b) { const int r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
