@@ -6,6 +6,8 @@ the block mask of the case's mask_mod made once, outside the timing), and flashg
 without mods and with the built-in causal mask (the bars for a mod's cost). Rounds rotate the order;
 each row reports the median TFLOP/s (causal-like masks count the kept half) and the ratios' range over
 rounds. Every flashgen output is checked against the float64 reference on a slice of query rows first.
+``--pass fwd+bwd`` times the forward and the backward (``torch.autograd.grad`` of q, k, v, 3.5x the forward's
+FLOPs) of every callable instead: training with the functions (flashgen's gradients are checked by the GPU tests).
 
     python benchmarks/mods_bench.py --seqs 2048 8192 --rounds 3 --json mods_h100.json
 """
@@ -66,10 +68,21 @@ def flex_callable(q, k, v, score_mod, mask_mod):
     return lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask)
 
 
+def with_backward(fn, leaves: list, do: torch.Tensor):
+    """``fn`` (a forward) followed by the gradients of q, k, v (``do`` shaped as flashgen's o; flex's o is
+    (batch, heads, seq, d), the same values transposed)."""
+    def run():
+        o = fn()
+        return torch.autograd.grad(o, leaves, do if o.shape == do.shape else do.transpose(1, 2))
+    return run
+
+
 def bench_seq(seq: int, args) -> list[dict]:
     device, batch = "cuda", max(1, args.tokens // seq)
     dt = getattr(torch, args.dtype)
-    q, k, v = (torch.randn(batch, seq, args.heads, args.d_head, device=device, dtype=dt) for _ in range(3))
+    train = args.pass_ == "fwd+bwd"
+    q, k, v = (torch.randn(batch, seq, args.heads, args.d_head, device=device, dtype=dt, requires_grad=train) for _ in range(3))
+    do = torch.randn_like(q)
     attn = flashgen.compile("auto")
     base = {"flashgen none": lambda: attn(q, k, v), "flashgen causal": lambda: attn(q, k, v, causal=True)}
     rows = []
@@ -77,16 +90,20 @@ def bench_seq(seq: int, args) -> list[dict]:
         if args.cases and name not in args.cases:
             continue
         rows_q = slice(0, min(seq, 256))
-        out = attn(q, k, v, score_mod=score, mask_mod=mask)
+        with torch.no_grad():
+            out = attn(q, k, v, score_mod=score, mask_mod=mask)
         sub = {"score_mod": score, "mask_mod": mask}
         if seq <= 4096:  # the float64 reference of every row is too large beyond
-            check_attention(out[:, rows_q].contiguous(), q[:, rows_q], k, v, f"{name} seq {seq}",
+            check_attention(out[:, rows_q].contiguous(), q[:, rows_q].detach(), k.detach(), v.detach(), f"{name} seq {seq}",
                             **{key: f for key, f in sub.items() if f is not None})
         fns = {"flashgen": lambda s=score, m=mask: attn(q, k, v, score_mod=s, mask_mod=m),
                "flex": flex_callable(q, k, v, score, mask), **base}
+        if train:
+            fns = {n: with_backward(f, [q, k, v], do) for n, f in fns.items()}
         times = interleaved(fns, args.rounds)
-        flops = attention_flops(batch, args.heads, seq, seq, args.d_head) * kept_fraction(mask, seq, device)
-        full = attention_flops(batch, args.heads, seq, seq, args.d_head)
+        work = 3.5 if train else 1.0  # the backward does 2.5x the forward's FLOPs
+        flops = work * attention_flops(batch, args.heads, seq, seq, args.d_head) * kept_fraction(mask, seq, device)
+        full = work * attention_flops(batch, args.heads, seq, seq, args.d_head)
         row = {"case": name, "seq": seq, "batch": batch, "times_ms": times,
                "tflops": {n: flops / 1e9 / statistics.median(t) for n, t in times.items()}}
         row["tflops"]["flashgen none"] = full / 1e9 / statistics.median(times["flashgen none"])
@@ -115,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="element type (default bfloat16)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each in a rotated order (default 3)")
     p.add_argument("--cases", nargs="*", help="only these cases (default: all)")
+    p.add_argument("--pass", dest="pass_", choices=["fwd", "fwd+bwd"], default="fwd",
+                   help="time the forward, or the forward and the backward (training) (default fwd)")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -127,7 +146,7 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     if args.json:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype, "pass": args.pass_,
                 "heads": args.heads, "d_head": args.d_head, "tokens": args.tokens, "rounds": args.rounds}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

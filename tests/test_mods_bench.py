@@ -38,3 +38,12 @@ def test_without_a_gpu_it_says_so(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         mb.main(["--seqs", "256"])
     assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_with_backward_gives_the_gradients_of_either_layout():
+    q = torch.randn(2, 5, 3, 4, requires_grad=True)
+    do = torch.randn(2, 5, 3, 4)
+    (g,) = mb.with_backward(lambda: q * 2.0, [q], do)()
+    assert torch.equal(g, do * 2.0)
+    (g,) = mb.with_backward(lambda: q.transpose(1, 2) * 3.0, [q], do)()  # flex's (batch, heads, seq, d)
+    assert torch.allclose(g, do * 3.0)
