@@ -39,6 +39,7 @@ from flashgen.dsl.plan import OperandLoad, WarpGemm
 from flashgen.dsl.steps import (Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait,
                                 WaitOrder, runs)
 from flashgen.sim import fragments as fr
+from flashgen.sim.block_mask import BackwardView
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import VEC_ELEMS, CopyTrace, trace_copy
 from flashgen.sim.cta import CTA, HazardTracker
@@ -101,12 +102,16 @@ class _BwdCta:
     ``turns``: per query head of the group, the turn counter of each query block (deterministic)."""
 
     def __init__(self, plan: BackwardPlan, prob: BwdProblem, traces: dict, k: np.ndarray, v: np.ndarray,
-                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float, turns: list[np.ndarray] | None = None):
+                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float, turns: list[np.ndarray] | None = None,
+                 block_mask: "BackwardView | None" = None):
         cfg = self.cfg = plan.cfg
         self.plan, self.prob, self.tr, self.heads, self.dq_accum = plan, prob, traces, heads, dq_accum
+        self.block_mask = block_mask  # the mask_mod's (flashgen.sim.block_mask.BackwardView), or None
         self.turns = turns if turns is not None else [np.zeros(-(-prob.seq_q // cfg.B_r), np.int64) for _ in heads]
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        if block_mask is not None:
+            qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
         self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
         # K and V are tracked per (row, column part): the warps of a group stage dK / dV over them side by side
         self.parts = {"K": cfg.d_split, "V": cfg.d_split}
@@ -274,6 +279,8 @@ class _BwdCta:
         h, qb = self.work[j]
         kr = cfg.key_rows_per_warp
         masked = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        if self.block_mask is not None:
+            masked = self.block_mask.masked(h, prob.kb, qb, masked)
         for w in range(cfg.n_warps):
             s = self.s[w]
             if masked:

@@ -53,6 +53,7 @@ from flashgen.dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP,
                                 WaitOrder, WgmmaWait, runs)
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem
+from flashgen.sim.block_mask import BackwardView
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, walk_consumers, wgmma_k16
 from flashgen.sim.layout_eval import offsets
 
@@ -120,11 +121,15 @@ class HopperBwdCta:
     ``[seq_q, d]`` buffer the consumers add into."""
 
     def __init__(self, plan: HopperBackwardPlan, prob: BwdProblem, k: np.ndarray, v: np.ndarray, heads: list[BwdHeadData],
-                 stats: list[tuple[np.ndarray, np.ndarray]], dq_accum: list[np.ndarray], scale: float):
+                 stats: list[tuple[np.ndarray, np.ndarray]], dq_accum: list[np.ndarray], scale: float,
+                 block_mask: "BackwardView | None" = None):
         cfg = self.cfg = plan.cfg
         self.plan, self.prob, self.heads, self.stats, self.dq_accum = plan, prob, heads, stats, dq_accum
+        self.block_mask = block_mask  # the mask_mod's (flashgen.sim.block_mask.BackwardView), or None
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        if block_mask is not None:
+            qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
         items = [(h, j) for h in range(len(heads)) for j in range(*qb)]
         self.work = [items[i] for i in plan.item_order(len(items), prob.kb)] if items else []
         self.scale = _F32(scale)
@@ -390,7 +395,10 @@ class HopperBwdCta:
         self.expect(c, "S", "S", j, where)
         h, qb = self.work[j]
         s, cs = c.acc["S"], self.maps["S"]
-        if plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args):
+        masked = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        if self.block_mask is not None:
+            masked = self.block_mask.masked(h, prob.kb, qb, masked)
+        if masked:
             keys = prob.kb * cfg.B_c + 64 * c.w + cs.rows
             keep = plan.query_blocks.keep_array(qb * cfg.B_r + cs.cols, keys, prob.seq_q, prob.seq_k, *prob.mask_args)
             s = np.where(keep, s, _F32(-np.inf)).astype(_F32)
