@@ -154,8 +154,10 @@ def _backward_mods(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     dq, dk, dv = torch.ops.flashgen.attention_backward_mods(
         dout, q, k, v, out, lse, dlse, handle, softmax_scale, mask_offset, window_left, window_right, ctx.mod_words,
         mod_tensors, block_mask)
-    # no gradient for kernel, scale, offsets, return_lse, mod_words; a list for the tensor list; none for the block mask
-    return (dq, dk, dv) + (None,) * 7 + ([None] * ctx.n_mod_tensors, None)
+    # no gradient for kernel, scale, offsets, return_lse, mod_words; a list for the tensor list; none for the block mask.
+    # An empty int list is a list to torch's check of the structure (a mask_mod without numbers), a full one a leaf
+    words_grad = None if ctx.mod_words else []
+    return (dq, dk, dv) + (None,) * 6 + (words_grad, [None] * ctx.n_mod_tensors, None)
 
 
 torch.library.register_autograd("flashgen::attention_mods", _backward_mods, setup_context=_setup_context_mods)

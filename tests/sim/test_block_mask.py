@@ -125,3 +125,44 @@ def test_a_backward_cta_keeps_every_query_block_any_head_of_its_group_keeps_a_sc
                 assert view.masked(g, kb, qb, needs=True)
     none = bm.BackwardView(ScoreMask("none", B_r, B_c, prepare_mods(mask_mod=fn)[0]), None, 0, (0,))
     assert none.clip(1, 2, 5, deterministic=False) == (2, 5) and none.masked(0, 1, 2, needs=False)
+
+
+def _band(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx >= 40 * h) & (q_idx - kv_idx < 100)
+
+
+@pytest.mark.parametrize("engine", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_simulators_walk_the_block_masks_query_blocks(engine, deterministic):
+    """A simulated backward CTA given the block mask walks the query blocks of its range that any head of its group
+    keeps a score in (the built-in range whole where deterministic: key_rank counts every key block of it)."""
+    from flashgen.dsl.backward_config import BackwardConfig
+    from flashgen.dsl.backward_plan import make_backward_plan
+    from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+    from flashgen.sim.backward_cta import BwdHeadData, BwdProblem, _BwdCta, trace_backward
+    from flashgen.sim.hopper_backward_cta import HopperBwdCta
+
+    mods, (_, args) = prepare_mods(mask_mod=_band)
+    cfg = (BackwardConfig("fp16", d_head=64) if engine == "mma_sync" else BackwardConfig.wgmma("fp16", 64)).replace(deterministic=deterministic)
+    plan = (make_backward_plan if engine == "mma_sync" else make_hopper_backward_plan)(cfg, mods)
+    seq_q, seq_k, d = 300, 260, 64
+    mask = bm.block_mask(plan.score_mask, args.values(), 1, 4, seq_q, seq_k, transposed=True)
+    n_qb = -(-seq_q // cfg.B_r)
+    heads = [BwdHeadData(np.zeros((seq_q, d), np.uint16), np.zeros((seq_q, d), np.uint16), np.zeros(seq_q, np.float32),
+                         np.zeros(seq_q, np.float32)) for _ in range(2)]
+    kv = np.zeros((seq_k, d), np.uint16)
+    dq = [np.zeros((seq_q, d), np.float32) for _ in heads]
+    walked = set()
+    for kb, h0 in itertools.product(range(-(-seq_k // cfg.B_c)), (0, 2)):
+        view = bm.BackwardView(plan.score_mask, mask, 0, (h0, h0 + 1))
+        prob = BwdProblem(seq_q, seq_k, kb)
+        if engine == "mma_sync":
+            cta = _BwdCta(plan, prob, trace_backward(plan), kv, kv, heads, dq, 1.0, block_mask=view)
+        else:
+            stats = [(np.zeros(n_qb * cfg.B_r, np.float32),) * 2 for _ in heads]
+            cta = HopperBwdCta(plan, prob, kv, kv, heads, stats, dq, 1.0, block_mask=view)
+        kept = [qb for qb in range(n_qb) if any(mask[0, h, kb, 2 + qb] for h in (h0, h0 + 1))]
+        blocks = range(n_qb) if deterministic else range(kept[0], kept[-1] + 1) if kept else range(0)
+        assert sorted(cta.work) == [(g, qb) for g in range(2) for qb in blocks], (kb, h0)
+        walked.add(len(blocks))
+    assert walked == {n_qb} if deterministic else len(walked) > 2 and 0 in walked  # ranges of several lengths, an empty one
