@@ -17,7 +17,9 @@ on first use.
 Calls with a score_mod / mask_mod (``flashgen::attention_mods``) are differentiated the same way, by a backward
 kernel built with the same functions, on the values the forward call had (its captured numbers and tensors):
 gradients flow through the score_mod with respect to the score (:mod:`flashgen.mods.grad`), not into captured
-tensors.
+tensors. With a mask_mod the backward gets its own block mask (transposed: per key block the query blocks it
+keeps a score in), made by ``flashgen::mask_blocks`` with the backward kernel's handle and kept by the forward's
+object (:func:`register`'s ``block_mask``).
 
 A gradient that reaches the returned lse is taken into account (``d lse_i / d s_ij = scale * p_ij``
 folds into the backward's ``D = rowsum(dO * O)`` as ``D - dlse``).
@@ -39,13 +41,22 @@ _factories: dict[int, Callable[[int, bool], int]] = {}
 _handles: dict[tuple[int, int, bool], int] = {}
 #: forward kernels whose every backward is the deterministic one
 _always_deterministic: set[int] = set()
+#: forward kernel handle (one built with a mask_mod) -> ``maker(backward handle, q, k, mod_words, mod_tensors)``: the
+#: backward kernel's block mask for a call of these sizes and values (kept by the maker)
+_block_masks: dict[int, Callable] = {}
 _lock = threading.Lock()
 
 
-def register(forward: int, factory: Callable[[int, bool], int], deterministic: bool = False) -> None:
+def register(forward: int, factory: Callable[[int, bool], int], deterministic: bool = False,
+             block_mask: "Callable | None" = None) -> None:
     """Forward kernel ``forward`` is differentiated by the kernel ``factory(seq_k, deterministic)`` builds
-    and loads; ``deterministic``: always by its deterministic variant."""
+    and loads; ``deterministic``: always by its deterministic variant; ``block_mask`` (a kernel with a mask_mod):
+    ``block_mask(backward handle, q, k, mod_words, mod_tensors)`` makes the backward's block mask."""
     _factories[forward] = factory
+    if block_mask is not None:
+        _block_masks[forward] = block_mask
+    else:
+        _block_masks.pop(forward, None)
     if deterministic:
         _always_deterministic.add(forward)
     else:
@@ -137,11 +148,16 @@ def _backward_mods(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     q, k, v, out = (_launchable(t) for t in (q, k, v, out))
     dout = torch.zeros_like(out) if dout is None else _launchable(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
+    handle = backward_handle(kernel, k.shape[1], ctx.deterministic)
+    maker = _block_masks.get(kernel)  # a mask_mod's: the backward skips the key blocks' empty query blocks
+    block_mask = maker(handle, q, k, ctx.mod_words, mod_tensors) if maker is not None else None
     dq, dk, dv = torch.ops.flashgen.attention_backward_mods(
-        dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1], ctx.deterministic), softmax_scale, mask_offset,
-        window_left, window_right, ctx.mod_words, mod_tensors)
-    # no gradient for kernel, scale, offsets, return_lse, mod_words; a list for the tensor list; none for the block mask
-    return (dq, dk, dv) + (None,) * 7 + ([None] * ctx.n_mod_tensors, None)
+        dout, q, k, v, out, lse, dlse, handle, softmax_scale, mask_offset, window_left, window_right, ctx.mod_words,
+        mod_tensors, block_mask)
+    # no gradient for kernel, scale, offsets, return_lse, mod_words; a list for the tensor list; none for the block mask.
+    # An empty int list is a list to torch's check of the structure (a mask_mod without numbers), a full one a leaf
+    words_grad = None if ctx.mod_words else []
+    return (dq, dk, dv) + (None,) * 6 + (words_grad, [None] * ctx.n_mod_tensors, None)
 
 
 torch.library.register_autograd("flashgen::attention_mods", _backward_mods, setup_context=_setup_context_mods)

@@ -47,7 +47,8 @@ ATTENTION_MODS_SCHEMA = ("attention_mods(Tensor q, Tensor k, Tensor v, int kerne
                          "int window_left, int window_right, bool return_lse, int[] mod_words, Tensor[] mod_tensors, "
                          "Tensor? block_mask) -> (Tensor, Tensor)")
 #: ``mask_blocks(q, k, kernel, shape, mod_words, mod_tensors) -> block_mask``: a mask_mod's block mask (int32 of
-#: ``shape``, :meth:`flashgen.mods.KernelMods.block_mask_shape`) for calls of q's and k's sizes.
+#: ``shape``, :meth:`flashgen.mods.KernelMods.block_mask_shape`; transposed where ``kernel`` is a backward kernel)
+#: for calls of q's and k's sizes.
 MASK_BLOCKS_SCHEMA = ("mask_blocks(Tensor q, Tensor k, int kernel, int[] shape, int[] mod_words, Tensor[] mod_tensors) "
                       "-> Tensor")
 #: ``attention_backward(dout, q, k, v, out, lse, dlse, kernel, ...) -> (dq, dk, dv)`` through a backward kernel;
@@ -55,10 +56,11 @@ MASK_BLOCKS_SCHEMA = ("mask_blocks(Tensor q, Tensor k, int kernel, int[] shape, 
 ATTENTION_BACKWARD_SCHEMA = ("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                              "Tensor? dlse, int kernel, float softmax_scale, int mask_offset, int window_left, "
                              "int window_right) -> (Tensor, Tensor, Tensor)")
-#: ``attention_backward_mods(..., mod_words, mod_tensors) -> (dq, dk, dv)``: the backward of an ``attention_mods``
-#: call, through a backward kernel built with the same score_mod / mask_mod, on the same values.
+#: ``attention_backward_mods(..., mod_words, mod_tensors, block_mask) -> (dq, dk, dv)``: the backward of an
+#: ``attention_mods`` call, through a backward kernel built with the same score_mod / mask_mod, on the same values;
+#: ``block_mask``: ``mask_blocks`` with the backward kernel's handle (its transposed block mask), or None.
 ATTENTION_BACKWARD_MODS_SCHEMA = ATTENTION_BACKWARD_SCHEMA.replace("attention_backward(", "attention_backward_mods(").replace(
-    "int window_right)", "int window_right, int[] mod_words, Tensor[] mod_tensors)")
+    "int window_right)", "int window_right, int[] mod_words, Tensor[] mod_tensors, Tensor? block_mask)")
 
 class LauncherError(RuntimeError):
     """The launcher library could not be built; the message holds the compiler's output."""
@@ -106,7 +108,7 @@ def _attention_backward_fake(dout, q, k, v, out, lse, dlse, kernel, softmax_scal
 
 @torch.library.register_fake("flashgen::attention_backward_mods")
 def _attention_backward_mods_fake(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right,
-                                  mod_words, mod_tensors):
+                                  mod_words, mod_tensors, block_mask):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

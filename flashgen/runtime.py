@@ -101,7 +101,10 @@ class Attention:
         self._mod_calls: dict[tuple, list] = {}
         self._checked_devices: set = set()  # devices check() passed on for calls with mods
         self._backwards: dict[BackwardConfig, int] = {}
-        autograd.register(self._handle, self._load_backward, deterministic)
+        self._backward_cfgs: dict[int, BackwardConfig] = {}  # handle -> config (its block mask's B_r and B_c)
+        masked = built.mods is not None and built.mods.mask is not None
+        autograd.register(self._handle, self._load_backward, deterministic,
+                          block_mask=self._backward_block_mask if masked else None)
 
     @property
     def compile_seconds(self) -> float:
@@ -147,6 +150,7 @@ class Attention:
         if handle is None:
             built = build(cfg, self.built.capability, verbose=self.verbose, mods=self.built.mods)
             handle = self._backwards[cfg] = _load(built, self.verbose)
+            self._backward_cfgs[handle] = cfg
         return handle
 
     def _variant(self, mask: str) -> "Attention":
@@ -277,16 +281,22 @@ class Attention:
         except (RuntimeError, ValueError, TypeError):
             return None
 
-    def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list):
-        """The mask_mod's block mask for this call's sizes and values, made on the GPU once per (sizes, values,
-        captured tensors' addresses and versions) and kept (a few dozen of them at most)."""
+    def _backward_block_mask(self, handle: int, q, k, words: list, tensors: list):
+        """The transposed block mask of backward kernel ``handle`` (one this object loaded: built with its mods) for a
+        call with these sizes and the forward's values (:meth:`_block_mask`'s cache)."""
+        return self._block_mask(self.built.mods, q, k, words, tensors, backward=handle)
+
+    def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list, backward: "int | None" = None):
+        """The mask_mod's block mask for this call's sizes and values, made on the GPU once per (kernel, sizes,
+        values, captured tensors' addresses and versions) and kept (a few dozen of them at most); ``backward``:
+        the transposed one of that backward kernel (a handle of :meth:`_load_backward`), with its block sizes."""
         # only the mask_mod's own values matter (KernelMods.pack: scalars score then mask, tensors likewise); a
         # tensor is named by identity (checked through a weak reference: a new tensor that the allocator places at
         # a dead one's address, of the same version, is another tensor), version and address
         mask = mods.mask
         first = len(mods.score.scalars) if mods.score is not None else 0
         q_shape, k_shape = q.shape, k.shape
-        key = [mask.key, q_shape, k_shape[1], q.device, *words[first:first + len(mask.scalars)]]
+        key = [backward, mask.key, q_shape, k_shape[1], q.device, *words[first:first + len(mask.scalars)]]
         mask_tensors = tensors[len(tensors) - len(mask.tensors):] if mask.tensors else ()
         for t in mask_tensors:
             key += (id(t), t._version, t.data_ptr())
@@ -296,8 +306,9 @@ class Attention:
             return found[0]
         if len(self._block_masks) >= _MAX_BLOCK_MASKS:
             self._block_masks.clear()
-        shape = mods.block_mask_shape(q_shape[0], q_shape[2], q_shape[1], k_shape[1], self.cfg.B_r, self.cfg.B_c)
-        made = _mask_blocks(q, k, self._handle, list(shape), words, tensors)
+        cfg = self.cfg if backward is None else self._backward_cfgs[backward]
+        shape = mods.block_mask_shape(q_shape[0], q_shape[2], q_shape[1], k_shape[1], cfg.B_r, cfg.B_c, transposed=backward is not None)
+        made = _mask_blocks(q, k, self._handle if backward is None else backward, list(shape), words, tensors)
         self._block_masks[key] = (made, [weakref.ref(t) for t in mask_tensors])
         return made
 

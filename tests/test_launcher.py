@@ -39,12 +39,24 @@ def run(code: str, cache: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-_BUILD = """
-from flashgen import launcher
+#: a mask_mod (a captured tensor, no numbers) the cases build a forward and a backward kernel with
+_MASKED = """
 from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.mods.kernel_mods import prepare_mods
+doc = torch.zeros(8, dtype=torch.int32)
+def same_document(b, h, q_idx, kv_idx):
+    return doc[q_idx] == doc[kv_idx]
+mods, (_, mask_args) = prepare_mods(None, same_document)
+bwd_cfg = BackwardConfig("fp16", d_head=64)
+"""
+
+_BUILD = _MASKED + """
+from flashgen import launcher
 launcher.library()
 build(cfg, (8, 0))
 build(BackwardConfig("fp16", d_head=64), (8, 0))
+build(cfg, (8, 0), mods=mods)
+build(bwd_cfg, (8, 0), mods=mods)
 """
 
 
@@ -162,3 +174,36 @@ for name, call in (("fwd kernel", lambda: torch.ops.flashgen.attention_backward(
     assert "is a forward kernel; the backward operator cannot run it" in lines[0]
     assert "is a backward kernel; the forward operator cannot run it" in lines[1]
     assert lines[2].startswith("cpu ValueError") and "q is on cpu" in lines[2]
+
+
+def test_block_masks_are_checked_against_each_kernels_own_size(cache):
+    """The operators refuse a block mask of another size than the kernel's rule gives: a forward kernel's, and a
+    backward kernel's transposed one (the launcher asks each library through its own argument struct); a mask of
+    the right size passes to the next check."""
+    proc = run(_MASKED + """
+import math
+forward = runtime._load(build(cfg, (8, 0), mods=mods), False)
+backward = runtime._load(build(bwd_cfg, (8, 0), mods=mods), False)
+words, tensors = mods.pack(None, mask_args)
+q, k = torch.zeros(1, 300, 2, 64, dtype=torch.float16), torch.zeros(1, 200, 1, 64, dtype=torch.float16)
+lse = torch.zeros(1, 2, 300)
+calls = {"forward": lambda bm: torch.ops.flashgen.attention_mods(q, k, k, forward, 0.1, 0, -1, -1, False, words, tensors, bm),
+         "backward": lambda bm: torch.ops.flashgen.attention_backward_mods(q, q, k, k, q, lse, None, backward, 0.1, 0, -1, -1,
+                                                                          words, tensors, bm)}
+for kind, c in (("forward", cfg), ("backward", bwd_cfg)):
+    want = math.prod(mods.block_mask_shape(1, 2, 300, 200, c.B_r, c.B_c, transposed=kind == "backward"))
+    for n in (want + 1, want):
+        try:
+            calls[kind](torch.zeros(n, dtype=torch.int32))
+            print(kind, want, "no error")
+        except (ValueError, RuntimeError) as exc:
+            print(kind, want, str(exc).splitlines()[0])
+""", cache)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    (fwd_too_big, fwd_ok, bwd_too_big, bwd_ok) = lines
+    fwd_want, bwd_want = int(fwd_too_big.split()[1]), int(bwd_too_big.split()[1])
+    assert fwd_want != bwd_want  # the two layouts differ for these sizes
+    assert f"block_mask has {fwd_want + 1} elements; a call with these sizes needs {fwd_want}" in fwd_too_big
+    assert f"block_mask has {bwd_want + 1} elements; a call with these sizes needs {bwd_want}" in bwd_too_big
+    assert "q is on cpu" in fwd_ok and "q is on cpu" in bwd_ok

@@ -31,8 +31,8 @@ class ScoreMask:
     kind: str
     B_r: int
     B_c: int
-    #: the user's score_mod / mask_mod (None: the built-in rule only). With a mask_mod every block is
-    #: masked (no block mask is precomputed yet); the scores of rows past seq_q reach no mod.
+    #: the user's score_mod / mask_mod (None: the built-in rule only). With a mask_mod a block mask (made on the
+    #: GPU per call) says which blocks to skip and which are full; the scores of rows past seq_q reach no mod.
     mods: "KernelMods | None" = None
 
     @property
@@ -126,14 +126,18 @@ class ScoreMask:
         """The condition, after ``block_needs_mask(...)``, that sends block ``j`` down the masked path."""
         return "" if self.mask_mod is None else f" || block_mask_partial({row}, {j})"
 
-    def mask_blocks_cpp(self, name: str) -> str:
-        """The block mask's kernels and ``<name>_mask_blocks(args, out, stream)`` (a mask_mod only)."""
+    def mask_blocks_cpp(self, name: str, transposed: bool = False) -> str:
+        """The block mask's kernels, ``<name>_block_mask_numel(args)`` and ``<name>_mask_blocks(args, out, stream)``
+        (a mask_mod only; ``args`` the TU's own argument struct). ``transposed``: the backward's, a row per key block
+        and a class per query block (:meth:`flashgen.mods.KernelMods.block_mask_shape`)."""
         if self.mask_mod is None:
             return ""
         fill = "\n".join("    " + l for l in self.mods.fill_cpp(p="m"))
         fields = " ".join(f.split("//")[0].strip() for f in self.mods.params_cpp())
+        rows, classes, what = ("kb", "qb", "query") if transposed else ("qb", "kb", "key")
         return _MASK_BLOCKS.replace("$NAME", name).replace("$FILL", fill).replace("$FIELDS", fields).replace(
-            "$NH", "a->heads" if self.mods.uses("h") else "1").replace("$NB", "a->batch" if self.mods.uses("b") else "1")
+            "$NH", "a->heads" if self.mods.uses("h") else "1").replace("$NB", "a->batch" if self.mods.uses("b") else "1").replace(
+            "$RB", rows).replace("$CB", classes).replace("$CWHAT", what)
 
     def kernel_name(self, base: str) -> str:
         """A kernel's name: ``base`` (the config's), tagged with the mods' structure where built with them."""
@@ -249,9 +253,23 @@ class ScoreMask:
     # ---- the backward's side of the rule ----------------------------------------------------
 
     def backward_masked_cpp(self, needs: str) -> str:
-        """The backward's ``masked`` flag of one (query block, key block): the built-in rule's ``needs`` (a C++
-        bool), or every block where a mask_mod is compiled in (the backward has no block mask)."""
-        return needs if self.mask_mod is None else "true"
+        """The backward's ``masked`` flag of work item (query head ``head``, query block ``qb``) of key block ``kb``
+        (batch ``batch``): the built-in rule's ``needs`` (a C++ bool), or with a mask_mod also where the block mask
+        does not call the block full (every block without one)."""
+        if self.mask_mod is None:
+            return needs
+        return f"{needs} || bwd_block_mask_partial(p.block_mask, batch, head, kb, qb, p.heads, p.seq_q, p.seq_k)"
+
+    def backward_clip_cpp(self, deterministic: bool) -> list[str]:
+        """Lines after a backward CTA's ``q_block_range``: its query blocks ``[qb_begin, qb_end)`` clipped to those
+        the block mask keeps a score in for any query head of the kv head's group (a mask_mod only). Not in the
+        deterministic variant: there a key block adds dQ of a query block at its rank among the key blocks of the
+        built-in range (``key_rank``), each passing its turn, so every one of them must visit the block."""
+        if self.mask_mod is None:
+            return []
+        if deterministic:
+            return ["// deterministic: the built-in range unclipped (key_rank counts every key block of it); full blocks still skip the mask"]
+        return ["bwd_block_mask_clip(p.block_mask, batch, kv_head * p.kv_group, p.kv_group, kb, p.heads, p.seq_q, p.seq_k, &qb_begin, &qb_end);"]
 
     def backward_masked(self, needs: bool) -> bool:
         """:meth:`backward_masked_cpp` in Python (the backward simulators')."""
@@ -341,7 +359,17 @@ class ScoreMask:
             f"__host__ __device__ __forceinline__ bool block_needs_mask(int jb, int q_row0, {sig}) {{\n"
             f"    (void)offset; (void)left; (void)right; (void)seq_q;\n{ind(need)}\n}}"
         ) + (f"\n// ---- score_mod / mask_mod: {self.mods.describe()}\n{self.mods.to_cpp(backward)}" if self.mods is not None else "") + (
-            _BLOCK_MASK_FNS.replace("$ROW", self._block_row_cpp()) if self.mask_mod is not None else "")
+            self.block_mask_fns_cpp(backward) if self.mask_mod is not None else "")
+
+    def block_mask_fns_cpp(self, backward: bool = False) -> str:
+        """The functions reading the block mask (a mask_mod only): the forward's (``block_mask_row``, ``_clip``,
+        ``_next``, ``_partial``) or, ``backward``, the transposed mask's (``bwd_block_mask_row``, ``_clip``, ``_partial``)."""
+        if not backward:
+            return _BLOCK_MASK_FNS.replace("$ROW", self._block_row_cpp())
+        b = "b" if self.mods.uses("b") else "0"
+        extent, h = ("heads", "h") if self.mods.uses("h") else ("1", "0")
+        return _BWD_BLOCK_MASK_FNS.replace("$ROW", f"(({b}) * {extent} + {h}) * n_kb + kb").replace(
+            "$GROUP", "group" if self.mods.uses("h") else "1")
 
 
 def _block(head: str, body: Sequence[str]) -> list[str]:
@@ -398,7 +426,42 @@ __host__ __device__ __forceinline__ int block_mask_next(const int* r, int j, int
 }
 __host__ __device__ __forceinline__ bool block_mask_partial(const int* r, int kb) { return r == nullptr || r[2 + kb] != 2; }"""
 
-#: The block mask's two kernels and their C entry point; ``$FILL`` fills ``m.mask_args`` from the words.
+#: Reading the backward's (transposed) block mask: ``$ROW`` indexes its rows, ``$GROUP`` counts the rows a CTA's
+#: kv head reads (its group's query heads where the mask_mod reads h, else its one row).
+_BWD_BLOCK_MASK_FNS = """
+// ---- block mask (backward): per (batch, head, key block) the query blocks [lo, hi) holding a kept score, then a
+// class per query block (0 empty, 1 partial, 2 full), made by <name>_mask_blocks; nullptr: every block partial
+__host__ __device__ __forceinline__ const int* bwd_block_mask_row(const int* bm, int b, int h, int kb, int heads, int seq_q, int seq_k) {
+    (void)b; (void)h; (void)heads;
+    if (bm == nullptr) return nullptr;
+    const int n_qb = (seq_q + int(B_r) - 1) / int(B_r), n_kb = (seq_k + int(B_c) - 1) / int(B_c);
+    return bm + int64_t($ROW) * (2 + n_qb);
+}
+// [qb_begin, qb_end) narrowed to the union of the rows' [lo, hi) over query heads h0 .. h0 + group - 1 (never reversed)
+__host__ __device__ __forceinline__ void bwd_block_mask_clip(const int* bm, int b, int h0, int group, int kb, int heads, int seq_q, int seq_k,
+                                                             int* qb_begin, int* qb_end) {
+    (void)group;
+    if (bm == nullptr) return;
+    int lo = 0, hi = 0;  // the union; empty until a non-empty row
+    for (int g = 0; g < $GROUP; ++g) {
+        const int* r = bwd_block_mask_row(bm, b, h0 + g, kb, heads, seq_q, seq_k);
+        if (r[1] <= r[0]) continue;
+        lo = hi > lo && lo < r[0] ? lo : r[0];
+        hi = hi > r[1] ? hi : r[1];
+    }
+    if (hi <= lo) { *qb_end = *qb_begin; return; }  // no kept score in this key block
+    if (lo > *qb_begin) *qb_begin = lo;
+    if (hi < *qb_end) *qb_end = hi;
+    if (*qb_end < *qb_begin) *qb_end = *qb_begin;
+}
+// whether work item (query head h, query block qb) of key block kb takes the masked path: not a full block
+__host__ __device__ __forceinline__ bool bwd_block_mask_partial(const int* bm, int b, int h, int kb, int qb, int heads, int seq_q, int seq_k) {
+    const int* r = bwd_block_mask_row(bm, b, h, kb, heads, seq_q, seq_k);
+    return r == nullptr || r[2 + qb] != 2;
+}"""
+
+#: The block mask's two kernels and their C entry point; ``$FILL`` fills ``m.mask_args`` from the words; ``$RB``:
+#: the blocks of a row (qb forward, kb backward), ``$CB`` those with a class in it (kb, qb), ``$CWHAT`` their name.
 _MASK_BLOCKS = """
 namespace $NAME {
 // one CTA per (key block, query block, batch x head of the mask): does the mask_mod keep all, some or none
@@ -415,16 +478,16 @@ __global__ void mask_blocks_kernel(const mask_mod_args ma, int seq_q, int seq_k,
     }
     any = __syncthreads_or(any);
     all = __syncthreads_and(all);
-    if (threadIdx.x == 0) out[(int64_t(blockIdx.z) * n_qb + qb) * (2 + n_kb) + 2 + kb] = any ? (all ? 2 : 1) : 0;
+    if (threadIdx.x == 0) out[(int64_t(blockIdx.z) * n_$RB + $RB) * (2 + n_$CB) + 2 + $CB] = any ? (all ? 2 : 1) : 0;
 }
-// one thread per row: the range [lo, hi) of its non-empty key blocks ([0, 0) when there is none)
-__global__ void mask_ranges_kernel(int rows, int n_kb, int* out) {
+// one thread per row: the range [lo, hi) of its non-empty $CWHAT blocks ([0, 0) when there is none)
+__global__ void mask_ranges_kernel(int rows, int n_$CB, int* out) {
     const int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= rows) return;
-    int* r = out + int64_t(row) * (2 + n_kb);
-    int lo = n_kb, hi = 0;
-    for (int kb = 0; kb < n_kb; ++kb)
-        if (r[2 + kb] != 0) { lo = kb < lo ? kb : lo; hi = kb + 1; }
+    int* r = out + int64_t(row) * (2 + n_$CB);
+    int lo = n_$CB, hi = 0;
+    for (int $CB = 0; $CB < n_$CB; ++$CB)
+        if (r[2 + $CB] != 0) { lo = $CB < lo ? $CB : lo; hi = $CB + 1; }
     r[0] = lo < hi ? lo : 0;
     r[1] = hi;
 }
@@ -435,7 +498,7 @@ extern "C" int64_t $NAME_block_mask_numel(const $NAME_args* a) {
     using namespace $NAME;
     if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return 0;
     const int64_t nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
-    return nb * nh * n_qb * (2 + n_kb);
+    return nb * nh * n_$RB * (2 + n_$CB);
 }
 
 // The block mask of a call with these arguments into `out` (int32, KernelMods.block_mask_shape), on `stream`.
@@ -446,7 +509,7 @@ extern "C" int $NAME_mask_blocks(const $NAME_args* a, int* out, void* stream) {
 $FILL
     const int nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
     mask_blocks_kernel<<<dim3(n_kb, n_qb, nb * nh), 128, 0, (cudaStream_t)stream>>>(m.mask_args, a->seq_q, a->seq_k, nh, n_qb, n_kb, out);
-    const int rows = nb * nh * n_qb;
-    mask_ranges_kernel<<<(rows + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, n_kb, out);
+    const int rows = nb * nh * n_$RB;
+    mask_ranges_kernel<<<(rows + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, n_$CB, out);
     return (int)cudaGetLastError();
 }"""

@@ -484,6 +484,7 @@ _KERNEL = CodeTemplate(
     elem_t* gdV = p.dv + batch * p.dv_batch + kv_head * p.dv_head + int64_t(kb) * B_c * p.dv_ld;
     int qb_begin, qb_end;  // query blocks holding kept scores of this key block
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
+    $block_mask_clip
     const int n_q = qb_end - qb_begin, work = n_q * p.kv_group;  // (query head of the group, query block) pairs
     struct Item { int head, q_row0; };  // work item w: its query head and first query row
     auto item = [&](int w) { return Item{kv_head * p.kv_group + w / n_q, (qb_begin + w % n_q) * int(B_r)}; };
@@ -573,6 +574,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     convert_dq<<<dim3((a->seq_q * $d_head + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
     return (int)cudaGetLastError();
 }
+$mask_blocks
 #endif  // FLASHGEN_INDEX_ONLY"""
 )
 
@@ -588,6 +590,12 @@ $launcher_code
 """)
 _PARTS = [("header_code", _HEADER), ("device_code", _DEVICE), ("kernel_code", _KERNEL),
           ("launcher_code", _LAUNCHER), ("file", _FILE)]
+
+
+def mask_blocks_lines(plan, name: str) -> list[str]:
+    """The backward's block-mask kernels and entry points (a mask_mod only; no lines otherwise)."""
+    text = plan.score_mask.mask_blocks_cpp(name, transposed=True)
+    return [text] if text else []
 
 
 def emit_backward(plan: BackwardPlan) -> KernelSource:
@@ -620,6 +628,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
         log2e=f"{LOG2E!r}f", bases=_bases(plan), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
         if cfg.deterministic else "0", args_struct=backward_args_struct(name),
+        block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
     ))
     meta = {**kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", kind="backward"),

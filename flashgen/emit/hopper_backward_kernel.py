@@ -18,7 +18,7 @@ from ..dsl.hopper_backward_plan import HopperBackwardPlan
 from ..dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
                          WaitOrder, WgmmaWait)
 from .abi import backward_args_struct
-from .backward_kernel import aux_kernels
+from .backward_kernel import aux_kernels, mask_blocks_lines
 from .hopper_kernel import TARGET, TENSOR_MAPS
 from .ptx import hopper as ptx_hopper, math as ptx_math, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
@@ -322,6 +322,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
     int qb_begin, qb_end;  // query blocks holding kept scores of this key block
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
+    $block_mask_clip
     const int n_q = qb_end - qb_begin, work = n_q > 0 ? n_q * p.kv_group : 0;  // (query head, query block) items
     struct Item { int head, q_row0; };
     // the w-th item walked (the plan's item_order)
@@ -433,7 +434,8 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
     convert_dq<<<dim3((a->seq_q * D_HEAD + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
     return (int)cudaGetLastError();
-}"""
+}
+$mask_blocks"""
 )
 
 _FILE = CodeTemplate("""$header_code
@@ -479,6 +481,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r}) * {plan.consumers}" if cfg.deterministic else "0",
         box_cols=plan.loads["Q"].tma.box_cols, tma_dtype={"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value],
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, smem_attribute=SMEM_ATTRIBUTE,
+        block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
     )
     text = compose(_PARTS, env)
     meta = {**kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", arch=TARGET.name,

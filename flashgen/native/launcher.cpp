@@ -211,7 +211,8 @@ std::vector<int64_t> mod_words_of(const at::Tensor& q, c10::IntArrayRef mod_word
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_launch(
         const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
         const at::Tensor& lse, const std::optional<at::Tensor>& dlse, int64_t kernel, double softmax_scale,
-        int64_t mask_offset, int64_t window_left, int64_t window_right, const std::vector<int64_t>* mod_words) {
+        int64_t mask_offset, int64_t window_left, int64_t window_right, const std::vector<int64_t>* mod_words,
+        const int* block_mask = nullptr) {
     const Kernel& kn = kernel_at(kernel, true);
     check_call(q, k, v, &out, kn);
     check_tensor("dout", dout, q, kn);
@@ -232,6 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_launch(
     a.softmax_scale = float(softmax_scale);
     a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
     if (mod_words != nullptr) { a.mod_words = mod_words->data(); a.n_mod_words = int(mod_words->size()); }
+    a.block_mask = block_mask;
     run_library(kn, a, q);
     return {dq, dk, dv};
 }
@@ -243,14 +245,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     return backward_launch(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right, nullptr);
 }
 
-// The backward through a kernel built with a score_mod / mask_mod, on the values of the forward call.
+void check_block_mask(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& block_mask);
+
+// The backward through a kernel built with a score_mod / mask_mod, on the values of the forward call; `block_mask`
+// from mask_blocks with this backward kernel's handle (or none: every block masked, none skipped).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_mods(
         const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
         const at::Tensor& lse, const std::optional<at::Tensor>& dlse, int64_t kernel, double softmax_scale,
         int64_t mask_offset, int64_t window_left, int64_t window_right, c10::IntArrayRef mod_words,
-        at::TensorList mod_tensors) {
+        at::TensorList mod_tensors, const std::optional<at::Tensor>& block_mask) {
+    check_block_mask(kernel_at(kernel, true), q, k, block_mask);
     const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
-    return backward_launch(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right, &words);
+    return backward_launch(dout, q, k, v, out, lse, dlse, kernel, softmax_scale, mask_offset, window_left, window_right, &words,
+                           block_mask.has_value() ? block_mask->data_ptr<int>() : nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t kernel,
@@ -276,15 +283,39 @@ std::vector<int64_t> mod_words_of(const at::Tensor& q, c10::IntArrayRef mod_word
     return words;
 }
 
-// The int32 count of the block mask a call with q's and k's sizes has (the kernel's own rule), so that a tensor of
-// another size is refused before a kernel reads or writes past it.
+// A call's sizes and (`words`, or none) its mods' values in a kernel's own argument struct, a forward's
+// (flashgen_args) or a backward's (flashgen_bwd_args): what <name>_block_mask_numel and <name>_mask_blocks read.
+template <class Args>
+Args sizes_of(const at::Tensor& q, const at::Tensor& k, const std::vector<int64_t>* words) {
+    Args a{};
+    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
+    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
+    if (words != nullptr) { a.mod_words = words->data(); a.n_mod_words = int(words->size()); }
+    return a;
+}
+
+template <class Args>
+int64_t block_mask_numel_as(const Kernel& kn, const at::Tensor& q, const at::Tensor& k) {
+    const Args a = sizes_of<Args>(q, k, nullptr);
+    return reinterpret_cast<int64_t (*)(const Args*)>(kn.block_mask_numel)(&a);
+}
+
+// The int32 count of the block mask a call with q's and k's sizes has (the kernel's own rule: a forward's, or a
+// backward's transposed one), so that a tensor of another size is refused before a kernel reads or writes past it.
 int64_t block_mask_numel(const Kernel& kn, const at::Tensor& q, const at::Tensor& k) {
     FG_REQUIRE(kn.block_mask_numel != nullptr, "flashgen: kernel ", kn.short_form, " has no mask_mod (no block mask)");
     FG_REQUIRE(q.dim() == 4 && k.dim() == 4, "q and k must be 4-D (batch, seq, heads, d_head)");
-    flashgen_args a{};
-    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
-    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
-    return reinterpret_cast<int64_t (*)(const flashgen_args*)>(kn.block_mask_numel)(&a);
+    return kn.backward ? block_mask_numel_as<flashgen_bwd_args>(kn, q, k) : block_mask_numel_as<flashgen_args>(kn, q, k);
+}
+
+// A block mask given to a launch: int32, contiguous, on q's device, of the size this kernel's rule gives.
+void check_block_mask(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& block_mask) {
+    if (!block_mask.has_value()) return;
+    FG_REQUIRE(block_mask->device() == q.device() && block_mask->scalar_type() == at::kInt && block_mask->is_contiguous(),
+               "block_mask must be a contiguous int32 tensor on q's device (from flashgen::mask_blocks)");
+    const int64_t want = block_mask_numel(kn, q, k);
+    FG_REQUIRE(block_mask->numel() == want, "block_mask has ", block_mask->numel(), " elements; a call with these sizes "
+               "needs ", want, " (flashgen::mask_blocks with this kernel's handle makes it)");
 }
 
 // Attention through a kernel built with a score_mod / mask_mod; `block_mask` from mask_blocks (or none).
@@ -294,13 +325,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at:
                                                   c10::IntArrayRef mod_words, at::TensorList mod_tensors,
                                                   const std::optional<at::Tensor>& block_mask) {
     const Kernel& kn = kernel_at(kernel, false);
-    if (block_mask.has_value()) {
-        FG_REQUIRE(block_mask->device() == q.device() && block_mask->scalar_type() == at::kInt && block_mask->is_contiguous(),
-                   "block_mask must be a contiguous int32 tensor on q's device (from flashgen::mask_blocks)");
-        const int64_t want = block_mask_numel(kn, q, k);
-        FG_REQUIRE(block_mask->numel() == want, "block_mask has ", block_mask->numel(), " elements; a call with these sizes "
-                   "needs ", want, " (flashgen::mask_blocks makes it)");
-    }
+    check_block_mask(kn, q, k, block_mask);
     check_call(q, k, v, nullptr, kn);
     const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
     at::Tensor out = at::empty_like(q);
@@ -309,11 +334,18 @@ std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at:
     return {out, lse};
 }
 
-// The block mask (int32, `shape`: flashgen.mods.KernelMods.block_mask_shape) of a kernel built with a mask_mod,
-// for calls with q's and k's sizes and these mod values.
+template <class Args>
+int mask_blocks_as(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const std::vector<int64_t>& words, int* out,
+                   void* stream) {
+    const Args a = sizes_of<Args>(q, k, &words);
+    return reinterpret_cast<int (*)(const Args*, int*, void*)>(kn.mask_blocks)(&a, out, stream);
+}
+
+// The block mask (int32, `shape`: flashgen.mods.KernelMods.block_mask_shape, transposed for a backward kernel) of a
+// kernel built with a mask_mod, forward or backward, for calls with q's and k's sizes and these mod values.
 at::Tensor mask_blocks(const at::Tensor& q, const at::Tensor& k, int64_t kernel, c10::IntArrayRef shape,
                        c10::IntArrayRef mod_words, at::TensorList mod_tensors) {
-    const Kernel& kn = kernel_at(kernel, false);
+    const Kernel& kn = kernel_at(kernel);
     FG_REQUIRE(kn.mask_blocks != nullptr, "flashgen: kernel ", kn.short_form, " has no mask_mod (no block mask)");
     FG_REQUIRE(q.is_cuda() && q.dim() == 4 && k.dim() == 4, "mask_blocks: q and k must be 4-D CUDA tensors");
     const int64_t want = block_mask_numel(kn, q, k);
@@ -322,13 +354,9 @@ at::Tensor mask_blocks(const at::Tensor& q, const at::Tensor& k, int64_t kernel,
     const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
     const c10::DeviceGuard guard(q.device());
     at::Tensor out = at::empty(shape, q.options().dtype(at::kInt));
-    flashgen_args a{};
-    a.batch = int(q.size(0)); a.heads = int(q.size(2)); a.kv_heads = int(k.size(2));
-    a.seq_q = int(q.size(1)); a.seq_k = int(k.size(1));
-    a.mod_words = words.data(); a.n_mod_words = int(words.size());
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(q.device().type())->getStream(q.device());
-    const int err = reinterpret_cast<int (*)(const flashgen_args*, int*, void*)>(kn.mask_blocks)(
-        &a, out.data_ptr<int>(), stream.native_handle());
+    const int err = kn.backward ? mask_blocks_as<flashgen_bwd_args>(kn, q, k, words, out.data_ptr<int>(), stream.native_handle())
+                                : mask_blocks_as<flashgen_args>(kn, q, k, words, out.data_ptr<int>(), stream.native_handle());
     FG_CHECK(err == 0, kn.name, ": the block mask failed with cudaError_t ", err);
     return out;
 }

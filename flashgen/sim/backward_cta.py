@@ -43,6 +43,7 @@ from flashgen.dsl.plan import OperandLoad, WarpGemm
 from flashgen.dsl.steps import (Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait,
                                 WaitOrder, runs)
 from flashgen.sim import fragments as fr
+from flashgen.sim.block_mask import BackwardView
 from flashgen.sim import hardware as hw
 from flashgen.sim.copies import VEC_ELEMS, CopyTrace, trace_copy
 from flashgen.sim.cta import CTA, HazardTracker, check_mods
@@ -87,20 +88,21 @@ def trace_backward(plan: BackwardPlan) -> dict[str, CopyTrace]:
     return {copy.name: trace_copy(plan, kind, copy) for kind, copy in plan.copies()}
 
 
-def backward_scores(plan, prob: BwdProblem, s: np.ndarray, queries: np.ndarray, keys: np.ndarray, head: int, needs: bool,
+def backward_scores(plan, prob: BwdProblem, s: np.ndarray, queries: np.ndarray, keys: np.ndarray, head: int, masked: bool,
                     scale: float) -> np.ndarray:
     """The scores P^T is recomputed from (fp32, -inf where not kept), as the emitters' RecomputeP leaves
     them before ``bwd_prob``: ``s`` raw S^T accumulator values, ``queries`` / ``keys`` their global indices
-    (broadcast to ``s``), ``needs`` the built-in rule's ``bwd_block_needs_mask``. Without mods the built-in
-    rule and ``i < seq_q`` where ``needs``; with mods :meth:`ScoreMask.recompute_cpp`'s rule, whose numpy
-    twin is the forward's :meth:`ScoreMask.apply` (masked blocks: every one with a mask_mod)."""
+    (broadcast to ``s``), ``masked`` the item's ``masked`` flag (``ScoreMask.backward_masked_cpp``: the built-in
+    rule's ``bwd_block_needs_mask``, or a block the block mask does not call full). Without mods the built-in
+    rule and ``i < seq_q`` where ``masked``; with mods :meth:`ScoreMask.recompute_cpp`'s rule, whose numpy
+    twin is the forward's :meth:`ScoreMask.apply`."""
     mask = plan.score_mask
     if mask.mods is None:
-        if not needs:
+        if not masked:
             return s
         keep = plan.query_blocks.keep_array(queries, keys, prob.seq_q, prob.seq_k, *prob.mask_args)
         return np.where(keep, s, _F32(-np.inf)).astype(_F32)
-    return mask.apply(s, queries, keys, mask.backward_masked(needs), b=prob.b, h=head, seq_q=prob.seq_q, seq_k=prob.seq_k,
+    return mask.apply(s, queries, keys, masked, b=prob.b, h=head, seq_q=prob.seq_q, seq_k=prob.seq_k,
                       mask_args=prob.mask_args, mod_values=prob.mod_values, scale=scale)
 
 
@@ -146,12 +148,16 @@ class _BwdCta:
     ``turns``: per query head of the group, the turn counter of each query block (deterministic)."""
 
     def __init__(self, plan: BackwardPlan, prob: BwdProblem, traces: dict, k: np.ndarray, v: np.ndarray,
-                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float, turns: list[np.ndarray] | None = None):
+                 heads: list[BwdHeadData], dq_accum: list[np.ndarray], scale: float, turns: list[np.ndarray] | None = None,
+                 block_mask: "BackwardView | None" = None):
         cfg = self.cfg = plan.cfg
         self.plan, self.prob, self.tr, self.heads, self.dq_accum = plan, prob, traces, heads, dq_accum
+        self.block_mask = block_mask  # the mask_mod's (flashgen.sim.block_mask.BackwardView), or None
         self.turns = turns if turns is not None else [np.zeros(-(-prob.seq_q // cfg.B_r), np.int64) for _ in heads]
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        if block_mask is not None:
+            qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
         self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
         # K and V are tracked per (row, column part): the warps of a group stage dK / dV over them side by side
         self.parts = {"K": cfg.d_split, "V": cfg.d_split}
@@ -328,9 +334,10 @@ class _BwdCta:
         cfg, prob, plan = self.cfg, self.prob, self.plan
         h, qb = self.work[j]
         needs = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        masked = self.block_mask.masked(h, prob.kb, qb, needs) if self.block_mask is not None else plan.score_mask.backward_masked(needs)
         for w in range(cfg.n_warps):
             raw, (queries, keys) = self.s[w].copy(), self._indices(w, j)
-            s = backward_scores(plan, prob, raw, queries, keys, prob.h0 + h, needs, self.scale)
+            s = backward_scores(plan, prob, raw, queries, keys, prob.h0 + h, masked, self.scale)
             self.s[w] = plan.recompute.evaluate(s, self.scale_log2, plan.recompute.lse_log2(self._columns(w, "LSE", j)))
             if plan.score_mask.derivative_reads_score:
                 self.dp[w] = backward_dscores(plan, prob, self.s[w], self.dp[w], self._columns(w, "D", j), raw, queries, keys,

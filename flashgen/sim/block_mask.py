@@ -7,11 +7,17 @@ then one class per key block: 0 empty, 1 partial, 2 full, over the scores with `
 mask_mod ignores them. :func:`row` picks a tile's row as ``block_mask_row`` does, :func:`clip`
 narrows a tile's key blocks as ``block_mask_clip`` does, :func:`walk` lists the blocks a tile visits
 (``block_mask_next`` steps over the empty ones); the simulators use them all.
+
+The backward's block mask (``transposed=True``, made by a backward kernel's ``<name>_mask_blocks`` with its own
+B_r and B_c) holds the same classes per (key block, query block), a row per key block: ``[lo, hi)`` the query
+blocks holding a kept score, then a class per query block. :class:`BackwardView` reads it as the backward kernels
+do (``bwd_block_mask_clip``, ``bwd_block_mask_partial``).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 if TYPE_CHECKING:
@@ -20,9 +26,11 @@ if TYPE_CHECKING:
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-def block_mask(score_mask: "ScoreMask", mask_values: Any, batch: int, heads: int, seq_q: int, seq_k: int) -> np.ndarray:
+def block_mask(score_mask: "ScoreMask", mask_values: Any, batch: int, heads: int, seq_q: int, seq_k: int,
+               transposed: bool = False) -> np.ndarray:
     """The int32 block mask of a call: ``score_mask``'s mask_mod evaluated (``mask_values``: its
-    :meth:`~flashgen.mods.ModArgs.values`) at every score of every block."""
+    :meth:`~flashgen.mods.ModArgs.values`) at every score of every block; ``transposed``: a backward kernel's
+    (a row per key block, a class per query block)."""
     mods = score_mask.mods
     if mods is None or mods.mask is None:
         raise ValueError("a block mask needs a plan built with a mask_mod")
@@ -32,6 +40,7 @@ def block_mask(score_mask: "ScoreMask", mask_values: Any, batch: int, heads: int
     shape = mods.block_mask_shape(batch, heads, seq_q, seq_k, B_r, B_c)
     n_qb, n_kb = shape[2], shape[3] - 2
     out = np.zeros(shape, np.int32)
+    classes = np.zeros(shape[:2] + (n_qb, n_kb), np.int32)
     i = np.arange(seq_q, dtype=np.int32)[:, None]
     j = np.arange(seq_k, dtype=np.int32)[None, :]
     for b in range(shape[0]):
@@ -43,10 +52,14 @@ def block_mask(score_mask: "ScoreMask", mask_values: Any, batch: int, heads: int
             some[:seq_q, :seq_k] = every[:seq_q, :seq_k] = keep
             some = some.reshape(n_qb, B_r, n_kb, B_c).any(axis=(1, 3))
             every = every.reshape(n_qb, B_r, n_kb, B_c).all(axis=(1, 3))
-            out[b, h, :, 2:] = np.where(some, np.where(every, FULL, PARTIAL), EMPTY)
-            for qb in range(n_qb):
-                nonempty = np.flatnonzero(some[qb])
-                out[b, h, qb, :2] = (nonempty[0], nonempty[-1] + 1) if nonempty.size else (0, 0)
+            classes[b, h] = np.where(some, np.where(every, FULL, PARTIAL), EMPTY)
+    if transposed:
+        classes = classes.swapaxes(2, 3)
+        out = np.zeros(mods.block_mask_shape(batch, heads, seq_q, seq_k, B_r, B_c, transposed=True), np.int32)
+    out[..., 2:] = classes
+    for b, h, r in np.ndindex(*classes.shape[:3]):
+        nonempty = np.flatnonzero(classes[b, h, r])
+        out[b, h, r, :2] = (nonempty[0], nonempty[-1] + 1) if nonempty.size else (0, 0)
     return out
 
 
@@ -94,3 +107,36 @@ def walk(r: "np.ndarray | None", begin: int, end: int) -> list[int]:
         out.append(j)
         j = next_block(r, j, end)
     return out
+
+
+@attrs.frozen
+class BackwardView:
+    """The backward's block mask ``mask`` (:func:`block_mask` ``transposed``) as one backward CTA reads it: batch
+    ``b``, the query heads ``heads`` of its kv head's group; None: every block partial, none skipped."""
+
+    score_mask: "ScoreMask"
+    mask: "np.ndarray | None" = attrs.field(eq=False)
+    b: int
+    heads: tuple
+
+    def _row(self, h: int, kb: int) -> "np.ndarray":
+        mods = self.score_mask.mods
+        return self.mask[self.b if mods.uses("b") else 0, h if mods.uses("h") else 0, kb]
+
+    def clip(self, kb: int, begin: int, end: int, deterministic: bool) -> tuple[int, int]:
+        """Query blocks ``[begin, end)`` of key block ``kb`` narrowed to the union over the group's heads of the
+        rows' ``[lo, hi)`` (never reversed; empty where no row keeps a score), as ``bwd_block_mask_clip``; the
+        deterministic variant walks them unclipped."""
+        if self.mask is None or deterministic:
+            return begin, end
+        rows = [self._row(h, kb) for h in (self.heads if self.score_mask.mods.uses("h") else self.heads[:1])]
+        kept = [(int(r[0]), int(r[1])) for r in rows if r[1] > r[0]]
+        if not kept:
+            return begin, begin
+        begin, end = max(begin, min(lo for lo, _ in kept)), min(end, max(hi for _, hi in kept))
+        return begin, max(begin, end)
+
+    def masked(self, g: int, kb: int, qb: int, needs: bool) -> bool:
+        """Whether work item (the group's ``g``-th query head, query block ``qb``) takes the masked path: the
+        built-in rule ``needs`` it, or the block mask does not call the block full (as ``bwd_block_mask_partial``)."""
+        return needs or self.mask is None or int(self._row(self.heads[g], kb)[2 + qb]) != FULL

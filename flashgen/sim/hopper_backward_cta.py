@@ -53,6 +53,7 @@ from flashgen.dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP,
                                 WaitOrder, WgmmaWait, runs)
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem, backward_dscores, backward_scores, scale_log2
+from flashgen.sim.block_mask import BackwardView
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, walk_consumers, wgmma_k16
 from flashgen.sim.layout_eval import offsets
 
@@ -120,11 +121,15 @@ class HopperBwdCta:
     ``[seq_q, d]`` buffer the consumers add into."""
 
     def __init__(self, plan: HopperBackwardPlan, prob: BwdProblem, k: np.ndarray, v: np.ndarray, heads: list[BwdHeadData],
-                 stats: list[tuple[np.ndarray, np.ndarray]], dq_accum: list[np.ndarray], scale: float):
+                 stats: list[tuple[np.ndarray, np.ndarray]], dq_accum: list[np.ndarray], scale: float,
+                 block_mask: "BackwardView | None" = None):
         cfg = self.cfg = plan.cfg
         self.plan, self.prob, self.heads, self.stats, self.dq_accum = plan, prob, heads, stats, dq_accum
+        self.block_mask = block_mask  # the mask_mod's (flashgen.sim.block_mask.BackwardView), or None
         self.kv = {"K": k[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c], "V": v[prob.kb * cfg.B_c:(prob.kb + 1) * cfg.B_c]}
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
+        if block_mask is not None:
+            qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
         items = [(h, j) for h in range(len(heads)) for j in range(*qb)]
         self.work = [items[i] for i in plan.item_order(len(items), prob.kb)] if items else []
         self.scale = _F32(scale)
@@ -398,7 +403,8 @@ class HopperBwdCta:
         h, qb = self.work[j]
         raw, (queries, keys) = c.acc["S"], self.indices(c, j)
         needs = plan.query_blocks.block_needs_mask(qb, prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
-        s = backward_scores(plan, prob, raw, queries, keys, prob.h0 + h, needs, self.scale)
+        masked = self.block_mask.masked(h, prob.kb, qb, needs) if self.block_mask is not None else plan.score_mask.backward_masked(needs)
+        s = backward_scores(plan, prob, raw, queries, keys, prob.h0 + h, masked, self.scale)
         c.acc["S"] = plan.recompute.evaluate(s, self.scale_log2, self.column_stat(c, "LSE", j, where))
         c.holds["S"] = ("P", j)
         if fused:

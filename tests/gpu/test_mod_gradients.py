@@ -116,7 +116,7 @@ def _backward(fwd, handle, q, k, v, do, score_mod, mask_mod):
     for t in (q, k, v):  # NaN-filled blocks of the gradients' sizes, freed: the gradients get them
         torch.full_like(t, float("nan"))
     return o, torch.ops.flashgen.attention_backward_mods(do, q, k, v, o, lse, None, handle, q.shape[-1] ** -0.5, 0, -1, -1,
-                                                         words, tensors)
+                                                         words, tensors, None)  # no block mask: every block masked
 
 
 @pytest.mark.parametrize("engine", list(FORWARD))
