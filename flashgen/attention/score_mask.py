@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 import numpy as np
 
+from . import block_mask_cpp
+
 if TYPE_CHECKING:
     from ..mods.kernel_mods import KernelMods
 
@@ -103,11 +105,6 @@ class ScoreMask:
             return True
         return self.mask_mod is not None and (row is None or row[2 + jb] != 2)
 
-    def _block_row_cpp(self) -> str:
-        b = "b" if self.mods.uses("b") else "0"
-        extent, h = ("heads", "h") if self.mods.uses("h") else ("1", "0")
-        return f"(({b}) * {extent} + {h}) * n_qb + qb"
-
     def tile_cpp(self, row: str, b: str, h: str, qb: str, heads: str, begin: str, end: str) -> list[str]:
         """Lines after a tile's ``kv_block_range``: its block-mask row ``row`` (a mask_mod only) and the key
         blocks ``[begin, end)`` clipped to the blocks the mask_mod keeps: they start and end on non-empty blocks,
@@ -127,17 +124,8 @@ class ScoreMask:
         return "" if self.mask_mod is None else f" || block_mask_partial({row}, {j})"
 
     def mask_blocks_cpp(self, name: str, transposed: bool = False) -> str:
-        """The block mask's kernels, ``<name>_block_mask_numel(args)`` and ``<name>_mask_blocks(args, out, stream)``
-        (a mask_mod only; ``args`` the TU's own argument struct). ``transposed``: the backward's, a row per key block
-        and a class per query block (:meth:`flashgen.mods.KernelMods.block_mask_shape`)."""
-        if self.mask_mod is None:
-            return ""
-        fill = "\n".join("    " + l for l in self.mods.fill_cpp(p="m"))
-        fields = " ".join(f.split("//")[0].strip() for f in self.mods.params_cpp())
-        rows, classes, what = ("kb", "qb", "query") if transposed else ("qb", "kb", "key")
-        return _MASK_BLOCKS.replace("$NAME", name).replace("$FILL", fill).replace("$FIELDS", fields).replace(
-            "$NH", "a->heads" if self.mods.uses("h") else "1").replace("$NB", "a->batch" if self.mods.uses("b") else "1").replace(
-            "$RB", rows).replace("$CB", classes).replace("$CWHAT", what)
+        """The block mask's kernels and entry points (a mask_mod only): :func:`block_mask_cpp.kernels_cpp`."""
+        return "" if self.mask_mod is None else block_mask_cpp.kernels_cpp(self.mods, name, transposed)
 
     def kernel_name(self, base: str) -> str:
         """A kernel's name: ``base`` (the config's), tagged with the mods' structure where built with them."""
@@ -362,14 +350,8 @@ class ScoreMask:
             self.block_mask_fns_cpp(backward) if self.mask_mod is not None else "")
 
     def block_mask_fns_cpp(self, backward: bool = False) -> str:
-        """The functions reading the block mask (a mask_mod only): the forward's (``block_mask_row``, ``_clip``,
-        ``_next``, ``_partial``) or, ``backward``, the transposed mask's (``bwd_block_mask_row``, ``_clip``, ``_partial``)."""
-        if not backward:
-            return _BLOCK_MASK_FNS.replace("$ROW", self._block_row_cpp())
-        b = "b" if self.mods.uses("b") else "0"
-        extent, h = ("heads", "h") if self.mods.uses("h") else ("1", "0")
-        return _BWD_BLOCK_MASK_FNS.replace("$ROW", f"(({b}) * {extent} + {h}) * n_kb + kb").replace(
-            "$GROUP", "group" if self.mods.uses("h") else "1")
+        """The functions reading the block mask (a mask_mod only): :func:`block_mask_cpp.reading_cpp`."""
+        return block_mask_cpp.reading_cpp(self.mods, backward)
 
 
 def _block(head: str, body: Sequence[str]) -> list[str]:
@@ -397,119 +379,3 @@ def _nest(loops: Sequence[str], body: Sequence[str]) -> list[str]:
 def _if_masked(lines: Sequence[str]) -> list[str]:
     return ["if constexpr (decltype(masked)::value) {  // score mask + key tail, only in blocks that need it"] + [
         "    " + l for l in lines] + ["}"]
-
-
-#: Reading the block mask (:meth:`flashgen.mods.KernelMods.block_mask_shape`); ``$ROW`` indexes its rows.
-_BLOCK_MASK_FNS = """
-// ---- block mask: per (batch, head, query block) the kept key blocks [lo, hi), then a class per key block
-// (0 empty, 1 partial, 2 full), made by <name>_mask_blocks; nullptr: every block partial, none skipped
-__host__ __device__ __forceinline__ const int* block_mask_row(const int* bm, int b, int h, int qb, int heads, int seq_q, int seq_k) {
-    (void)b; (void)h; (void)heads;
-    if (bm == nullptr) return nullptr;
-    const int n_qb = (seq_q + int(B_r) - 1) / int(B_r), n_kb = (seq_k + int(B_c) - 1) / int(B_c);
-    return bm + int64_t($ROW) * (2 + n_kb);
-}
-// [j_begin, j_end) narrowed to the row's [lo, hi), then to its first and last non-empty block (never reversed)
-__host__ __device__ __forceinline__ void block_mask_clip(const int* r, int* j_begin, int* j_end) {
-    if (r == nullptr) return;
-    if (r[0] > *j_begin) *j_begin = r[0];
-    if (r[1] < *j_end) *j_end = r[1];
-    if (*j_end < *j_begin) *j_end = *j_begin;
-    while (*j_begin < *j_end && r[2 + *j_begin] == 0) ++*j_begin;  // a split tile's part may start or end
-    while (*j_end > *j_begin && r[2 + *j_end - 1] == 0) --*j_end;    // on an empty block
-}
-// The key block a tile walks after block j of its clipped [j_begin, j_end): the next non-empty one, else j_end
-__host__ __device__ __forceinline__ int block_mask_next(const int* r, int j, int j_end) {
-    if (r == nullptr) return j + 1;
-    for (++j; j < j_end && r[2 + j] == 0; ++j) {}
-    return j;
-}
-__host__ __device__ __forceinline__ bool block_mask_partial(const int* r, int kb) { return r == nullptr || r[2 + kb] != 2; }"""
-
-#: Reading the backward's (transposed) block mask: ``$ROW`` indexes its rows, ``$GROUP`` counts the rows a CTA's
-#: kv head reads (its group's query heads where the mask_mod reads h, else its one row).
-_BWD_BLOCK_MASK_FNS = """
-// ---- block mask (backward): per (batch, head, key block) the query blocks [lo, hi) holding a kept score, then a
-// class per query block (0 empty, 1 partial, 2 full), made by <name>_mask_blocks; nullptr: every block partial
-__host__ __device__ __forceinline__ const int* bwd_block_mask_row(const int* bm, int b, int h, int kb, int heads, int seq_q, int seq_k) {
-    (void)b; (void)h; (void)heads;
-    if (bm == nullptr) return nullptr;
-    const int n_qb = (seq_q + int(B_r) - 1) / int(B_r), n_kb = (seq_k + int(B_c) - 1) / int(B_c);
-    return bm + int64_t($ROW) * (2 + n_qb);
-}
-// [qb_begin, qb_end) narrowed to the union of the rows' [lo, hi) over query heads h0 .. h0 + group - 1 (never reversed)
-__host__ __device__ __forceinline__ void bwd_block_mask_clip(const int* bm, int b, int h0, int group, int kb, int heads, int seq_q, int seq_k,
-                                                             int* qb_begin, int* qb_end) {
-    (void)group;
-    if (bm == nullptr) return;
-    int lo = 0, hi = 0;  // the union; empty until a non-empty row
-    for (int g = 0; g < $GROUP; ++g) {
-        const int* r = bwd_block_mask_row(bm, b, h0 + g, kb, heads, seq_q, seq_k);
-        if (r[1] <= r[0]) continue;
-        lo = hi > lo && lo < r[0] ? lo : r[0];
-        hi = hi > r[1] ? hi : r[1];
-    }
-    if (hi <= lo) { *qb_end = *qb_begin; return; }  // no kept score in this key block
-    if (lo > *qb_begin) *qb_begin = lo;
-    if (hi < *qb_end) *qb_end = hi;
-    if (*qb_end < *qb_begin) *qb_end = *qb_begin;
-}
-// whether work item (query head h, query block qb) of key block kb takes the masked path: not a full block
-__host__ __device__ __forceinline__ bool bwd_block_mask_partial(const int* bm, int b, int h, int kb, int qb, int heads, int seq_q, int seq_k) {
-    const int* r = bwd_block_mask_row(bm, b, h, kb, heads, seq_q, seq_k);
-    return r == nullptr || r[2 + qb] != 2;
-}"""
-
-#: The block mask's two kernels and their C entry point; ``$FILL`` fills ``m.mask_args`` from the words; ``$RB``:
-#: the blocks of a row (qb forward, kb backward), ``$CB`` those with a class in it (kb, qb), ``$CWHAT`` their name.
-_MASK_BLOCKS = """
-namespace $NAME {
-// one CTA per (key block, query block, batch x head of the mask): does the mask_mod keep all, some or none
-__global__ void mask_blocks_kernel(const mask_mod_args ma, int seq_q, int seq_k, int nh, int n_qb, int n_kb, int* out) {
-    const int kb = blockIdx.x, qb = blockIdx.y, b = int(blockIdx.z) / nh, h = int(blockIdx.z) % nh;
-    bool any = false, all = true;
-    for (int e = threadIdx.x; e < int(B_r * B_c); e += blockDim.x) {
-        const int i = qb * int(B_r) + e / int(B_c), j = kb * int(B_c) + e % int(B_c);
-        if (i < seq_q && j < seq_k) {  // the key tail is the kernels' own rule
-            const bool keep = mask_mod(b, h, i, j, ma);
-            any = any || keep;
-            all = all && keep;
-        }
-    }
-    any = __syncthreads_or(any);
-    all = __syncthreads_and(all);
-    if (threadIdx.x == 0) out[(int64_t(blockIdx.z) * n_$RB + $RB) * (2 + n_$CB) + 2 + $CB] = any ? (all ? 2 : 1) : 0;
-}
-// one thread per row: the range [lo, hi) of its non-empty $CWHAT blocks ([0, 0) when there is none)
-__global__ void mask_ranges_kernel(int rows, int n_$CB, int* out) {
-    const int row = blockIdx.x * blockDim.x + threadIdx.x;
-    if (row >= rows) return;
-    int* r = out + int64_t(row) * (2 + n_$CB);
-    int lo = n_$CB, hi = 0;
-    for (int $CB = 0; $CB < n_$CB; ++$CB)
-        if (r[2 + $CB] != 0) { lo = $CB < lo ? $CB : lo; hi = $CB + 1; }
-    r[0] = lo < hi ? lo : 0;
-    r[1] = hi;
-}
-}  // namespace $NAME
-
-// The int32 count of the block mask of a call with these sizes (KernelMods.block_mask_shape); 0 for invalid sizes.
-extern "C" int64_t $NAME_block_mask_numel(const $NAME_args* a) {
-    using namespace $NAME;
-    if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return 0;
-    const int64_t nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
-    return nb * nh * n_$RB * (2 + n_$CB);
-}
-
-// The block mask of a call with these arguments into `out` (int32, KernelMods.block_mask_shape), on `stream`.
-extern "C" int $NAME_mask_blocks(const $NAME_args* a, int* out, void* stream) {
-    using namespace $NAME;
-    if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0 || out == nullptr) return (int)cudaErrorInvalidValue;
-    struct { $FIELDS float scale, scale_log2; } m{};
-$FILL
-    const int nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
-    mask_blocks_kernel<<<dim3(n_kb, n_qb, nb * nh), 128, 0, (cudaStream_t)stream>>>(m.mask_args, a->seq_q, a->seq_k, nh, n_qb, n_kb, out);
-    const int rows = nb * nh * n_$RB;
-    mask_ranges_kernel<<<(rows + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, n_$CB, out);
-    return (int)cudaGetLastError();
-}"""

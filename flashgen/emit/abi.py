@@ -48,7 +48,7 @@ BACKWARD_FIELDS: tuple[tuple[str, str, int, str], ...] = (
     ("workspace", "void*", 0, "<name>_workspace's bytes, the first `zeroed` of them zero"),
     ("mod_words", "const int64_t*", 0, "score_mod / mask_mod values (flashgen.mods.KernelMods' order), or nullptr"),
     ("n_mod_words", "int", 0, "how many; a kernel checks it is its mods' count (0 without mods)"),
-    ("block_mask", "const int*", 0, "a mask_mod's backward block mask (<name>_mask_blocks), or nullptr"),
+    ("block_mask", "const int*", 0, "a mask_mod's block mask, transposed (the kernel's own block-mask kernels make it), or nullptr"),
 )
 
 
