@@ -445,7 +445,7 @@ class AutoAttention:
         if score_mod is not None or mask_mod is not None:  # the picked kernel's variant with the mods
             _check_lookup(q)
             shape = q.shape
-            attn = self.pick(q.device, q.dtype, shape[3], shape[1], mask)
+            attn = self.pick(q.device, q.dtype, shape[3], shape[1], mask, score_mod is not None)
             return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
@@ -470,13 +470,16 @@ class AutoAttention:
         self._table = self._native.new_dispatch_table()
         return self._native
 
-    def pick(self, device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, mask: str) -> Attention:
-        """The kernel for a call's (device, dtype, d_head, seq_q, mask), built on first use."""
-        key = (device, dtype, d_head, seq_q, mask)
+    def pick(self, device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, mask: str,
+             score_mod: bool = False) -> Attention:
+        """The kernel for a call's (device, dtype, d_head, seq_q, mask), built on first use. ``score_mod``: the call
+        has one, and takes a masked call's config (its key block: the score_mod's values need registers that
+        the larger key block of long unmasked calls fills; ptxas spilled 250-440 bytes there on sm_90a)."""
+        key = (device, dtype, d_head, seq_q, mask, score_mod)
         attn = self._dispatch.get(key)
         if attn is not None:
             return attn
-        cfg = _select(device, dtype, d_head, seq_q, mask != "none")
+        cfg = _select(device, dtype, d_head, seq_q, mask != "none" or score_mod)
         cfg = cfg if cfg.mask == mask else cfg.replace(mask=mask)
         attn = self._built.get(cfg)
         if attn is None:
