@@ -90,7 +90,7 @@ def cases(draw):
 
 
 @needs_gxx
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_host_compiled_epilogue_equals_the_evaluator(compiled, data):
     _check(compiled, [data.draw(cases()) for _ in range(3)])

@@ -146,7 +146,7 @@ def cases(draw, rule: OnlineSoftmax):
 
 
 @needs_gxx
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_host_compiled_update_equals_the_evaluator(compiled, data):
     rule, _ = compiled

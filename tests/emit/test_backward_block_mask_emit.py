@@ -1,4 +1,4 @@
-"""The backward kernels and the block mask (text checks, and nvcc for both engines' kernels built with a mask_mod).
+"""The backward kernels and the block mask: text checks (tests/emit/test_backward_mods_compile.py compiles them).
 
 Without a mask_mod nothing of the block mask reaches a backward kernel (its text is what it was before the
 block mask existed: this checks the names; the byte-for-byte comparison was made when the feature landed).
@@ -8,15 +8,11 @@ path in blocks the mask calls full; the TU exports the transposed block mask's e
 """
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
-import os
 import pathlib
-import subprocess
 
 import pytest
 
-from flashgen.check import compile_command, parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.sets import backward_configs
 from flashgen.engines import emit
@@ -53,27 +49,3 @@ def test_with_a_mask_mod_the_kernel_clips_its_query_blocks_unless_deterministic(
     assert "|| bwd_block_mask_partial(p.block_mask, batch, head, kb, qb, p.heads, p.seq_q, p.seq_k);" in kernel
     for entry in ("block_mask_numel(const ", "mask_blocks(const "):
         assert f"_{entry}" in text
-
-
-def _compile(engine, nvcc, workdir):
-    cfg, arch = ENGINES[engine]
-    mods, _ = prepare_mods(EX.softcap(), EX.document_mask())
-    src = emit(cfg, mods)
-    d = workdir / engine
-    d.mkdir()
-    (d / "k.cu").write_text(src.text)
-    argv = compile_command(nvcc, d / "k.cu", arch, d / "k.o")
-    return subprocess.run(argv, capture_output=True, text=True), " ".join(argv)
-
-
-@pytest.mark.nvcc
-def test_backward_kernels_with_a_mask_mod_compile_with_their_block_mask_kernels(nvcc, tmp_path):
-    """The whole TU (host code too: the extern entry points): the two block-mask kernels are there and use no local
-    memory. (The mma_sync backward kernel itself spills a few dozen bytes at d_head 128 with mods, as before.)"""
-    with concurrent.futures.ThreadPoolExecutor(min(2, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(lambda e: _compile(e, nvcc, tmp_path), ENGINES))
-    for res, command in results:
-        assert res.returncode == 0, f"{command}\n{res.stderr[-3000:]}"
-        stats = parse_ptxas(res.stdout + res.stderr)
-        masks = [s for s in stats if "mask_blocks_kernel" in s.function or "mask_ranges_kernel" in s.function]
-        assert len(masks) == 2 and all(s.clean for s in masks), command

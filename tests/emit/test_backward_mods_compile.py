@@ -104,6 +104,8 @@ def test_backward_kernels_with_mods_compile(case, compiled):
     main = [f for f in stats if "kernelENS_6Params" in f]
     name = _source(case).name
     assert len(main) == 1 and name in main[0] and name != CONFIGS[case[0]][0].mangle(), sorted(stats)
+    masks = [f for f in stats if "mask_blocks_kernel" in f or "mask_ranges_kernel" in f]  # the block mask's, transposed
+    assert len(masks) == (2 if MODS[case[1]][1] else 0), sorted(stats)
     for f, s in stats.items():
         spill = f"{f}: {s.spill_stores} B spill stores, {s.spill_loads} B spill loads, {s.stack_frame} B stack frame"
         if f in main and case in SPILLS:
