@@ -220,9 +220,9 @@ def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
     assert launcher.eager[0][0] != launcher.eager[1][0]
 
 
-def test_auto_gives_a_score_mod_the_config_of_masked_calls(launcher, monkeypatch):
-    """A score_mod's values need registers: compile("auto") picks the config it picks for masked calls (the
-    smaller key block), whatever the built-in mask; a mask_mod alone keeps the unmasked call's config."""
+def test_auto_gives_calls_with_mods_the_config_of_masked_calls(launcher, monkeypatch):
+    """A score_mod's values need registers and a mask_mod's tiles differ in length: compile("auto") picks the
+    config it picks for masked calls (the smaller key block) for both, whatever the built-in mask."""
     asked = []
 
     def select(device, dtype, d_head, seq_q, masked):
@@ -233,7 +233,8 @@ def test_auto_gives_a_score_mod_the_config_of_masked_calls(launcher, monkeypatch
     auto = runtime.compile("auto")
     auto(Q, Q, Q, score_mod=lambda s, b, h, i, j: s * 0.5)
     auto(Q, Q, Q, mask_mod=lambda b, h, i, j: i >= j)
-    assert asked == [True, False]
+    auto(Q, Q, Q)
+    assert asked == [True, True, False]
 
 
 def test_torch_compile_runs_calls_with_mods_eagerly_through_the_full_path(launcher):
