@@ -230,10 +230,9 @@ def test_auto_gives_calls_with_mods_the_config_of_masked_calls(launcher, monkeyp
         return KernelConfig(dtype="fp16", d_head=64, B_c=64 if masked else 128)
 
     monkeypatch.setattr(runtime, "_select", select)
-    auto = runtime.compile("auto")
-    auto(Q, Q, Q, score_mod=lambda s, b, h, i, j: s * 0.5)
-    auto(Q, Q, Q, mask_mod=lambda b, h, i, j: i >= j)
-    auto.pick(Q.device, Q.dtype, 64, 6, "none")  # a call without mods
+    runtime.compile("auto")(Q, Q, Q, score_mod=lambda s, b, h, i, j: s * 0.5)
+    runtime.compile("auto")(Q, Q, Q, mask_mod=lambda b, h, i, j: i >= j)
+    runtime.compile("auto").pick(Q.device, Q.dtype, 64, 6, "none")  # a call without mods
     assert asked == [True, True, False]
 
 
