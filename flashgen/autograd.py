@@ -109,19 +109,24 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # an unused lse (or o) gets no zero-filled gradient
 
 
-def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-    q, k, v, out, lse = ctx.saved_tensors
-    kernel, softmax_scale, mask_offset, window_left, window_right = ctx.call
+def _operands(ctx, op: str, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
+    """(dout, q, k, v, out, lse, dlse) for a backward operator from the saved tensors of a call of ``op``."""
+    q, k, v, out, lse = ctx.saved_tensors[:5]
     if lse.numel() == 0:
-        raise RuntimeError("flashgen::attention was called with return_lse=False, so its backward has no "
+        raise RuntimeError(f"flashgen::{op} was called with return_lse=False, so its backward has no "
                            "log-sum-exp to recompute the probabilities from; flashgen's callables pass "
                            "return_lse=True themselves when a call needs gradients")
     # the wgmma backward reads q, k, v and dO through tensor maps (rows 16-byte aligned), whatever engine ran forward
     q, k, v, out = (_launchable(t) for t in (q, k, v, out))
     dout = torch.zeros_like(out) if dout is None else _launchable(dout)
-    dlse = None if dlse is None else dlse.float().contiguous()
-    dq, dk, dv = torch.ops.flashgen.attention_backward(dout, q, k, v, out, lse, dlse, backward_handle(kernel, k.shape[1], ctx.deterministic),
-                                                       softmax_scale, mask_offset, window_left, window_right)
+    return dout, q, k, v, out, lse, None if dlse is None else dlse.float().contiguous()
+
+
+def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+    kernel, softmax_scale, mask_offset, window_left, window_right = ctx.call
+    operands = _operands(ctx, "attention", dout, dlse)
+    handle = backward_handle(kernel, operands[2].shape[1], ctx.deterministic)
+    dq, dk, dv = torch.ops.flashgen.attention_backward(*operands, handle, softmax_scale, mask_offset, window_left, window_right)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -143,17 +148,15 @@ def _backward_mods(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     """``flashgen::attention_mods``'s backward: the backward kernel built with the same score_mod / mask_mod, on
     the forward call's values (the captured tensors as they were saved: an in-place change after the forward
     is caught by autograd's version check)."""
-    q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
+    mod_tensors = list(ctx.saved_tensors[5:])
     kernel, softmax_scale, mask_offset, window_left, window_right = ctx.call
-    q, k, v, out = (_launchable(t) for t in (q, k, v, out))
-    dout = torch.zeros_like(out) if dout is None else _launchable(dout)
-    dlse = None if dlse is None else dlse.float().contiguous()
+    operands = _operands(ctx, "attention_mods", dout, dlse)
+    q, k = operands[1], operands[2]
     handle = backward_handle(kernel, k.shape[1], ctx.deterministic)
     maker = _block_masks.get(kernel)  # a mask_mod's: the backward skips the key blocks' empty query blocks
     block_mask = maker(handle, q, k, ctx.mod_words, mod_tensors) if maker is not None else None
     dq, dk, dv = torch.ops.flashgen.attention_backward_mods(
-        dout, q, k, v, out, lse, dlse, handle, softmax_scale, mask_offset, window_left, window_right, ctx.mod_words,
-        mod_tensors, block_mask)
+        *operands, handle, softmax_scale, mask_offset, window_left, window_right, ctx.mod_words, mod_tensors, block_mask)
     # no gradient for kernel, scale, offsets, return_lse, mod_words; a list for the tensor list; none for the block mask.
     # An empty int list is a list to torch's check of the structure (a mask_mod without numbers), a full one a leaf
     words_grad = None if ctx.mod_words else []
