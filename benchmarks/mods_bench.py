@@ -7,7 +7,8 @@ without mods and with the built-in causal mask (the bars for a mod's cost). Roun
 each row reports the median TFLOP/s (causal-like masks count the kept half) and the ratios' range over
 rounds. Every flashgen output is checked against the float64 reference on a slice of query rows first.
 ``--pass fwd+bwd`` times the forward and the backward (``torch.autograd.grad`` of q, k, v, 3.5x the forward's
-FLOPs) of every callable instead: training with the functions (flashgen's gradients are checked by the GPU tests).
+FLOPs) of every callable instead: training with the functions; flashgen's gradients of the first batch entry
+are checked against float64 autograd first (FlashAttention's rule, the 16-bit autograd baseline).
 
     python benchmarks/mods_bench.py --seqs 2048 8192 --rounds 3 --json mods_h100.json
 """
@@ -77,6 +78,21 @@ def with_backward(fn, leaves: list, do: torch.Tensor):
     return run
 
 
+def check_gradients(attn, q, k, v, do, what: str, **mods) -> None:
+    """dq, dk, dv of ``attn`` on the first batch entry against float64 autograd through the reference with the
+    same functions, by FlashAttention's rule against autograd through the reference in q's dtype."""
+    from flashgen import reference
+
+    q, k, v, do = (t[:1].detach() for t in (q, k, v, do))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(attn(*leaves, **mods), leaves, do)
+    want = reference.gradients(q, k, v, do, **mods)
+    low = [t.clone().requires_grad_() for t in (q, k, v)]
+    base = torch.autograd.grad(reference.attention(*low, dtype=q.dtype, **mods), low, do)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        reference.check_close(g, w, b, f"{what} {name}")
+
+
 def bench_seq(seq: int, args) -> list[dict]:
     device, batch = "cuda", max(1, args.tokens // seq)
     dt = getattr(torch, args.dtype)
@@ -99,6 +115,8 @@ def bench_seq(seq: int, args) -> list[dict]:
         fns = {"flashgen": lambda s=score, m=mask: attn(q, k, v, score_mod=s, mask_mod=m),
                "flex": flex_callable(q, k, v, score, mask), **base}
         if train:
+            if seq <= 4096:  # float64 gradients of a longer sequence are too large
+                check_gradients(attn, q, k, v, do, f"{name} seq {seq}", **{key: f for key, f in sub.items() if f is not None})
             fns = {n: with_backward(f, [q, k, v], do) for n, f in fns.items()}
         times = interleaved(fns, args.rounds)
         work = 3.5 if train else 1.0  # the backward does 2.5x the forward's FLOPs

@@ -47,3 +47,16 @@ def test_with_backward_gives_the_gradients_of_either_layout():
     assert torch.equal(g, do * 2.0)
     (g,) = mb.with_backward(lambda: q.transpose(1, 2) * 3.0, [q], do)()  # flex's (batch, heads, seq, d)
     assert torch.allclose(g, do * 3.0)
+
+
+def test_the_gradient_check_passes_a_right_attention_and_fails_a_wrong_one():
+    from flashgen import reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 24, 2, 16, generator=g).bfloat16() for _ in range(4))
+    softcap = mb.examples.softcap(2.0)
+    right = lambda q, k, v, **kw: reference.attention(q, k, v, dtype=torch.float32, **kw).bfloat16()  # noqa: E731
+    mb.check_gradients(right, q, k, v, do, "right", score_mod=softcap)
+    wrong = lambda q, k, v, **kw: reference.attention(q, k, v, dtype=torch.float32).bfloat16()  # noqa: E731 (ignores the mod)
+    with pytest.raises(AssertionError, match="dq"):
+        mb.check_gradients(wrong, q, k, v, do, "wrong", score_mod=softcap)
