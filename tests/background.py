@@ -14,7 +14,9 @@ session ends or is interrupted, ends them with whatever they started.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
+import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,3 +82,15 @@ class Background:
             workers.stop_pool(self._pool)
             self._pool = None
         self._futures.clear()
+
+
+def cubin_build(folder: Path, key: str, text: str, arch: str, nvcc: str) -> Callable[[], subprocess.CompletedProcess]:
+    """A build for ``background_builds``: kernel source ``text`` written to ``folder/key/k.cu`` and compiled for ``arch``,
+    device code only (``nvcc -cubin -Xptxas -v``: the completed process's output holds ptxas's statistics)."""
+    from flashgen.check import compile_command
+
+    sub = folder / key
+    sub.mkdir()
+    (sub / "k.cu").write_text(text)
+    argv = compile_command(nvcc, sub / "k.cu", arch, sub / "k.cubin", device_only=True)
+    return functools.partial(subprocess.run, argv, capture_output=True, text=True)

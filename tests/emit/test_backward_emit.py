@@ -3,7 +3,6 @@ compiled for the host, equal the plan's objects at every thread, warp and index;
 with nvcc for sm_80 and sm_90a without spills; emitting is pure."""
 from __future__ import annotations
 
-import functools
 import itertools
 import shutil
 import subprocess
@@ -11,7 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from flashgen.check import compile_command, parse_ptxas
+from background import cubin_build  # tests/ is on sys.path (the conftest's folder)
+
+from flashgen.check import parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import make_backward_plan
 from flashgen.emit.backward_kernel import emit_backward, index_functions
@@ -106,12 +107,7 @@ def background_builds(folder) -> dict:
     for cfg in CLEAN:
         src = emit_backward(make_backward_plan(cfg))
         for arch in ARCHS:
-            sub = folder / f"{src.name}-{arch}"
-            sub.mkdir()
-            cu = sub / f"{src.name}.cu"
-            cu.write_text(src.text)
-            argv = compile_command(NVCC, cu, arch, sub / "k.cubin", device_only=True)
-            builds[f"{cfg}-{arch}"] = functools.partial(subprocess.run, argv, capture_output=True, text=True)
+            builds[f"{cfg}-{arch}"] = cubin_build(folder, f"{src.name}-{arch}", src.text, arch, NVCC)
     return builds
 
 

@@ -23,14 +23,14 @@ others must compile and spill no more than :data:`SPILL_CAP` bytes (a regression
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import pathlib
-import subprocess
 
 import pytest
 
-from flashgen.check import compile_command, parse_ptxas
+from background import cubin_build  # tests/ is on sys.path (the conftest's folder)
+
+from flashgen.check import parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.engines import emit
 from flashgen.mods.kernel_mods import prepare_mods
@@ -81,14 +81,7 @@ def background_builds(folder) -> dict:
     nvcc = find_nvcc()
     if nvcc is None:
         return {}
-    builds = {}
-    for case in CASES:
-        src, sub = _source(case), folder / _id(case)
-        sub.mkdir()
-        (sub / "k.cu").write_text(src.text)
-        argv = compile_command(nvcc, sub / "k.cu", CONFIGS[case[0]][1], sub / "k.cubin", device_only=True)
-        builds[_id(case)] = functools.partial(subprocess.run, argv, capture_output=True, text=True)
-    return builds
+    return {_id(case): cubin_build(folder, _id(case), _source(case).text, CONFIGS[case[0]][1], nvcc) for case in CASES}
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ registers ptxas spilled 224 bytes for ALiBi and 360 for softcap there).
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import pathlib
-import subprocess
 
 import pytest
 
-from flashgen.check import compile_command, parse_ptxas
+from background import cubin_build  # tests/ is on sys.path (the conftest's folder)
+
+from flashgen.check import parse_ptxas
 from flashgen.dsl.notation import parse_config
 from flashgen.engines import emit
 from flashgen.mods.kernel_mods import prepare_mods
@@ -57,14 +57,7 @@ def background_builds(folder) -> dict:
     nvcc = find_nvcc()
     if nvcc is None:
         return {}
-    builds = {}
-    for case in CASES:
-        d = folder / _id(case)
-        d.mkdir()
-        (d / "k.cu").write_text(_source(case).text)
-        argv = compile_command(nvcc, d / "k.cu", case[1], d / "k.cubin", device_only=True)
-        builds[_id(case)] = functools.partial(subprocess.run, argv, capture_output=True, text=True)
-    return builds
+    return {_id(case): cubin_build(folder, _id(case), _source(case).text, case[1], nvcc) for case in CASES}
 
 
 @pytest.fixture(scope="module")
