@@ -311,6 +311,12 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
 
 
 @functools.lru_cache(maxsize=None)
+def _q_in_registers(cfg: KernelConfig, mods: "KernelMods | None") -> bool:
+    """Whether S = Q K^T reads Q's A fragments from registers (``cfg.q_in_registers``): not with a score_mod, whose
+    values need those registers (ptxas spilled 224 bytes for ALiBi and 360 for softcap at B_c 128 with them)."""
+    return cfg.q_in_registers and (mods is None or mods.score is None)
+
+
 def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> HopperPlan:
     """The DSL objects of one wgmma config; ``mods``: the user's score_mod / mask_mod (:class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "wgmma":
@@ -348,9 +354,7 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
     b_k = OperandDesc("K", "K", kd[0].leading_byte_offset, kd[0].stride_byte_offset, SWIZZLE, tuple(x.start_address for x in kd))
     b_v = OperandDesc("V", "MN", vd[0].leading_byte_offset, vd[0].stride_byte_offset, SWIZZLE, tuple(x.start_address for x in vd))
     atom_s, atom_o = WGMMA_64xNx16(cfg.dtype, B_c), WGMMA_64xNx16(cfg.dtype, d)
-    # Q read from shared memory once per tile instead of once per key block; not with a score_mod, whose values
-    # need those registers (ptxas spilled 224-360 bytes for ALiBi and softcap at B_c 128 with Q in registers)
-    if cfg.q_in_registers and (mods is None or mods.score is None):
+    if _q_in_registers(cfg, mods):  # Q read from shared memory once per tile instead of once per key block
         q_load = RegisterLoad("ldsm_Q", "Q", SM2RF(4), Partition(ldmatrix_x4_rows_then_cols("ldsm_Q"), (Loop("kk", d // 16, 0, 16),),
                                                              warp_row_step=16))
         gemm_s = WarpgroupGemm("S", atom_s, "regs", None, b_k, trans_b=False)
