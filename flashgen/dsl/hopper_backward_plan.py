@@ -127,39 +127,21 @@ def _schedule(deterministic: bool, grad_with_p: bool = False) -> tuple[Step, ...
     ordered = (WaitOrder("dQ", why="the lower key blocks' adds of this consumer's dQ columns made"),) if deterministic else ()
     signal = (SignalOrder("dQ", why="this add complete: the next key block's turn"),) if deterministic else ()
     if grad_with_p:
-        return (
-            WaitFull("Q", why="Q and its lse landed"),
-            Gemm("S", why="S^T = K_w Q^T"),
-            WaitFull("dO", why="dO and its D landed"),
-            Gemm("dP", why="dP^T = V_w dO^T, in flight with S^T"),
-            WgmmaWait("0", why="S^T and dP^T ready"),
-            RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse log2e), the score mask where the block needs it"),
-            GradScores(why="dS^T = P^T (dP^T - D) score_mod', in the same pass"),
-            ConvertP("P", why="P^T -> 16-bit A fragments of dV"),
-            Gemm("dV", why="dV += P^T dO"),
-            ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"),
-            StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"),
-            Gemm("dK", why="dK += dS^T Q"),
-            Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)"),
-            Gemm("dQ", why="dQ = dS K, this consumer's columns"),
-            WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time"),
-            Release("Q"),
-            Release("dO"),
-            *ordered,
-            ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction"),
-            *signal,
-        )
+        scores = (WgmmaWait("0", why="S^T and dP^T ready"),
+                  RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse log2e), the score mask where the block needs it"),
+                  GradScores(why="dS^T = P^T (dP^T - D) score_mod', in the same pass"),
+                  ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO"))
+    else:
+        scores = (WgmmaWait("1", why="S^T ready (dP^T may still run)"),
+                  RecomputeP(why="P^T = exp2(S^T * scale log2e - lse log2e), the score mask where the block needs it"),
+                  ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO"),
+                  WgmmaWait("1", why="dP^T ready (dV may still run)"), GradScores(why="dS^T = P^T (dP^T - D)"))
     return (
         WaitFull("Q", why="Q and its lse landed"),
         Gemm("S", why="S^T = K_w Q^T"),
         WaitFull("dO", why="dO and its D landed"),
         Gemm("dP", why="dP^T = V_w dO^T, in flight with S^T"),
-        WgmmaWait("1", why="S^T ready (dP^T may still run)"),
-        RecomputeP(why="P^T = exp2(S^T * scale log2e - lse log2e), the score mask where the block needs it"),
-        ConvertP("P", why="P^T -> 16-bit A fragments of dV"),
-        Gemm("dV", why="dV += P^T dO"),
-        WgmmaWait("1", why="dP^T ready (dV may still run)"),
-        GradScores(why="dS^T = P^T (dP^T - D)"),
+        *scores,
         ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"),
         StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"),
         Gemm("dK", why="dK += dS^T Q"),
