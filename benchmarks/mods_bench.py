@@ -85,12 +85,7 @@ def check_gradients(attn, q, k, v, do, what: str, **mods) -> None:
 
     q, k, v, do = (t[:1].detach() for t in (q, k, v, do))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = torch.autograd.grad(attn(*leaves, **mods), leaves, do)
-    want = reference.gradients(q, k, v, do, **mods)
-    low = [t.clone().requires_grad_() for t in (q, k, v)]
-    base = torch.autograd.grad(reference.attention(*low, dtype=q.dtype, **mods), low, do)
-    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
-        reference.check_close(g, w, b, f"{what} {name}")
+    reference.check_gradients(torch.autograd.grad(attn(*leaves, **mods), leaves, do), q, k, v, do, what, **mods)
 
 
 def bench_seq(seq: int, args) -> list[dict]:

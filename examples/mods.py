@@ -53,6 +53,17 @@ def document_mask(lengths=(5, 11, 3, 9), device=None):
     return document_mask_mod
 
 
+def uneven_lengths(total: int) -> list[int]:
+    """Document lengths of a packed sequence of ``total`` tokens, uneven (7 to 47 tokens, the last one cut to fit):
+    for ``document_mask`` on sequences of any length."""
+    out, left, k = [], total, 0
+    while left:
+        out.append(min(left, 7 + 13 * k % 41))
+        left -= out[-1]
+        k += 1
+    return out
+
+
 def prefix_lm(prefix: int = 6):
     """Prefix LM: the first ``prefix`` tokens are seen by all, the rest causally."""
     def prefix_lm_mod(b, h, q_idx, kv_idx):

@@ -94,6 +94,21 @@ def gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     return torch.autograd.grad(o, leaves, do.to(torch.float64))
 
 
+def lowp_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) by autograd through :func:`attention` computed in q's dtype: FlashAttention's baseline for a
+    backward's error (its ``attention_ref(..., upcast=False)``)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    return torch.autograd.grad(attention(*leaves, dtype=q.dtype, **kwargs), leaves, do)
+
+
+def check_gradients(got: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, what: str = "",
+                    **kwargs) -> None:
+    """:func:`check_close` of ``got`` = (dq, dk, dv) against :func:`gradients`, measured by :func:`lowp_gradients`'
+    own error; the message names ``what`` and the gradient."""
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, gradients(q, k, v, do, **kwargs), lowp_gradients(q, k, v, do, **kwargs)):
+        check_close(g, w, b, f"{what} {name}".strip())
+
+
 def max_errors(out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor) -> tuple[float, float]:
     """(max |out - ref|, max |ref_lowp - ref|), computed in float64 (NaN if ``out`` holds a NaN)."""
     for name, t in (("out", out), ("ref_lowp", ref_lowp)):

@@ -7,7 +7,6 @@ built-in masks; new captured values reuse the kernel; captured tensors may live 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 from pathlib import Path
 
 import pytest
@@ -46,22 +45,13 @@ def _factory(name: str, shape, device):
     sized = {
         "alibi": lambda: examples.alibi(hq, device=device),
         "relative_bias": lambda: examples.relative_bias(n, device=device),
-        "document_mask": lambda: examples.document_mask(_doc_lengths(n), device=device),
+        "document_mask": lambda: examples.document_mask(examples.uneven_lengths(n), device=device),
         "prefix_lm": lambda: examples.prefix_lm(min(17, n)),
         "sliding_window_sinks": lambda: examples.sliding_window_sinks(31, 3),
         "block_local": lambda: examples.block_local(19),
     }
     kind, factory = examples.EXAMPLES[name]
     return kind, sized.get(name, factory)()
-
-
-def _doc_lengths(n: int) -> list[int]:
-    out, left, k = [], n, 0
-    while left:
-        out.append(min(left, 7 + 13 * k % 41))
-        left -= out[-1]
-        k += 1
-    return out
 
 
 @pytest.fixture(scope="module", params=CONFIGS)
