@@ -228,6 +228,10 @@ class Attention:
         if not isinstance(q, torch.Tensor) or q.device not in attn._checked_devices:  # the first call on a device
             attn.check(q, k, v)
             attn._checked_devices.add(q.device)
+        limit = mods.index_limit
+        if limit is not None and isinstance(q, torch.Tensor) and q.dim() == k.dim() == 4 and max(q.shape[1], k.shape[1]) > limit:
+            raise InputError(f"{mods.describe()}: this kernel converts index arithmetic to float exactly for sequences of up "
+                             f"to {limit} tokens, got seq_q {q.shape[1]}, seq_k {k.shape[1]}")
         differentiate = autograd.needs_grad(q, k, v)
         if differentiate:  # its backward (built with the same mods) is built now: a head size it cannot take fails here
             autograd.backward_handle(attn._handle, k.shape[1], autograd.deterministic(attn._handle))

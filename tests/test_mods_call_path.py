@@ -203,6 +203,18 @@ def test_a_call_to_differentiate_takes_the_full_path_and_builds_its_backward_wit
     assert launcher.builds[-1] == forward_mods and len(launcher.builds) == 3  # the backward, built with the same mods
 
 
+def test_sequences_past_the_split_conversions_limit_are_refused_before_launch(launcher):
+    from flashgen.mods.ranges import INDEX_LIMIT
+
+    attn = _attention()
+    long = torch.zeros(1, 1, 2, 64, dtype=torch.float16).expand(1, INDEX_LIMIT + 1, 2, 64)  # a view: no memory
+    with pytest.raises(runtime.InputError, match=f"up to {INDEX_LIMIT} tokens"):
+        attn(long, long, long, score_mod=lambda s, b, h, i, j: s - 0.5 * (i - j))
+    assert not launcher.operator and not launcher.eager
+    attn(long, long, long, score_mod=lambda s, b, h, i, j: s * 0.5)  # no index arithmetic: any length
+    assert len(launcher.operator) == 1
+
+
 def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
     monkeypatch.setattr(runtime, "_select", lambda device, dtype, d_head, seq_q, masked: KernelConfig(dtype="fp16", d_head=64))
     auto = runtime.compile("auto")

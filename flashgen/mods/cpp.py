@@ -18,9 +18,11 @@ import math
 
 from .expr import BOOL, FLOAT, INT, INT32_MIN, Arg, Binary, Buffer, Cast, Const, Load, Scalar, Unary, Where, postorder
 from .ops import HELPERS, binary_cpp, cast_cpp, unary_cpp
+from .ranges import INDICES, reads_indices, split_casts
 
 CPP_TYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+SPLIT_ARGS = ("q_base", "q_off", "kv_base", "kv_off")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
 
@@ -76,14 +78,27 @@ def _expr(node, names: dict) -> str:
 
 def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool); its values in
-    struct ``args`` (default ``<name>_args``)."""
+    struct ``args`` (default ``<name>_args``). Rendered as ``<name>_at``, whose indices come as a base and an
+    offset (``q_idx = q_base + q_off``: kernels pass a fragment's compile-time offsets apart, so conversions
+    of index arithmetic split, :mod:`flashgen.mods.ranges`), and ``<name>`` with plain indices over it."""
     args = args or f"{name}_args"
     params = SCORE_ARGS if kind == "score" else MASK_ARGS
-    sig = ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
+    head = params[:-2] + SPLIT_ARGS
     result = "float" if kind == "score" else "bool"
-    names, lines = {}, [" ".join(f"(void){p};" for p in params + ("a",))]
-    for i, node in enumerate(postorder(root)):
-        text = _expr(node, names)
+    split, reads, based = split_casts(root), reads_indices(root), {}
+    names, lines = {}, [" ".join(f"(void){p};" for p in head + ("a",)),
+                        "const int q_idx = q_base + q_off, kv_idx = kv_base + kv_off;", "(void)q_idx; (void)kv_idx;"]
+    live, nodes = _live(root, split, reads), postorder(root)
+    order = {n: i for i, n in enumerate(nodes)}
+    for i, node in enumerate(nodes):
+        if node not in live:
+            continue
+        if node in split:
+            _at_bases(node.x, names, order, reads, based, lines)
+            kq, kk = split[node]
+            text = f"(float)({based[node.x]}) + (float)({kq} * q_off + {kk} * kv_off)"
+        else:
+            text = _expr(node, names)
         if isinstance(node, (Arg, Const, Scalar)):
             names[node] = text
         else:
@@ -91,7 +106,49 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
             lines.append(f"const {CPP_TYPE[node.dtype]} v{i} = {text};")
     lines.append(f"return {names[root]};")
     body = "".join(f"\n    {line}" for line in lines)
-    return (f"__host__ __device__ __forceinline__ {result} {name}({sig}, const {args}& a) {{{body}\n}}")
+    at = f"__host__ __device__ __forceinline__ {result} {name}_at({_signature(head)}, const {args}& a) {{{body}\n}}"
+    call = ", ".join(params[:-2] + ("q_idx", "0", "kv_idx", "0", "a"))
+    plain = (f"__host__ __device__ __forceinline__ {result} {name}({_signature(params)}, const {args}& a) "
+             f"{{ return {name}_at({call}); }}")
+    return at + "\n" + plain
+
+
+def _signature(params: tuple) -> str:
+    return ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
+
+
+def _live(root, split: dict, reads: dict) -> set:
+    """The nodes ``root`` needs at the plain indices: a split cast's operand is needed at the bases, where
+    only the nodes not reading the indices keep their plain values."""
+    live, stack, at_bases = set(), [root], []
+    while stack or at_bases:
+        if at_bases:
+            n = at_bases.pop()
+            if reads[n]:
+                at_bases.extend(n.operands)
+            else:
+                stack.append(n)
+            continue
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        for o in n.operands:
+            (at_bases if n in split else stack).append(o)
+    return live
+
+
+def _at_bases(x, names: dict, order: dict, reads: dict, based: dict, lines: list) -> None:
+    """Lines computing ``x`` with q_idx and kv_idx at their bases, into ``based`` (node -> its name there:
+    ``q_base`` / ``kv_base`` for the indices, ``v<i>_b`` for the nodes reading them, each rendered once)."""
+    for n in postorder(x):
+        if not reads[n] or n in based:
+            continue
+        if isinstance(n, Arg):
+            based[n] = n.name.replace("_idx", "_base")
+            continue
+        based[n] = f"v{order[n]}_b"
+        lines.append(f"const int {based[n]} = {_expr(n, {o: based[o] if o in based else names[o] for o in n.operands})};")
 
 
 def render(kind: str, name: str, root, scalars: tuple, buffers: tuple) -> str:

@@ -13,6 +13,7 @@ traced call takes them as graph inputs), the scalars come first as numbers.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from typing import Any
@@ -23,6 +24,7 @@ from .cpp import CPP_TYPE, function_cpp, struct_cpp
 from .expr import FLOAT
 from .grad import derivative, is_one, reads_score
 from .ops import HELPERS
+from .ranges import INDEX_LIMIT, has_split_casts
 from .traced import ModArgs, TracedMod
 
 
@@ -56,6 +58,12 @@ class KernelMods:
     @property
     def n_words(self) -> int:
         return sum(len(m.scalars) + sum(1 + t.rank for t in m.tensors) for m in self.mods)
+
+    @property
+    def index_limit(self) -> "int | None":
+        """The longest sequence the kernel takes (its conversions of index arithmetic split, exact up to there:
+        :mod:`flashgen.mods.ranges`), or None: any length."""
+        return _index_limit(self)
 
     def uses(self, arg: str) -> bool:
         """Whether the mask mod reads its argument ``arg`` ("b" or "h"): the block mask has that dimension."""
@@ -120,6 +128,9 @@ class KernelMods:
         applied to dK and dQ as they are written)."""
         lines = [f"if ({a}->n_mod_words != {self.n_words} || ({self.n_words} && {a}->mod_words == nullptr))",
                  "    return (int)cudaErrorInvalidValue;  // the launcher passes the words of flashgen.mods.KernelMods"]
+        if self.index_limit is not None:
+            lines += [f"if ({a}->seq_q > {self.index_limit} || {a}->seq_k > {self.index_limit})",
+                      "    return (int)cudaErrorInvalidValue;  // split index conversions are exact for shorter sequences"]
         w = 0
         for m in self.mods:
             for s in m.scalars:
@@ -169,6 +180,11 @@ def prepare_mods(score_mod: Any = None, mask_mod: Any = None) -> "tuple[KernelMo
     score, score_args = prepare(score_mod, "score") if score_mod is not None else (None, None)
     mask, mask_args = prepare(mask_mod, "mask") if mask_mod is not None else (None, None)
     return KernelMods(score, mask), (score_args, mask_args)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_limit(mods: KernelMods) -> "int | None":
+    return INDEX_LIMIT if has_split_casts([m.expr for m in mods.mods] + [mods.score_derivative()]) else None
 
 
 def _to_word(dtype: str, value) -> int:

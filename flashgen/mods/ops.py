@@ -32,7 +32,9 @@ __host__ __device__ __forceinline__ float fg_fadd(float a, float b) { return a +
 __host__ __device__ __forceinline__ float fg_fsub(float a, float b) { return a - b; }
 __host__ __device__ __forceinline__ float fg_fmul(float a, float b) { return a * b; }
 #ifdef __CUDA_ARCH__
-__host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return __fdividef(a, b); }
+// a times b's approximate reciprocal, which a divisor shared by the tile (softcap's cap) computes once: __fdividef
+// rescales tiny divisors with one more (predicated) multiply per score
+__host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { float r; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b)); return a * r; }
 __host__ __device__ __forceinline__ float fg_exp(float x) { return __expf(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return __logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }

@@ -52,7 +52,9 @@ def _setup(i: int, mod, args, device: bool) -> list:
 
 
 def _call(i: int, mod) -> str:
-    return f"m{i}({'score[at], ' if mod.kind == 'score' else ''}b, h, q, k, a{i})"
+    """The function at (b, h, q, k), its indices as a base and an offset (as the kernels pass them): splitting
+    conversions of index arithmetic (flashgen.mods.ranges) must not change a bit."""
+    return f"m{i}_at({'score[at], ' if mod.kind == 'score' else ''}b, h, q - q % 3, q % 3, k - k % 4, k % 4, a{i})"
 
 
 def _host_main(mods: list, shape: tuple) -> list:

@@ -55,7 +55,7 @@ struct Params {{
     float scale, scale_log2;
 {params}
 }};
-struct Args {{ const long long* mod_words; int n_mod_words; float softmax_scale; const int* block_mask; }};
+struct Args {{ const long long* mod_words; int n_mod_words; float softmax_scale; const int* block_mask; int seq_q = 1, seq_k = 1; }};
 static int fill(Params& p, const Args* a) {{
 {fill}
     return 0;
