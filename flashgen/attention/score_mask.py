@@ -201,14 +201,20 @@ class ScoreMask:
         so that its loads (a document id per key, say) run under the block's S GEMM rather than in the
         softmax after it: bit ``2 t + e`` of ``bits`` (one uint64_t per row half) is the mask_mod of n tile
         ``t``, element ``e``; 0 past seq_q and seq_k, where the mask_mod is not asked. Arguments as
-        :meth:`apply_cpp`; in masked blocks only."""
+        :meth:`apply_cpp` (``c0`` the same for every row half); in masked blocks only.
+
+        Columns outer, the thread's rows inner, every score evaluated (a row past seq_q at the last row, a column
+        past seq_k at the last key, their bits cleared): no load is conditional, so the compiler loads a row's
+        values (a document id per query) once and a column's once for all rows, holding one column's at a time."""
         if not self.mask_bits:
             return []
-        per = ["const int c = c0 + int(t * 8 + e);",
-               f"if (c < p.seq_k && mask_mod({b}, {h}, i, c, p.mask_args)) m |= uint64_t(1) << (2 * t + e);"]
-        body = [f"const int i = {i};", f"const int c0 = {c0};", "uint64_t m = 0;", "if (i < p.seq_q)  // rows past seq_q reach no mod"]
-        body += ["    " + l for l in _per_value(per)] + [f"{bits} = m;"]
-        return ["// the mask_mod's bits of this block, loads issued ahead of the S GEMM's wait"] + _if_masked(_nest(loops, body))
+        row = [f"const int i = {i};",
+               f"if (mask_mod({b}, {h}, i < p.seq_q ? i : p.seq_q - 1, c_at, p.mask_args) & real & (i < p.seq_q)) "
+               f"{bits} |= uint64_t(1) << (2 * t + e);"]
+        column = ["const int c = c0 + int(t * 8 + e);", "const bool real = c < p.seq_k;",
+                  "const int c_at = real ? c : p.seq_k - 1;"] + _nest(loops, row)
+        body = _nest(loops, [f"{bits} = 0;"]) + [f"const int c0 = {c0};"] + _per_value(column)
+        return ["// the mask_mod's bits of this block, loads issued ahead of the S GEMM's wait"] + _if_masked(body)
 
     def apply_cpp(self, loops: Sequence[str], i: str, c0: str, value: str, b: str, h: str, bits: str = "") -> list[str]:
         """The rule on one S accumulator fragment, before the online softmax. ``loops``: the loop headers
@@ -274,8 +280,10 @@ class ScoreMask:
         if self.mods is None:
             return _block("if (masked) {", rule + [f"if ({j} < lo || {j} >= hi || {i} >= p.seq_q) {s} = -INFINITY;"])
         keep = [f"keep = {j} >= lo && {j} < hi && {i} < p.seq_q;  // rows past seq_q reach no mod"]
-        if self.mask_mod is not None:
-            keep.append(f"keep = keep && mask_mod({b}, {h}, {i}, {j}, p.mask_args);")
+        if self.mask_mod is not None:  # evaluated at every score (past the ends at the last row / key): no load
+            # is conditional, so the compiler shares a row's and a column's loads across the fragment
+            keep.append(f"keep = mask_mod({b}, {h}, {i} < p.seq_q ? {i} : p.seq_q - 1, {j} < p.seq_k ? {j} : p.seq_k - 1, "
+                        "p.mask_args) & keep;")
         out = ["bool keep = true;"] + _block("if (masked) {", rule + keep)
         if self.score_mod is None:
             return out + [f"if (!keep) {s} = -INFINITY;"]

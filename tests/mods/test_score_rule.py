@@ -56,11 +56,13 @@ def _cases(rng, n=48):
 
 
 def _source(sm: ScoreMask, fill: list[str], words: list[str], n_words: int, cases, scores) -> str:
-    where = dict(loops=["for (uint32_t lane = 0; lane < 4; ++lane)", f"for (uint32_t r = 0; r < {ROWS}; ++r)"],
+    # each lane (a thread's first column, 2 lane) in turn, as the kernels' threads: the rows loop inside
+    where = dict(loops=[f"for (uint32_t r = 0; r < {ROWS}; ++r)"],
                  i="q_row0 + int(r)", c0="j * int(B_c) + int(2 * lane)", b="bb", h="hh")
     rule = sm.bits_cpp(bits="mask_bits[lane][r]", **where) + sm.apply_cpp(value="acc[lane][r][{t}][e]",
                                                                          bits="mask_bits[lane][r]", **where)
-    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;"] + rule)
+    lanes = ["for (uint32_t lane = 0; lane < 4; ++lane) {"] + ["    " + l for l in rule] + ["}"]
+    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;"] + lanes)
     return f"""{HEAD}
 constexpr uint32_t B_r = {B_R}, B_c = {B_C};
 {sm.to_cpp()}
