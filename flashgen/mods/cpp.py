@@ -87,17 +87,19 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     head = params[:-2] + SPLIT_ARGS
     result = "float" if kind == "score" else "bool"
     split, reads, based = split_casts(root), reads_indices(root), {}
+    fused = _fused_products(root, split, reads)
     names, lines = {}, [" ".join(f"(void){p};" for p in head + ("a",)),
                         "const int q_idx = q_base + q_off, kv_idx = kv_base + kv_off;", "(void)q_idx; (void)kv_idx;"]
-    live, nodes = _live(root, split, reads), postorder(root)
+    live, nodes = _live(root, split, fused, reads), postorder(root)
     order = {n: i for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         if node not in live:
             continue
-        if node in split:
-            _at_bases(node.x, names, order, reads, based, lines)
-            kq, kk = split[node]
-            text = f"(float)({based[node.x]}) + (float)({kq} * q_off + {kk} * kv_off)"
+        if node in split or node in fused:
+            u, cast = fused.get(node, (None, node))
+            _at_bases(cast.x, names, order, reads, based, lines)
+            base, off = f"(float)({based[cast.x]})", "(float)({} * q_off + {} * kv_off)".format(*split[cast])
+            text = f"{base} + {off}" if u is None else f"fg_mul_split({names[u]}, {base}, {off})"
         else:
             text = _expr(node, names)
         if isinstance(node, (Arg, Const, Scalar)):
@@ -118,9 +120,23 @@ def _signature(params: tuple) -> str:
     return ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
 
 
-def _live(root, split: dict, reads: dict) -> set:
+def _fused_products(root, split: dict, reads: dict) -> dict:
+    """fp32 products of a split cast and a value free of the indices (ALiBi's slope times q_idx - kv_idx):
+    product -> (that value, the cast), rendered as ``fg_mul_split`` (one multiply-add per score on the device)."""
+    out = {}
+    for n in postorder(root):
+        if isinstance(n, Binary) and n.op == "mul" and n.dtype == FLOAT:
+            for cast, u in ((n.a, n.b), (n.b, n.a)):
+                if cast in split and not reads[u]:
+                    out[n] = (u, cast)
+                    break
+    return out
+
+
+def _live(root, split: dict, fused: dict, reads: dict) -> set:
     """The nodes ``root`` needs at the plain indices: a split cast's operand is needed at the bases, where
-    only the nodes not reading the indices keep their plain values."""
+    only the nodes not reading the indices keep their plain values; a fused product needs its value and its
+    cast's operand at the bases, not the cast."""
     live, stack, at_bases = set(), [root], []
     while stack or at_bases:
         if at_bases:
@@ -134,6 +150,10 @@ def _live(root, split: dict, reads: dict) -> set:
         if n in live:
             continue
         live.add(n)
+        if n in fused:
+            stack.append(fused[n][0])
+            at_bases.append(fused[n][1].x)
+            continue
         for o in n.operands:
             (at_bases if n in split else stack).append(o)
     return live

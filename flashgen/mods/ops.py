@@ -6,7 +6,8 @@ Contract of both columns, per result dtype (operands already share one dtype, se
   ``sqrt`` correctly rounded, ``exp``/``log``/``tanh`` the math libraries' (about 1 ulp): the two agree
   bit for bit except exp/log/tanh (a few ulp).
 * fp32 on the device is the kernels' fast arithmetic, as the softmax around it: nvcc may contract
-  ``a * b + c`` into one FMA (one rounding instead of two), ``/`` is ``__fdividef`` (2 ulp), ``exp`` and
+  ``a * b + c`` into one FMA (one rounding instead of two), a product with a split index conversion
+  (``fg_mul_split``, flashgen/mods/ranges.py) is one FMA, ``/`` multiplies by ``rcp.approx`` (2 ulp), ``exp`` and
   ``log`` are ``__expf``/``__logf`` (the ``ex2``/``lg2`` units: 2 + 1.2|x| ulp, 3 ulp), ``tanh`` is
   ``tanh.approx.f32`` (absolute error below 2^-10); ``sqrt`` stays correctly rounded. A mod in the
   precise library functions costs several times the attention around it (division and tanhf are
@@ -44,6 +45,15 @@ __host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
 #endif
+// u * float(A) for a split conversion float(A) = base + off (flashgen/mods/ranges.py): on the device one
+// multiply-add per score with u * base hoisted, within an ulp of u * base of the product
+__host__ __device__ __forceinline__ float fg_mul_split(float u, float base, float off) {
+#ifdef __CUDA_ARCH__
+    return fmaf(u, off, u * base);
+#else
+    return u * (base + off);
+#endif
+}
 // a captured tensor's element
 template <class T> __host__ __device__ __forceinline__ T fg_load(const T* p) { return *p; }
 // Python's and torch's floor division and modulo (C truncates toward zero)

@@ -1,7 +1,8 @@
 """The rendered mods compiled by nvcc and run on the GPU agree with their numpy evaluation.
 
 Bitwise for masks, integers and booleans. fp32 is the kernels' fast arithmetic on the device (see
-flashgen/mods/ops.py): FMA contraction, ``__fdividef``, ``__expf``/``__logf`` and ``tanh.approx``; so
+flashgen/mods/ops.py): FMA contraction (``fg_mul_split`` included), division by an approximate reciprocal,
+``__expf``/``__logf`` and ``tanh.approx``; so
 results agree to a relative 2^-16 (a few ulp, exp's growing with its argument), tanh's to an absolute
 2^-10 of the result's scale (softcap multiplies it by cap).
 """
