@@ -230,15 +230,25 @@ class ScoreMask:
         if self.mods is None:
             masked += _per_value([f"if (int(t * 8 + e) < lo || int(t * 8 + e) >= hi) {at} = -INFINITY;"])
             return _if_masked(_nest(loops, masked))
-        per = ["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"]
+        mods = []
         if self.mask_mod is not None:
-            per.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);" if self.mask_bits else
-                       f"keep = keep && mask_mod_at({b}, {h}, i, 0, c0, c, p.mask_args);")
+            mods.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);" if self.mask_bits else
+                        f"keep = keep && mask_mod_at({b}, {h}, i, 0, c0, c, p.mask_args);")
         # the column as base and compile-time offset (flashgen.mods.ranges: index conversions split)
         score = f"score_mod_at({at} * p.mod_scale, {b}, {h}, i, 0, c0, c, p.score_args)"
-        per.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
-        masked += ["const bool real = i < p.seq_q;  // rows past seq_q reach no mod"] + _per_value(per)
-        out = _if_masked(_nest(loops, masked))
+        mods.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
+        masked.append("const bool real = i < p.seq_q;  // rows past seq_q reach no mod")
+        ranged = _per_value(["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"] + mods)
+        split = self.mask_mod is not None and self.score_mod is None
+        if not split:  # the built-in rule or the key tail sent the block here, or a score_mod's work dominates
+            masked += ranged  # (and its registers: with a split, mma_sync d128's softcap + document spilled)
+        else:  # most blocks come for the mask_mod alone: the built-in rule's range is tested where it cuts
+            masked += ["if (ranged) {"] + ["    " + l for l in ranged] + ["} else {"] + ["    " + l for l in _per_value(
+                ["const int c = int(t * 8 + e);", "bool keep = real;"] + mods)] + ["}"]
+        rows = _nest(loops, masked)
+        if split:
+            rows = ["const bool ranged = block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + rows
+        out = _if_masked(rows)
         if self.score_mod is None:
             return out
         plain = [f"const int i = {i};", f"const int c0 = {c0};", "if (i < p.seq_q)  // rows past seq_q reach no mod"]
