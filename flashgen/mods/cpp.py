@@ -10,8 +10,7 @@
 The text depends only on the canonical DAG (canonical names ``s<i>``/``t<i>``, no user names), so
 two mods of one structure render the same function. Every node used by another becomes one
 ``const`` temporary in operand order; leaves (arguments, literals, struct fields) are inlined.
-Tensor ``t<i>`` element ``[i0, i1]`` is ``fg_load(a.t<i> + i0 * a.t<i>_s0 + i1 * a.t<i>_s1)`` (strides in elements;
-the device reads captured tensors through the read-only path).
+Tensor ``t<i>`` element ``[i0, i1]`` is ``a.t<i>[i0 * a.t<i>_s0 + i1 * a.t<i>_s1]`` (strides in elements).
 """
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def struct_cpp(name: str, scalars: tuple, buffers: tuple) -> str:
 def _load(node: Load, names: dict) -> str:
     t = node.buffer
     offset = " + ".join(f"{names[i]} * a.{t.name}_s{d}" for d, i in enumerate(node.index))
-    return f"fg_load(a.{t.name} + {offset})"
+    return f"a.{t.name}[{offset}]"
 
 
 def _expr(node, names: dict) -> str:

@@ -54,8 +54,6 @@ __host__ __device__ __forceinline__ float fg_mul_split(float u, float base, floa
     return u * (base + off);
 #endif
 }
-// a captured tensor's element
-template <class T> __host__ __device__ __forceinline__ T fg_load(const T* p) { return *p; }
 // Python's and torch's floor division and modulo (C truncates toward zero)
 __host__ __device__ __forceinline__ int fg_floordiv(int a, int b) { const int q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
 __host__ __device__ __forceinline__ int fg_floormod(int a, int b) { const int r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashgen.mods.kernel_mods import KernelMods, prepare_mods
+from flashgen.mods.ranges import INDEX_LIMIT
 
 from host import HEAD, build_and_run, f32, needs_gxx, words_cpp  # tests/mods is on sys.path (pytest's prepend mode)
 
@@ -66,6 +67,8 @@ int main() {{
     Params p{{}};
     const Args wrong{{words, {n_words + 1}, 1.f, bm}}, missing{{nullptr, {n_words}, 1.f, bm}};
     std::printf("wrong_count %d missing %d\\n", fill(p, &wrong), fill(p, &missing));
+    const Args at_limit{{words, {n_words}, 1.f, bm, {INDEX_LIMIT}, {INDEX_LIMIT}}}, past{{words, {n_words}, 1.f, bm, 1, {INDEX_LIMIT + 1}}};
+    std::printf("at_limit %d past_limit %d\\n", fill(p, &at_limit), fill(p, &past));
     const Args a{{words, {n_given}, {f32(0.0625)}, bm}};
     if (fill(p, &a)) return 3;
     {chr(10).join('    ' + l for l in prints)}
@@ -84,6 +87,7 @@ def test_fill_reads_every_field_from_the_packed_words(tmp_path):
     out = build_and_run(tmp_path, _fill_program(mods, words, n_words, n_words))
     got = dict(zip(out[::2], out[1::2]))
     assert (got.pop("wrong_count"), got.pop("missing")) == ("1", "1")  # cudaErrorInvalidValue
+    assert mods.index_limit is None and (got.pop("at_limit"), got.pop("past_limit")) == ("0", "0")  # any length
     want = {}
     for m, args in ((mods.score, sa), (mods.mask, ma)):
         for s, v in zip(m.scalars, args.scalars):
@@ -141,3 +145,13 @@ def test_errors():
     with pytest.raises(TypeError, match="mask_mod must be a function, got str"):
         prepare_mods(None, "causal")
     assert prepare_mods() == (None, (None, None))
+
+
+@needs_gxx
+def test_fill_refuses_sequences_past_a_split_conversions_limit(tmp_path):
+    slope = torch.tensor([0.5, 0.25])
+    mods, (sa, ma) = prepare_mods(lambda s, b, h, q, kv: s - slope[h] * (q - kv), lambda b, h, q, kv: kv <= q)
+    assert mods.index_limit == INDEX_LIMIT
+    words, n_words = words_cpp(mods, sa, ma)
+    out = build_and_run(tmp_path, _fill_program(mods, words, n_words, n_words))
+    assert out[out.index("at_limit") + 1] == "0" and out[out.index("past_limit") + 1] == "1"
