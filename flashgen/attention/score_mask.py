@@ -290,10 +290,9 @@ class ScoreMask:
         if self.mods is None:
             return _block("if (masked) {", rule + [f"if ({j} < lo || {j} >= hi || {i} >= p.seq_q) {s} = -INFINITY;"])
         keep = [f"keep = {j} >= lo && {j} < hi && {i} < p.seq_q;  // rows past seq_q reach no mod"]
-        if self.mask_mod is not None:  # evaluated at every score (past the ends at the last row / key): no load
-            # is conditional, so the compiler shares a row's and a column's loads across the fragment
-            keep.append(f"keep = mask_mod({b}, {h}, {i} < p.seq_q ? {i} : p.seq_q - 1, {j} < p.seq_k ? {j} : p.seq_k - 1, "
-                        "p.mask_args) & keep;")
+        if self.mask_mod is not None:  # only where kept so far: evaluated at every score (as the forward's bits_cpp),
+            # its loads shared across the fragment held registers the wgmma consumer spilled (44 bytes, document mask)
+            keep.append(f"keep = keep && mask_mod({b}, {h}, {i}, {j}, p.mask_args);")
         out = ["bool keep = true;"] + _block("if (masked) {", rule + keep)
         if self.score_mod is None:
             return out + [f"if (!keep) {s} = -INFINITY;"]
