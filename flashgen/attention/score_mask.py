@@ -7,7 +7,7 @@ functions, and the per-value loop both emitters place before the online softmax 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -280,12 +280,32 @@ class ScoreMask:
         """:meth:`backward_masked_cpp` in Python (the backward simulators')."""
         return needs or self.mask_mod is not None
 
-    def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "") -> list[str]:
+    def backward_items_cpp(self, loop: Callable[[list[str]], list[str]], body: Callable[[bool], list[str]]) -> list[str]:
+        """An item's loop over its recomputed scores: ``loop(lines)`` wraps ``lines`` in it and ``body(masked)``
+        makes them (with :meth:`recompute_cpp`'s variant ``masked``). With a score_mod (and no mask_mod), two
+        loops under the item's ``masked``: where nothing is masked (most items) the score_mod runs on every score
+        unconditionally, so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of
+        one a score); softcap's wgmma consumer stopped spilling (96 bytes) too."""
+        if self.score_mod is None or self.mask_mod is not None:  # with both, the second loop's registers made the
+            return loop(body(True))  # wgmma consumer spill (12 bytes, softcap + document mask)
+        return _block("if (masked) {", loop(body(True)))[:-1] + _block(
+            "} else {  // nothing masked: the score_mod alone, on every score", loop(body(False)))
+
+    def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "", masked: bool = True) -> list[str]:
         """The backward's rule on one recomputed score: lvalue ``s`` (the raw accumulator value of global query
         row ``i``, key ``j``; ``b``/``h`` the batch and query head) becomes the score the forward's softmax saw,
         -inf where not kept (the mask is evaluated where ``masked``, the rows past seq_q included). ``grad``: a
         float lvalue taking ``d score_mod / d score`` there (0 where not kept), for a derivative that reads the
-        score (``KernelMods.derivative_kind`` "score"), whose value dS needs after the score is gone."""
+        score (``KernelMods.derivative_kind`` "score"), whose value dS needs after the score is gone.
+        ``masked`` False: the variant for items where nothing is masked (every index in range: see
+        :meth:`backward_items_cpp`), the score_mod alone."""
+        if not masked:
+            if self.score_mod is None:
+                return []
+            args = f"{b}, {h}, {i}, {j}, p.score_args"
+            return [f"const float x = {s} * p.mod_scale;  // the score_mod sees the scaled score",
+                    *([f"{grad} = score_mod_grad(x, {args});"] if self.derivative_reads_score else []),
+                    f"{s} = score_mod(x, {args});"]
         rule = ["int lo, hi;", f"score_row_range({i}, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);"]
         if self.mods is None:
             return _block("if (masked) {", rule + [f"if ({j} < lo || {j} >= hi || {i} >= p.seq_q) {s} = -INFINITY;"])

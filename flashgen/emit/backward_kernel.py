@@ -183,11 +183,12 @@ def _recompute_code(plan: BackwardPlan, step: Step) -> list[str]:
     mask = plan.score_mask
     needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
     fused = mask.derivative_reads_score
-    return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + _per_value(plan, [
-        "float s = s_acc[mi][nt][r];", *(["float g;  // d score_mod / d score"] if fused else []),
-        *mask.recompute_cpp("s", "q_row0 + qc", "key", "batch", "head", "g"),
-        "s_acc[mi][nt][r] = bwd_prob(s, p.scale_log2, bwd_lse_log2(sLSE[qc]));",
-    ] + (_grad_lines(plan, "g") if fused else []))
+    return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + mask.backward_items_cpp(
+        lambda lines: _per_value(plan, lines), lambda masked: [
+            "float s = s_acc[mi][nt][r];", *(["float g;  // d score_mod / d score"] if fused else []),
+            *mask.recompute_cpp("s", "q_row0 + qc", "key", "batch", "head", "g", masked),
+            "s_acc[mi][nt][r] = bwd_prob(s, p.scale_log2, bwd_lse_log2(sLSE[qc]));",
+        ] + (_grad_lines(plan, "g") if fused else []))
 
 
 def _grad_lines(plan: BackwardPlan, grad: str) -> list[str]:

@@ -112,11 +112,12 @@ def _recompute(plan: HopperBackwardPlan) -> list[str]:
     mask = plan.score_mask
     needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
     fused = mask.derivative_reads_score
-    return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + _per_value(plan, "B_r / 2", [
-        "float s = s_acc[i];", f"const int key = {_KEY};", *(["float g;  // d score_mod / d score"] if fused else []),
-        *mask.recompute_cpp("s", _QUERY, "key", "batch", "head", "g"),
-        "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
-    ] + (_grad_lines(plan, "g") if fused else []))
+    return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + mask.backward_items_cpp(
+        lambda lines: _per_value(plan, "B_r / 2", lines), lambda masked: [
+            "float s = s_acc[i];", f"const int key = {_KEY};", *(["float g;  // d score_mod / d score"] if fused else []),
+            *mask.recompute_cpp("s", _QUERY, "key", "batch", "head", "g", masked),
+            "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
+        ] + (_grad_lines(plan, "g") if fused else []))
 
 
 def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:

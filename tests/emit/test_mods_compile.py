@@ -38,9 +38,11 @@ CASES = [
     ("(FP16, 128, 128, 64, 12): wgmma+stages_2+pingpong+intra+persistent", "sm_90a", "alibi", "document_mask"),
     ("(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent+causal", "sm_90a", None, "prefix_lm"),
     ("(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent", "sm_90a", None, "sliding_window_sinks"),
-    # the backward kernels (the d_head 128 defaults), where they do not spill: a score_mod whose derivative reads
-    # the score (softcap) still does there, 96 bytes on wgmma, 8-16 on mma_sync (already at 255 registers)
+    # the backward kernels (the d_head 128 defaults), where they do not spill: mma_sync's, already at 255
+    # registers, still does with a score_mod there (8-16 bytes)
     ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", "alibi", None),
+    ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", "softcap", "document_mask"),
+    ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", "softcap", None),
     ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", None, "document_mask"),
     ("bwd(BF16, 128, 64, 64, 4): swizzled+stages_2", "sm_80", None, "document_mask"),
 ]
