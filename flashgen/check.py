@@ -259,9 +259,14 @@ def default_workdir() -> Path:
 
 
 @functools.lru_cache(maxsize=512)
-def source_of(cfg: AnyConfig) -> KernelSource:
-    """``emit(cfg)``, memoized: emit is pure, so a process may keep what it emitted."""
-    return emit(cfg)
+def source_of(cfg: AnyConfig, mods: tuple = (None, None)) -> KernelSource:
+    """``emit(cfg)``, memoized: emit is pure, so a process may keep what it emitted. ``mods``: the
+    (score_mod, mask_mod) specs the kernel is built with (:mod:`flashgen.mods.spec`)."""
+    if mods == (None, None):
+        return emit(cfg)
+    from .mods.spec import kernel_mods
+
+    return emit(cfg, kernel_mods(*mods))
 
 
 def _private(path: Path) -> Path:
@@ -284,9 +289,9 @@ def _kernel_dir(workdir: Path, src: KernelSource, nvcc: str, what: str) -> Path:
     return d
 
 
-def _compile_one(task: tuple[AnyConfig, str, str, Path, bool, bool]) -> CheckResult:  # worker of run_parallel
-    cfg, arch, nvcc, workdir, use_cache, device_only = task
-    src = source_of(cfg)
+def _compile_one(task: tuple[AnyConfig, str, str, Path, bool, bool, tuple]) -> CheckResult:  # worker of run_parallel
+    cfg, arch, nvcc, workdir, use_cache, device_only, mods = task
+    src = source_of(cfg, mods)
     d = _kernel_dir(workdir, src, nvcc, "check")
     cu = d / f"{src.name}.cu"
     obj = d / f"{src.name}.{arch}.{'cubin' if device_only else 'o'}"
@@ -347,10 +352,12 @@ def check_configs(
     workdir: "str | Path | None" = None,
     use_cache: bool = True,
     progress: Callable[[CheckResult, int, int], None] | None = None,
+    mods: tuple = (None, None),
 ) -> list[CheckResult]:
     """Compile every (config, arch) of :func:`plan_checks` with nvcc in ``jobs`` processes
     (default: cpu count); the pairs it refuses are left out. A config's host code is compiled with
-    its first arch only (the others: device code alone, the same ptxas report).
+    its first arch only (the others: device code alone, the same ptxas report). ``mods``: the
+    (score_mod, mask_mod) specs every kernel is built with (:mod:`flashgen.mods.spec`; None: none).
 
     Returns the results in (config, arch) order. Raises CheckError when nvcc is missing
     or an arch is unknown; a failing compile is a result with ``ok=False``.
@@ -372,7 +379,7 @@ def check_configs(
 
     # the host code (the launcher) is the same for every arch: compiled once, with a config's first arch
     first = {cfg: arch for cfg, arch in reversed(tasks)}
-    work = [(cfg, arch, nvcc, workdir, use_cache, first[cfg] != arch) for cfg, arch in tasks]
+    work = [(cfg, arch, nvcc, workdir, use_cache, first[cfg] != arch, tuple(mods)) for cfg, arch in tasks]
     return run_parallel(_compile_one, work, jobs, report if progress else None)
 
 
@@ -490,7 +497,10 @@ def run(cfgs: Sequence[AnyConfig], args: argparse.Namespace) -> int:
 
     jobs = min(args.jobs or os.cpu_count() or 1, len(tasks))
     note(f"compiling {len(tasks)} kernel(s) with {jobs} job(s)")
-    results = check_configs(cfgs, args.arch, args.jobs, args.workdir, not args.no_cache, progress)
+    mods = getattr(args, "mods", (None, None))
+    if mods != (None, None):
+        note("every kernel built with " + " and ".join(f"{k}_mod {v}" for k, v in zip(("score", "mask"), mods) if v))
+    results = check_configs(cfgs, args.arch, args.jobs, args.workdir, not args.no_cache, progress, mods)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2, sort_keys=True))
     else:

@@ -148,6 +148,29 @@ def _add_common(p: argparse.ArgumentParser, quiet: str = _QUIET, verbose: str = 
     loud.add_argument("-v", "--verbose", action="store_true", help=verbose)
 
 
+def _add_mods(p: argparse.ArgumentParser) -> None:
+    """--score-mod / --mask-mod: every kernel built with these functions (flashgen.mods.spec)."""
+    for kind, example in (("score", "examples/mods.py:softcap"), ("mask", "examples/mods.py:document_mask")):
+        p.add_argument(f"--{kind}-mod", metavar="SPEC", default=None,
+                       help=f"build every kernel with this {kind}_mod: FILE.py:NAME or package.module:NAME, the "
+                            f"function itself or a factory whose arguments all have defaults (e.g. {example})")
+
+
+def _mods_specs(args: argparse.Namespace) -> tuple:
+    """The (score_mod, mask_mod) specs of the options, each loaded once here so a bad one fails before any work."""
+    specs = (args.score_mod, args.mask_mod)
+    if specs == (None, None):
+        return specs
+    from .mods.errors import ModError
+    from .mods.spec import kernel_mods
+
+    try:
+        kernel_mods(*specs)
+    except ModError as exc:
+        raise CommandError(str(exc)) from None
+    return specs
+
+
 # ---- emit ---------------------------------------------------------------------------------
 
 
@@ -165,7 +188,8 @@ def _add_emit(sub) -> None:
             "this emit's kernels: those of a previous emit that are not in this one are removed."
         ),
         epilog="examples:\n  flashgen emit examples/tuning_space.yaml -o kernels_out/\n"
-        "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"",
+        "  flashgen emit defaults\n  flashgen emit \"(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_0_tiles+buffer+opt_softmax\"\n"
+        "  flashgen emit hopper --score-mod examples/mods.py:softcap --mask-mod examples/mods.py:document_mask",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(p, quiet="print only the summary line: no file list, no progress, no notes (stderr gets errors only)")
@@ -175,6 +199,7 @@ def _add_emit(sub) -> None:
                    help="write even into a folder holding files that flashgen did not write (they are left alone)")
     p.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
                    help="emit in N processes (default: the number of CPUs)")
+    _add_mods(p)
     p.set_defaults(run=_cmd_emit)
 
 
@@ -182,13 +207,14 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     from .emit.writer import check_output_folder, emit_all, render, write_files
 
     result = resolve_configs(args.cfg, args.verbose)
+    mods = _mods_specs(args)
     check_output_folder(args.out, force=args.force)  # refuse a bad folder before the (slow) emission
     cfgs = list(result.configs)
     jobs = args.jobs or os.cpu_count() or 1
     progress = progress_of(args)
     if progress:
         progress(f"emitting {len(cfgs)} kernel(s)" + (f" in {min(jobs, len(cfgs))} processes" if jobs > 1 and len(cfgs) > 1 else ""))
-    files = render(emit_all(cfgs, jobs, progress))
+    files = render(emit_all(cfgs, jobs, progress, mods))
     report = write_files(files, args.out, force=args.force)
     out = report.out_dir
     if not args.quiet:
@@ -232,6 +258,7 @@ def _add_check(sub) -> None:
     )
     _add_common(p, verbose=_VERBOSE + "; likewise each config that an --arch cannot take")
     check.add_arguments(p)
+    _add_mods(p)
     p.set_defaults(run=_cmd_check)
 
 
@@ -239,6 +266,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from . import check
 
     result = resolve_configs(args.cfg, args.verbose)
+    args.mods = _mods_specs(args)
     _print_skipped(result, args, sys.stderr)
     return check.run(list(result.configs), args)
 

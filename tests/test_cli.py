@@ -177,6 +177,41 @@ def test_emit_a_short_form_replaces_the_previous_emit(tmp_path, capsys):
     assert f"removed {out / parse_config(SMALL).mangle()}.cu" in stdout
 
 
+def test_emit_with_mods_writes_their_kernels_and_describes_their_words(tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = tmp_path / "k"
+    fwd, bwd = "(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent", "bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2"
+    examples = REPO / "examples" / "mods.py"
+    rc, stdout, _ = run_cli(capsys, "emit", fwd, bwd, "-o", out, "-j", "2",
+                            "--score-mod", f"{examples}:alibi", "--mask-mod", f"{examples}:document_mask")
+    assert rc == 0, stdout
+    kernels = json.loads((out / "manifest.json").read_text())["kernels"]
+    assert [k["kind"] for k in kernels] == ["forward", "backward"]
+    suffixes = {k["name"].rsplit("_", 1)[1] for k in kernels}
+    assert len(suffixes) == 1 and suffixes.pop().startswith("m")  # both built with the same mods
+    for k in kernels:
+        mods = k["mods"]
+        assert "alibi" in mods["score_mod"] and "document_mask" in mods["mask_mod"]
+        assert [w["variable"] for w in mods["mod_words"]] == ["slope", "doc"] and mods["n_mod_words"] == 4
+        assert "score_mod_at(" in (out / k["files"]["kernel"]).read_text()
+    plain = tmp_path / "plain"
+    assert run_cli(capsys, "emit", fwd, "-o", plain, "-j", "1")[0] == 0
+    assert "mods" not in json.loads((plain / "manifest.json").read_text())["kernels"][0]
+
+
+@pytest.mark.parametrize("option, spec, words", [
+    ("--score-mod", "examples/mods.py:document_mask", ["--score-mod", "takes 5 arguments"]),
+    ("--mask-mod", "missing_file.py:fn", ["--mask-mod", "no file missing_file.py"]),
+])
+def test_emit_refuses_a_bad_mod_before_writing(option, spec, words, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "k"
+    rc, _, err = run_cli(capsys, "emit", SMALL, "-o", out, option, spec)
+    assert_clean_error(rc, err, *words)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "text, words",
     [

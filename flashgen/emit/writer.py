@@ -84,19 +84,27 @@ def manifest_text(sources: Sequence[KernelSource]) -> str:
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def _emit_dict(knobs: dict) -> KernelSource:  # worker of run_parallel (top level: picklable)
-    return emit(configs.from_dict(knobs))
+def _emit_dict(task: tuple) -> KernelSource:  # worker of run_parallel (top level: picklable)
+    knobs, mods = task
+    if mods == (None, None):
+        return emit(configs.from_dict(knobs))
+    from ..mods.spec import kernel_mods
+
+    return emit(configs.from_dict(knobs), kernel_mods(*mods))
 
 
-def emit_all(cfgs: Sequence[AnyConfig], jobs: int = 1, progress: Progress | None = None) -> list[KernelSource]:
+def emit_all(cfgs: Sequence[AnyConfig], jobs: int = 1, progress: Progress | None = None,
+             mods: tuple = (None, None)) -> list[KernelSource]:
     """The sources of ``cfgs`` in order; ``jobs > 1`` emits in that many processes, which Ctrl-C
-    and SIGTERM stop at once (:func:`flashgen.workers.run_parallel`)."""
+    and SIGTERM stop at once (:func:`flashgen.workers.run_parallel`). ``mods``: the (score_mod, mask_mod)
+    specs every kernel is built with (:mod:`flashgen.mods.spec`; None: none)."""
     done = itertools.count(1)
 
     def report(i: int, src: KernelSource) -> None:
         progress(f"[{next(done)}/{len(cfgs)}] emitted {src.name}")  # type: ignore[misc]
 
-    return run_parallel(_emit_dict, [configs.to_record(c) for c in cfgs], jobs, report if progress else None)
+    tasks = [(configs.to_record(c), tuple(mods)) for c in cfgs]
+    return run_parallel(_emit_dict, tasks, jobs, report if progress else None)
 
 
 def render(sources: Sequence[KernelSource]) -> dict[str, bytes]:

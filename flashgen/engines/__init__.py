@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import attrs
+
 from ..dsl.backward_config import BackwardConfig
 from ..dsl.configs import AnyConfig, load as load_config
 from ..emit.source import KernelSource
@@ -68,9 +70,11 @@ def make_plan(cfg: Any, mods: Any = None):
 
 
 def emit(cfg: Any, mods: Any = None) -> KernelSource:
-    """The CUDA source of a config (forward or backward): its plan, emitted; ``mods`` as :func:`make_plan`."""
+    """The CUDA source of a config (forward or backward): its plan, emitted; ``mods`` as :func:`make_plan`
+    (the manifest entry then describes them: ``KernelMods.manifest``)."""
     cfg = load_config(cfg)
-    return kernels_of(cfg).emit(make_plan(cfg, mods))
+    src = kernels_of(cfg).emit(make_plan(cfg, mods))
+    return src if mods is None else attrs.evolve(src, meta={**src.meta, "mods": mods.manifest()})
 
 
 def verify_plan(plan: Any):

@@ -82,6 +82,25 @@ class KernelMods:
     def describe(self) -> str:
         return " + ".join(m.description for m in self.mods)
 
+    def manifest(self) -> dict:
+        """What a caller of the emitted C launcher needs (JSON-able): the functions, the ``mod_words`` layout
+        (each scalar's word, then each tensor's pointer and strides in elements, score_mod's before
+        mask_mod's), their count and the longest sequence the kernel takes (None: any)."""
+        words, w = [], 0
+        for m in self.mods:
+            for s in m.scalars:
+                words.append({"word": w, "mod": m.kind, "field": s.name, "variable": s.source.name, "dtype": s.dtype,
+                              "holds": "fp32 bits" if s.dtype == FLOAT else "the value"})
+                w += 1
+        for m in self.mods:
+            for t in m.tensors:
+                words.append({"word": w, "mod": m.kind, "field": t.name, "variable": t.source.name, "dtype": t.dtype,
+                              "holds": f"the address, then {t.rank} stride(s) in elements"})
+                w += 1 + t.rank
+        return {"score_mod": self.score.description if self.score else None,
+                "mask_mod": self.mask.description if self.mask else None,
+                "key": self.key, "n_mod_words": self.n_words, "mod_words": words, "max_seq": self.index_limit}
+
     def score_derivative(self):
         """``d score_mod / d score`` (:func:`flashgen.mods.grad.derivative`; None: 0, or no score_mod)."""
         return derivative(self.score.expr) if self.score is not None else None
