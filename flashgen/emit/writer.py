@@ -63,7 +63,8 @@ def manifest_entry(src: KernelSource) -> dict:
     config), threads, smem_bytes (dynamic), grid (rule of the main kernel), launcher (C symbol),
     requires (shape rules), files {kernel}, sha256 {file name: digest of its text}; a backward
     kernel adds arguments (the launcher's struct), workspace (its C symbol) and kernels (the
-    ``__global__`` functions the launcher runs, in order).
+    ``__global__`` functions the launcher runs, in order); a kernel built with a score_mod / mask_mod adds
+    mods (``KernelMods.manifest``: the functions, the ``mod_words`` layout, ``max_seq``).
     """
     files = kernel_files(src)
     (cu,) = files
