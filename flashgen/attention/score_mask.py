@@ -205,7 +205,9 @@ class ScoreMask:
 
         Columns outer, the thread's rows inner, every score evaluated (a row past seq_q at the last row, a column
         past seq_k at the last key, their bits cleared): no load is conditional, so the compiler loads a row's
-        values (a document id per query) once and a column's once for all rows, holding one column's at a time."""
+        values (a document id per query) once and a column's once for all rows, holding one column's at a time.
+        (Without the clearing of columns past seq_k, which the built-in range test of the key tail's block
+        would do too, ptxas spilled 4-32 bytes for a score_mod with a document mask.)"""
         if not self.mask_bits:
             return []
         row = [f"const int i = {i};",
@@ -243,8 +245,9 @@ class ScoreMask:
         if not split:  # the built-in rule or the key tail sent the block here, or a score_mod's work dominates
             masked += ranged  # (and its registers: with a split, mma_sync d128's softcap + document spilled)
         else:  # most blocks come for the mask_mod alone: the built-in rule's range is tested where it cuts
+            whole = "bool keep = true;  // the bits are 0 past seq_q" if self.mask_bits else "bool keep = real;"
             masked += ["if (ranged) {"] + ["    " + l for l in ranged] + ["} else {"] + ["    " + l for l in _per_value(
-                ["const int c = int(t * 8 + e);", "bool keep = real;"] + mods)] + ["}"]
+                ["const int c = int(t * 8 + e);", whole] + mods)] + ["}"]
         rows = _nest(loops, masked)
         if split:
             rows = ["const bool ranged = block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + rows
