@@ -40,7 +40,7 @@ import attrs
 from .build import NVCC_FLAGS
 from .dsl.configs import AnyConfig
 from .emit.source import KernelSource
-from .engines import emit, engine_of
+from .engines import emit_named, engine_of
 from .targets import CHECK_DEFAULT, TARGETS, UnknownTarget, named as target_named
 from .toolchain import require_nvcc
 from .workers import run_parallel
@@ -262,11 +262,7 @@ def default_workdir() -> Path:
 def source_of(cfg: AnyConfig, mods: tuple = (None, None)) -> KernelSource:
     """``emit(cfg)``, memoized: emit is pure, so a process may keep what it emitted. ``mods``: the
     (score_mod, mask_mod) specs the kernel is built with (:mod:`flashgen.mods.spec`)."""
-    if mods == (None, None):
-        return emit(cfg)
-    from .mods.spec import kernel_mods
-
-    return emit(cfg, kernel_mods(*mods))
+    return emit_named(cfg, mods)
 
 
 def _private(path: Path) -> Path:

@@ -373,15 +373,15 @@ import sys, time
 
 import flashgen.emit.writer as writer
 
-_emit = writer.emit
+_emit = writer.emit_named
 
 
-def _slow_emit(cfg):
+def _slow_emit(cfg, mods):
     time.sleep(%(seconds)r)
-    return _emit(cfg)
+    return _emit(cfg, mods)
 
 
-writer.emit = _slow_emit
+writer.emit_named = _slow_emit
 
 if __name__ == "__main__":
     from flashgen.cli import main

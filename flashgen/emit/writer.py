@@ -32,7 +32,7 @@ import attrs
 from ..dsl import configs
 from ..dsl.configs import AnyConfig
 from ..workers import run_parallel
-from ..engines import emit
+from ..engines import emit_named
 from .source import KernelSource
 
 MANIFEST = "manifest.json"
@@ -87,11 +87,7 @@ def manifest_text(sources: Sequence[KernelSource]) -> str:
 
 def _emit_dict(task: tuple) -> KernelSource:  # worker of run_parallel (top level: picklable)
     knobs, mods = task
-    if mods == (None, None):
-        return emit(configs.from_dict(knobs))
-    from ..mods.spec import kernel_mods
-
-    return emit(configs.from_dict(knobs), kernel_mods(*mods))
+    return emit_named(configs.from_dict(knobs), mods)
 
 
 def emit_all(cfgs: Sequence[AnyConfig], jobs: int = 1, progress: Progress | None = None,

@@ -77,6 +77,16 @@ def emit(cfg: Any, mods: Any = None) -> KernelSource:
     return src if mods is None else attrs.evolve(src, meta={**src.meta, "mods": mods.manifest()})
 
 
+def emit_named(cfg: Any, mods: tuple = (None, None)) -> KernelSource:
+    """:func:`emit` with the (score_mod, mask_mod) that two command-line specs name (:mod:`flashgen.mods.spec`;
+    None: none), loaded only when given: the mods package imports torch."""
+    if mods == (None, None):
+        return emit(cfg)
+    from ..mods.spec import kernel_mods
+
+    return emit(cfg, kernel_mods(*mods))
+
+
 def verify_plan(plan: Any):
     """Every proof of one plan (:mod:`flashgen.sim.verify`; not cached: tests hand it altered plans)."""
     from ..sim.verify import Verification
@@ -119,6 +129,6 @@ def emit_backward(cfg: Any) -> KernelSource:
     return emit(cfg)
 
 
-__all__ = ["BASELINE", "ENGINES", "BackwardKernels", "Engine", "backward_of", "emit", "emit_backward", "engine_named", "engine_of", "kernels_of",
+__all__ = ["BASELINE", "ENGINES", "BackwardKernels", "Engine", "backward_of", "emit", "emit_backward", "emit_named", "engine_named", "engine_of", "kernels_of",
            "make_plan", "preferred",
            "runnable_on", "simulate_config", "verify", "verify_config", "verify_plan"]
