@@ -236,8 +236,9 @@ class ScoreMask:
         if self.mask_mod is not None:
             mods.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);" if self.mask_bits else
                         f"keep = keep && mask_mod_at({b}, {h}, i, 0, c0, c, p.mask_args);")
-        # the column as base and compile-time offset (flashgen.mods.ranges: index conversions split)
-        score = f"score_mod_at({at} * p.mod_scale, {b}, {h}, i, 0, c0, c, p.score_args)"
+        # the column as base and compile-time offset (flashgen.mods.ranges: index conversions split), the raw score
+        # and the scale the score_mod sees it at (folded into its factor where it has one: flashgen.mods.cpp)
+        score = f"score_mod_at({at}, p.mod_scale, {b}, {h}, i, 0, c0, c, p.score_args)"
         mods.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
         masked.append("const bool real = i < p.seq_q;  // rows past seq_q reach no mod")
         ranged = _per_value(["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"] + mods)
@@ -255,7 +256,7 @@ class ScoreMask:
         if self.score_mod is None:
             return out
         plain = [f"const int i = {i};", f"const int c0 = {c0};", "if (i < p.seq_q)  // rows past seq_q reach no mod"]
-        plain += ["    " + l for l in _per_value([f"{at} = score_mod_at({at} * p.mod_scale, {b}, {h}, i, 0, c0, int(t * 8 + e), p.score_args);"])]
+        plain += ["    " + l for l in _per_value([f"{at} = score_mod_at({at}, p.mod_scale, {b}, {h}, i, 0, c0, int(t * 8 + e), p.score_args);"])]
         return out[:-1] + ["} else {  // unmasked block: the score_mod alone"] + ["    " + l for l in _nest(loops, plain)] + ["}"]
 
     # ---- the backward's side of the rule ----------------------------------------------------

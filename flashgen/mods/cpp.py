@@ -80,13 +80,15 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool); its values in
     struct ``args`` (default ``<name>_args``). Rendered as ``<name>_at``, whose indices come as a base and an
     offset (``q_idx = q_base + q_off``: kernels pass a fragment's compile-time offsets apart, so conversions
-    of index arithmetic split, :mod:`flashgen.mods.ranges`), and ``<name>`` with plain indices over it."""
+    of index arithmetic split, :mod:`flashgen.mods.ranges`) and a score_mod's score as the raw score and the
+    scale it sees it at (``score * score_scale``: folded into the score's one factor where it has one), and
+    ``<name>`` with plain indices and the score as it is over it."""
     args = args or f"{name}_args"
     params = SCORE_ARGS if kind == "score" else MASK_ARGS
-    head = params[:-2] + SPLIT_ARGS
+    head = (("score", "score_scale") if kind == "score" else ()) + params[-4:-2] + SPLIT_ARGS
     result = "float" if kind == "score" else "bool"
     split, reads, based = split_casts(root), reads_indices(root), {}
-    fused = _fused_products(root, split, reads)
+    fused, scaled = _fused_products(root, split, reads), _scaled_use(root, reads)
     names, lines = {}, [" ".join(f"(void){p};" for p in head + ("a",)),
                         "const int q_idx = q_base + q_off, kv_idx = kv_base + kv_off;", "(void)q_idx; (void)kv_idx;"]
     live, nodes = _live(root, split, fused, reads), postorder(root)
@@ -94,7 +96,15 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     for i, node in enumerate(nodes):
         if node not in live:
             continue
-        if node in split or node in fused:
+        if isinstance(node, Arg) and node.name == "score":
+            names[node] = "score"
+            if scaled is None:  # the score_mod sees the scaled score
+                names[node] = "score_s"
+                lines.append("const float score_s = score * score_scale;")
+            continue
+        if scaled is not None and node is scaled[0]:  # the scale folded into the score's one factor or divisor
+            text = f"fg_scaled_{'div' if node.op == 'truediv' else 'mul'}(score, score_scale, {names[scaled[1]]})"
+        elif node in split or node in fused:
             u, cast = fused.get(node, (None, node))
             _at_bases(cast.x, names, order, reads, based, lines)
             base, off = f"(float)({based[cast.x]})", "(float)({} * q_off + {} * kv_off)".format(*split[cast])
@@ -109,14 +119,31 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     lines.append(f"return {names[root]};")
     body = "".join(f"\n    {line}" for line in lines)
     at = f"__host__ __device__ __forceinline__ {result} {name}_at({_signature(head)}, const {args}& a) {{{body}\n}}"
-    call = ", ".join(params[:-2] + ("q_idx", "0", "kv_idx", "0", "a"))
+    call = ", ".join((("score", "1.f") if kind == "score" else ()) + params[-4:-2] + ("q_idx", "0", "kv_idx", "0", "a"))
     plain = (f"__host__ __device__ __forceinline__ {result} {name}({_signature(params)}, const {args}& a) "
              f"{{ return {name}_at({call}); }}")
     return at + "\n" + plain
 
 
 def _signature(params: tuple) -> str:
-    return ", ".join(("float score" if p == "score" else f"int {p}") for p in params)
+    return ", ".join((f"float {p}" if p in ("score", "score_scale") else f"int {p}") for p in params)
+
+
+def _scaled_use(root, reads: dict) -> "tuple | None":
+    """(the one node using the score, its other operand ``u``) where that node is ``score * u``, ``u * score`` or
+    ``score / u`` with ``u`` free of the score and the indices (softcap's ``score / cap``): the kernels' scale
+    folds into ``u``, one multiply per score fewer. None where the score has another use, or none."""
+    users = [n for n in postorder(root) for o in n.operands if isinstance(o, Arg) and o.name == "score"]
+    if len(users) != 1 or not isinstance(users[0], Binary) or users[0].dtype != FLOAT:
+        return None
+    n = users[0]
+    score_first = isinstance(n.a, Arg) and n.a.name == "score"
+    other = n.b if score_first else n.a
+    if n.op not in ("mul", "truediv") or (n.op == "truediv" and not score_first) or reads[other]:
+        return None
+    if any(isinstance(o, Arg) and o.name == "score" for o in postorder(other)):
+        return None
+    return n, other
 
 
 def _fused_products(root, split: dict, reads: dict) -> dict:

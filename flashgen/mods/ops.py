@@ -7,7 +7,8 @@ Contract of both columns, per result dtype (operands already share one dtype, se
   bit for bit except exp/log/tanh (a few ulp).
 * fp32 on the device is the kernels' fast arithmetic, as the softmax around it: nvcc may contract
   ``a * b + c`` into one FMA (one rounding instead of two), a product with a split index conversion
-  (``fg_mul_split``, flashgen/mods/ranges.py) is one FMA, ``/`` multiplies by ``rcp.approx`` (2 ulp), ``exp`` and
+  (``fg_mul_split``, flashgen/mods/ranges.py) is one FMA, the kernels' scale folds into the score's one
+  factor or divisor (``fg_scaled_mul`` / ``fg_scaled_div``), ``/`` multiplies by ``rcp.approx`` (2 ulp), ``exp`` and
   ``log`` are ``__expf``/``__logf`` (the ``ex2``/``lg2`` units: 2 + 1.2|x| ulp, 3 ulp), ``tanh`` is
   ``tanh.approx.f32`` (absolute error below 2^-10); ``sqrt`` stays correctly rounded. A mod in the
   precise library functions costs several times the attention around it (division and tanhf are
@@ -45,6 +46,22 @@ __host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
 #endif
+// the score_mod's scaled score (score * scale) times u or over d: on the device the scale folds into u (scale * u
+// hoisted: one multiply per score), on the host rounded as written
+__host__ __device__ __forceinline__ float fg_scaled_mul(float score, float scale, float u) {
+#ifdef __CUDA_ARCH__
+    return score * (scale * u);
+#else
+    return score * scale * u;
+#endif
+}
+__host__ __device__ __forceinline__ float fg_scaled_div(float score, float scale, float d) {
+#ifdef __CUDA_ARCH__
+    return score * fg_fdiv(scale, d);
+#else
+    return score * scale / d;
+#endif
+}
 // u * float(A) for a split conversion float(A) = base + off (flashgen/mods/ranges.py): on the device one
 // multiply-add per score with u * base hoisted, within an ulp of u * base of the product
 __host__ __device__ __forceinline__ float fg_mul_split(float u, float base, float off) {

@@ -51,19 +51,21 @@ def _setup(i: int, mod, args, device: bool) -> list:
     return [f"  {name}_args a{i}; std::memset(&a{i}, 0, sizeof a{i});"] + lines
 
 
-def _call(i: int, mod) -> str:
+def _call(i: int, mod, scale: float = 1.0) -> str:
     """The function at (b, h, q, k), its indices as a base and an offset (as the kernels pass them): splitting
-    conversions of index arithmetic (flashgen.mods.ranges) must not change a bit."""
-    return f"m{i}_at({'score[at], ' if mod.kind == 'score' else ''}b, h, q - q % 3, q % 3, k - k % 4, k % 4, a{i})"
+    conversions of index arithmetic (flashgen.mods.ranges) must not change a bit; a score_mod sees the score
+    times ``scale`` (passed apart, as the kernels pass softmax_scale)."""
+    score = f"score[at], {float(scale).hex()}f, " if mod.kind == "score" else ""
+    return f"m{i}_at({score}b, h, q - q % 3, q % 3, k - k % 4, k % 4, a{i})"
 
 
-def _host_main(mods: list, shape: tuple) -> list:
+def _host_main(mods: list, shape: tuple, scale: float = 1.0) -> list:
     main = []
     B, H, Q, K = shape
     main.append(f"  for (int b = 0; b < {B}; ++b) for (int h = 0; h < {H}; ++h) for (int q = 0; q < {Q}; ++q) "
                 f"for (int k = 0; k < {K}; ++k) {{ const int at = ((b * {H} + h) * {Q} + q) * {K} + k; (void)at;")
     for i, (mod, _) in enumerate(mods):
-        call = _call(i, mod)
+        call = _call(i, mod, scale)
         if mod.kind == "score":
             main.append(f"    {{ const float r = {call}; unsigned u; std::memcpy(&u, &r, 4); std::printf(\"%u\\n\", u); }}")
         else:
@@ -95,11 +97,13 @@ TO_DEVICE = """template <class T> const T* to_device(const T* host, size_t bytes
 }"""
 
 
-def run(mods: list, shape: tuple, score: np.ndarray, tmp_path, nvcc: "str | None" = None, arch: str = "native") -> list:
+def run(mods: list, shape: tuple, score: np.ndarray, tmp_path, nvcc: "str | None" = None, arch: str = "native",
+        scale: float = 1.0) -> list:
     """Each ``(mod, args)`` rendered as ``m<i>`` and evaluated at every (b, h, q_idx, kv_idx) of
     ``shape``, on the host with g++, or on the GPU when ``nvcc`` is given (compiled for ``arch``,
-    e.g. "sm_90a", with the kernels' default nvcc semantics: no fast math); returns arrays of
-    ``shape`` (float32 / bool as the function returns)."""
+    e.g. "sm_90a", with the kernels' default nvcc semantics: no fast math), a score_mod on ``score``
+    times ``scale`` (fp32, passed apart as the kernels do); returns arrays of ``shape`` (float32 / bool
+    as the function returns)."""
     device = nvcc is not None
     src = ([] if device else [HOST]) + ["#include <cstdio>\n#include <cstring>"]
     src += [mod.to_cpp(f"m{i}") for i, (mod, _) in enumerate(mods)]
@@ -111,7 +115,7 @@ def run(mods: list, shape: tuple, score: np.ndarray, tmp_path, nvcc: "str | None
         src += [TO_DEVICE] + kernel
         main += body
     else:
-        main += _host_main(mods, shape)
+        main += _host_main(mods, shape, scale)
     main += ["  return 0;", "}"]
     (tmp_path / "mods.cu").write_text("\n".join(src + main) + "\n")
     exe = tmp_path / "mods"

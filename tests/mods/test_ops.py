@@ -32,6 +32,7 @@ OPS = {
     "mul": lambda s, b, h, q, k: s * CAP,
     "int_mul": lambda s, b, h, q, k: (q - k) * STEP,
     "truediv": lambda s, b, h, q, k: s / (k + 1),
+    "truediv_capture": lambda s, b, h, q, k: s / CAP,  # the kernels' scale folds into the divisor (as softcap's)
     "int_truediv": lambda s, b, h, q, k: q / (k + 1),
     "rtruediv": lambda s, b, h, q, k: 1 / (q + 1),
     "floordiv": lambda s, b, h, q, k: (q - k) // STEP,
@@ -123,12 +124,18 @@ def test_captured_values_become_arguments():
 
 
 @needs_gxx
-def test_ops_host_cpp_equals_evaluate(tmp_path):
+@pytest.mark.parametrize("scale", [1.0, 0.0883883476])
+def test_ops_host_cpp_equals_evaluate(tmp_path, scale):
+    """Also with the score passed apart from the scale the mod sees it at (as the kernels pass softmax_scale:
+    folded into a factor or divisor on the device, rounded as written on the host)."""
     mods = [prepare(fn, "score") for fn in OPS.values()]
     score = _score()
-    for name, (mod, args), got in zip(OPS, mods, run(mods, SHAPE, score, tmp_path)):
-        want = np.broadcast_to(mod.evaluate(score, *grid(SHAPE), args=args), SHAPE)
+    scaled = (score * np.float32(scale)).astype(np.float32)
+    for name, (mod, args), got in zip(OPS, mods, run(mods, SHAPE, score, tmp_path, scale=scale)):
+        want = np.broadcast_to(mod.evaluate(scaled, *grid(SHAPE), args=args), SHAPE)
         if name in TRANSCENDENTAL:
+            if scale != 1.0:  # the scaled run checks the scale's rounding; the library functions' ulps are checked above
+                continue
             assert ulps(got, want).max() <= 2, name
         else:
             assert np.array_equal(got.view(np.int32), want.view(np.int32)), name
