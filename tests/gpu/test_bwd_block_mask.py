@@ -13,6 +13,7 @@ Autograd through a compiled kernel makes the backward's block mask and passes it
 from __future__ import annotations
 
 import pytest
+from attention_inputs import random_qkv_do  # tests/ is on sys.path (the conftest's folder)
 
 torch = pytest.importorskip("torch")
 
@@ -93,14 +94,6 @@ def kernels():
     return out
 
 
-def _inputs(shape, seed):
-    b, sq, sk, hq, hk = shape
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, do = (torch.randn(b, sq, hq, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(b, sk, hk, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-    return q, k, v, do
-
-
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("engine", list(FORWARD))
 @pytest.mark.parametrize("name", list(CASES))
@@ -114,7 +107,7 @@ def test_backward_with_its_block_mask_matches_the_reference(kernels, engine, nam
     skipped = 0
     for n, shape in enumerate(SHAPES):
         b, sq, sk, hq, hk = shape
-        q, k, v, do = _inputs(shape, seed=n)
+        q, k, v, do = random_qkv_do(shape, seed=n)
         o, lse = fwd(q, k, v, return_lse=True, mask_mod=fn)
         bm_shape = mods.block_mask_shape(b, hq, sq, sk, cfg.B_r, cfg.B_c, transposed=True)
         bm = torch.ops.flashgen.mask_blocks(q, k, handle, list(bm_shape), words, tensors)
@@ -143,7 +136,7 @@ def test_autograd_passes_the_backwards_block_mask():
     with that kernel's handle and the operator takes it; the gradients match the reference."""
     attn = flashgen.compile(FORWARD["mma_sync"])
     fn = _document_window_sinks()
-    q, k, v, do = _inputs((2, 1001, 1001, 4, 2), seed=7)
+    q, k, v, do = random_qkv_do((2, 1001, 1001, 4, 2), seed=7)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     got = torch.autograd.grad(attn(*leaves, mask_mod=fn), leaves, do)
     variant = attn._with_mods(prepare_mods(None, fn)[0])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from attention_inputs import random_qkv_do  # tests/ is on sys.path (the conftest's folder)
 
 torch = pytest.importorskip("torch")
 
@@ -67,11 +68,7 @@ def _poison_allocator(*tensors: torch.Tensor) -> None:
 
 
 def _inputs(dt, d, b, sq, sk, h, hk, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dt])
-    q, do = (torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(b, sk, hk, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    return q, k, v, do
+    return random_qkv_do((b, sq, sk, h, hk), seed, getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dt]), d)
 
 
 def _check_gradients(got, q, k, v, do, what, **kw):

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from attention_inputs import random_qkv_do  # tests/ is on sys.path (the conftest's folder)
 
 torch = pytest.importorskip("torch")
 
@@ -82,14 +83,6 @@ def kernels():
     return out
 
 
-def _inputs(shape, seed):
-    b, sq, sk, hq, hk = shape
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, do = (torch.randn(b, sq, hq, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(b, sk, hk, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-    return q, k, v, do
-
-
 def _backward(fwd, handle, q, k, v, do, score_mod, mask_mod):
     """(dq, dk, dv) of the forward kernel's call through the backward kernel ``handle``."""
     mods, (score_args, mask_args) = prepare_mods(score_mod, mask_mod)
@@ -110,7 +103,7 @@ def test_gradients_through_every_example(kernels, engine, name):
     fwd, handle, score_mod, mask_mod = kernels[(engine, name)]
     kw = {"score_mod": score_mod, "mask_mod": mask_mod}
     for n, shape in enumerate(SHAPES):
-        q, k, v, do = _inputs(shape, seed=n)
+        q, k, v, do = random_qkv_do(shape, seed=n)
         o, got = _backward(fwd, handle, q, k, v, do, score_mod, mask_mod)
         reference.check_attention(o, q, k, v, f"{engine} {name} {shape} o", **kw)
         assert [g.shape for g in got] == [q.shape, k.shape, v.shape] and all(g.dtype == q.dtype for g in got)
@@ -123,13 +116,13 @@ def test_autograd_through_compile_auto_with_mods_and_built_in_masks():
     attn = flashgen.compile("auto")
     score_mod, mask_mod = CASES["softcap+document_mask"]()
     for align, shape in (("top_left", (2, 150, 150, 4, 2)), ("bottom_right", (1, 90, 211, 2, 1))):
-        q, k, v, do = _inputs(shape, seed=5)
+        q, k, v, do = random_qkv_do(shape, seed=5)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         kw = dict(causal=True, align=align, score_mod=score_mod, mask_mod=mask_mod)
         o = attn(*leaves, **kw)
         got = torch.autograd.grad(o, leaves, do)
         reference.check_gradients(got, q, k, v, do, f"auto causal {align}", **kw)
     slope = torch.ones(4, device="cuda", requires_grad=True)
-    q, k, v, _ = _inputs((1, 16, 16, 4, 4), seed=1)
+    q, k, v, _ = random_qkv_do((1, 16, 16, 4, 4), seed=1)
     with pytest.raises(fg_mods.ModError, match="requires grad"):
         attn(q.requires_grad_(), k, v, score_mod=lambda s, b, h, i, j: s + slope[h])
