@@ -229,7 +229,8 @@ class Attention:
             attn.check(q, k, v)
             attn._checked_devices.add(q.device)
         limit = mods.index_limit
-        if limit is not None and isinstance(q, torch.Tensor) and q.dim() == k.dim() == 4 and max(q.shape[1], k.shape[1]) > limit:
+        if (limit is not None and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k))
+                and max(q.shape[1], k.shape[1]) > limit):
             raise InputError(f"{mods.describe()}: this kernel converts index arithmetic to float exactly for sequences of up "
                              f"to {limit} tokens, got seq_q {q.shape[1]}, seq_k {k.shape[1]}")
         differentiate = autograd.needs_grad(q, k, v)
