@@ -286,14 +286,15 @@ class ScoreMask:
 
     def backward_items_cpp(self, loop: Callable[[list[str]], list[str]], body: Callable[[bool], list[str]]) -> list[str]:
         """An item's loop over its recomputed scores: ``loop(lines)`` wraps ``lines`` in it and ``body(masked)``
-        makes them (with :meth:`recompute_cpp`'s variant ``masked``). With a score_mod (and no mask_mod), two
-        loops under the item's ``masked``: where nothing is masked (most items) the score_mod runs on every score
-        unconditionally, so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of
-        one a score); softcap's wgmma consumer stopped spilling (96 bytes) too."""
-        if self.score_mod is None or self.mask_mod is not None:  # with both, the second loop's registers made the
+        makes them (with :meth:`recompute_cpp`'s variant ``masked``). Without a mask_mod, two loops under the
+        item's ``masked``: where nothing is masked (most items) no score pays for the rule's predicated range
+        tests (the wgmma consumer's loop: 153 -> 62 ISETP), and a score_mod runs on every score unconditionally,
+        so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of one a score;
+        softcap's wgmma consumer stopped spilling 96 bytes)."""
+        if self.mask_mod is not None:  # with one, the second loop's registers made the
             return loop(body(True))  # wgmma consumer spill (12 bytes, softcap + document mask)
         return _block("if (masked) {", loop(body(True)))[:-1] + _block(
-            "} else {  // nothing masked: the score_mod alone, on every score", loop(body(False)))
+            "} else {  // nothing masked: the score_mod (if any) alone, on every score", loop(body(False)))
 
     def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "", masked: bool = True) -> list[str]:
         """The backward's rule on one recomputed score: lvalue ``s`` (the raw accumulator value of global query

@@ -92,7 +92,7 @@ def _source(sm: ScoreMask, words: list[str], n_words: int, v: dict) -> str:
     fused = sm.derivative_reads_score
     grad = "g" if fused else ""
     body = ["float g = 0.f; (void)g;  // d score_mod / d score (kept from the recompute where it reads the score)",
-            # as the emitters place it: with a score_mod, an unmasked item's variant apart (backward_items_cpp)
+            # as the emitters place it: without a mask_mod, an unmasked item's variant apart (backward_items_cpp)
             *sm.backward_items_cpp(lambda lines: lines, lambda masked: sm.recompute_cpp("s", "qi", "key", "batch", "head", "g", masked)),
             "const float prob = bwd_prob(s, p.scale_log2, bwd_lse_log2(lse));",
             "float ds = bwd_dscore(prob, dpv, dd);",
