@@ -133,7 +133,7 @@ def _line(row: dict) -> str:
     t = row["tflops"]
     r = lambda p: f"{row['vs ' + p]['median']:.2f}x [{row['vs ' + p]['min']:.2f}-{row['vs ' + p]['max']:.2f}]"
     return (f"{row['case']:>15} seq {row['seq']:>5}: flashgen {t['flashgen']:6.1f} TFLOP/s, flex {t['flex']:6.1f}; "
-            f"flashgen/flex {r('flex')}, time vs no mod {r('flashgen none')}, vs built-in causal {r('flashgen causal')}")
+            f"flashgen/flex {r('flex')}, no mod / with mod {r('flashgen none')}, built-in causal / with mod {r('flashgen causal')}")
 
 
 def main(argv=None) -> int:

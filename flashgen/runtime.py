@@ -81,6 +81,10 @@ def _load(built: Built, verbose: bool) -> int:
         return load(build(built.cfg, built.capability, verbose=verbose))
 
 
+#: the largest finite fp32 number
+_FLT_MAX = 3.4028234663852886e38
+
+
 class Attention:
     """A compiled kernel: ``attn(q, k, v, out=None, softmax_scale=None, causal=False, window=None, ...) -> o``."""
 
@@ -239,6 +243,9 @@ class Attention:
         words, tensors = mods.pack(score_args, mask_args)
         tensors = [stable_copy(t, t.dtype, q.device) for t in tensors]  # on q's device: copied once per version
         scale = attn._scale if softmax_scale is None else float(softmax_scale)
+        if mods.bias is not None and not (scale != 0 and abs(1.0 / scale) <= _FLT_MAX):
+            raise InputError(f"{mods.describe()} adds a bias to the score, which the kernel holds over softmax_scale: "
+                             f"1 / softmax_scale must be a finite fp32 number, got softmax_scale={scale!r}")
         try:  # the operator checks every input in C++
             block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
             o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right,

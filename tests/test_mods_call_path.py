@@ -215,6 +215,24 @@ def test_sequences_past_the_split_conversions_limit_are_refused_before_launch(la
     assert len(launcher.operator) == 1
 
 
+def test_a_bias_with_a_scale_of_zero_is_refused_before_launch(launcher):
+    """A score_mod that adds a bias runs with the bias over softmax_scale in the accumulator: a scale without an fp32
+    inverse is refused with the reason (the fast path's launcher refuses it too, sending the call down this path)."""
+    attn = _attention()
+    slope = torch.tensor([0.5, 0.25])
+
+    def alibi(s, b, h, i, j):
+        return s - slope[h] * (i - j)
+
+    for scale in (0.0, 1e-39, float("nan")):
+        with pytest.raises(runtime.InputError, match="1 / softmax_scale must be a finite fp32 number"):
+            attn(Q, Q, Q, score_mod=alibi, softmax_scale=scale)
+    assert not launcher.operator and not launcher.eager
+    attn(Q, Q, Q, score_mod=alibi, softmax_scale=-0.5)
+    attn(Q, Q, Q, score_mod=lambda s, b, h, i, j: s * 0.5, softmax_scale=0.0)  # not a bias: any scale
+    assert len(launcher.operator) == 2
+
+
 def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
     monkeypatch.setattr(runtime, "_select", lambda device, dtype, d_head, seq_q, masked: KernelConfig(dtype="fp16", d_head=64))
     auto = runtime.compile("auto")

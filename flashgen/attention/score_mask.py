@@ -56,6 +56,17 @@ class ScoreMask:
     def score_mod(self):
         return self.mods.score if self.mods is not None else None
 
+    @property
+    def bias(self) -> bool:
+        """Whether the score_mod adds a bias to the score (:attr:`KernelMods.bias`): the forward kernels start
+        the S accumulator at the bias over the scale (:meth:`init_cpp`) and run the softmax at the usual scale."""
+        return self.mods is not None and self.mods.bias is not None
+
+    def forward_softmax_scale(self, scale: float) -> float:
+        """The scale the forward's softmax takes the rule's results at: 1 where a score_mod's results enter it
+        as they are (the score_mod saw softmax_scale), else softmax_scale."""
+        return 1.0 if self.score_mod is not None and not self.bias else scale
+
     def row_range(self, i: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> tuple[int, int]:
         """Key columns ``[lo, hi)`` kept for query row ``i`` (possibly empty)."""
         lo, hi = 0, seq_k
@@ -163,17 +174,45 @@ class ScoreMask:
         rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
         if self.mods is None:
             return np.where(self.keep_array(rows, cols, seq_k, *mask_args), s, f32(-np.inf)) if masked else s
-        real = rows < seq_q
-        keep = real & self.keep_array(rows, cols, seq_k, *mask_args) if masked else real
-        if masked and self.mask_mod is not None:
-            sel = np.nonzero(keep)  # the kernel asks the mask_mod only where the rest of the rule keeps
-            keep[sel] = self.mask_mod.evaluate(b, h, rows[sel], cols[sel], args=mod_values[1]).astype(bool)
+        keep = self._keep(rows, cols, masked, b, h, seq_q, seq_k, mask_args, mod_values)
         out = np.where(keep, s, f32(-np.inf)) if masked else s.copy()
         if self.score_mod is not None:
             sel = np.nonzero(keep)
             scaled = (s[sel] * f32(scale)).astype(f32)
             out[sel] = self.score_mod.evaluate(scaled, b, h, rows[sel], cols[sel], args=mod_values[0])
         return out
+
+    def apply_forward(self, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, masked: bool, *, b: int, h: int, seq_q: int,
+                      seq_k: int, mask_args: Sequence[int] = (), mod_values: tuple = (None, None), scale: float = 1.0) -> np.ndarray:
+        """:meth:`apply` as the forward kernels run it (the same arguments): with a score_mod that adds a bias, ``s``
+        plus the bias over the scale where kept (:meth:`init_cpp` starts an unmasked block's accumulator at it,
+        rows past seq_q at 0), at the softmax's usual scale (:meth:`forward_softmax_scale`)."""
+        if not self.bias:
+            return self.apply(s, rows, cols, masked, b=b, h=h, seq_q=seq_q, seq_k=seq_k, mask_args=mask_args,
+                              mod_values=mod_values, scale=scale)
+        from ..mods.bias import INV_SCALE
+        from ..mods.evaluate import evaluate
+
+        f32 = np.float32
+        s = np.asarray(s, dtype=f32)
+        rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
+        keep = self._keep(rows, cols, masked, b, h, seq_q, seq_k, mask_args, mod_values)
+        out = np.where(keep, s, f32(-np.inf)) if masked else s.copy()
+        sel = np.nonzero(keep)
+        inputs = {"b": b, "h": h, "q_idx": rows[sel], "kv_idx": cols[sel], INV_SCALE.name: f32(1) / f32(scale)}
+        out[sel] = (s[sel] + evaluate(self.mods.bias, inputs, mod_values[0] or {})).astype(f32)
+        return out
+
+    def _keep(self, rows, cols, masked: bool, b: int, h: int, seq_q: int, seq_k: int, mask_args, mod_values) -> np.ndarray:
+        """Where :meth:`apply` keeps a score (with mods): rows before seq_q, and in masked blocks the built-in rule
+        and the mask_mod, which the kernel asks only where the rest of the rule keeps."""
+        keep = rows < seq_q
+        if masked:
+            keep = keep & self.keep_array(rows, cols, seq_k, *mask_args)
+            if self.mask_mod is not None:
+                sel = np.nonzero(keep)
+                keep[sel] = self.mask_mod.evaluate(b, h, rows[sel], cols[sel], args=mod_values[1]).astype(bool)
+        return keep
 
     def score_grad(self, ds: np.ndarray, prob: np.ndarray, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, *, b: int,
                    h: int, mod_values: tuple = (None, None), scale: float = 1.0) -> np.ndarray:
@@ -237,8 +276,10 @@ class ScoreMask:
             mods.append(f"keep = keep && (({bits} >> (2 * t + e)) & 1);" if self.mask_bits else
                         f"keep = keep && mask_mod_at({b}, {h}, i, 0, c0, c, p.mask_args);")
         # the column as base and compile-time offset (flashgen.mods.ranges: index conversions split), the raw score
-        # and the scale the score_mod sees it at (folded into its factor where it has one: flashgen.mods.cpp)
-        score = f"score_mod_at({at}, p.mod_scale, {b}, {h}, i, 0, c0, c, p.score_args)"
+        # and the scale the score_mod sees it at (folded into its factor where it has one: flashgen.mods.cpp); a
+        # bias joins the raw score over the scale (init_cpp's, in masked blocks where kept)
+        score = (f"{at} + score_bias_at(p.bias_scale, {b}, {h}, i, 0, c0, c, p.score_args)" if self.bias else
+                 f"score_mod_at({at}, p.mod_scale, {b}, {h}, i, 0, c0, c, p.score_args)")
         mods.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
         masked.append("const bool real = i < p.seq_q;  // rows past seq_q reach no mod")
         ranged = _per_value(["const int c = int(t * 8 + e);", "bool keep = real && c >= lo && c < hi;"] + mods)
@@ -253,11 +294,30 @@ class ScoreMask:
         if split:
             rows = ["const bool ranged = block_needs_mask(j, q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right);"] + rows
         out = _if_masked(rows)
-        if self.score_mod is None:
+        if self.score_mod is None or self.bias:  # a bias is in unmasked blocks' accumulators already
             return out
         plain = [f"const int i = {i};", f"const int c0 = {c0};", "if (i < p.seq_q)  // rows past seq_q reach no mod"]
         plain += ["    " + l for l in _per_value([f"{at} = score_mod_at({at}, p.mod_scale, {b}, {h}, i, 0, c0, int(t * 8 + e), p.score_args);"])]
         return out[:-1] + ["} else {  // unmasked block: the score_mod alone"] + ["    " + l for l in _nest(loops, plain)] + ["}"]
+
+    def init_cpp(self, loops: Sequence[str], i: str, c0: str, value: str, b: str, h: str) -> list[str]:
+        """Where the forward's S accumulator starts, before the S GEMM (a score_mod that adds a bias only: else
+        nothing, the GEMM starts from 0): in unmasked blocks the bias over the scale (:attr:`bias`), 0 in rows past
+        seq_q; masked blocks start from 0 and :meth:`apply_cpp` adds it where kept. Arguments as :meth:`apply_cpp`.
+        The engines start the GEMM on the accumulator in unmasked blocks (:meth:`s_gemm_adds_cpp`)."""
+        if not self.bias:
+            return []
+        at = value.format(t="t")
+        rows = [f"const int i = {i};", f"const int c0 = {c0};", "if (i < p.seq_q) {  // rows past seq_q reach no mod"]
+        rows += ["    " + l for l in _per_value([f"{at} = score_bias_at(p.bias_scale, {b}, {h}, i, 0, c0, int(t * 8 + e), p.score_args);"])]
+        rows += ["} else {"] + ["    " + l for l in _per_value([f"{at} = 0.f;"])] + ["}"]
+        return (["if constexpr (!decltype(masked)::value) {  // S starts at the score_mod's bias over the scale"]
+                + ["    " + l for l in _nest(loops, rows)] + ["}"])
+
+    def s_gemm_adds_cpp(self) -> str:
+        """Whether the S GEMM of a block adds onto the accumulator (C++ bool): in unmasked blocks of a kernel with a
+        bias (:meth:`init_cpp` put it there), else never (the GEMM's first step overwrites it)."""
+        return "!decltype(masked)::value" if self.bias else "false"
 
     # ---- the backward's side of the rule ----------------------------------------------------
 

@@ -51,8 +51,10 @@ def _gemm(plan: HopperPlan, which: str, block: Block) -> list[str]:
     a = sources[g.a_from]
     stage = _stage_of(block)
     b_addr = [f"{desc_b} + uint64_t({stage}) * {plan.tiles[b_tile].stage_bytes >> 4}u + {boff >> 4}u" for boff in g.b.step_offsets]
-    # S starts its accumulator at the first k step (scale-d 0); O accumulates onto the rescaled O
-    scale = [0 if which == "S" and t == 0 else 1 for t in range(len(b_addr))]
+    # S starts its accumulator at the first k step (scale-d 0; where the score rule put a bias there, onto it:
+    # ScoreMask.init_cpp); O accumulates onto the rescaled O
+    first = plan.score_mask.s_gemm_adds_cpp() if which == "S" else "1"
+    scale = [1 if t else (0 if first == "false" else first) for t in range(len(b_addr))]
     if g.a_from == "smem":
         calls = [f"{_wgmma_helper(g)}({acc}, {a} + {off >> 4}u, {b}, {sc});" for off, b, sc in zip(g.a.step_offsets, b_addr, scale)]
     else:
@@ -610,7 +612,9 @@ def _main_loop(plan: HopperPlan) -> list[str]:
         f"const uint32_t st_prev = {ring.prev_stage_cpp('it')}, ph_prev = {ring.prev_phase_cpp('it')};",
         "(void)st; (void)ph; (void)st_prev; (void)ph_prev;",
     ]
-    bits = plan.score_mask.bits_cpp(bits="mask_bits[h]", **_fragment_rows(plan))  # blocks with a softmax
+    # blocks with a softmax: the mask_mod's bits, and where the S accumulator starts (a bias), ahead of the S GEMM
+    bits = plan.score_mask.bits_cpp(bits="mask_bits[h]", **_fragment_rows(plan))
+    bits += plan.score_mask.init_cpp(value="s_acc[4 * {t} + 2 * h + e]", **_fragment_rows(plan))
     mask, skips = plan.score_mask, _skips(plan)
     row = "bm" if skips else "block_mask_row(p.block_mask, batch, head, q_row0 / int(B_r), p.heads, p.seq_q, p.seq_k)"
     dispatch = lambda fn: [  # noqa: E731

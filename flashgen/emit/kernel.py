@@ -302,7 +302,7 @@ def _gemm_S(plan: KernelPlan) -> list[str]:
         "    #pragma unroll",
         "    for (uint32_t nt = 0; nt < B_c / 8; ++nt)",
         "        s_acc[mi][nt][0] = s_acc[mi][nt][1] = s_acc[mi][nt][2] = s_acc[mi][nt][3] = 0.f;",
-    ]
+    ] + plan.score_mask.init_cpp(value="s_acc[mi][{t}][2 * h + e]", **_fragment_rows(plan))  # a bias: over the zeros
     return head + ["{"] + ["    " + l for l in _k_loop(steps, buffers, loads, mmas, decls)] + ["}"]
 
 

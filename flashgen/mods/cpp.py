@@ -24,6 +24,9 @@ CPP_TYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 SPLIT_ARGS = ("q_base", "q_off", "kv_base", "kv_off")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+BIAS_ARGS = ("inv_scale",) + MASK_ARGS  # flashgen.mods.bias: a score_mod's bias over the scale
+_PARAMS = {"score": SCORE_ARGS, "mask": MASK_ARGS, "bias": BIAS_ARGS}
+_FLOAT_ARGS = ("score", "score_scale", "inv_scale")
 
 
 def literal(c: Const) -> str:
@@ -77,16 +80,17 @@ def _expr(node, names: dict) -> str:
 
 
 def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
-    """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool); its values in
+    """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool, "bias": a score_mod's
+    bias over the scale, :mod:`flashgen.mods.bias`, float of ``inv_scale`` and the indices); its values in
     struct ``args`` (default ``<name>_args``). Rendered as ``<name>_at``, whose indices come as a base and an
     offset (``q_idx = q_base + q_off``: kernels pass a fragment's compile-time offsets apart, so conversions
     of index arithmetic split, :mod:`flashgen.mods.ranges`) and a score_mod's score as the raw score and the
     scale it sees it at (``score * score_scale``: folded into the score's one factor where it has one), and
     ``<name>`` with plain indices and the score as it is over it."""
     args = args or f"{name}_args"
-    params = SCORE_ARGS if kind == "score" else MASK_ARGS
-    head = (("score", "score_scale") if kind == "score" else ()) + params[-4:-2] + SPLIT_ARGS
-    result = "float" if kind == "score" else "bool"
+    params = _PARAMS[kind]
+    head = {"score": ("score", "score_scale"), "mask": (), "bias": ("inv_scale",)}[kind] + params[-4:-2] + SPLIT_ARGS
+    result = "bool" if kind == "mask" else "float"
     split, reads, based = split_casts(root), reads_indices(root), {}
     fused, scaled = _fused_products(root, split, reads), _scaled_use(root, reads)
     names, lines = {}, [" ".join(f"(void){p};" for p in head + ("a",)),
@@ -119,14 +123,14 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     lines.append(f"return {names[root]};")
     body = "".join(f"\n    {line}" for line in lines)
     at = f"__host__ __device__ __forceinline__ {result} {name}_at({_signature(head)}, const {args}& a) {{{body}\n}}"
-    call = ", ".join((("score", "1.f") if kind == "score" else ()) + params[-4:-2] + ("q_idx", "0", "kv_idx", "0", "a"))
+    call = ", ".join(params[:-4] + (("1.f",) if kind == "score" else ()) + params[-4:-2] + ("q_idx", "0", "kv_idx", "0", "a"))
     plain = (f"__host__ __device__ __forceinline__ {result} {name}({_signature(params)}, const {args}& a) "
              f"{{ return {name}_at({call}); }}")
     return at + "\n" + plain
 
 
 def _signature(params: tuple) -> str:
-    return ", ".join((f"float {p}" if p in ("score", "score_scale") else f"int {p}") for p in params)
+    return ", ".join((f"float {p}" if p in _FLOAT_ARGS else f"int {p}") for p in params)
 
 
 def _scaled_use(root, reads: dict) -> "tuple | None":

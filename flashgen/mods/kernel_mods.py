@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from .bias import bias_over_scale
 from .cpp import CPP_TYPE, function_cpp, struct_cpp
 from .expr import FLOAT
 from .grad import derivative, is_one, reads_score
@@ -64,6 +65,13 @@ class KernelMods:
         """The longest sequence the kernel takes (its conversions of index arithmetic split, exact up to there:
         :mod:`flashgen.mods.ranges`), or None: any length."""
         return _index_limit(self)
+
+    @property
+    def bias(self):
+        """The score_mod's bias over the scale where it adds one to the score (ALiBi, a bias table), as a DAG
+        over ``inv_scale`` (:func:`flashgen.mods.bias.bias_over_scale`): the forward kernels start the S
+        accumulator at it. None without a score_mod or for one of another form."""
+        return _bias(self.score) if self.score is not None else None
 
     def uses(self, arg: str) -> bool:
         """Whether the mask mod reads its argument ``arg`` ("b" or "h"): the block mask has that dimension."""
@@ -121,11 +129,15 @@ class KernelMods:
 
     def to_cpp(self, backward: bool = False) -> str:
         """The helpers, then per mod its ``<kind>_mod_args`` struct and ``<kind>_mod`` function; ``backward``:
-        also ``score_mod_grad`` (the derivative, same arguments) where the backward evaluates it."""
+        also ``score_mod_grad`` (the derivative, same arguments) where the backward evaluates it, else
+        ``score_bias`` (:attr:`bias`, same arguments) where the score_mod adds a bias."""
         parts = [HELPERS, _WORD_FLOAT]
         for m in self.mods:
             name = f"{m.kind}_mod"
             parts += [struct_cpp(name, m.scalars, m.tensors), function_cpp(m.kind, name, m.expr)]
+        if not backward and self.bias is not None:
+            parts.append("// the score_mod's bias over softmax_scale: where the S accumulator starts (flashgen.mods.bias)")
+            parts.append(function_cpp("bias", "score_bias", self.bias, args="score_mod_args"))
         if backward and self.derivative_kind in ("indices", "score"):
             parts.append("// d score_mod / d score (flashgen.mods.grad)")
             parts.append(function_cpp("score", "score_mod_grad", self.score_derivative(), args="score_mod_args"))
@@ -136,6 +148,8 @@ class KernelMods:
         out = [f"{m.kind}_mod_args {m.kind}_args;  // {m.description}" for m in self.mods]
         if self.score is not None:
             out.append("float mod_scale;  // softmax_scale: score_mod sees the scaled score")
+        if self.bias is not None:
+            out.append("float bias_scale;  // 1 / softmax_scale: the forward's S accumulator starts at the bias times it")
         if self.mask is not None:
             out.append("const int* block_mask;  // the mask_mod's block mask (block_mask_row), or nullptr")
         return out
@@ -144,7 +158,9 @@ class KernelMods:
         """Host lines filling ``p``'s mod parameters from ``a->mod_words`` (false return: wrong count).
         With a score_mod the softmax runs on its results as they are: scale_log2 is log2(e) (the score_mod saw
         the scale); the forward's scale is 1, the backward's stays softmax_scale (d score / d (q k) = scale,
-        applied to dK and dQ as they are written)."""
+        applied to dK and dQ as they are written). Except in the forward of a score_mod that adds a bias
+        (:attr:`bias`): its softmax takes the accumulator, which holds the bias over the scale, at the usual
+        scale."""
         lines = [f"if ({a}->n_mod_words != {self.n_words} || ({self.n_words} && {a}->mod_words == nullptr))",
                  "    return (int)cudaErrorInvalidValue;  // the launcher passes the words of flashgen.mods.KernelMods"]
         if self.index_limit is not None:
@@ -160,9 +176,14 @@ class KernelMods:
                 lines.append(f"{p}.{m.kind}_args.{t.name} = reinterpret_cast<const {CPP_TYPE[t.dtype]}*>({a}->mod_words[{w}]);")
                 lines += [f"{p}.{m.kind}_args.{t.name}_s{d} = int({a}->mod_words[{w + 1 + d}]);" for d in range(t.rank)]
                 w += 1 + t.rank
-        if self.score is not None:
+        if self.score is not None and (backward or self.bias is None):
             scale = "" if backward else f" {p}.scale = 1.f;"
             lines.append(f"{p}.mod_scale = {a}->softmax_scale;{scale} {p}.scale_log2 = 1.4426950408889634f;")
+        elif self.score is not None:
+            lines.append(f"{p}.mod_scale = {a}->softmax_scale;")
+        if self.bias is not None:
+            lines += [f"{p}.bias_scale = 1.f / {a}->softmax_scale;",
+                      f"if (!std::isfinite({p}.bias_scale)) return (int)cudaErrorInvalidValue;  // the bias over a scale of 0"]
         if self.mask is not None:
             lines.append(f"{p}.block_mask = {a}->block_mask;")
         return lines
@@ -199,6 +220,11 @@ def prepare_mods(score_mod: Any = None, mask_mod: Any = None) -> "tuple[KernelMo
     score, score_args = prepare(score_mod, "score") if score_mod is not None else (None, None)
     mask, mask_args = prepare(mask_mod, "mask") if mask_mod is not None else (None, None)
     return KernelMods(score, mask), (score_args, mask_args)
+
+
+@functools.lru_cache(maxsize=256)
+def _bias(score: TracedMod):
+    return bias_over_scale(score.expr)
 
 
 @functools.lru_cache(maxsize=256)

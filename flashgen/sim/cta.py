@@ -259,10 +259,11 @@ class _Cta:
             self.o_acc = np.zeros((W, mt, plan.gemm_O.n_tiles, 32, 4), np.float32)
             self.row_max = np.full((W, mt, 2, 32), -np.inf, np.float32)
             self.row_sum = np.zeros((W, mt, 2, 32), np.float32)
-            # with a score_mod the softmax takes the modded scores at scale 1 (the mod saw softmax_scale)
+            # with a score_mod the softmax takes the modded scores at scale 1 (the mod saw softmax_scale), except
+            # where it adds a bias (the accumulator holds the bias over the scale: ScoreMask.forward_softmax_scale)
             self.mod_scale = np.float32(scale)
-            modded = _score_mask(plan) is not None and _score_mask(plan).score_mod is not None
-            self.scale = np.float32(1.0 if modded else scale)
+            mask = _score_mask(plan)
+            self.scale = np.float32(mask.forward_softmax_scale(scale) if mask is not None else scale)
             self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
             self.softmax_rule, self.epilogue_rule = online_softmax(plan), epilogue(plan)
             rows = max(0, min(cfg.B_r, prob.seq_q - prob.q_row0))
@@ -406,7 +407,7 @@ class _Cta:
         if not masked and mask.score_mod is None:
             return
         rows, cols = self._acc_indices()
-        self.s_acc = mask.apply(self.s_acc, rows, j * cfg.B_c + cols, masked, b=prob.b, h=prob.h, seq_q=prob.seq_q,
+        self.s_acc = mask.apply_forward(self.s_acc, rows, j * cfg.B_c + cols, masked, b=prob.b, h=prob.h, seq_q=prob.seq_q,
                                 seq_k=prob.seq_k, mask_args=prob.mask_args, mod_values=prob.mod_values, scale=self.mod_scale)
 
     def _acc_indices(self) -> tuple[np.ndarray, np.ndarray]:

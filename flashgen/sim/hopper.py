@@ -385,9 +385,10 @@ class _Cta:
         self.dtype = cfg.dtype
         self.q, self.k, self.v = q, k, v
         self.seq_q, self.seq_k, self.mask_args, self.mods = seq_q, seq_k, mask_args, mods
-        # with a score_mod the softmax takes the modded scores at scale 1 (the mod saw softmax_scale)
+        # with a score_mod the softmax takes the modded scores at scale 1 (the mod saw softmax_scale), except where
+        # it adds a bias (the accumulator holds the bias over the scale: ScoreMask.forward_softmax_scale)
         self.mod_scale = np.float32(scale)
-        self.scale = np.float32(1.0 if plan.score_mask.score_mod is not None else scale)
+        self.scale = np.float32(plan.score_mask.forward_softmax_scale(scale))
         self.scale_log2 = np.float32(self.scale * np.float32(LOG2E))
         self.block_rows = [mods.row(plan, qb) for qb in q_blocks]
         if ranges is None:
@@ -773,7 +774,7 @@ class _Cta:
         mask, j, q_row0 = self.plan.score_mask, self.blocks[g][1], self.tiles[ti].q_row0
         masked = mask.masked_path(j, q_row0, self.seq_q, self.seq_k, *self.mask_args, row=self.block_rows[ti])
         if masked or mask.score_mod is not None:  # the plan's score rule, on the C map's rows and columns
-            s = mask.apply(s, q_row0 + 64 * c.w + self.cs.rows, j * self.cfg.B_c + self.cs.cols, masked, b=self.mods.b,
+            s = mask.apply_forward(s, q_row0 + 64 * c.w + self.cs.rows, j * self.cfg.B_c + self.cs.cols, masked, b=self.mods.b,
                            h=self.mods.h, seq_q=self.seq_q, seq_k=self.seq_k, mask_args=self.mask_args,
                            mod_values=self.mods.values, scale=self.mod_scale).astype(f32)
         sm = self.softmax_rule

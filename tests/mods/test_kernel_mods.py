@@ -155,3 +155,45 @@ def test_fill_refuses_sequences_past_a_split_conversions_limit(tmp_path):
     words, n_words = words_cpp(mods, sa, ma)
     out = build_and_run(tmp_path, _fill_program(mods, words, n_words, n_words))
     assert out[out.index("at_limit") + 1] == "0" and out[out.index("past_limit") + 1] == "1"
+
+
+@needs_gxx
+def test_fill_of_a_bias_keeps_the_softmax_scale_and_refuses_a_scale_without_an_inverse(tmp_path):
+    """A score_mod that adds a bias runs its softmax at the launch's scale (the accumulator holds the bias over it),
+    so the fill leaves scale and scale_log2 as the launch set them and passes 1 / softmax_scale; a scale whose
+    inverse is not a finite fp32 number is refused (cudaErrorInvalidValue), never launched."""
+    slope = torch.tensor([0.5, 0.25])
+    mods, (sa, ma) = prepare_mods(lambda s, b, h, q, kv: s - slope[h] * (q - kv), None)
+    assert mods.bias is not None
+    words, n_words = words_cpp(mods, sa, ma)
+    fill = "\n".join("    " + l for l in mods.fill_cpp())
+    source = f"""{HEAD}
+{mods.to_cpp()}
+struct Params {{
+    float scale, scale_log2;
+{chr(10).join('    ' + l for l in mods.params_cpp())}
+}};
+struct Args {{ const long long* mod_words; int n_mod_words; float softmax_scale; const int* block_mask; int seq_q = 1, seq_k = 1; }};
+static int fill(Params& p, const Args* a) {{
+    p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * 1.4426950408889634f;  // the launch's own lines
+{fill}
+    return 0;
+}}
+{chr(10).join(words)}
+int main() {{
+    Params p{{}};
+    const float refused[3] = {{0.f, 1e-39f, -0.f}};
+    for (float s : refused) {{ const Args a{{words, {n_words}, s, nullptr}}; std::printf("%d\\n", fill(p, &a)); }}
+    const Args a{{words, {n_words}, {f32(0.0625)}, nullptr}};
+    if (fill(p, &a)) return 3;
+    std::printf("%a %a %a %a\\n", p.scale, p.scale_log2, p.mod_scale, p.bias_scale);
+    return 0;
+}}
+"""
+    out = build_and_run(tmp_path, source)
+    assert out[:3] == ["1", "1", "1"]
+    scale, scale_log2, mod_scale, bias_scale = (float.fromhex(x) for x in out[3:7])
+    assert (scale, mod_scale, bias_scale) == (0.0625, 0.0625, 16.0)
+    assert scale_log2 == float(np.float32(0.0625) * np.float32(np.log2(np.e)))
+    softcap, _ = prepare_mods(lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), None)
+    assert softcap.bias is None and not any("bias_scale" in line for line in softcap.fill_cpp())

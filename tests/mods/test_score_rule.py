@@ -1,6 +1,7 @@
-"""The per-value score rule both emitters place before the softmax (``ScoreMask.bits_cpp``, then
-``apply_cpp``), compiled for the host, equals its numpy twin ``ScoreMask.apply`` bit for bit (a tanh-using
-score_mod within 4 ulp: glibc's tanhf and numpy's float32 tanh differ, see tests/mods/test_examples.py).
+"""The per-value score rule both forward emitters place around the S GEMM (``ScoreMask.bits_cpp`` and
+``init_cpp`` before it, the GEMM adding onto the accumulator where ``s_gemm_adds_cpp`` says so, then
+``apply_cpp``), compiled for the host, equals its numpy twin ``ScoreMask.apply_forward`` bit for bit (a
+tanh-using score_mod within 4 ulp: glibc's tanhf and numpy's float32 tanh differ, see tests/mods/test_examples.py).
 
 One fragment per case: 4 threads x 4 rows x (B_c / 8 n tiles x 2 values), thread ``l`` holding the
 columns ``2 l + 8 t + e`` of the block as the MMA C maps do; rows run past seq_q and columns past
@@ -59,10 +60,14 @@ def _source(sm: ScoreMask, fill: list[str], words: list[str], n_words: int, case
     # each lane (a thread's first column, 2 lane) in turn, as the kernels' threads: the rows loop inside
     where = dict(loops=[f"for (uint32_t r = 0; r < {ROWS}; ++r)"],
                  i="q_row0 + int(r)", c0="j * int(B_c) + int(2 * lane)", b="bb", h="hh")
-    rule = sm.bits_cpp(bits="mask_bits[lane][r]", **where) + sm.apply_cpp(value="acc[lane][r][{t}][e]",
-                                                                         bits="mask_bits[lane][r]", **where)
+    # the GEMM's part: the raw scores onto where the accumulator starts (0 unless init_cpp put a bias there)
+    gemm = ["for (uint32_t v = 0; v < sizeof(Frag) / 4; ++v)",
+            f"    if ({sm.s_gemm_adds_cpp()}) (&acc[0][0][0][0])[v] += (&start[0][0][0][0])[v];"]
+    rule = (sm.bits_cpp(bits="mask_bits[lane][r]", **where) + sm.init_cpp(value="start[lane][r][{t}][e]", **where)
+            + ["}"] + gemm + ["for (uint32_t lane = 0; lane < 4; ++lane) {"]
+            + sm.apply_cpp(value="acc[lane][r][{t}][e]", bits="mask_bits[lane][r]", **where))
     lanes = ["for (uint32_t lane = 0; lane < 4; ++lane) {"] + ["    " + l for l in rule] + ["}"]
-    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;"] + lanes)
+    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;", "Frag start{};"] + lanes)
     return f"""{HEAD}
 constexpr uint32_t B_r = {B_R}, B_c = {B_C};
 {sm.to_cpp()}
@@ -117,7 +122,7 @@ def test_rendered_rule_equals_numpy(combo, tmp_path):
     values = (sa.values() if sa else None, ma.values() if ma else None)
     want = np.empty_like(scores)
     for n, (q_row0, j, seq_q, seq_k, off, left, right, b, h, masked) in enumerate(cases):
-        want[n] = sm.apply(scores[n], q_row0 + r, j * B_C + 2 * lane + 8 * t + e, bool(masked), b=b, h=h, seq_q=seq_q,
+        want[n] = sm.apply_forward(scores[n], q_row0 + r, j * B_C + 2 * lane + 8 * t + e, bool(masked), b=b, h=h, seq_q=seq_q,
                            seq_k=seq_k, mask_args=(off, left, right), mod_values=values, scale=SCALE)
     assert (np.isneginf(want) == np.isneginf(got)).all()
     if score_fn is not None and "tanh" in mods.score.canonical:
