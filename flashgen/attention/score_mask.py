@@ -278,7 +278,7 @@ class ScoreMask:
         # the column as base and compile-time offset (flashgen.mods.ranges: index conversions split), the raw score
         # and the scale the score_mod sees it at (folded into its factor where it has one: flashgen.mods.cpp); a
         # bias joins the raw score over the scale (init_cpp's, in masked blocks where kept)
-        score = (f"{at} + score_bias_at(p.bias_scale, {b}, {h}, i, 0, c0, c, p.score_args)" if self.bias else
+        score = (f"{at} + score_bias_at(bias_tile, p.bias_scale, {b}, {h}, i, 0, c0, c, p.score_args)" if self.bias else
                  f"score_mod_at({at}, p.mod_scale, {b}, {h}, i, 0, c0, c, p.score_args)")
         mods.append(f"{at} = keep ? {score} : -INFINITY;" if self.score_mod is not None else f"if (!keep) {at} = -INFINITY;")
         masked.append("const bool real = i < p.seq_q;  // rows past seq_q reach no mod")
@@ -309,10 +309,18 @@ class ScoreMask:
             return []
         at = value.format(t="t")
         rows = [f"const int i = {i};", f"const int c0 = {c0};", "if (i < p.seq_q) {  // rows past seq_q reach no mod"]
-        rows += ["    " + l for l in _per_value([f"{at} = score_bias_at(p.bias_scale, {b}, {h}, i, 0, c0, int(t * 8 + e), p.score_args);"])]
+        rows += ["    " + l for l in _per_value([f"{at} = score_bias_at(bias_tile, p.bias_scale, {b}, {h}, i, 0, c0, int(t * 8 + e), p.score_args);"])]
         rows += ["} else {"] + ["    " + l for l in _per_value([f"{at} = 0.f;"])] + ["}"]
         return (["if constexpr (!decltype(masked)::value) {  // S starts at the score_mod's bias over the scale"]
                 + ["    " + l for l in _nest(loops, rows)] + ["}"])
+
+    def bias_tile_cpp(self, b: str, h: str) -> list[str]:
+        """A forward tile's first line (batch ``b``, head ``h``; a bias only): ``bias_tile``, the bias's values that
+        hold for the whole tile (its captured tensors read once: ALiBi's slope), for :meth:`init_cpp` and
+        :meth:`apply_cpp`."""
+        if not self.bias:
+            return []
+        return [f"const score_bias_tile bias_tile = score_bias_tile_of(p.bias_scale, {b}, {h}, p.score_args);  // once per tile"]
 
     def s_gemm_adds_cpp(self) -> str:
         """Whether the S GEMM of a block adds onto the accumulator (C++ bool): in unmasked blocks of a kernel with a

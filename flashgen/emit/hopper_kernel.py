@@ -312,6 +312,7 @@ uint32_t kv_it = 0, q_it = 0;  // the producer's counters, kept in step
 Tile t;
 for (int r = 0; cta_work(r, &t); ++r) {
     const int q_row0 = t.q_row0, head = t.head, batch = t.batch, j_begin = t.j_begin, j_end = t.j_end;
+    $bias_tile
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
     #pragma unroll
@@ -831,6 +832,7 @@ def _roles_env(plan: HopperPlan) -> dict:
                 softmax_first=_softmax(plan, True), softmax_next=_softmax(plan, False),
                 mask_bits_decl="uint64_t mask_bits[2];  // the mask_mod's bits of the block (bits_cpp)" if plan.score_mask.mask_bits
                 else "// no mask_mod bits",
+                bias_tile=plan.score_mask.bias_tile_cpp("batch", "head") or ["// no bias per tile"],
                 pingpong_start=pingpong_start, pingpong_end=pingpong_end, tile_loop_doc=tile_loop_doc,
                 tile_start=[line for st in plan.tile_start for line in _step(plan, st)], main_loop=_main_loop(plan))
 

@@ -517,6 +517,7 @@ _KERNEL = CodeTemplate(
     int j_begin, n_blocks;  // key blocks [j_begin, n_blocks) hold scores the mask keeps
     kv_block_range(q_row0, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &j_begin, &n_blocks);
     $block_mask_tile
+    $bias_tile
     (void)scale; (void)scale_log2;
 
     $bases
@@ -719,6 +720,7 @@ def emit(plan: KernelPlan) -> KernelSource:
         block_mask_tile=plan.score_mask.tile_cpp("bm_row", "int(blockIdx.z)", "int(blockIdx.y)", "int(blockIdx.x)",
                                                  "int(gridDim.y)", "j_begin", "n_blocks"),
         block_mask_masked=plan.score_mask.masked_cpp("bm_row", "j"),
+        bias_tile=plan.score_mask.bias_tile_cpp("int(blockIdx.z)", "int(blockIdx.y)") or ["// no bias per tile"],
         kv_step="++j" if plan.score_mask.mask_mod is None else "j = " + plan.score_mask.next_cpp("bm_row", "j", "n_blocks"),
         mask_blocks=plan.score_mask.mask_blocks_cpp(name),
         final_wait=(

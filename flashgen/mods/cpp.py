@@ -79,14 +79,50 @@ def _expr(node, names: dict) -> str:
     raise TypeError(f"not an expression node: {node!r}")
 
 
-def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
+def tile_values(root) -> tuple:
+    """The nodes of ``root`` a kernel evaluates once per tile (batch and head fixed, so is every value free of the
+    score and the indices): those reading a captured tensor that a node reading the score or an index uses, or the
+    result itself. Left in the per-block code such a load waits on memory every key block, before the S GEMM can
+    start: the kernels' barriers (memory clobbers) keep the compiler from hoisting it."""
+    reads, out = reads_indices(root), []
+    varies, loads = {}, {}
+    for n in postorder(root):
+        varies[n] = reads[n] or (isinstance(n, Arg) and n.name == "score") or any(varies[o] for o in n.operands)
+        loads[n] = isinstance(n, Load) or any(loads[o] for o in n.operands)
+        users = [o for o in n.operands if not varies[o] and loads[o] and o not in out] if varies[n] else []
+        out += [o for o in dict.fromkeys(users)]
+    return tuple(out) + ((root,) if not varies[root] and loads[root] and root not in out else ())
+
+
+def _tile_cpp(name: str, tile: tuple, args: str, head: tuple) -> str:
+    """The struct of ``tile``'s values (:func:`tile_values`) and ``<name>_tile_of`` computing them."""
+    fields = "".join(f" {CPP_TYPE[n.dtype]} f{k};" for k, n in enumerate(tile)) or " int unused;"
+    names, lines = {}, [" ".join(f"(void){p};" for p in head + ("a",))]
+    for root in tile:
+        for n in postorder(root):
+            if n in names:
+                continue
+            text = _expr(n, names)
+            if isinstance(n, (Arg, Const, Scalar)):
+                names[n] = text
+            else:
+                names[n] = f"v{len(names)}"
+                lines.append(f"const {CPP_TYPE[n.dtype]} {names[n]} = {text};")
+    lines.append(f"return {name}_tile{{{', '.join(names[n] for n in tile) or '0'}}};")
+    body = "".join(f"\n    {line}" for line in lines)
+    return (f"struct {name}_tile {{{fields} }};  // {name}'s values per tile (its batch and head)\n"
+            f"__host__ __device__ __forceinline__ {name}_tile {name}_tile_of({_signature(head)}, const {args}& a) {{{body}\n}}")
+
+
+def function_cpp(kind: str, name: str, root, args: "str | None" = None, per_tile: bool = False) -> str:
     """The function ``name`` computing ``root`` (kind "score": float result, "mask": bool, "bias": a score_mod's
     bias over the scale, :mod:`flashgen.mods.bias`, float of ``inv_scale`` and the indices); its values in
     struct ``args`` (default ``<name>_args``). Rendered as ``<name>_at``, whose indices come as a base and an
     offset (``q_idx = q_base + q_off``: kernels pass a fragment's compile-time offsets apart, so conversions
     of index arithmetic split, :mod:`flashgen.mods.ranges`) and a score_mod's score as the raw score and the
     scale it sees it at (``score * score_scale``: folded into the score's one factor where it has one), and
-    ``<name>`` with plain indices and the score as it is over it."""
+    ``<name>`` with plain indices and the score as it is over it. ``per_tile``: the values :func:`tile_values`
+    names come from ``<name>_tile_of`` (once per tile), which ``<name>_at`` takes first (``<name>`` calls it)."""
     args = args or f"{name}_args"
     params = _PARAMS[kind]
     head = {"score": ("score", "score_scale"), "mask": (), "bias": ("inv_scale",)}[kind] + params[-4:-2] + SPLIT_ARGS
@@ -95,10 +131,14 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
     fused, scaled = _fused_products(root, split, reads), _scaled_use(root, reads)
     names, lines = {}, [" ".join(f"(void){p};" for p in head + ("a",)),
                         "const int q_idx = q_base + q_off, kv_idx = kv_base + kv_off;", "(void)q_idx; (void)kv_idx;"]
-    live, nodes = _live(root, split, fused, reads), postorder(root)
+    tile = tile_values(root) if per_tile else ()
+    live, nodes = _live(root, split, fused, reads, set(tile)), postorder(root)
     order = {n: i for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         if node not in live:
+            continue
+        if node in tile:
+            names[node] = f"t.f{tile.index(node)}"
             continue
         if isinstance(node, Arg) and node.name == "score":
             names[node] = "score"
@@ -122,11 +162,15 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None) -> str:
             lines.append(f"const {CPP_TYPE[node.dtype]} v{i} = {text};")
     lines.append(f"return {names[root]};")
     body = "".join(f"\n    {line}" for line in lines)
-    at = f"__host__ __device__ __forceinline__ {result} {name}_at({_signature(head)}, const {args}& a) {{{body}\n}}"
+    first = f"const {name}_tile& t, " if per_tile else ""
+    at = f"__host__ __device__ __forceinline__ {result} {name}_at({first}{_signature(head)}, const {args}& a) {{{body}\n}}"
     call = ", ".join(params[:-4] + (("1.f",) if kind == "score" else ()) + params[-4:-2] + ("q_idx", "0", "kv_idx", "0", "a"))
+    tile_head = tuple(p for p in head[:-4] if p not in ("score", "score_scale"))  # what a tile's values may read
+    if per_tile:
+        call = f"{name}_tile_of({', '.join(tile_head + ('a',))}), {call}"
     plain = (f"__host__ __device__ __forceinline__ {result} {name}({_signature(params)}, const {args}& a) "
              f"{{ return {name}_at({call}); }}")
-    return at + "\n" + plain
+    return (_tile_cpp(name, tile, args, tile_head) + "\n" if per_tile else "") + at + "\n" + plain
 
 
 def _signature(params: tuple) -> str:
@@ -163,10 +207,10 @@ def _fused_products(root, split: dict, reads: dict) -> dict:
     return out
 
 
-def _live(root, split: dict, fused: dict, reads: dict) -> set:
+def _live(root, split: dict, fused: dict, reads: dict, given: set = frozenset()) -> set:
     """The nodes ``root`` needs at the plain indices: a split cast's operand is needed at the bases, where
     only the nodes not reading the indices keep their plain values; a fused product needs its value and its
-    cast's operand at the bases, not the cast."""
+    cast's operand at the bases, not the cast; a ``given`` node (a value per tile) needs nothing more."""
     live, stack, at_bases = set(), [root], []
     while stack or at_bases:
         if at_bases:
@@ -180,6 +224,8 @@ def _live(root, split: dict, fused: dict, reads: dict) -> set:
         if n in live:
             continue
         live.add(n)
+        if n in given:
+            continue
         if n in fused:
             stack.append(fused[n][0])
             at_bases.append(fused[n][1].x)

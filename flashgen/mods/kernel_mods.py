@@ -130,14 +130,15 @@ class KernelMods:
     def to_cpp(self, backward: bool = False) -> str:
         """The helpers, then per mod its ``<kind>_mod_args`` struct and ``<kind>_mod`` function; ``backward``:
         also ``score_mod_grad`` (the derivative, same arguments) where the backward evaluates it, else
-        ``score_bias`` (:attr:`bias`, same arguments) where the score_mod adds a bias."""
+        ``score_bias`` (:attr:`bias`, same arguments; its captured values read once per tile, ``score_bias_tile_of``)
+        where the score_mod adds a bias."""
         parts = [HELPERS, _WORD_FLOAT]
         for m in self.mods:
             name = f"{m.kind}_mod"
             parts += [struct_cpp(name, m.scalars, m.tensors), function_cpp(m.kind, name, m.expr)]
         if not backward and self.bias is not None:
             parts.append("// the score_mod's bias over softmax_scale: where the S accumulator starts (flashgen.mods.bias)")
-            parts.append(function_cpp("bias", "score_bias", self.bias, args="score_mod_args"))
+            parts.append(function_cpp("bias", "score_bias", self.bias, args="score_mod_args", per_tile=True))
         if backward and self.derivative_kind in ("indices", "score"):
             parts.append("// d score_mod / d score (flashgen.mods.grad)")
             parts.append(function_cpp("score", "score_mod_grad", self.score_derivative(), args="score_mod_args"))

@@ -8,7 +8,7 @@ import torch
 
 from flashgen.mods import prepare
 from flashgen.mods.bias import INV_SCALE, additive_bias, bias_over_scale
-from flashgen.mods.cpp import _fused_products
+from flashgen.mods.cpp import _fused_products, tile_values
 from flashgen.mods.evaluate import evaluate
 from flashgen.mods.expr import Unary, postorder
 from flashgen.mods.ranges import reads_indices, split_casts
@@ -72,3 +72,12 @@ def test_the_scale_joins_a_factor_so_alibi_stays_one_multiply_add_a_score():
     assert _fused_products(bias, split_casts(bias), reads)
     assert not any(isinstance(n, Unary) and reads[n] for n in postorder(bias))
     assert not any(n is INV_SCALE for n in _fused_products(bias, split_casts(bias), reads))
+
+
+def test_the_captured_values_a_bias_reads_per_tile():
+    """ALiBi's slope (times the inverse scale) is read once per tile; a table indexed by the indices is not."""
+    alibi = bias_over_scale(_expr(BIASES["alibi"])[0].expr)
+    (tile,) = tile_values(alibi)
+    assert not reads_indices(tile)[tile] and any(n is INV_SCALE for n in postorder(tile))
+    assert tile_values(bias_over_scale(_expr(BIASES["table"])[0].expr)) == ()
+    assert tile_values(bias_over_scale(_expr(BIASES["constant"])[0].expr)) == ()  # no captured tensor: nothing to load

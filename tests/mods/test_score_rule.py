@@ -67,7 +67,8 @@ def _source(sm: ScoreMask, fill: list[str], words: list[str], n_words: int, case
             + ["}"] + gemm + ["for (uint32_t lane = 0; lane < 4; ++lane) {"]
             + sm.apply_cpp(value="acc[lane][r][{t}][e]", bits="mask_bits[lane][r]", **where))
     lanes = ["for (uint32_t lane = 0; lane < 4; ++lane) {"] + ["    " + l for l in rule] + ["}"]
-    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;", "Frag start{};"] + lanes)
+    tile = sm.bias_tile_cpp("bb", "hh")  # the tile's values of a bias, as the emitters place them
+    body = "\n".join("    " + l for l in [f"uint64_t mask_bits[4][{ROWS}];", "(void)mask_bits;", "Frag start{};"] + tile + lanes)
     return f"""{HEAD}
 constexpr uint32_t B_r = {B_R}, B_c = {B_C};
 {sm.to_cpp()}
