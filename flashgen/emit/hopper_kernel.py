@@ -53,8 +53,8 @@ def _gemm(plan: HopperPlan, which: str, block: Block) -> list[str]:
     b_addr = [f"{desc_b} + uint64_t({stage}) * {plan.tiles[b_tile].stage_bytes >> 4}u + {boff >> 4}u" for boff in g.b.step_offsets]
     # S starts its accumulator at the first k step (scale-d 0; where the score rule put a bias there, onto it:
     # ScoreMask.init_cpp); O accumulates onto the rescaled O
-    first = plan.score_mask.s_gemm_adds_cpp() if which == "S" else "1"
-    scale = [1 if t else (0 if first == "false" else first) for t in range(len(b_addr))]
+    adds = plan.score_mask.s_gemm_adds_cpp() if which == "S" else "true"
+    scale = [{"false": 0, "true": 1}.get(adds, adds)] + [1] * (len(b_addr) - 1)
     if g.a_from == "smem":
         calls = [f"{_wgmma_helper(g)}({acc}, {a} + {off >> 4}u, {b}, {sc});" for off, b, sc in zip(g.a.step_offsets, b_addr, scale)]
     else:

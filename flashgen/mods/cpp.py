@@ -90,7 +90,7 @@ def tile_values(root) -> tuple:
         varies[n] = reads[n] or (isinstance(n, Arg) and n.name == "score") or any(varies[o] for o in n.operands)
         loads[n] = isinstance(n, Load) or any(loads[o] for o in n.operands)
         users = [o for o in n.operands if not varies[o] and loads[o] and o not in out] if varies[n] else []
-        out += [o for o in dict.fromkeys(users)]
+        out += dict.fromkeys(users)
     return tuple(out) + ((root,) if not varies[root] and loads[root] and root not in out else ())
 
 
