@@ -144,16 +144,35 @@ def _schedule(deterministic: bool, grad_with_p: bool = False) -> tuple[Step, ...
         *scores,
         ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"),
         StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"),
-        Gemm("dK", why="dK += dS^T Q"),
-        Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)"),
-        Gemm("dQ", why="dQ = dS K, this consumer's columns"),
-        WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time"),
-        Release("Q"),
-        Release("dO"),
-        *ordered,
-        ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction"),
-        *signal,
+        *(_ordered_tail(ordered, signal) if deterministic else _overlapped_tail()),
     )
+
+
+#: dQ's add into the fp32 buffer, which every item ends with
+_REDUCE_DQ = ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction")
+
+
+def _overlapped_tail() -> tuple[Step, ...]:
+    """dQ before dK, so that dQ's add (staged through shared memory, two barriers) runs while the tensor cores do dK
+    instead of after every GEMM of the item retired."""
+    return (Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)"),
+            Gemm("dQ", why="dQ = dS K, this consumer's columns"),
+            Gemm("dK", why="dK += dS^T Q, in flight while dQ is added"),
+            WgmmaWait("1", why="dV and dQ done (dK may still run)"),
+            _REDUCE_DQ,
+            WgmmaWait("0", why="dK done: Q and dO read for the last time"),
+            Release("Q"), Release("dO"))
+
+
+def _ordered_tail(ordered: tuple, signal: tuple) -> tuple[Step, ...]:
+    """dK before dQ and both retired before dQ's ordered add: dK's registers would stay live through the wait
+    for the lower key blocks' adds (ptxas spilled 24 bytes at d_head 128)."""
+    return (Gemm("dK", why="dK += dS^T Q"),
+            Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)"),
+            Gemm("dQ", why="dQ = dS K, this consumer's columns"),
+            WgmmaWait("0", why="dV, dK, dQ done: Q and dO read for the last time"),
+            Release("Q"), Release("dO"),
+            *ordered, _REDUCE_DQ, *signal)
 
 
 @functools.lru_cache(maxsize=None)
