@@ -90,6 +90,21 @@ def test_every_example_against_the_reference(attn, name):
         assert (lse[kept] - ref_lse[kept]).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("name", ["alibi", "relative_bias"])
+@pytest.mark.parametrize("softmax_scale", [0.3, -0.2, 1e-3])
+def test_a_bias_at_any_softmax_scale(attn, name, softmax_scale):
+    """A score_mod that adds a bias starts the S accumulator at the bias over softmax_scale (flashgen.mods.bias):
+    right at scales other than the default, a negative one and a small one (a large bias over it), with the
+    built-in causal mask cutting blocks (the masked blocks add the bias after the GEMM)."""
+    shape = SHAPES[3]
+    kind, fn = _factory(name, shape, "cuda")
+    q, k, v = _inputs(attn, shape, seed=11)
+    for causal in (False, True):
+        o = attn(q, k, v, softmax_scale=softmax_scale, causal=causal, score_mod=fn)
+        check_attention(o, q, k, v, f"{attn.cfg.short_form()} {name} scale {softmax_scale} causal {causal}",
+                        softmax_scale=softmax_scale, causal=causal, score_mod=fn)
+
+
 @pytest.mark.parametrize("causal, window, align", [(True, None, "top_left"), (True, None, "bottom_right"),
                                                    (False, (40, 7), "top_left")])
 def test_mods_with_the_built_in_masks(attn, causal, window, align):

@@ -136,14 +136,19 @@ def _empty_count(count):
 
 
 S_READY = WgmmaWait("1", why="S^T ready (dP^T may still run)")
+DQ_READY = WgmmaWait("1", why="dV and dQ done (dK may still run)")
+DK_DONE = WgmmaWait("0", why="dK done: Q and dO read for the last time")
+REDUCE_DQ = next(s for s in PLAN.schedule if s.op == "reduce_gm")
 
 
 @pytest.mark.parametrize("broken, words", [
     (lambda: _without(S_READY), "touches S while wgmma group S[item 0] writing it is in flight"),
-    (lambda: _without(WgmmaWait("0", why="dK done: Q and dO read for the last time")), "still reads it"),
+    (lambda: _without(DK_DONE), "still reads it"),
     (lambda: _without(Handoff("dS", why="every consumer's dS^T rows stored (and visible to wgmma)")), "dS^T rows"),
     (lambda: _without(WaitFull("dO", why="dO and its D landed")), "without its wait_full"),
     (lambda: _moved(Release("Q"), S_READY), "releases Q of item 0 while wgmma group"),
+    (lambda: _moved(Release("Q"), DK_DONE), "releases Q of item 0 while wgmma group"),  # dK still reads Q
+    (lambda: _moved(REDUCE_DQ, DQ_READY), "touches dQ while wgmma group dQ[item 0] writing it is in flight"),
     (lambda: _one_ds_buffer(2), "overwrites its dS^T rows"),
     (lambda: _empty_count(4), "holds item"),
     (lambda: _empty_count(PLAN.release_arrivals * PLAN.consumers + 1), "deadlock"),
