@@ -94,6 +94,15 @@ def tile_values(root) -> tuple:
     return tuple(out) + ((root,) if not varies[root] and loads[root] and root not in out else ())
 
 
+def _bind(node, text: str, var: str, names: dict, lines: list) -> None:
+    """``node``'s name for its users: a leaf's own text, else the ``const`` temporary ``var`` holding it."""
+    if isinstance(node, (Arg, Const, Scalar)):
+        names[node] = text
+    else:
+        names[node] = var
+        lines.append(f"const {CPP_TYPE[node.dtype]} {var} = {text};")
+
+
 def _tile_cpp(name: str, tile: tuple, args: str, head: tuple) -> str:
     """The struct of ``tile``'s values (:func:`tile_values`) and ``<name>_tile_of`` computing them."""
     fields = "".join(f" {CPP_TYPE[n.dtype]} f{k};" for k, n in enumerate(tile)) or " int unused;"
@@ -102,12 +111,7 @@ def _tile_cpp(name: str, tile: tuple, args: str, head: tuple) -> str:
         for n in postorder(root):
             if n in names:
                 continue
-            text = _expr(n, names)
-            if isinstance(n, (Arg, Const, Scalar)):
-                names[n] = text
-            else:
-                names[n] = f"v{len(names)}"
-                lines.append(f"const {CPP_TYPE[n.dtype]} {names[n]} = {text};")
+            _bind(n, _expr(n, names), f"v{len(names)}", names, lines)
     lines.append(f"return {name}_tile{{{', '.join(names[n] for n in tile) or '0'}}};")
     body = "".join(f"\n    {line}" for line in lines)
     return (f"struct {name}_tile {{{fields} }};  // {name}'s values per tile (its batch and head)\n"
@@ -155,11 +159,7 @@ def function_cpp(kind: str, name: str, root, args: "str | None" = None, per_tile
             text = f"{base} + {off}" if u is None else f"fg_mul_split({names[u]}, {base}, {off})"
         else:
             text = _expr(node, names)
-        if isinstance(node, (Arg, Const, Scalar)):
-            names[node] = text
-        else:
-            names[node] = f"v{i}"
-            lines.append(f"const {CPP_TYPE[node.dtype]} v{i} = {text};")
+        _bind(node, text, f"v{i}", names, lines)
     lines.append(f"return {names[root]};")
     body = "".join(f"\n    {line}" for line in lines)
     first = f"const {name}_tile& t, " if per_tile else ""
