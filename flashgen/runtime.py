@@ -267,12 +267,13 @@ class Attention:
         """An eager call with the functions of an earlier call (same objects, same code): their values re-read
         (:class:`CallValues`) and the variant launched through the launcher's eager entry, no tracing and no
         dispatcher. None where :meth:`_launch_mods` must run: a new pair, a stale or refused value, an unchecked
-        device, a call to differentiate, or any input the launcher refuses (that path explains it)."""
+        device or a call to differentiate (the launcher's entry answers None for both), or any input the launcher
+        refuses (that path explains it)."""
         entry = self._mod_calls.get((id(score_mod), id(mask_mod)))
         if entry is None or not entry[0].serves(score_mod, mask_mod):
             return None
         reader, attn, last = entry
-        if not isinstance(q, torch.Tensor) or autograd.needs_grad(q, k, v):
+        if not isinstance(q, torch.Tensor):
             return None
         device = q.device
         values = reader.read(device)
