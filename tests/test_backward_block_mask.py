@@ -5,6 +5,7 @@ fake take it. The kernels are doubles: CPU implementations of the operators that
 """
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,9 @@ class Kernels:
 @pytest.fixture
 def kernels(monkeypatch):
     fake = Kernels()
-    monkeypatch.setattr(runtime.launcher, "native", lambda: None)  # the doubles below stay the operators' CPU kernels
+    # the launcher's eager entry answers None as for a call to differentiate or an unchecked device, so every call
+    # takes the operators, whose CPU kernels are the doubles below
+    monkeypatch.setattr(runtime.launcher, "native", lambda: types.SimpleNamespace(call_mods=lambda *args: None))
     monkeypatch.setattr(runtime.Attention, "check", lambda self, q, k, v, out=None: None)
     monkeypatch.setattr(runtime, "build", fake.build)
     monkeypatch.setattr(runtime, "_load", fake.load)
