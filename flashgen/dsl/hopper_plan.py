@@ -310,13 +310,13 @@ def _schedule(cfg: KernelConfig) -> tuple[tuple[Step, ...], tuple[Step, ...], tu
     return (), body, ()
 
 
-@functools.lru_cache(maxsize=None)
 def _q_in_registers(cfg: KernelConfig, mods: "KernelMods | None") -> bool:
     """Whether S = Q K^T reads Q's A fragments from registers (``cfg.q_in_registers``): not with a score_mod, whose
     values need those registers (ptxas spilled 224 bytes for ALiBi and 360 for softcap at B_c 128 with them)."""
     return cfg.q_in_registers and (mods is None or mods.score is None)
 
 
+@functools.lru_cache(maxsize=None)
 def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> HopperPlan:
     """The DSL objects of one wgmma config; ``mods``: the user's score_mod / mask_mod (:class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "wgmma":
