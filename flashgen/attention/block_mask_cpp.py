@@ -30,7 +30,7 @@ def reading_cpp(mods: Any, backward: bool = False) -> str:
 def kernels_cpp(mods: Any, name: str, transposed: bool = False) -> str:
     """The block mask's kernels, ``<name>_block_mask_numel(args)`` and ``<name>_mask_blocks(args, out, stream)``
     (``args`` the TU's own argument struct). ``transposed``: the backward's."""
-    fill = "\n".join("    " + l for l in mods.fill_cpp(p="m"))
+    fill = "\n".join("    " + l for l in mods.fill_cpp(p="m", scales=False))
     fields = " ".join(f.split("//")[0].strip() for f in mods.params_cpp())
     rows, classes, what = ("kb", "qb", "query") if transposed else ("qb", "kb", "key")
     return _MASK_BLOCKS.replace("$NAME", name).replace("$FILL", fill).replace("$FIELDS", fields).replace(
@@ -144,7 +144,7 @@ extern "C" int64_t $NAME_block_mask_numel(const $NAME_args* a) {
 extern "C" int $NAME_mask_blocks(const $NAME_args* a, int* out, void* stream) {
     using namespace $NAME;
     if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0 || out == nullptr) return (int)cudaErrorInvalidValue;
-    struct { $FIELDS float scale, scale_log2; } m{};
+    struct { $FIELDS } m{};  // the mods' values (the forward's fields; no scale is filled: no softmax runs)
 $FILL
     const int nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
     mask_blocks_kernel<<<dim3(n_kb, n_qb, nb * nh), 128, 0, (cudaStream_t)stream>>>(m.mask_args, a->seq_q, a->seq_k, nh, n_qb, n_kb, out);

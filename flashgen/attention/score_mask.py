@@ -142,9 +142,9 @@ class ScoreMask:
         """A kernel's name: ``base`` (the config's), tagged with the mods' structure where built with them."""
         return base if self.mods is None else self.mods.kernel_name(base)
 
-    def params_cpp(self) -> list[str]:
-        """The kernel parameters the mods read (none without mods)."""
-        return [] if self.mods is None else self.mods.params_cpp()
+    def params_cpp(self, backward: bool = False) -> list[str]:
+        """The kernel parameters the mods read (none without mods; ``backward``: a backward kernel's)."""
+        return [] if self.mods is None else self.mods.params_cpp(backward=backward)
 
     def fill_cpp(self, backward: bool = False) -> list[str]:
         """Host lines of the launch function filling them (``p`` from ``a``; ``backward``: a backward kernel's)."""

@@ -620,7 +620,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
-        mod_params=plan.score_mask.params_cpp(), mod_fill=plan.score_mask.fill_cpp(backward=True),
+        mod_params=plan.score_mask.params_cpp(backward=True), mod_fill=plan.score_mask.fill_cpp(backward=True),
         smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS")]
                    + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
         stage_addrs=[f"const uint32_t s{n}_addr = s{n}_stage0 + stage * {plan.stage_bytes[n]}u;" for n in ("Q", "dO")],

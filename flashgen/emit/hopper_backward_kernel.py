@@ -468,7 +468,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,
         consumers=plan.consumers, threads=plan.threads, smem_bytes=plan.smem_bytes,
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
-        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(),
+        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(backward=True),
         mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
         dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,

@@ -144,24 +144,26 @@ class KernelMods:
             parts.append(function_cpp("score", "score_mod_grad", self.score_derivative(), args="score_mod_args"))
         return "\n".join(parts)
 
-    def params_cpp(self) -> list[str]:
-        """The kernel parameters holding the values (fields of the kernel's Params struct)."""
+    def params_cpp(self, backward: bool = False) -> list[str]:
+        """The kernel parameters holding the values (fields of the kernel's Params struct; ``backward``: a backward
+        kernel's, which holds no bias scale)."""
         out = [f"{m.kind}_mod_args {m.kind}_args;  // {m.description}" for m in self.mods]
         if self.score is not None:
             out.append("float mod_scale;  // softmax_scale: score_mod sees the scaled score")
-        if self.bias is not None:
+        if self.bias is not None and not backward:
             out.append("float bias_scale;  // 1 / softmax_scale: the forward's S accumulator starts at the bias times it")
         if self.mask is not None:
             out.append("const int* block_mask;  // the mask_mod's block mask (block_mask_row), or nullptr")
         return out
 
-    def fill_cpp(self, p: str = "p", a: str = "a", backward: bool = False) -> list[str]:
+    def fill_cpp(self, p: str = "p", a: str = "a", backward: bool = False, scales: bool = True) -> list[str]:
         """Host lines filling ``p``'s mod parameters from ``a->mod_words`` (false return: wrong count).
         With a score_mod the softmax runs on its results as they are: scale_log2 is log2(e) (the score_mod saw
         the scale); the forward's scale is 1, the backward's stays softmax_scale (d score / d (q k) = scale,
         applied to dK and dQ as they are written). Except in the forward of a score_mod that adds a bias
         (:attr:`bias`): its softmax takes the accumulator, which holds the bias over the scale, at the usual
-        scale."""
+        scale. ``scales`` False: the values alone (the block mask's kernels, which run no softmax and whose
+        arguments carry no softmax_scale)."""
         lines = [f"if ({a}->n_mod_words != {self.n_words} || ({self.n_words} && {a}->mod_words == nullptr))",
                  "    return (int)cudaErrorInvalidValue;  // the launcher passes the words of flashgen.mods.KernelMods"]
         if self.index_limit is not None:
@@ -177,17 +179,21 @@ class KernelMods:
                 lines.append(f"{p}.{m.kind}_args.{t.name} = reinterpret_cast<const {CPP_TYPE[t.dtype]}*>({a}->mod_words[{w}]);")
                 lines += [f"{p}.{m.kind}_args.{t.name}_s{d} = int({a}->mod_words[{w + 1 + d}]);" for d in range(t.rank)]
                 w += 1 + t.rank
-        if self.score is not None and (backward or self.bias is None):
-            scale = "" if backward else f" {p}.scale = 1.f;"
-            lines.append(f"{p}.mod_scale = {a}->softmax_scale;{scale} {p}.scale_log2 = 1.4426950408889634f;")
-        elif self.score is not None:
-            lines.append(f"{p}.mod_scale = {a}->softmax_scale;")
-        if self.bias is not None:
-            lines += [f"{p}.bias_scale = 1.f / {a}->softmax_scale;",
-                      f"if (!std::isfinite({p}.bias_scale)) return (int)cudaErrorInvalidValue;  // the bias over a scale of 0"]
+        if scales:
+            lines += self._scales_cpp(p, a, backward)
         if self.mask is not None:
             lines.append(f"{p}.block_mask = {a}->block_mask;")
         return lines
+
+    def _scales_cpp(self, p: str, a: str, backward: bool) -> list[str]:
+        """:meth:`fill_cpp`'s scale lines (a score_mod only)."""
+        if self.score is None:
+            return []
+        if backward or self.bias is None:
+            scale = "" if backward else f" {p}.scale = 1.f;"
+            return [f"{p}.mod_scale = {a}->softmax_scale;{scale} {p}.scale_log2 = 1.4426950408889634f;"]
+        return [f"{p}.mod_scale = {a}->softmax_scale;", f"{p}.bias_scale = 1.f / {a}->softmax_scale;",
+                f"if (!std::isfinite({p}.bias_scale)) return (int)cudaErrorInvalidValue;  // the bias over a scale of 0"]
 
     # ---- values --------------------------------------------------------------------------------
 

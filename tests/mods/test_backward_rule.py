@@ -107,7 +107,7 @@ constexpr uint32_t B_r = {B_R}, B_c = {B_C};
 {ScoreGrad().to_cpp()}
 struct Params {{
     int seq_q, seq_k, mask_offset, window_left, window_right; float scale, scale_log2;
-{chr(10).join('    ' + l for l in sm.params_cpp())}
+{chr(10).join('    ' + l for l in sm.params_cpp(backward=True))}
 }};
 struct Args {{ const long long* mod_words; int n_mod_words; float softmax_scale; const int* block_mask; int seq_q = 1, seq_k = 1; }};
 static int fill(Params& p, const Args* a) {{

@@ -109,13 +109,22 @@ def _kernel(kind: str, mods):
     return src.text, src.name, plan.score_mask, struct(src.name)
 
 
+def _alibi(score, b, h, q_idx, kv_idx):  # a score_mod that adds a bias: its kernels' scales are not the block mask's
+    return score - SLOPES[h] * (q_idx - kv_idx)
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-@pytest.mark.parametrize("fn", [_doc, _per_head], ids=lambda f: f.__name__.strip("_"))
-def test_emitted_block_mask_kernels_equal_the_numpy_twin(tmp_path, kind, fn):
-    mods, (_, ma) = prepare_mods(mask_mod=fn)
+@pytest.mark.parametrize("fn, score", [(_doc, None), (_per_head, None), (_doc, _alibi)],
+                         ids=lambda f: f.__name__.strip("_") if f is not None else "")
+def test_emitted_block_mask_kernels_equal_the_numpy_twin(tmp_path, kind, fn, score):
+    """(The entry points run with a zero softmax_scale, as the launcher calls them: with a bias score_mod too.)"""
+    mods, (sa, ma) = prepare_mods(score_mod=score, mask_mod=fn)
     text, name, score_mask, struct = _kernel(kind, mods)
     transposed = kind == "backward"
-    words, n_words = words_cpp(mods, None, ma)
+    words, n_words = words_cpp(mods, sa, ma)
     out = [int(x) for x in build_and_run(tmp_path, _program(text, name, score_mask, mods, struct, transposed, words, n_words))]
     want = bm.block_mask(score_mask, ma.values(), BATCH, HEADS, SEQ_Q, SEQ_K, transposed=transposed)
     assert want.shape == mods.block_mask_shape(BATCH, HEADS, SEQ_Q, SEQ_K, score_mask.B_r, score_mask.B_c, transposed=transposed)
