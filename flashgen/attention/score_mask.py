@@ -164,11 +164,15 @@ class ScoreMask:
         return (lo <= cols) & (cols < hi)
 
     def apply(self, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, masked: bool, *, b: int, h: int, seq_q: int,
-              seq_k: int, mask_args: Sequence[int] = (), mod_values: tuple = (None, None), scale: float = 1.0) -> np.ndarray:
+              seq_k: int, mask_args: Sequence[int] = (), mod_values: tuple = (None, None), scale: float = 1.0,
+              forward: bool = False) -> np.ndarray:
         """The scores after this rule, as :meth:`apply_cpp`'s loop leaves them (fp32): ``s`` the raw
         accumulator values, ``rows``/``cols`` their global indices (broadcast to ``s``), ``masked`` whether
         the block takes the masked path (:meth:`block_needs_mask`); ``mod_values``: the score and mask mods'
-        values (:meth:`flashgen.mods.ModArgs.values`); ``scale``: softmax_scale, which a score_mod sees."""
+        values (:meth:`flashgen.mods.ModArgs.values`); ``scale``: softmax_scale, which a score_mod sees.
+        ``forward``: as the forward kernels run it, where a score_mod that adds a bias gives ``s`` plus the bias
+        over the scale where kept (:meth:`init_cpp` starts an unmasked block's accumulator at it, rows past seq_q
+        at 0), at the softmax's usual scale (:meth:`forward_softmax_scale`)."""
         f32 = np.float32
         s = np.asarray(s, dtype=f32)
         rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
@@ -176,31 +180,16 @@ class ScoreMask:
             return np.where(self.keep_array(rows, cols, seq_k, *mask_args), s, f32(-np.inf)) if masked else s
         keep = self._keep(rows, cols, masked, b, h, seq_q, seq_k, mask_args, mod_values)
         out = np.where(keep, s, f32(-np.inf)) if masked else s.copy()
-        if self.score_mod is not None:
-            sel = np.nonzero(keep)
+        sel = np.nonzero(keep)
+        if forward and self.bias:
+            from ..mods.bias import INV_SCALE
+            from ..mods.evaluate import evaluate
+
+            inputs = {"b": b, "h": h, "q_idx": rows[sel], "kv_idx": cols[sel], INV_SCALE.name: f32(1) / f32(scale)}
+            out[sel] = (s[sel] + evaluate(self.mods.bias, inputs, mod_values[0] or {})).astype(f32)
+        elif self.score_mod is not None:
             scaled = (s[sel] * f32(scale)).astype(f32)
             out[sel] = self.score_mod.evaluate(scaled, b, h, rows[sel], cols[sel], args=mod_values[0])
-        return out
-
-    def apply_forward(self, s: np.ndarray, rows: np.ndarray, cols: np.ndarray, masked: bool, *, b: int, h: int, seq_q: int,
-                      seq_k: int, mask_args: Sequence[int] = (), mod_values: tuple = (None, None), scale: float = 1.0) -> np.ndarray:
-        """:meth:`apply` as the forward kernels run it (the same arguments): with a score_mod that adds a bias, ``s``
-        plus the bias over the scale where kept (:meth:`init_cpp` starts an unmasked block's accumulator at it,
-        rows past seq_q at 0), at the softmax's usual scale (:meth:`forward_softmax_scale`)."""
-        if not self.bias:
-            return self.apply(s, rows, cols, masked, b=b, h=h, seq_q=seq_q, seq_k=seq_k, mask_args=mask_args,
-                              mod_values=mod_values, scale=scale)
-        from ..mods.bias import INV_SCALE
-        from ..mods.evaluate import evaluate
-
-        f32 = np.float32
-        s = np.asarray(s, dtype=f32)
-        rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
-        keep = self._keep(rows, cols, masked, b, h, seq_q, seq_k, mask_args, mod_values)
-        out = np.where(keep, s, f32(-np.inf)) if masked else s.copy()
-        sel = np.nonzero(keep)
-        inputs = {"b": b, "h": h, "q_idx": rows[sel], "kv_idx": cols[sel], INV_SCALE.name: f32(1) / f32(scale)}
-        out[sel] = (s[sel] + evaluate(self.mods.bias, inputs, mod_values[0] or {})).astype(f32)
         return out
 
     def _keep(self, rows, cols, masked: bool, b: int, h: int, seq_q: int, seq_k: int, mask_args, mod_values) -> np.ndarray:
@@ -354,46 +343,47 @@ class ScoreMask:
 
     def backward_items_cpp(self, loop: Callable[[list[str]], list[str]], body: Callable[[bool], list[str]]) -> list[str]:
         """An item's loop over its recomputed scores: ``loop(lines)`` wraps ``lines`` in it and ``body(masked)``
-        makes them (with :meth:`recompute_cpp`'s variant ``masked``). Without a mask_mod, two loops under the
+        makes them (with :meth:`recompute_cpp`'s variant ``masked``: None for the one loop). Without a mask_mod, two loops under the
         item's ``masked``: where nothing is masked (most items) no score pays for the rule's predicated range
         tests (the wgmma consumer's loop: 153 -> 62 ISETP), and a score_mod runs on every score unconditionally,
         so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of one a score;
         softcap's wgmma consumer stopped spilling 96 bytes)."""
         if self.mask_mod is not None:  # with one, the second loop's registers made the
-            return loop(body(True))  # wgmma consumer spill (12 bytes, softcap + document mask)
+            return loop(body(None))  # wgmma consumer spill (12 bytes, softcap + document mask)
         return _block("if (masked) {", loop(body(True)))[:-1] + _block(
             "} else {  // nothing masked: the score_mod (if any) alone, on every score", loop(body(False)))
 
-    def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "", masked: bool = True) -> list[str]:
+    def recompute_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str = "", masked: "bool | None" = None) -> list[str]:
         """The backward's rule on one recomputed score: lvalue ``s`` (the raw accumulator value of global query
         row ``i``, key ``j``; ``b``/``h`` the batch and query head) becomes the score the forward's softmax saw,
-        -inf where not kept (the mask is evaluated where ``masked``, the rows past seq_q included). ``grad``: a
-        float lvalue taking ``d score_mod / d score`` there (0 where not kept), for a derivative that reads the
-        score (``KernelMods.derivative_kind`` "score"), whose value dS needs after the score is gone.
-        ``masked`` False: the variant for items where nothing is masked (every index in range: see
+        -inf where not kept (the mask is evaluated where the item is ``masked``, the rows past seq_q included).
+        ``grad``: a float lvalue taking ``d score_mod / d score`` there (0 where not kept), for a derivative that
+        reads the score (``KernelMods.derivative_kind`` "score"), whose value dS needs after the score is gone.
+        ``masked``: None, one loop for every item (the mask under the item's ``masked``); True, the loop of
+        masked items; False, the loop of items where nothing is masked (every index in range: see
         :meth:`backward_items_cpp`), the score_mod alone."""
-        if not masked:
-            if self.score_mod is None:
-                return []
-            args = f"{b}, {h}, {i}, {j}, p.score_args"
-            return [f"const float x = {s} * p.mod_scale;  // the score_mod sees the scaled score",
-                    *([f"{grad} = score_mod_grad(x, {args});"] if self.derivative_reads_score else []),
-                    f"{s} = score_mod(x, {args});"]
+        if masked is False:
+            return [] if self.score_mod is None else self._score_mod_cpp(s, i, j, b, h, grad)
+        guard = (lambda lines: _block("if (masked) {", lines)) if masked is None else (lambda lines: lines)
         rule = ["int lo, hi;", f"score_row_range({i}, p.seq_k, p.mask_offset, p.window_left, p.window_right, &lo, &hi);"]
         if self.mods is None:
-            return _block("if (masked) {", rule + [f"if ({j} < lo || {j} >= hi || {i} >= p.seq_q) {s} = -INFINITY;"])
+            return guard(rule + [f"if ({j} < lo || {j} >= hi || {i} >= p.seq_q) {s} = -INFINITY;"])
         keep = [f"keep = {j} >= lo && {j} < hi && {i} < p.seq_q;  // rows past seq_q reach no mod"]
         if self.mask_mod is not None:  # only where kept so far: evaluated at every score (as the forward's bits_cpp),
             # its loads shared across the fragment held registers the wgmma consumer spilled (44 bytes, document mask)
             keep.append(f"keep = keep && mask_mod({b}, {h}, {i}, {j}, p.mask_args);")
-        out = ["bool keep = true;"] + _block("if (masked) {", rule + keep)
+        out = ["bool keep = true;"] + guard(rule + keep)
         if self.score_mod is None:
             return out + [f"if (!keep) {s} = -INFINITY;"]
-        args, keeps_grad = f"{b}, {h}, {i}, {j}, p.score_args", self.mods.derivative_kind == "score"
-        kept = [f"const float x = {s} * p.mod_scale;  // the score_mod sees the scaled score"]
-        kept += [f"{grad} = score_mod_grad(x, {args});"] if keeps_grad else []
-        return out + _block("if (keep) {", kept + [f"{s} = score_mod(x, {args});"])[:-1] + _block(
-            "} else {", [f"{s} = -INFINITY;"] + ([f"{grad} = 0.f;"] if keeps_grad else []))
+        dropped = [f"{s} = -INFINITY;"] + ([f"{grad} = 0.f;"] if self.derivative_reads_score else [])
+        return out + _block("if (keep) {", self._score_mod_cpp(s, i, j, b, h, grad))[:-1] + _block("} else {", dropped)
+
+    def _score_mod_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str) -> list[str]:
+        """:meth:`recompute_cpp`'s score_mod (and its derivative, where dS needs it from the score) on a kept score."""
+        args = f"{b}, {h}, {i}, {j}, p.score_args"
+        return [f"const float x = {s} * p.mod_scale;  // the score_mod sees the scaled score",
+                *([f"{grad} = score_mod_grad(x, {args});"] if self.derivative_reads_score else []),
+                f"{s} = score_mod(x, {args});"]
 
     def score_grad_cpp(self, ds: str, prob: str, i: str, j: str, b: str, h: str, grad: str = "") -> list[str]:
         """The score_mod's chain rule on the backward's ``ds`` (the gradient of the modded score, P (dP - D)):

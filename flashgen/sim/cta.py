@@ -407,8 +407,9 @@ class _Cta:
         if not masked and mask.score_mod is None:
             return
         rows, cols = self._acc_indices()
-        self.s_acc = mask.apply_forward(self.s_acc, rows, j * cfg.B_c + cols, masked, b=prob.b, h=prob.h, seq_q=prob.seq_q,
-                                seq_k=prob.seq_k, mask_args=prob.mask_args, mod_values=prob.mod_values, scale=self.mod_scale)
+        self.s_acc = mask.apply(self.s_acc, rows, j * cfg.B_c + cols, masked, b=prob.b, h=prob.h, seq_q=prob.seq_q,
+                                seq_k=prob.seq_k, mask_args=prob.mask_args, mod_values=prob.mod_values, scale=self.mod_scale,
+                                forward=True)
 
     def _acc_indices(self) -> tuple[np.ndarray, np.ndarray]:
         """Global row and in-block column of every S accumulator value ``[W, mt, tiles, 32, 4]``."""

@@ -774,9 +774,9 @@ class _Cta:
         mask, j, q_row0 = self.plan.score_mask, self.blocks[g][1], self.tiles[ti].q_row0
         masked = mask.masked_path(j, q_row0, self.seq_q, self.seq_k, *self.mask_args, row=self.block_rows[ti])
         if masked or mask.score_mod is not None:  # the plan's score rule, on the C map's rows and columns
-            s = mask.apply_forward(s, q_row0 + 64 * c.w + self.cs.rows, j * self.cfg.B_c + self.cs.cols, masked, b=self.mods.b,
+            s = mask.apply(s, q_row0 + 64 * c.w + self.cs.rows, j * self.cfg.B_c + self.cs.cols, masked, b=self.mods.b,
                            h=self.mods.h, seq_q=self.seq_q, seq_k=self.seq_k, mask_args=self.mask_args,
-                           mod_values=self.mods.values, scale=self.mod_scale).astype(f32)
+                           mod_values=self.mods.values, scale=self.mod_scale, forward=True).astype(f32)
         sm = self.softmax_rule
         mx = np.stack([sm.row_max(s, h) for h in range(2)], axis=1)
         self._check_rows_agree(mx, "row maxima", where)

@@ -1,6 +1,6 @@
 """The per-value score rule both forward emitters place around the S GEMM (``ScoreMask.bits_cpp`` and
 ``init_cpp`` before it, the GEMM adding onto the accumulator where ``s_gemm_adds_cpp`` says so, then
-``apply_cpp``), compiled for the host, equals its numpy twin ``ScoreMask.apply_forward`` bit for bit (a
+``apply_cpp``), compiled for the host, equals its numpy twin ``ScoreMask.apply(..., forward=True)`` bit for bit (a
 tanh-using score_mod within 4 ulp: glibc's tanhf and numpy's float32 tanh differ, see tests/mods/test_examples.py).
 
 One fragment per case: 4 threads x 4 rows x (B_c / 8 n tiles x 2 values), thread ``l`` holding the
@@ -123,8 +123,8 @@ def test_rendered_rule_equals_numpy(combo, tmp_path):
     values = (sa.values() if sa else None, ma.values() if ma else None)
     want = np.empty_like(scores)
     for n, (q_row0, j, seq_q, seq_k, off, left, right, b, h, masked) in enumerate(cases):
-        want[n] = sm.apply_forward(scores[n], q_row0 + r, j * B_C + 2 * lane + 8 * t + e, bool(masked), b=b, h=h, seq_q=seq_q,
-                           seq_k=seq_k, mask_args=(off, left, right), mod_values=values, scale=SCALE)
+        want[n] = sm.apply(scores[n], q_row0 + r, j * B_C + 2 * lane + 8 * t + e, bool(masked), b=b, h=h, seq_q=seq_q,
+                           seq_k=seq_k, mask_args=(off, left, right), mod_values=values, scale=SCALE, forward=True)
     assert (np.isneginf(want) == np.isneginf(got)).all()
     if score_fn is not None and "tanh" in mods.score.canonical:
         assert ulps(got, want).max() <= 4
