@@ -105,6 +105,18 @@ def test_a_bias_at_any_softmax_scale(attn, name, softmax_scale):
                         softmax_scale=softmax_scale, causal=causal, score_mod=fn)
 
 
+@pytest.mark.parametrize("mask_name", ["document_mask", "causal"])
+def test_a_bias_with_a_mask_mod(attn, mask_name):
+    """A score_mod that adds a bias with a mask_mod: the block mask's entry points run without the kernels' scales
+    (a bias's fill refuses a zero softmax_scale), full blocks start S at the bias, partial ones add it where kept."""
+    shape = SHAPES[2]
+    _, score = _factory("alibi", shape, "cuda")
+    _, mask = _factory(mask_name, shape, "cuda")
+    q, k, v = _inputs(attn, shape, seed=13)
+    o = attn(q, k, v, score_mod=score, mask_mod=mask)
+    check_attention(o, q, k, v, f"{attn.cfg.short_form()} alibi + {mask_name}", score_mod=score, mask_mod=mask)
+
+
 @pytest.mark.parametrize("causal, window, align", [(True, None, "top_left"), (True, None, "bottom_right"),
                                                    (False, (40, 7), "top_left")])
 def test_mods_with_the_built_in_masks(attn, causal, window, align):
