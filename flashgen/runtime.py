@@ -81,8 +81,9 @@ def _load(built: Built, verbose: bool) -> int:
         return load(build(built.cfg, built.capability, verbose=verbose))
 
 
-#: the largest finite fp32 number
+#: the largest finite fp32 number, and the smallest whose fp32 inverse is finite
 _FLT_MAX = 3.4028234663852886e38
+_FLT_MIN_INVERTIBLE = 2.938737e-39
 
 
 class Attention:
@@ -193,6 +194,7 @@ class Attention:
         [i + offset - left, i + offset + right] (-1 = unbounded); ``align`` chooses offset 0
         ("top_left", PyTorch's ``is_causal``) or seq_k - seq_q ("bottom_right", FlashAttention's).
         A kernel compiled without that mask builds its masked variant on first use.
+        ``softmax_scale``: a positive number (default ``1 / sqrt(d_head)``).
         ``return_lse``: also return the fp32 log-sum-exp of the scaled scores, (batch, heads, seq_q);
         rows without any kept key give o = 0 and lse = -inf.
 
@@ -242,10 +244,7 @@ class Attention:
             autograd.backward_handle(attn._handle, k.shape[1], autograd.deterministic(attn._handle))
         words, tensors = mods.pack(score_args, mask_args)
         tensors = [stable_copy(t, t.dtype, q.device) for t in tensors]  # on q's device: copied once per version
-        scale = attn._scale if softmax_scale is None else float(softmax_scale)
-        if mods.bias is not None and not (scale != 0 and abs(1.0 / scale) <= _FLT_MAX):
-            raise InputError(f"{mods.describe()} adds a bias to the score, which the kernel holds over softmax_scale: "
-                             f"1 / softmax_scale must be a finite fp32 number, got softmax_scale={scale!r}")
+        scale = _softmax_scale(attn._scale, softmax_scale)
         try:  # the operator checks every input in C++
             block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
             o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right,
@@ -361,7 +360,7 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
                return_lse: bool):
     """A call through the operators (kernel ``handle``, the call's tensors and mask window): traced calls, and
     calls autograd records (those keep the lse for the backward even when the caller does not want it)."""
-    scale = default_scale if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale(default_scale, softmax_scale)
     offset = _mask_offset(align, q, k)
     differentiate = autograd.needs_grad(q, k, v)
     if differentiate:
@@ -375,6 +374,22 @@ def _op_launch(handle: int, default_scale: float, q, k, v, out, softmax_scale, l
     else:
         lse = _attention_out(q, k, v, out, handle, scale, offset, left, right, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _softmax_scale(default: float, softmax_scale: Any) -> float:
+    """A call's softmax_scale (``default`` for None), refused unless it is a positive fp32 number with a finite fp32
+    inverse: the kernels keep each row's largest raw score, which is the largest scaled one only for a positive
+    scale, and a score_mod that adds a bias holds it over the scale. The launcher's eager entries refuse the same."""
+    if softmax_scale is None:
+        return default
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise InputError(f"softmax_scale={softmax_scale!r}: expected a number") from None
+    if not (_FLT_MIN_INVERTIBLE <= scale <= _FLT_MAX):
+        raise InputError(f"softmax_scale={softmax_scale!r}: expected a positive number between {_FLT_MIN_INVERTIBLE:.3g} "
+                         f"and {_FLT_MAX:.3g} (an fp32 number whose inverse is one too)")
+    return scale
 
 
 def _mask_offset(align: str, q: torch.Tensor, k: torch.Tensor) -> int:

@@ -89,9 +89,10 @@ def test_a_kernel_library_loads_and_the_operator_checks_its_inputs(cache):
 built = build(cfg, (8, 0))
 handle = runtime._load(built, False)
 q = torch.zeros(1, 8, 1, 64, dtype=torch.float16)
-for args, words in (((q, q, q, handle), "q is on cpu"), ((q, q, q, handle + 1), "no kernel with handle")):
+for args, words in (((q, q, q, handle, 0.125), "q is on cpu"), ((q, q, q, handle + 1, 0.125), "no kernel with handle"),
+                     ((q, q, q, handle, -0.5), "negative scale"), ((q, q, q, handle, 1e-39), "no fp32 inverse")):
     try:
-        torch.ops.flashgen.attention(*args, 0.125, 0, -1, -1, False)
+        torch.ops.flashgen.attention(*args, 0, -1, -1, False)
         print("no error for", words)
     except (ValueError, RuntimeError) as exc:
         print(type(exc).__name__, exc)
@@ -100,6 +101,10 @@ for args, words in (((q, q, q, handle), "q is on cpu"), ((q, q, q, handle + 1), 
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ValueError") and "q is on cpu; flashgen kernels run on CUDA devices" in lines[0]
     assert lines[1].startswith("RuntimeError") and "no kernel with handle 1 is loaded" in lines[1]
+    # the scale is checked first: the kernels keep each row's largest raw score, the largest scaled one only for a
+    # positive scale
+    assert lines[2].startswith("ValueError") and "softmax_scale=-0.5: expected a positive number" in lines[2]
+    assert lines[3].startswith("ValueError") and "softmax_scale=1e-39: expected a positive number" in lines[3]
 
 
 def test_a_library_that_does_not_load_is_rebuilt(cache):

@@ -8,6 +8,7 @@ yet allowed and for a call autograd must record, and raises ValueError on a fail
 """
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -215,21 +216,28 @@ def test_sequences_past_the_split_conversions_limit_are_refused_before_launch(la
     assert len(launcher.operator) == 1
 
 
-def test_a_bias_with_a_scale_of_zero_is_refused_before_launch(launcher):
-    """A score_mod that adds a bias runs with the bias over softmax_scale in the accumulator: a scale without an fp32
-    inverse is refused with the reason (the fast path's launcher refuses it too, sending the call down this path)."""
+def test_a_scale_the_kernels_cannot_hold_is_refused_before_launch(launcher):
+    """The kernels keep each row's largest raw score (the largest scaled one for a positive scale only) and hold a
+    bias over softmax_scale: a scale that is not positive, or without an fp32 inverse, is refused with the reason,
+    with a bias or without (the fast path's launcher refuses it too, sending the call down this path)."""
     attn = _attention()
     slope = torch.tensor([0.5, 0.25])
 
     def alibi(s, b, h, i, j):
         return s - slope[h] * (i - j)
 
-    for scale in (0.0, 1e-39, float("nan")):
-        with pytest.raises(runtime.InputError, match="1 / softmax_scale must be a finite fp32 number"):
-            attn(Q, Q, Q, score_mod=alibi, softmax_scale=scale)
+    def halve(s, b, h, i, j):
+        return s * 0.5
+
+    for fn in (alibi, halve):
+        for scale in (0.0, -0.5, 1e-39, float("nan"), float("inf"), 1e39):
+            with pytest.raises(runtime.InputError, match=re.escape(f"softmax_scale={scale!r}: expected a positive number")):
+                attn(Q, Q, Q, score_mod=fn, softmax_scale=scale)
+        with pytest.raises(runtime.InputError, match="softmax_scale='half': expected a number"):
+            attn(Q, Q, Q, score_mod=fn, softmax_scale="half")
     assert not launcher.operator and not launcher.eager
-    attn(Q, Q, Q, score_mod=alibi, softmax_scale=-0.5)
-    attn(Q, Q, Q, score_mod=lambda s, b, h, i, j: s * 0.5, softmax_scale=0.0)  # not a bias: any scale
+    attn(Q, Q, Q, score_mod=alibi, softmax_scale=3e-39)  # the smallest scales with an fp32 inverse are taken
+    attn(Q, Q, Q, score_mod=halve, softmax_scale=3e38)
     assert len(launcher.operator) == 2
 
 

@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -33,6 +34,11 @@ inline std::string text(const std::string& s) { return s; }
 inline std::string text(const char* s) { return s; }
 template <typename Int, std::enable_if_t<std::is_integral_v<Int>, int> = 0>
 std::string text(Int value) { return std::to_string(value); }
+inline std::string text(double value) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", value);
+    return buf;
+}
 inline std::string text(c10::ScalarType t) { return c10::toString(t); }
 inline std::string text(const c10::Device& d) { return d.str(); }
 inline std::string text(c10::IntArrayRef values) {
@@ -135,7 +141,17 @@ void check_tensor(const char* what, const at::Tensor& t, const at::Tensor& q, co
     FG_REQUIRE(t.device() == q.device(), what, " is on ", t.device(), " but q is on ", q.device());
 }
 
-void check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* out, const Kernel& kn) {
+// The kernels keep each row's largest raw score (the largest scaled one only for a positive scale), and a score_mod
+// that adds a bias holds it over the scale: a positive fp32 scale with a finite fp32 inverse (flashgen.runtime's rule).
+void check_scale(double softmax_scale) {
+    const float s = float(softmax_scale);
+    FG_REQUIRE(s > 0.0f && std::isfinite(s) && std::isfinite(1.0f / s), "softmax_scale=", softmax_scale,
+               ": expected a positive number between 2.94e-39 and 3.4e+38 (an fp32 number whose inverse is one too)");
+}
+
+void check_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* out, const Kernel& kn,
+                double softmax_scale) {
+    check_scale(softmax_scale);
     check_tensor("q", q, q, kn);
     check_tensor("k", k, q, kn);
     check_tensor("v", v, q, kn);
@@ -214,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_launch(
         int64_t mask_offset, int64_t window_left, int64_t window_right, const std::vector<int64_t>* mod_words,
         const int* block_mask = nullptr) {
     const Kernel& kn = kernel_at(kernel, true);
-    check_call(q, k, v, &out, kn);
+    check_call(q, k, v, &out, kn, softmax_scale);
     check_tensor("dout", dout, q, kn);
     FG_REQUIRE(dout.sizes() == q.sizes(), "dout has shape ", dout.sizes(), ", expected ", q.sizes());
     check_row_stats("lse", lse, q);
@@ -264,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              double softmax_scale, int64_t mask_offset, int64_t window_left,
                                              int64_t window_right, bool return_lse) {
     const Kernel& kn = kernel_at(kernel, false);
-    check_call(q, k, v, nullptr, kn);
+    check_call(q, k, v, nullptr, kn, softmax_scale);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse);
     return {out, lse};
@@ -326,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& block_mask) {
     const Kernel& kn = kernel_at(kernel, false);
     check_block_mask(kn, q, k, block_mask);
-    check_call(q, k, v, nullptr, kn);
+    check_call(q, k, v, nullptr, kn, softmax_scale);
     const std::vector<int64_t> words = mod_words_of(q, mod_words, mod_tensors);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse, &words,
@@ -365,7 +381,7 @@ at::Tensor attention_out(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          double softmax_scale, int64_t mask_offset, int64_t window_left, int64_t window_right,
                          bool return_lse) {
     const Kernel& kn = kernel_at(kernel, false);
-    check_call(q, k, v, &out, kn);
+    check_call(q, k, v, &out, kn, softmax_scale);
     return launch(kn, q, k, v, out, softmax_scale, mask_offset, window_left, window_right, return_lse);
 }
 
@@ -406,11 +422,11 @@ py::object call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     const double scale = softmax_scale.is_none() ? 1.0 / std::sqrt(double(kn.d_head)) : softmax_scale.cast<double>();
     at::Tensor o;
     if (out.is_none()) {
-        check_call(q, k, v, nullptr, kn);
+        check_call(q, k, v, nullptr, kn, scale);
         o = at::empty_like(q);
     } else {
         o = out.cast<at::Tensor>();
-        check_call(q, k, v, &o, kn);
+        check_call(q, k, v, &o, kn, scale);
     }
     at::Tensor lse = launch(kn, q, k, v, o, scale, mask_offset(align, q, k), window_left, window_right, return_lse);
     if (!out.is_none() && !return_lse) return out;
