@@ -23,13 +23,14 @@ GEMM        consumer tile (m x n, k)         A operand                    B oper
 dS^T goes registers -> shared memory (``sdS``, two buffers: a consumer may store the next block's
 while another still reads this one's) and, after a named barrier over the consumers, each consumer
 computes ``d / consumers`` columns of the block's dQ and adds them into the fp32 buffer with
-``red.global.add``. dK (times the scale) and dV go straight from the accumulators to global memory
-once the loop ends.
+``red.global.add.v2.f32`` straight from the accumulators (:class:`~flashgen.dsl.hopper_backward_smem.DqStage`).
+dK (times the scale) and dV go straight from the accumulators to global memory once the loop ends.
 
-``deterministic``: each consumer's bulk reduction of a query block waits until the key blocks below
-this one that visit the query block have made theirs (a turn counter per query block and consumer,
-:meth:`~flashgen.attention.query_blocks.QueryBlocks.key_rank`) and passes the turn once it completed,
-so every dQ element is summed in ascending key blocks; the CTAs then walk their query blocks upwards.
+``deterministic``: each consumer stages its dQ in shared memory, and its bulk reduction of a query block
+waits until the key blocks below this one that visit the query block have made theirs (a turn counter
+per query block and consumer, :meth:`~flashgen.attention.query_blocks.QueryBlocks.key_rank`) and passes
+the turn once it completed, so every dQ element is summed in ascending key blocks; the CTAs then walk
+their query blocks upwards.
 
 The emitter (:mod:`flashgen.emit.hopper_backward_kernel`) and the CPU checks read these objects: the
 tile layouts and offsets, descriptor fields and per-step offsets, the accumulator-to-A tables, the
@@ -148,8 +149,8 @@ def _schedule(deterministic: bool, grad_with_p: bool = False) -> tuple[Step, ...
     )
 
 
-#: dQ's add into the fp32 buffer, which every item ends with
-_REDUCE_DQ = ReduceGM("dQ", why="dQ staged in shared memory, added into the fp32 buffer by one bulk reduction")
+#: dQ's add into the fp32 buffer, which every item ends with (DqStage: straight from the accumulators, or staged when ordered)
+_REDUCE_DQ = ReduceGM("dQ", why="dQ added into the fp32 buffer (DqStage)")
 
 
 def _overlapped_tail() -> tuple[Step, ...]:

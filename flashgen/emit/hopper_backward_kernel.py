@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ..dsl.atoms.copy import RF2GM_red
 from ..dsl.config import LOG2E
 from ..dsl.config import WARPGROUP
 from ..dsl.hopper_backward_plan import HopperBackwardPlan
@@ -20,7 +21,7 @@ from ..dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, Reduce
 from .abi import backward_args_struct
 from .backward_kernel import aux_kernels, mask_blocks_lines
 from .hopper_kernel import TARGET, TENSOR_MAPS
-from .ptx import hopper as ptx_hopper, math as ptx_math, turns, vec
+from .ptx import hopper as ptx_hopper, math as ptx_math, red, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .source import KernelSource, kernel_meta
 from .template import SMEM_ATTRIBUTE, CodeTemplate, compose
@@ -145,17 +146,25 @@ def _store_ds(plan: HopperBackwardPlan) -> list[str]:
 
 
 def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
-    """dQ -> this consumer's staging region in fragment order (once the previous block's reduction read
-    it) -> one bulk reduction into the block's chunk of the fp32 buffer (DqStage)."""
+    """dQ into this consumer's region of the block's chunk of the fp32 buffer, in fragment order (DqStage):
+    unordered, one 8-byte reduction per pair of values straight from the accumulators; ordered (staged), through
+    this consumer's staging region (once the previous block's reduction read it) and one bulk reduction."""
     st = plan.dq_stage
     chunk = f"((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
+    if not st.staged:
+        return [
+            f"float* gdQ = p.dq_accum + {chunk};",
+            "#pragma unroll",
+            "for (uint32_t i = 0; i < DQ_COLS / 2; i += 2)  // values i, i + 1: each warp's adds cover 256 contiguous bytes",
+            f"    red_add_f32x2(gdQ + {st.slot_cpp('wtid', 'i')}, dq_acc[i], dq_acc[i + 1]);",
+        ]
     return [
         "const uint32_t sdQ = smem + " + f"{st.offset}u + cw * {st.region_bytes}u;",
         "if (wtid == 0) bulk_wait_group_read<0>();  // the previous block's reduction has read the region",
         "named_bar_sync(2 + cw, 128);",
         "#pragma unroll",
-        "for (uint32_t i = 0; i < DQ_COLS / 2; i += 2)  // values i, i + 1: 8-byte slot 128 (i / 2) + wtid",
-        "    st_shared_v2_f32(sdQ + 8u * (128u * (i / 2) + wtid), dq_acc[i], dq_acc[i + 1]);",
+        "for (uint32_t i = 0; i < DQ_COLS / 2; i += 2)  // values i, i + 1: conflict-free 8-byte slots",
+        f"    st_shared_v2_f32(sdQ + 4u * ({st.slot_cpp('wtid', 'i')}), dq_acc[i], dq_acc[i + 1]);",
         "fence_proxy_async();  // the bulk reduction (async proxy) reads what st.shared wrote",
         "named_bar_sync(2 + cw, 128);",
         "if (wtid == 0) {",
@@ -237,7 +246,8 @@ def _producer(plan: HopperBackwardPlan) -> list[str]:
 def _epilogue(plan: HopperBackwardPlan) -> list[str]:
     """dK times the scale, dK and dV of this consumer's key rows straight from the accumulators; the dQ
     reductions finished before the CTA (and its shared memory) ends."""
-    return ["if (wtid == 0) bulk_wait_group<0>();", "elem_t* gdK = p.dk + batch * p.dk_batch + kv_head * p.dk_head;",
+    done = ["if (wtid == 0) bulk_wait_group<0>();"] if plan.dq_stage.staged else []
+    return done + ["elem_t* gdK = p.dk + batch * p.dk_batch + kv_head * p.dk_head;",
             "elem_t* gdV = p.dv + batch * p.dv_batch + kv_head * p.dv_head;"] + _per_value(plan, "D_HEAD / 2", [
         "const int key = kb * int(B_c) + int(64 * cw + r);",
         "if (key < p.seq_k) {",
@@ -462,7 +472,8 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
     g = plan.gemms
     wgmma_fns = [ptx_hopper.wgmma(g[n].atom, g[n].trans_b, g[n].trans_a) if g[n].a_from == "smem" else ptx_hopper.wgmma_rs(g[n].atom, g[n].trans_b)
                  for n in ("S", "dV", "dQ")]
-    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns] + ([turns.helpers()] if cfg.deterministic else [])
+    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns] + \
+        ([turns.helpers()] if cfg.deterministic else []) + ([] if plan.dq_stage.staged else [red.helpers(RF2GM_red())])
     env = dict(
         name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), gencode=TARGET.gencode,
         schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,

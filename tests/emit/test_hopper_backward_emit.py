@@ -1,6 +1,6 @@
 """The emitted wgmma backward (flashgen.emit.hopper_backward_kernel): its kernels compile for sm_90a
-without local memory, the dQ buffer's index function compiled for the host inverts the staging order of
-the plan's DqStage at every thread and value, and emitting is pure."""
+without local memory, the dQ buffer's index function compiled for the host inverts the slots of the plan's
+DqStage at every thread and value, and emitting is pure."""
 from __future__ import annotations
 
 import functools
@@ -46,18 +46,23 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
 
 @pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
 @pytest.mark.parametrize("d_head", [64, 128])
-def test_the_dq_index_inverts_the_staging_order(tmp_path, d_head):
-    """Value i of consumer thread t (its accumulator map's row and column) is staged at DqStage.slot(t, i)
-    of the consumer's region; dq_chunk_index must find it there for the dQ conversion."""
+def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, d_head):
+    """Value i of consumer thread t (its accumulator map's row and column) goes to DqStage.slot(t, i) of the
+    consumer's region, through the kernels' C++ rule (slot_cpp, for the pair i, i + 1); dq_chunk_index must find
+    it there for the dQ conversion."""
     plan = make_hopper_backward_plan(W("bf16", d_head))
     st = plan.dq_stage
     src = tmp_path / "index.cpp"
     src.write_text("#include <cstdint>\n#include <cstdio>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
                    + st.index_cpp() + f"\nint main() {{ for (uint32_t r = 0; r < {st.rows}u; ++r) for (uint32_t c = 0; c < "
-                   f"{st.cols * st.consumers}u; ++c) std::printf(\"%u\\n\", dq_chunk_index(r, c)); return 0; }}\n")
+                   f"{st.cols * st.consumers}u; ++c) std::printf(\"%u\\n\", dq_chunk_index(r, c));\n"
+                   f"for (uint32_t wtid = 0; wtid < 128u; ++wtid) for (uint32_t i = 0; i < {st.cols // 2}u; i += 2) "
+                   f"std::printf(\"%u\\n\", {st.slot_cpp('wtid', 'i')}); return 0; }}\n")
     subprocess.run([GXX, "-O1", "-o", str(tmp_path / "index"), str(src)], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "index")], capture_output=True, text=True, check=True).stdout.split()]
     width = st.cols * st.consumers
+    index, slots = got[:st.rows * width], got[st.rows * width:]
+    assert slots == [st.slot(t, i) for t in range(128) for i in range(0, st.cols // 2, 2)]
     rows, cols = plan.gemms["dQ"].atom.c_map.tables()
     placed = {}
     for w in range(st.consumers):
@@ -66,7 +71,17 @@ def test_the_dq_index_inverts_the_staging_order(tmp_path, d_head):
                 r, c = int(rows[t, i]), w * st.cols + int(cols[t, i])
                 placed[(r, c)] = w * st.rows * st.cols + st.slot(t, i)
     assert len(placed) == st.rows * width and sorted(placed.values()) == list(range(st.rows * width))
-    assert all(got[r * width + c] == at for (r, c), at in placed.items())
+    assert all(index[r * width + c] == at for (r, c), at in placed.items())
+
+
+def test_only_ordered_adds_stage_dq_in_shared_memory():
+    """Unordered dQ adds go straight from the accumulators: their plan holds no staging region (32 KB less shared
+    memory at d_head 128); the deterministic backward's bulk reductions need it, and its completion waits."""
+    for d_head in (64, 128):
+        free, ordered = (make_hopper_backward_plan(W("bf16", d_head).replace(deterministic=det)) for det in (False, True))
+        assert not free.dq_stage.staged and ordered.dq_stage.staged
+        region = free.dq_stage.consumers * free.dq_stage.region_bytes
+        assert ordered.smem_bytes - free.smem_bytes == region == 4 * 64 * d_head
 
 
 def test_emitting_is_pure():
