@@ -270,6 +270,9 @@ class Attention:
             key = (id(score_mod), id(mask_mod))
             replaced = self._mod_calls.pop(key, None)
             if replaced is not None:
+                if replaced[1] is attn and replaced[0].mods == mods and replaced[0].serves(score_mod, mask_mod):
+                    self._mod_calls[key] = replaced  # the same traces (a call to differentiate): its state stays valid
+                    return
                 replaced[0].forget()
             if len(self._mod_calls) >= _MAX_MOD_CALLS:
                 for entry in self._mod_calls.values():

@@ -214,10 +214,10 @@ for kind, c in (("forward", cfg), ("backward", bwd_cfg)):
     assert "q is on cpu" in fwd_ok and "q is on cpu" in bwd_ok
 
 
-#: a softcap score_mod (a float, an int) and a document mask_mod (a tensor, an int, a flag compiled in) read by the
-#: launcher's reader (``ModReader``) and by CallValues side by side; ``step`` prints what each read and whether the
-#: launcher's words and tensors are Python's, then (``publish``) gives the reader the state of Python's read with a new
-#: block mask
+#: a softcap score_mod (a float, an int, a tuple compiled in) and a document mask_mod (a tensor, an int, a flag compiled
+#: in) read by the launcher's reader (``ModReader``) and by CallValues side by side; ``step`` prints what each read and
+#: whether the launcher's words and tensors are Python's, then (``publish``) gives the reader the state of Python's read
+#: with a new block mask
 _READERS = """
 import gc, struct, weakref
 import numpy as np
@@ -226,7 +226,7 @@ from flashgen.mods.call_values import CallValues
 from flashgen.mods.kernel_mods import prepare_mods
 native = launcher.native()
 handle = runtime._load(build(cfg, (8, 0)), False)
-cap, n, w, windowed = 30.0, 3, 4, True
+cap, n, w, windowed, offsets = 30.0, 3, 4, True, (0.0, 1.0)
 
 def make_doc_mask():
     doc = torch.tensor([0, 0, 1, 1, 1, 2])  # int64: the reader passes its int32 copy
@@ -238,7 +238,7 @@ def make_doc_mask():
     return same_doc, set_doc, weakref.ref(doc)
 
 def softcap(s, b, h, i, j):
-    return cap * torch.tanh(s / cap) + n
+    return cap * torch.tanh(s / cap) + n + offsets[0]
 
 same_doc, set_doc, doc_ref = make_doc_mask()
 mods, _ = prepare_mods(softcap, same_doc)
@@ -271,6 +271,11 @@ for n in (2**31, -2**31, True):
     step(f"n {n!r}", publish=False)
 n = 3
 step("n 3")
+offsets = (0.0, 1.0)  # another tuple, equal: the literal holds
+step("equal tuple", publish=False)
+offsets = (0.0, 2.0)
+step("new tuple", publish=False)
+offsets = (0.0, 1.0)
 w = 5
 step("mask word", publish=False)
 step("mask word published")
@@ -323,13 +328,14 @@ def test_the_launchers_reader_reads_what_call_values_reads_or_leaves_the_call_to
     rows = dict(line.split(" | ", 1) for line in proc.stdout.splitlines())
     served = {label: row.split()[0] == "served" for label, row in rows.items() if "python" in row}
     assert {label for label, s in served.items() if s} == {
-        "again", "cap 7.5", "cap inf", "n -2147483648", "n 3", "mask word served", "new doc served", "in place served"}
+        "again", "cap 7.5", "cap inf", "n -2147483648", "n 3", "equal tuple", "mask word served", "new doc served",
+        "in place served"}
     for label, row in rows.items():
         if "python" in row and served[label]:
             assert row.split()[1] == "same", (label, row)
     # Python reads a NaN and a float subclass; the reader leaves them to it
     assert rows["cap nan"].endswith("python True") and rows["cap np.float64(2.0)"].endswith("python True")
-    for stale in ("cap 1e+300", "cap 2", "n 2147483648", "n True", "flag"):
+    for stale in ("cap 1e+300", "cap 2", "n 2147483648", "n True", "new tuple", "flag"):
         assert rows[stale].endswith("python False"), stale
     # a new score value keeps the block mask; new mask values, tensors or versions take the one made for them
     assert rows["cap 7.5"].split()[2] == "2" and rows["mask word served"].split()[2] == "5"

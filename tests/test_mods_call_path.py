@@ -359,6 +359,18 @@ def test_a_call_to_differentiate_takes_the_full_path_and_builds_its_backward_wit
     assert launcher.builds[-1] == forward_mods and len(launcher.builds) == 3  # the backward, built with the same mods
 
 
+def test_calls_to_differentiate_leave_the_launchers_reader_its_state(launcher):
+    """A call to differentiate takes the full path; the reader of the pair stays, with the state of the last read
+    (captured tensor, block mask), so the next call without grad goes straight to it."""
+    attn = _attention()
+    same_document, _ = _document_mask(torch.tensor([0, 0, 1, 1, 1, 2]))
+    attn(Q, Q, Q, mask_mod=same_document)
+    attn(Q, Q, Q, mask_mod=same_document)  # Python's read: the reader gets its state
+    attn(Q.clone().requires_grad_(), Q, Q, mask_mod=same_document)
+    attn(Q, Q, Q, mask_mod=same_document)
+    assert len(launcher.operator) == 2 and launcher.served == ["call_mods_again"] and len(launcher.block_masks) == 1
+
+
 def test_sequences_past_the_split_conversions_limit_are_refused_before_launch(launcher):
     from flashgen.mods.ranges import INDEX_LIMIT
 

@@ -134,7 +134,7 @@ class CallValues:
 
     def _forget(self, _ref=None) -> None:
         self._statics, self._scalars, self._tensors = (), (), ()
-        self._native_spec = None
+        self._native_spec = self._published = None
         if self.native is not None:
             self.native.forget()
 

@@ -541,6 +541,17 @@ struct Place {
     }
 };
 
+// A value whose comparison runs no Python code: an exact int, float, str, bool or None, or a tuple of such values
+// (a literal of a trace: flashgen.mods.trace._compiled_in).
+bool plain(PyObject* v) {
+    if (PyTuple_CheckExact(v)) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i)
+            if (!plain(PyTuple_GET_ITEM(v, i))) return false;
+        return true;
+    }
+    return PyLong_CheckExact(v) || PyFloat_CheckExact(v) || PyUnicode_CheckExact(v) || PyBool_Check(v) || v == Py_None;
+}
+
 // A scalar's word (call_values._scalar_word's exact cases): an exact float as its fp32 bits (a NaN's payload and a
 // finite number that rounds to infinity, struct's OverflowError, are Python's to handle), an exact int within int32.
 bool scalar_word(PyObject* v, bool is_float, int64_t& word) {
@@ -624,7 +635,7 @@ struct ModReader {
         if (forgotten || !serves(score_fn, 0) || !serves(mask_fn, 1)) return false;
         for (const auto& [place, value] : statics) {
             const py::object now = place.read();
-            if (!now || Py_TYPE(now.ptr()) != Py_TYPE(value.ptr())) return false;
+            if (!now || Py_TYPE(now.ptr()) != Py_TYPE(value.ptr()) || !plain(now.ptr()) || !plain(value.ptr())) return false;
             // `now != value` as Python evaluates it (no identity shortcut: a NaN literal never matches)
             const auto differs = py::reinterpret_steal<py::object>(PyObject_RichCompare(now.ptr(), value.ptr(), Py_NE));
             const int truth = differs ? PyObject_IsTrue(differs.ptr()) : -1;
@@ -711,7 +722,8 @@ py::object call_read(int64_t table, const ModKey& key, const at::Tensor& q, cons
     const auto& readers = mod_tables[size_t(table)];
     const auto hit = readers.find(key);
     if (hit == readers.end()) return py::none();
-    const ModReader& r = *hit->second;
+    const std::shared_ptr<ModReader> held = hit->second;  // whatever the table does meanwhile
+    const ModReader& r = *held;
     const Kernel& kn = kernel_at(r.kernel, false);
     if (!device_checked(kn, q)) return py::none();
     if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return py::none();
