@@ -149,6 +149,8 @@ class CallValues:
         value as :meth:`read` does (plain functions, plain globals dictionaries, Python-number scalars): it, or None."""
         if self._native_spec is not None:
             self.native = native.ModReader(kernel, *self._native_spec)
+            # the launcher's tables outlive this object (and the Attention holding it): its reader then forgets too
+            weakref.finalize(self, self.native.forget).atexit = False
         return self.native
 
     def publish(self, device, q, k, words: list, block_mask) -> None:
