@@ -105,6 +105,7 @@ class Attention:
         # (id(score_mod), id(mask_mod)) -> [CallValues, the variant, the last call's block mask]: _mods_fast
         self._mod_calls: dict[tuple, list] = {}
         self._checked_devices: set = set()  # devices check() passed on for calls with mods
+        self._table = self._native.new_dispatch_table()  # its launcher readers of repeated calls with mods
         self._backwards: dict[BackwardConfig, int] = {}
         self._backward_cfgs: dict[int, BackwardConfig] = {}  # handle -> config (its block mask's B_r and B_c)
         masked = built.mods is not None and built.mods.mask is not None
@@ -217,9 +218,16 @@ class Attention:
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
 
     def _run_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
-        """A call with a score_mod / mask_mod: through :meth:`_mods_fast` where it serves, else :meth:`_launch_mods`."""
+        """A call with a score_mod / mask_mod: through the launcher's reader of the pair (``call_mods_again``, the values
+        read in C++ as :class:`CallValues` reads them), else :meth:`_mods_fast`, else :meth:`_launch_mods`."""
         if out is None and not torch.compiler.is_compiling():
-            result = self._mods_fast(q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+            try:
+                result = self._native.call_mods_again(self._table, q, k, v, softmax_scale, left, right, align, return_lse,
+                                                      score_mod, mask_mod)
+            except (RuntimeError, ValueError, TypeError):
+                result = None  # the paths below explain it
+            if result is None:
+                result = self._mods_fast(q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
             if result is not None:
                 return result
         return self._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
@@ -256,11 +264,29 @@ class Attention:
         return (o, lse) if return_lse else o
 
     def _remember_mods(self, mods: KernelMods, score_mod, mask_mod, attn: "Attention") -> None:
-        """Keep the fast path (:meth:`_mods_fast`) of a pair of functions that ran through ``attn``."""
+        """Keep the fast paths (:meth:`_mods_fast`, the launcher's reader) of a pair of functions that ran through
+        ``attn``; the readers this replaces or drops forget what they hold."""
         if CallValues.usable(score_mod, mask_mod):
+            key = (id(score_mod), id(mask_mod))
+            replaced = self._mod_calls.pop(key, None)
+            if replaced is not None:
+                if replaced[1] is attn and replaced[0].mods == mods and replaced[0].serves(score_mod, mask_mod):
+                    self._mod_calls[key] = replaced  # the same traces (a call to differentiate): its state stays valid
+                    return
+                replaced[0].forget()
             if len(self._mod_calls) >= _MAX_MOD_CALLS:
+                for entry in self._mod_calls.values():
+                    entry[0].forget()
                 self._mod_calls.clear()
-            self._mod_calls[(id(score_mod), id(mask_mod))] = [CallValues(mods, score_mod, mask_mod), attn, None]
+            values = CallValues(mods, score_mod, mask_mod)
+            self._mod_calls[key] = [values, attn, None]
+            if values.attach(self._native, attn._handle) is not None:
+                self._native.remember_mods(self._table, None, 0, score_mod, mask_mod, values.native)
+
+    def mods_reader(self, score_mod, mask_mod):
+        """The launcher's reader of calls with this pair of functions (None: none kept)."""
+        entry = self._mod_calls.get((id(score_mod), id(mask_mod)))
+        return entry[0].native if entry is not None and entry[0].serves(score_mod, mask_mod) else None
 
     def _mods_fast(self, q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
         """An eager call with the functions of an earlier call (same objects, same code): their values re-read
@@ -288,6 +314,7 @@ class Attention:
                 else:
                     block_mask = attn._block_mask(reader.mods, q, k, words, tensors)
                     entry[2] = (state, block_mask)
+            reader.publish(device, q, k, words, block_mask)  # the launcher's reader serves the next such call
             return self._native.call_mods(q, k, v, attn._handle, softmax_scale, left, right, align, return_lse, words,
                                           tensors, block_mask)
         except (RuntimeError, ValueError, TypeError):
@@ -470,11 +497,17 @@ class AutoAttention:
                  return_lse=False, score_mod=None, mask_mod=None):
         """As :meth:`Attention.__call__`, with the kernel picked for the call's shape and mask."""
         mask, left, right = _score_mask(causal, window)
-        if score_mod is not None or mask_mod is not None:  # the picked kernel's variant with the mods
-            _check_lookup(q)
-            shape = q.shape
-            attn = self.pick(q.device, q.dtype, shape[3], shape[1], mask, mods=True)
-            return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+        if score_mod is not None or mask_mod is not None:
+            if out is None and not torch.compiler.is_compiling():  # a repeated call: the launcher reads its values
+                native = self._native or self._connect()
+                try:
+                    result = native.dispatch_mods(self._table, q, k, v, softmax_scale, _MASK_CODES[mask], left, right,
+                                                  align, return_lse, score_mod, mask_mod)
+                except (RuntimeError, ValueError, TypeError):
+                    result = None  # the kernel's own call below explains it
+                if result is not None:
+                    return result
+            return self._call_mods(q, k, v, out, softmax_scale, mask, left, right, align, return_lse, score_mod, mask_mod)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
             handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
@@ -491,6 +524,21 @@ class AutoAttention:
             result = attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
             if not autograd.needs_grad(q, k, v):  # the table serves eager calls only
                 native.remember(self._table, q, code, attn._handle)
+        return result
+
+    def _call_mods(self, q, k, v, out, softmax_scale, mask: str, left: int, right: int, align: str, return_lse: bool,
+                   score_mod, mask_mod):
+        """A call with a score_mod / mask_mod through the picked kernel's variant with them; an eager one leaves its
+        launcher reader in the dispatch table under the call's key, for ``dispatch_mods``."""
+        _check_lookup(q)
+        shape = q.shape
+        attn = self.pick(q.device, q.dtype, shape[3], shape[1], mask, mods=True)
+        result = attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+        if out is None and not torch.compiler.is_compiling():
+            reader = attn.mods_reader(score_mod, mask_mod)
+            if reader is not None:
+                native = self._native or self._connect()
+                native.remember_mods(self._table, q, _MASK_CODES[mask], score_mod, mask_mod, reader)
         return result
 
     def _connect(self):

@@ -51,9 +51,12 @@ class Kernels:
 @pytest.fixture
 def kernels(monkeypatch):
     fake = Kernels()
-    # the launcher's eager entry answers None as for a call to differentiate or an unchecked device, so every call
+    # the launcher's eager entries answer None as for a call to differentiate or an unchecked device, so every call
     # takes the operators, whose CPU kernels are the doubles below
-    monkeypatch.setattr(runtime.launcher, "native", lambda: types.SimpleNamespace(call_mods=lambda *args: None))
+    native = types.SimpleNamespace(call_mods=lambda *args: None, call_mods_again=lambda *args: None,
+                                   new_dispatch_table=lambda: 0, remember_mods=lambda *args: None,
+                                   ModReader=lambda *args: types.SimpleNamespace(update=lambda *a: None, forget=lambda: None))
+    monkeypatch.setattr(runtime.launcher, "native", lambda: native)
     monkeypatch.setattr(runtime.Attention, "check", lambda self, q, k, v, out=None: None)
     monkeypatch.setattr(runtime, "build", fake.build)
     monkeypatch.setattr(runtime, "_load", fake.load)

@@ -1,13 +1,17 @@
 """The eager call path of calls with a score_mod / mask_mod, on the CPU: the first call of a pair of functions
 takes the full path (trace, build, check, the ``attention_mods`` operator); later calls with the same function
-objects go to the launcher's eager entry ``call_mods`` with the values of the moment, without tracing.
+objects go to the launcher's eager entries with the values of the moment, without tracing: ``call_mods`` with the
+values Python read, or (once such a call left its state in the launcher's reader) ``call_mods_again`` /
+``dispatch_mods``, which read them in C++.
 
 The kernel side is replaced by doubles that log what reached them: builds (with their mods), the operator,
-``mask_blocks`` and the eager entry (which, as flashgen/native/launcher.cpp says, returns None for a device not
-yet allowed and for a call autograd must record, and raises ValueError on a failed check).
+``mask_blocks`` and the eager entries (which, as flashgen/native/launcher.cpp says, return None for a device not
+yet allowed and for a call autograd must record, and raise ValueError on a failed check). :class:`ModReader` models
+the launcher's reader rule for rule (tests/test_launcher.py checks the C++ one).
 """
 from __future__ import annotations
 
+import math
 import re
 import struct
 from pathlib import Path
@@ -22,15 +26,95 @@ from flashgen.dsl.config import KernelConfig  # noqa: E402
 from flashgen.mods import cache_info  # noqa: E402
 
 
+_UNREAD = object()
+
+
+def _read(place):
+    cell, table, key = place
+    if cell is not None:
+        try:
+            return cell.cell_contents
+        except ValueError:
+            return _UNREAD
+    return table.get(key, _UNREAD)
+
+
+def _word(value, is_float: bool):
+    """The launcher reader's word of a scalar, or None where it leaves the call to Python."""
+    if is_float:
+        if type(value) is not float or math.isnan(value):
+            return None
+        try:
+            return struct.unpack("<i", struct.pack("<f", value))[0]
+        except OverflowError:
+            return None
+    return value if type(value) is int and -2**31 <= value < 2**31 else None
+
+
+class ModReader:
+    """The launcher's reader (flashgen/native/launcher.cpp), modelled: the same arguments and rules."""
+
+    def __init__(self, kernel, fns, statics, scalars, tensors, mask_first, mask_count, masked):
+        self.kernel, self.fns, self.statics, self.scalars = kernel, fns, list(statics), list(scalars)
+        self.slots = [[place, rank, None, 0, None, None] for place, rank in tensors]  # source, version, dtype, passed
+        self.mask_words_at, self.masked, self.forgotten = slice(mask_first, mask_first + mask_count), masked, False
+        self.device = self.mask_words = self.sizes = self.block_mask = None
+
+    def serves(self, fn, i):
+        if self.fns[i] is None:
+            return fn is None
+        ref, code = self.fns[i]
+        return ref() is fn and type(fn).__name__ == "function" and fn.__code__ is code
+
+    def values(self, q, k, score_fn, mask_fn):
+        if self.forgotten or not (self.serves(score_fn, 0) and self.serves(mask_fn, 1)):
+            return None
+        for place, value in self.statics:
+            now = _read(place)
+            if type(now) is not type(value) or now != value:
+                return None
+        words = [_word(_read(place), is_float) for place, is_float in self.scalars]
+        if None in words or ((self.masked or self.slots) and self.device != q.device):
+            return None
+        tensors = []
+        for place, rank, source, version, dtype, passed in self.slots:
+            t = _read(place)
+            if source is None or source() is not t or type(t) is not torch.Tensor:
+                return None
+            if t._version != version or t.dtype != dtype or t.requires_grad or t.dim() != rank:
+                return None
+            tensors.append(t if passed is None else passed)
+        if self.masked and (self.block_mask is None or self.sizes != (tuple(q.shape), k.shape[1])
+                            or words[self.mask_words_at] != self.mask_words):
+            return None
+        return words, tensors, self.block_mask if self.masked else None
+
+    def update(self, device, slots, mask_words, q, k, block_mask):
+        if self.forgotten:
+            return
+        assert len(slots) == len(self.slots) and (block_mask is not None) == self.masked
+        for slot, (source, version, dtype, passed) in zip(self.slots, slots):
+            slot[2:] = [source, version, dtype, passed]
+        self.device, self.mask_words, self.sizes = device, list(mask_words), (tuple(q.shape), k.shape[1])
+        self.block_mask = block_mask
+
+    def forget(self):
+        self.forgotten, self.fns, self.statics, self.scalars, self.slots, self.block_mask = True, (None, None), [], [], [], None
+
+
 class Launcher:
-    """Doubles for building, loading, the operators and the eager entry, with a log of each."""
+    """Doubles for building, loading, the operators and the eager entries, with a log of each."""
+
+    ModReader = ModReader
 
     def __init__(self):
         self.builds: list = []  # the KernelMods key of each build (None: no mods)
         self.allowed: set[int] = set()
         self.operator: list = []  # (handle, words, tensors) of attention_mods calls
-        self.eager: list = []  # (handle, words, tensors, block_mask) of call_mods calls
+        self.eager: list = []  # (handle, words, tensors, block_mask) of the eager entries' launches
+        self.served: list = []  # of those, the launches whose values the launcher's reader read: their entry's name
         self.block_masks: list = []  # (words, tensors) of each mask_blocks call
+        self.tables: list = []  # per dispatch table: (dispatch key, id(score_mod), id(mask_mod)) -> ModReader
 
     def build(self, cfg, capability=None, verbose=False, mods=None):
         self.builds.append(None if mods is None else mods.key)
@@ -58,6 +142,39 @@ class Launcher:
         self.eager.append((handle, list(words), list(tensors), block_mask))
         o = q + handle
         return (o, q.new_empty((0,), dtype=torch.float32)) if return_lse else o
+
+    def new_dispatch_table(self):
+        self.tables.append({})
+        return len(self.tables) - 1
+
+    @staticmethod
+    def _key(q, mask):
+        return None if q is None else (q.device, q.dtype, q.shape[3], q.shape[1], mask)
+
+    def remember_mods(self, table, q, mask, score_mod, mask_mod, reader):
+        self.tables[table][(self._key(q, mask), id(score_mod), id(mask_mod))] = reader
+
+    def _call_read(self, entry, table, key, q, k, v, scale, left, right, align, return_lse, score_mod, mask_mod):
+        reader = self.tables[table].get((key, id(score_mod), id(mask_mod)))
+        if reader is None or reader.kernel not in self.allowed:
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return None
+        values = reader.values(q, k, score_mod, mask_mod)
+        if values is None:
+            return None
+        result = self.call_mods(q, k, v, reader.kernel, scale, left, right, align, return_lse, *values)
+        if result is not None:
+            self.served.append(entry)
+        return result
+
+    def call_mods_again(self, table, q, k, v, scale, left, right, align, return_lse, score_mod, mask_mod):
+        return self._call_read("call_mods_again", table, None, q, k, v, scale, left, right, align, return_lse,
+                               score_mod, mask_mod)
+
+    def dispatch_mods(self, table, q, k, v, scale, mask, left, right, align, return_lse, score_mod, mask_mod):
+        return self._call_read("dispatch_mods", table, self._key(q, mask), q, k, v, scale, left, right, align, return_lse,
+                               score_mod, mask_mod)
 
 
 @pytest.fixture
@@ -100,8 +217,45 @@ def test_new_captured_numbers_reach_the_kernel_without_tracing(launcher):
         o = attn(Q, Q, Q, score_mod=softcap)
         assert launcher.eager[-1][1] == [_float_word(value)]
     assert len(launcher.eager) == 3 and len(launcher.operator) == 1
+    assert launcher.served == ["call_mods_again"] * 3  # numbers only: the launcher's reader needs no state of a read
     assert cache_info().traces == traces and launcher.builds == [None, launcher.builds[1]]
     assert torch.equal(o, Q + launcher.eager[-1][0])  # the variant built with the mods ran
+
+
+def test_values_the_launchers_reader_leaves_to_python_reach_the_kernel_through_pythons_read(launcher):
+    import numpy as np
+
+    attn = _attention()
+    cap = 30.0
+
+    def softcap(s, b, h, i, j):
+        return cap * torch.tanh(s / cap)
+
+    attn(Q, Q, Q, score_mod=softcap)
+    for value in (np.float64(2.0), float("nan"), 4.0, np.float64(8.0), 16.0, 32.0):
+        cap = value
+        attn(Q, Q, Q, score_mod=softcap)
+        assert launcher.eager[-1][1] == [_float_word(float(value))]
+    # a float subclass and a NaN (whose payload Python keeps) are read by Python, exact floats by the launcher's reader
+    assert launcher.served == ["call_mods_again"] * 3 and len(launcher.eager) == 6 and len(launcher.operator) == 1
+
+
+def test_a_dropped_function_frees_what_it_captured_though_the_launcher_keeps_its_reader(launcher, monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setattr(runtime, "_select", lambda device, dtype, d_head, seq_q, masked: KernelConfig(dtype="fp16", d_head=64))
+    auto = runtime.compile("auto")
+    same_document, _ = _document_mask(torch.tensor([0, 0, 1, 1, 1, 2]))
+    doc = weakref.ref(same_document.__closure__[0].cell_contents)
+    for _ in range(3):
+        auto(Q, Q, Q, mask_mod=same_document)
+    assert launcher.served == ["dispatch_mods"]
+    readers = [r for table in launcher.tables for r in table.values()]
+    assert readers and all(r.slots for r in readers)  # the tables hold the reader, the reader the function's cell
+    del same_document
+    gc.collect()
+    assert doc() is None and all(r.forgotten for r in readers)
 
 
 def _document_mask(doc):
@@ -168,8 +322,9 @@ def test_a_changed_closure_structure_retraces_and_builds_another_kernel(launcher
     mod.__code__ = other.__code__  # new code: traced again
     attn(Q, Q, Q, score_mod=mod)
     assert cache_info().traces == traces + 2 and len(launcher.builds) == builds + 2
-    attn(Q, Q, Q, score_mod=mod)  # and then served by the fast path again
+    attn(Q, Q, Q, score_mod=mod)  # and then served by the fast path again: the launcher's reader of the new kernel
     assert cache_info().traces == traces + 2 and launcher.eager[-1][1] == [3]
+    assert launcher.eager[-1][0] == len(launcher.builds) - 1 and launcher.served == ["call_mods_again"] * 2
 
 
 def test_refusals_on_the_fast_path_are_those_of_the_first_call(launcher):
@@ -202,6 +357,18 @@ def test_a_call_to_differentiate_takes_the_full_path_and_builds_its_backward_wit
     attn(Q.clone().requires_grad_(), Q, Q, score_mod=softcap)
     assert len(launcher.operator) == 2 and not launcher.eager  # the operator autograd records, not the eager entry
     assert launcher.builds[-1] == forward_mods and len(launcher.builds) == 3  # the backward, built with the same mods
+
+
+def test_calls_to_differentiate_leave_the_launchers_reader_its_state(launcher):
+    """A call to differentiate takes the full path; the reader of the pair stays, with the state of the last read
+    (captured tensor, block mask), so the next call without grad goes straight to it."""
+    attn = _attention()
+    same_document, _ = _document_mask(torch.tensor([0, 0, 1, 1, 1, 2]))
+    attn(Q, Q, Q, mask_mod=same_document)
+    attn(Q, Q, Q, mask_mod=same_document)  # Python's read: the reader gets its state
+    attn(Q.clone().requires_grad_(), Q, Q, mask_mod=same_document)
+    attn(Q, Q, Q, mask_mod=same_document)
+    assert len(launcher.operator) == 2 and launcher.served == ["call_mods_again"] and len(launcher.block_masks) == 1
 
 
 def test_sequences_past_the_split_conversions_limit_are_refused_before_launch(launcher):
@@ -256,6 +423,11 @@ def test_auto_attention_takes_the_fast_path_too(launcher, monkeypatch):
     auto(Q, Q, Q, score_mod=softcap, causal=True)
     assert len(launcher.operator) == 2 and [e[1] for e in launcher.eager] == [[_float_word(20.0)]] * 2
     assert launcher.eager[0][0] != launcher.eager[1][0]
+    cap = 10.0
+    auto(Q, Q, Q, score_mod=softcap)  # the dispatch table's reader for the call's key and the pair
+    auto(Q, Q, Q, score_mod=softcap, causal=True)
+    assert launcher.served == ["dispatch_mods"] * 4 and [e[1] for e in launcher.eager[2:]] == [[_float_word(10.0)]] * 2
+    assert [e[0] for e in launcher.eager[2:]] == [e[0] for e in launcher.eager[:2]]
 
 
 def test_auto_gives_calls_with_mods_the_config_of_masked_calls(launcher, monkeypatch):

@@ -15,10 +15,17 @@ can, and is compared on every call), and each call only reads the cells again:
 
 Whatever ``bind`` would refuse or call stale makes :meth:`CallValues.read` answer None, so the caller
 takes the full path, which retraces or raises the error it always raised.
+
+The launcher repeats these reads in C++ (:meth:`CallValues.attach`): its reader is built from this object's
+places, literals and scalar kinds, and after each read here it gets the state the read left
+(:meth:`CallValues.publish`). It serves a call only where every value is read the way :meth:`read` reads it and
+matches that state (an exact ``float`` / ``int``, each captured tensor the same object and version as last read,
+the block mask of the same mask values and sizes); any other call it leaves to this object.
 """
 from __future__ import annotations
 
 import struct
+import types
 import weakref
 from typing import Any, Callable
 
@@ -31,12 +38,18 @@ _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
 
 
-def _reader(source, fn: Callable) -> Callable[[], Any]:
-    """A function reading ``source``'s value of ``fn`` now (a cell's contents or a global)."""
+def _place(source, fn: Callable) -> tuple:
+    """Where ``source``'s value of ``fn`` lives: ``(cell, None, None)`` or ``(None, globals, key)``."""
     if source.kind == "cell":
-        cell = fn.__closure__[source.key]
+        return fn.__closure__[source.key], None, None
+    return None, fn.__globals__, source.key
+
+
+def _reader(place: tuple) -> Callable[[], Any]:
+    """A function reading the value at ``place`` now (a cell's contents or a global)."""
+    cell, table, key = place
+    if cell is not None:
         return lambda: cell.cell_contents
-    table, key = fn.__globals__, source.key
     return lambda: table[key]
 
 
@@ -49,6 +62,21 @@ def _scalar_word(arg, value) -> int:
         if kind is int and arg.dtype == INT and INT32_MIN <= value <= INT32_MAX:
             return value
     return _to_word(arg.dtype, _scalar_value(arg, value))
+
+
+def _native_spec(mods: KernelMods, score_fn, mask_fn, statics: list, scalars: list, tensors: list,
+                 mask_words: slice) -> "tuple | None":
+    """The launcher reader's arguments after the kernel (``native.ModReader``), or None where it could not read
+    a value the way :meth:`CallValues.read` does: a function that is not a plain one (its code read through
+    ``__code__``), a globals mapping that is not a plain dict, a scalar that is a 0-d tensor or not a float / int."""
+    for fn in (score_fn, mask_fn):
+        if fn is not None and (type(fn) is not types.FunctionType or type(fn.__globals__) is not dict):
+            return None
+    if any(a.from_tensor or a.dtype not in (FLOAT, INT) for _, a in scalars):
+        return None
+    fns = tuple((weakref.ref(fn), fn.__code__) if fn is not None else None for fn in (score_fn, mask_fn))
+    return (fns, statics, [(place, a.dtype == FLOAT) for place, a in scalars], [(place, a.rank) for place, a in tensors],
+            mask_words.start, mask_words.stop - mask_words.start, mods.mask is not None)
 
 
 class _TensorSlot:
@@ -84,11 +112,19 @@ class CallValues:
         self._fns = tuple((weakref.ref(fn, self._forget), fn.__code__) if fn is not None else None
                           for fn in (score_fn, mask_fn))
         pairs = [(m, score_fn if m.kind == "score" else mask_fn) for m in mods.mods]
-        self._statics = [(_reader(source, fn), value) for m, fn in pairs for source, value in m.static]
-        self._scalars = [(_reader(a.source, fn), a) for m, fn in pairs for a in m.scalars]
+        statics = [(_place(source, fn), value) for m, fn in pairs for source, value in m.static]
+        scalars = [(_place(a.source, fn), a) for m, fn in pairs for a in m.scalars]
+        tensors = [(_place(a.source, fn), a) for m, fn in pairs for a in m.tensors]
+        self._statics = [(_reader(place), value) for place, value in statics]
+        self._scalars = [(_reader(place), a) for place, a in scalars]
         self._changes = [0]  # bumped by every read whose values differ from the previous read's
         self._words: list = []
-        self._tensors = [_TensorSlot(_reader(a.source, fn), a, self._changes) for m, fn in pairs for a in m.tensors]
+        self._tensors = [_TensorSlot(_reader(place), a, self._changes) for place, a in tensors]
+        first = len(mods.score.scalars) if mods.score is not None else 0
+        self._mask_words = slice(first, first + (len(mods.mask.scalars) if mods.mask is not None else 0))
+        self.native = None  # the launcher's reader (attach)
+        self._published: "tuple | None" = None  # (epoch, block mask) it was last given
+        self._native_spec = _native_spec(mods, score_fn, mask_fn, statics, scalars, tensors, self._mask_words)
 
     @property
     def epoch(self) -> int:
@@ -98,6 +134,35 @@ class CallValues:
 
     def _forget(self, _ref=None) -> None:
         self._statics, self._scalars, self._tensors = (), (), ()
+        self._native_spec = self._published = None
+        if self.native is not None:
+            self.native.forget()
+
+    def forget(self) -> None:
+        """Drop what this object and its launcher reader hold (the functions' cells, copies, block mask): it serves
+        nothing from now on."""
+        self._fns = None
+        self._forget()
+
+    def attach(self, native: Any, kernel: int) -> Any:
+        """Make the launcher's reader (``native.ModReader``) of these calls through ``kernel``, where it can read every
+        value as :meth:`read` does (plain functions, plain globals dictionaries, Python-number scalars): it, or None."""
+        if self._native_spec is not None:
+            self.native = native.ModReader(kernel, *self._native_spec)
+            # the launcher's tables outlive this object (and the Attention holding it): its reader then forgets too
+            weakref.finalize(self, self.native.forget).atexit = False
+        return self.native
+
+    def publish(self, device, q, k, words: list, block_mask) -> None:
+        """Give the launcher's reader the state a successful :meth:`read` on ``device`` left: each tensor slot's, and
+        the block mask of the call's sizes (q's, k's) and mask values (None: no mask_mod). The state it already has
+        (the same epoch and block mask) is not given again: a reader that has it refused the call for good reason."""
+        if self.native is None or (self._published is not None and self._published[0] == self._changes[0]
+                                   and self._published[1] is block_mask):
+            return
+        self._published = (self._changes[0], block_mask)
+        slots = [(s.source, s.version, s.dtype, s.passed) for s in self._tensors]
+        self.native.update(device, slots, words[self._mask_words], q, k, block_mask)
 
     @staticmethod
     def usable(score_fn: Any, mask_fn: Any) -> bool:
@@ -115,6 +180,8 @@ class CallValues:
 
     def serves(self, score_fn: Any, mask_fn: Any) -> bool:
         """Whether this reader was made for these function objects with their current code."""
+        if self._fns is None:  # forgotten
+            return False
         score, mask = self._fns
         if score is None:
             if score_fn is not None:

@@ -4,8 +4,11 @@
 // each kernel library is built alone by nvcc and exports the C ABI of flashgen/emit/abi.py.
 #include <dlfcn.h>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -20,6 +23,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/python_variable.h>  // the captured tensors a ModReader reads
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor caster: the eager entry points
 
 #include "flashgen_args.h"  // written next to this file from flashgen.emit.abi: flashgen_args, flashgen_bwd_args
@@ -461,8 +465,23 @@ uint64_t dispatch_key(const at::Tensor& q, int64_t mask) {
 
 bool keyable(const at::Tensor& q) { return q.is_cuda() && q.dim() == 4 && q.size(1) < (1 << 30) && q.size(3) < (1 << 16); }
 
+struct ModReader;
+// Each dispatch table's readers of calls with a score_mod / mask_mod (the section below).
+struct ModKey {
+    uint64_t call;  // dispatch_key of the call (an AutoAttention's table), or 0 (an Attention's own)
+    uintptr_t score, mask;  // the function objects (None's address for none)
+    bool operator==(const ModKey& o) const { return call == o.call && score == o.score && mask == o.mask; }
+};
+struct ModKeyHash {
+    size_t operator()(const ModKey& k) const {
+        return std::hash<uint64_t>()(k.call ^ (uint64_t(k.score) * 0x9e3779b97f4a7c15ull) ^ (uint64_t(k.mask) << 1));
+    }
+};
+std::vector<std::unordered_map<ModKey, std::shared_ptr<ModReader>, ModKeyHash>> mod_tables;
+
 int64_t new_dispatch_table() {
     dispatch_tables.emplace_back();
+    mod_tables.emplace_back();
     return int64_t(dispatch_tables.size()) - 1;
 }
 
@@ -489,6 +508,270 @@ py::object dispatch(int64_t table, const at::Tensor& q, const at::Tensor& k, con
     return call(q, k, v, out, hit->second, softmax_scale, window_left, window_right, align, return_lse);
 }
 
+
+// ---- repeated calls with a score_mod / mask_mod -------------------------------------------------
+// flashgen.mods.call_values.CallValues says what a repeated call with one pair of function objects reads and when
+// a value is stale. Its ModReader here is built from it and holds the same places and rules; after each call
+// through Python's path, Python gives it the state that call's read left (each captured tensor's source, version,
+// dtype and the copy passed; the block mask of the mask_mod's words and the call's sizes). A call that this state
+// and these rules do not serve exactly as CallValues would gets None, and Python's path runs.
+
+// Where a captured value lives: a closure cell, or a key of a function's globals dictionary.
+struct Place {
+    py::object cell, globals, key;  // cell None: a global
+
+    static Place of(const py::handle& place) {  // (cell, None, None) or (None, globals, key)
+        const auto t = place.cast<py::tuple>();
+        FG_REQUIRE(t.size() == 3, "a place is (cell, globals, key)");
+        Place p{py::reinterpret_borrow<py::object>(t[0]), py::reinterpret_borrow<py::object>(t[1]),
+                py::reinterpret_borrow<py::object>(t[2])};
+        FG_REQUIRE(p.cell.is_none() ? PyDict_CheckExact(p.globals.ptr()) && PyUnicode_CheckExact(p.key.ptr())
+                                    : bool(PyCell_Check(p.cell.ptr())),
+                   "a place is a closure cell, or a globals dict and a name");
+        return p;
+    }
+    // the value now, or a null object: an empty cell, a missing global (CallValues: ValueError / KeyError)
+    py::object read() const {
+        PyObject* v = cell.is_none() ? PyDict_GetItemWithError(globals.ptr(), key.ptr()) : PyCell_GET(cell.ptr());
+        if (v == nullptr) {
+            PyErr_Clear();
+            return py::object();
+        }
+        return py::reinterpret_borrow<py::object>(v);
+    }
+};
+
+// A value whose comparison runs no Python code: an exact int, float, str, bool or None, or a tuple of such values
+// (a literal of a trace: flashgen.mods.trace._compiled_in).
+bool plain(PyObject* v) {
+    if (PyTuple_CheckExact(v)) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i)
+            if (!plain(PyTuple_GET_ITEM(v, i))) return false;
+        return true;
+    }
+    return PyLong_CheckExact(v) || PyFloat_CheckExact(v) || PyUnicode_CheckExact(v) || PyBool_Check(v) || v == Py_None;
+}
+
+// A scalar's word (call_values._scalar_word's exact cases): an exact float as its fp32 bits (a NaN's payload and a
+// finite number that rounds to infinity, struct's OverflowError, are Python's to handle), an exact int within int32.
+bool scalar_word(PyObject* v, bool is_float, int64_t& word) {
+    if (is_float) {
+        if (!PyFloat_CheckExact(v)) return false;
+        const double x = PyFloat_AS_DOUBLE(v);
+        const float f = float(x);
+        if (std::isnan(x) || (std::isinf(f) && !std::isinf(x))) return false;
+        int32_t bits;
+        std::memcpy(&bits, &f, sizeof bits);
+        word = bits;
+        return true;
+    }
+    if (!PyLong_CheckExact(v)) return false;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) PyErr_Clear();
+    if (overflow != 0 || x < INT32_MIN || x > INT32_MAX) return false;
+    word = x;
+    return true;
+}
+
+struct TensorSlot {
+    Place place;
+    int64_t rank;
+    py::object source;  // a weak reference to the tensor last read, or None: not read yet
+    int64_t version = 0;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    at::Tensor passed;  // what the kernel got: its converted copy, or undefined for the source itself
+};
+
+// The values of one call (flashgen.mods.KernelMods.pack's order) and its block mask.
+struct ModValues {
+    std::vector<int64_t> words;
+    std::vector<at::Tensor> tensors;
+    std::optional<at::Tensor> block_mask;
+};
+
+struct ModReader {
+    int64_t kernel;  // the kernel built with the mods
+    py::object fns[2];  // (weak reference, code) of score_mod and mask_mod, or None
+    std::vector<std::pair<Place, py::object>> statics;  // numbers compiled in as literals: same type, equal
+    std::vector<std::pair<Place, bool>> scalars;  // is_float
+    std::vector<TensorSlot> tensors;
+    size_t mask_first, mask_count;  // the mask_mod's scalars among the words
+    bool masked;  // a mask_mod: calls take a block mask
+    bool forgotten = false;  // a function died (or Python dropped its CallValues): serves nothing
+    // the state of the last read through Python
+    std::optional<c10::Device> device;
+    std::vector<int64_t> mask_words, q_sizes;
+    int64_t seq_k = 0;
+    at::Tensor block_mask;  // undefined: none made yet
+
+    ModReader(int64_t kernel_, const py::tuple& fns_, const py::list& statics_, const py::list& scalars_,
+              const py::list& tensors_, size_t mask_first_, size_t mask_count_, bool masked_)
+        : kernel(kernel_), mask_first(mask_first_), mask_count(mask_count_), masked(masked_) {
+        kernel_at(kernel, false);
+        FG_REQUIRE(fns_.size() == 2, "fns: (score_mod's, mask_mod's)");
+        for (size_t i = 0; i < 2; ++i) {
+            fns[i] = py::reinterpret_borrow<py::object>(fns_[i]);
+            FG_REQUIRE(fns[i].is_none() || (py::isinstance<py::tuple>(fns[i]) && py::len(fns[i]) == 2 &&
+                                            PyWeakref_CheckRef(fns[i][py::int_(0)].ptr())),
+                       "a function is (weak reference, code) or None");
+        }
+        for (const auto& s : statics_) statics.emplace_back(Place::of(s[py::int_(0)]), s[py::int_(1)]);
+        for (const auto& s : scalars_) scalars.emplace_back(Place::of(s[py::int_(0)]), s[py::int_(1)].cast<bool>());
+        for (const auto& t : tensors_) tensors.push_back({Place::of(t[py::int_(0)]), t[py::int_(1)].cast<int64_t>(), py::none()});
+        FG_REQUIRE(mask_first + mask_count <= scalars.size(), "the mask_mod's words lie past the scalars");
+    }
+
+    bool serves(const py::handle& fn, size_t i) const {
+        if (fns[i].is_none()) return fn.is_none();
+        const py::tuple pair = py::reinterpret_borrow<py::tuple>(fns[i]);
+        return PyWeakref_GetObject(pair[0].ptr()) == fn.ptr() && PyFunction_Check(fn.ptr()) &&
+               PyFunction_GET_CODE(fn.ptr()) == pair[1].ptr();
+    }
+
+    // CallValues.read's answer for a call of q's and k's sizes where it comes from this state; false: Python reads
+    bool read(const at::Tensor& q, const at::Tensor& k, const py::handle& score_fn, const py::handle& mask_fn,
+              ModValues& out) const {
+        if (forgotten || !serves(score_fn, 0) || !serves(mask_fn, 1)) return false;
+        for (const auto& [place, value] : statics) {
+            const py::object now = place.read();
+            if (!now || Py_TYPE(now.ptr()) != Py_TYPE(value.ptr()) || !plain(now.ptr()) || !plain(value.ptr())) return false;
+            // `now != value` as Python evaluates it (no identity shortcut: a NaN literal never matches)
+            const auto differs = py::reinterpret_steal<py::object>(PyObject_RichCompare(now.ptr(), value.ptr(), Py_NE));
+            const int truth = differs ? PyObject_IsTrue(differs.ptr()) : -1;
+            if (truth < 0) PyErr_Clear();
+            if (truth != 0) return false;
+        }
+        out.words.resize(scalars.size());
+        for (size_t i = 0; i < scalars.size(); ++i) {
+            const py::object now = scalars[i].first.read();
+            if (!now || !scalar_word(now.ptr(), scalars[i].second, out.words[i])) return false;
+        }
+        if ((masked || !tensors.empty()) && device != q.device()) return false;
+        for (const TensorSlot& slot : tensors) {
+            const py::object now = slot.place.read();
+            if (!now || slot.source.is_none() || PyWeakref_GetObject(slot.source.ptr()) != now.ptr() ||
+                !THPVariable_CheckExact(now.ptr()))
+                return false;
+            const at::Tensor& t = THPVariable_Unpack(now.ptr());
+            if (t.is_inference() || t._version() != slot.version || t.scalar_type() != slot.dtype || t.requires_grad() ||
+                t.dim() != slot.rank)
+                return false;
+            out.tensors.push_back(slot.passed.defined() ? slot.passed : t);
+        }
+        if (masked) {  // the block mask of these mask words, tensors (the slots') and sizes
+            const auto mine = out.words.begin() + ptrdiff_t(mask_first);
+            if (!block_mask.defined() || q.sizes() != c10::IntArrayRef(q_sizes) || k.dim() < 2 || k.size(1) != seq_k ||
+                !std::equal(mine, mine + ptrdiff_t(mask_count), mask_words.begin(), mask_words.end()))
+                return false;
+            out.block_mask = block_mask;
+        }
+        return true;
+    }
+
+    // The state a read through Python left: `slots` (source weak reference, version, dtype, copy passed or None) per
+    // captured tensor, on `device`; the block mask made for `words_of_mask` and q's and k's sizes (None: no mask_mod).
+    void update(const c10::Device& device_, const py::list& slots, const std::vector<int64_t>& words_of_mask,
+                const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& block_mask_) {
+        if (forgotten) return;
+        FG_REQUIRE(slots.size() == tensors.size(), "update: ", tensors.size(), " tensor slots, got ", slots.size());
+        FG_REQUIRE(words_of_mask.size() == mask_count, "update: ", mask_count, " mask words, got ", words_of_mask.size());
+        FG_REQUIRE(block_mask_.has_value() == masked, "update: a block mask goes with a mask_mod, and only with one");
+        for (size_t i = 0; i < tensors.size(); ++i) {  // all checked before any is changed
+            const auto s = slots[i].cast<py::tuple>();
+            FG_REQUIRE(s.size() == 4 && PyWeakref_CheckRef(s[0].ptr()), "update: a slot is (weakref, version, dtype, copy)");
+        }
+        for (size_t i = 0; i < tensors.size(); ++i) {
+            const auto s = slots[i].cast<py::tuple>();
+            TensorSlot& slot = tensors[i];
+            slot.source = s[0];
+            slot.version = s[1].cast<int64_t>();
+            slot.dtype = s[2].cast<c10::ScalarType>();
+            slot.passed = s[3].is_none() ? at::Tensor() : s[3].cast<at::Tensor>();
+        }
+        device = device_;
+        mask_words = words_of_mask;
+        q_sizes = q.sizes().vec();
+        seq_k = k.dim() >= 2 ? k.size(1) : -1;
+        block_mask = block_mask_.value_or(at::Tensor());
+    }
+
+    // Drop every reference to the functions' cells, their captured tensors, the copies and the block mask.
+    void forget() {
+        forgotten = true;
+        fns[0] = fns[1] = py::none();
+        statics.clear();
+        scalars.clear();
+        tensors.clear();
+        block_mask = at::Tensor();
+    }
+
+    // The values a call would take (for tests: no device check, no launch), or None
+    py::object values(const at::Tensor& q, const at::Tensor& k, const py::object& score_fn, const py::object& mask_fn) const {
+        ModValues v;
+        if (!read(q, k, score_fn, mask_fn, v)) return py::none();
+        return py::make_tuple(v.words, v.tensors, v.block_mask.has_value() ? py::cast(*v.block_mask) : py::none());
+    }
+};
+
+// call_mods through the reader of `key` in `table` (None where there is none or it does not serve the call).
+py::object call_read(int64_t table, const ModKey& key, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const py::object& softmax_scale, int64_t window_left, int64_t window_right, const std::string& align,
+                     bool return_lse, const py::object& score_fn, const py::object& mask_fn) {
+    table_at(table);
+    const auto& readers = mod_tables[size_t(table)];
+    const auto hit = readers.find(key);
+    if (hit == readers.end()) return py::none();
+    const std::shared_ptr<ModReader> held = hit->second;  // whatever the table does meanwhile
+    const ModReader& r = *held;
+    const Kernel& kn = kernel_at(r.kernel, false);
+    if (!device_checked(kn, q)) return py::none();
+    if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return py::none();
+    ModValues values;
+    if (!r.read(q, k, score_fn, mask_fn, values)) return py::none();
+    const double scale = softmax_scale.is_none() ? 1.0 / std::sqrt(double(kn.d_head)) : softmax_scale.cast<double>();
+    auto [o, lse] = attention_mods(q, k, v, r.kernel, scale, mask_offset(align, q, k), window_left, window_right,
+                                   return_lse, values.words, values.tensors, values.block_mask);
+    return return_lse ? py::make_tuple(o, lse) : py::cast(o);
+}
+
+ModKey mod_key(uint64_t call, const py::object& score_fn, const py::object& mask_fn) {
+    return {call, uintptr_t(score_fn.ptr()), uintptr_t(mask_fn.ptr())};
+}
+
+// An Attention's repeated call: its table's reader of the function pair.
+py::object call_mods_again(int64_t table, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const py::object& softmax_scale, int64_t window_left, int64_t window_right,
+                           const std::string& align, bool return_lse, const py::object& score_fn, const py::object& mask_fn) {
+    return call_read(table, mod_key(0, score_fn, mask_fn), q, k, v, softmax_scale, window_left, window_right, align,
+                     return_lse, score_fn, mask_fn);
+}
+
+// compile("auto")'s repeated call: the reader its table holds for q's dispatch key and `mask` and the function pair.
+py::object dispatch_mods(int64_t table, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const py::object& softmax_scale, int64_t mask, int64_t window_left, int64_t window_right,
+                         const std::string& align, bool return_lse, const py::object& score_fn, const py::object& mask_fn) {
+    if (!keyable(q)) return py::none();
+    return call_read(table, mod_key(dispatch_key(q, mask), score_fn, mask_fn), q, k, v, softmax_scale, window_left,
+                     window_right, align, return_lse, score_fn, mask_fn);
+}
+
+// Keep `reader` for the function pair: under q's dispatch key and `mask` (an AutoAttention's table; a q without one,
+// not a 4-D CUDA tensor, keeps nothing), or with q None for every call (an Attention's own table).
+void remember_mods(int64_t table, const py::object& q, int64_t mask, const py::object& score_fn, const py::object& mask_fn,
+                   const std::shared_ptr<ModReader>& reader) {
+    table_at(table);
+    uint64_t call = 0;
+    if (!q.is_none()) {
+        const at::Tensor t = q.cast<at::Tensor>();
+        if (!keyable(t)) return;
+        call = dispatch_key(t, mask);
+    }
+    auto& readers = mod_tables[size_t(table)];
+    if (readers.size() >= kMaxDispatch) readers.clear();
+    readers[mod_key(call, score_fn, mask_fn)] = reader;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -499,6 +782,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("new_dispatch_table", &new_dispatch_table, "a new, empty dispatch table");
     m.def("remember", &remember, "dispatch q's (device, dtype, d_head, seq_q) and `mask` to `kernel`");
     m.def("dispatch", &dispatch, "attention through the kernel the table holds for q's key; None: not there yet");
+    py::class_<ModReader, std::shared_ptr<ModReader>>(m, "ModReader", "what repeated calls with one score_mod / mask_mod pair read")
+        .def(py::init<int64_t, const py::tuple&, const py::list&, const py::list&, const py::list&, size_t, size_t, bool>(),
+             py::arg("kernel"), py::arg("fns"), py::arg("statics"), py::arg("scalars"), py::arg("tensors"),
+             py::arg("mask_first"), py::arg("mask_count"), py::arg("masked"))
+        .def("update", &ModReader::update, "the state a read through Python left")
+        .def("forget", &ModReader::forget, "drop every reference; serve nothing from now on")
+        .def("values", &ModReader::values, "(words, tensors, block_mask) a call would take, or None: Python reads");
+    m.def("remember_mods", &remember_mods, "keep a reader for a function pair (q None: every call of an Attention)");
+    m.def("call_mods_again", &call_mods_again, "an Attention's call through its reader of the pair; None: Python's path");
+    m.def("dispatch_mods", &dispatch_mods, "compile('auto')'s call through the reader of q's key and the pair; None as above");
 }
 
 TORCH_LIBRARY_FRAGMENT(flashgen, m) {

@@ -142,3 +142,69 @@ def test_a_dropped_function_releases_what_its_cells_held():
     gc.collect()
     assert held() is None and copy() is None
     assert reader.read(CPU) == ([], [])  # nothing left to read; serves() refuses every call anyway
+
+
+class _Native:
+    """The launcher's ``ModReader`` as CallValues uses it: what it was made from, each state given, whether forgotten."""
+
+    class ModReader:
+        def __init__(self, kernel, fns, statics, scalars, tensors, mask_first, mask_count, masked):
+            self.made = (kernel, fns, statics, scalars, tensors, mask_first, mask_count, masked)
+            self.updates, self.forgotten = [], False
+
+        def update(self, device, slots, mask_words, q, k, block_mask):
+            self.updates.append((slots, mask_words, block_mask))
+
+        def forget(self):
+            self.forgotten = True
+
+
+def test_the_launchers_reader_is_made_from_the_same_places_and_given_each_new_state():
+    score, mask, set_values = _pair()
+    values = CallValues(prepare_mods(score, mask)[0], score, mask)
+    reader = values.attach(_Native, 7)
+    kernel, fns, statics, scalars, tensors, mask_first, mask_count, masked = reader.made
+    assert kernel == 7 and [ref() for ref, _ in fns] == [score, mask] and [code for _, code in fns] == [score.__code__, mask.__code__]
+    cells = dict(zip(score.__code__.co_freevars, score.__closure__)) | dict(zip(mask.__code__.co_freevars, mask.__closure__))
+    assert scalars == [((cells["cap"], None, None), True), ((cells["edge"], None, None), False)]  # cap a float, edge an int
+    assert tensors == [((cells["doc"], None, None), 1)] and (mask_first, mask_count, masked) == (1, 1, True)
+    block_mask = torch.zeros(4, dtype=torch.int32)
+    q = torch.zeros(1, 6, 1, 8)
+    words, passed = values.read(CPU)
+    values.publish(CPU, q, q, words, block_mask)
+    values.read(CPU)
+    values.publish(CPU, q, q, words, block_mask)  # the state it has: not given again
+    assert len(reader.updates) == 1
+    (source, version, dtype, copy), = reader.updates[0][0]
+    assert source() is cells["doc"].cell_contents and version == 0 and dtype == torch.int64 and copy is passed[0]
+    assert reader.updates[0][1:] == ([2], block_mask)  # the mask_mod's words: edge
+    set_values(edge=3)
+    values.publish(CPU, q, q, values.read(CPU)[0], block_mask)
+    assert len(reader.updates) == 2 and reader.updates[1][1] == [3]
+
+
+def test_no_launcher_reader_for_values_it_cannot_read_as_python_does():
+    cap = torch.tensor(30.0)  # a 0-d tensor: read with .item()
+
+    def score(s, b, h, i, j):
+        return s * cap
+
+    values = CallValues(prepare_mods(score, None)[0], score, None)
+    assert values.attach(_Native, 7) is None
+    values.publish(CPU, None, None, [0], None)  # nothing to give it
+
+
+def test_the_launchers_reader_forgets_with_its_function_with_its_call_values_and_when_told():
+    for drop in ("function", "call values", "forget"):
+        score, mask, _ = _pair()
+        values = CallValues(prepare_mods(score, mask)[0], score, mask)
+        reader = values.attach(_Native, 7)
+        if drop == "function":
+            del score
+        elif drop == "call values":
+            del values
+        else:
+            values.forget()
+            assert not values.serves(score, mask)
+        gc.collect()
+        assert reader.forgotten, drop
