@@ -92,6 +92,23 @@ def test_ptxas_keeps_the_shipped_backward(tmp_path, monkeypatch):
     assert spill_free([default], (9, 0)) == ([default], {})
 
 
+EXAMPLE_MODS = Path(__file__).resolve().parents[1] / "examples" / "mods.py"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("score, mask", [("softcap", None), ("alibi", "causal")])
+def test_ptxas_keeps_the_shipped_backward_with_a_score_mod(tmp_path, monkeypatch, score, mask):
+    """The shipped d_head 128 backward sits at ptxas's 255-register ceiling: a score_mod's values held across
+    the query-block loop (a sign word of the batch index was one) made it spill."""
+    from flashgen.check import check_configs
+
+    monkeypatch.setenv("FLASHGEN_CACHE", str(tmp_path))
+    mods = (f"{EXAMPLE_MODS}:{score}", f"{EXAMPLE_MODS}:{mask}" if mask else None)
+    [result] = check_configs([BackwardConfig.default("bf16", 128)], ["sm_80"], jobs=1, workdir=tmp_path, mods=mods)
+    assert result.ok, result.log
+    assert result.stats.clean, result.stats
+
+
 def test_a_backward_that_spills_or_does_not_compile_is_dropped_with_the_reason():
     from types import SimpleNamespace as NS
 

@@ -240,7 +240,7 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
 
 
 #: this (batch, query head, query block)'s turn counter of the ordered dQ adds
-_DQ_TURN = "p.dq_turns + (int64_t(batch) * p.heads + head) * ((p.seq_q + int(B_r) - 1) / int(B_r)) + qb"
+_DQ_TURN = "p.dq_turns + (batch64 * p.heads + head) * ((p.seq_q + int(B_r) - 1) / int(B_r)) + qb"
 
 
 def _wait_order_code(plan: BackwardPlan, step: Step) -> list[str]:
@@ -258,10 +258,10 @@ def _signal_order_code(plan: BackwardPlan, step: Step) -> list[str]:
 
 
 #: a streamed tensor's (source base, row stride) in the kernel's parameters, per query head ``it.head``
-_SOURCES = {"Q": ("p.q + batch * p.q_batch + it.head * p.q_head", "p.q_ld"),
-            "dO": ("p.dout + batch * p.do_batch + it.head * p.do_head", "p.do_ld"),
-            "LSE": ("p.lse + (int64_t(batch) * p.heads + it.head) * p.seq_q", ""),
-            "D": ("p.delta + (int64_t(batch) * p.heads + it.head) * p.seq_q", "")}
+_SOURCES = {"Q": ("p.q + batch64 * p.q_batch + it.head * p.q_head", "p.q_ld"),
+            "dO": ("p.dout + batch64 * p.do_batch + it.head * p.do_head", "p.do_ld"),
+            "LSE": ("p.lse + (batch64 * p.heads + it.head) * p.seq_q", ""),
+            "D": ("p.delta + (batch64 * p.heads + it.head) * p.seq_q", "")}
 
 
 def _copy_code(plan: BackwardPlan, step: Copy) -> list[str]:
@@ -479,10 +479,13 @@ _KERNEL = CodeTemplate(
     const uint32_t sLSE_stage0 = smem + $sLSE_offset, sD_stage0 = smem + $sD_offset;
     const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
-    const elem_t* gK = p.k + batch * p.k_batch + kv_head * p.k_head + int64_t(kb) * B_c * p.k_ld;
-    const elem_t* gV = p.v + batch * p.v_batch + kv_head * p.v_head + int64_t(kb) * B_c * p.v_ld;
-    elem_t* gdK = p.dk + batch * p.dk_batch + kv_head * p.dk_head + int64_t(kb) * B_c * p.dk_ld;
-    elem_t* gdV = p.dv + batch * p.dv_batch + kv_head * p.dv_head + int64_t(kb) * B_c * p.dv_ld;
+    // the batch index for 64-bit address math, widened from the unsigned blockIdx.z: known non-negative, so
+    // no sign word lives in a register across the query-block loop (with it the score_mod kernels spilled)
+    const int64_t batch64 = blockIdx.z;
+    const elem_t* gK = p.k + batch64 * p.k_batch + kv_head * p.k_head + int64_t(kb) * B_c * p.k_ld;
+    const elem_t* gV = p.v + batch64 * p.v_batch + kv_head * p.v_head + int64_t(kb) * B_c * p.v_ld;
+    elem_t* gdK = p.dk + batch64 * p.dk_batch + kv_head * p.dk_head + int64_t(kb) * B_c * p.dk_ld;
+    elem_t* gdV = p.dv + batch64 * p.dv_batch + kv_head * p.dv_head + int64_t(kb) * B_c * p.dv_ld;
     int qb_begin, qb_end;  // query blocks holding kept scores of this key block
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
     $block_mask_clip
@@ -510,7 +513,7 @@ _KERNEL = CodeTemplate(
     // ---- the query blocks of every query head of the group ----
     for (int w = 0; w < work; ++w) {
         const int head = item(w).head, q_row0 = item(w).q_row0, qb = q_row0 / int(B_r);
-        float* gdQ = p.dq_accum + (int64_t(batch) * p.heads + head) * p.seq_q * D_HEAD;
+        float* gdQ = p.dq_accum + (batch64 * p.heads + head) * p.seq_q * D_HEAD;
         const uint32_t stage = uint32_t(w % STAGES);  // this block's Q, dO, lse and D
         $stage_addrs
         const float* sLSE = reinterpret_cast<const float*>(smem_raw + (sLSE_stage0 - smem) + stage * $stats_bytes);
