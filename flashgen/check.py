@@ -106,6 +106,8 @@ class PtxasStats:
     stack_frame: int  # bytes
     static_smem: int  # bytes
     barriers: int = 0
+    #: ptxas's remark C7512: wgmma.mma_async serialized for want of registers (each waits for the previous one)
+    serialized: bool = False
 
     @property
     def clean(self) -> bool:
@@ -119,6 +121,7 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _BARRIERS = re.compile(r"used (\d+) barriers")
+_SERIALIZED = re.compile(r"\(C7512\).*wgmma.* for the function '([^']+)'")
 
 
 def parse_ptxas(log: str) -> list[PtxasStats]:
@@ -126,9 +129,11 @@ def parse_ptxas(log: str) -> list[PtxasStats]:
 
     ptxas prints, per entry: ``Compiling entry function 'F'``, ``Function properties
     for F`` followed by ``N bytes stack frame, N bytes spill stores, N bytes spill
-    loads``, and ``Used N registers, [used N barriers,] [N bytes smem,] ...``.
-    Properties of non-entry (device) functions are ignored.
+    loads``, and ``Used N registers, [used N barriers,] [N bytes smem,] ...``; before the entry, sm_90a's
+    ``(C7512) ... wgmma.mma_async instructions are serialized ... for the function 'F'`` where it had too
+    few registers. Properties of non-entry (device) functions are ignored.
     """
+    serialized = set(_SERIALIZED.findall(log))
     entries: dict[str, dict] = {}
     current_entry: str | None = None
     props_for: str | None = None
@@ -160,19 +165,20 @@ def parse_ptxas(log: str) -> list[PtxasStats]:
         if e["regs"] is None:
             continue
         stack, st, ld = e["frame"]
-        out.append(PtxasStats(name, e["regs"], st, ld, stack, e["smem"], e["barriers"]))
+        out.append(PtxasStats(name, e["regs"], st, ld, stack, e["smem"], e["barriers"], name in serialized))
     return out
 
 
 def combined(entries: Sequence[PtxasStats]) -> PtxasStats:
     """The report of a translation unit of several entry functions (a backward file has three): the
-    most registers, stack frame, static shared memory and barriers of any, the spills of all."""
+    most registers, stack frame, static shared memory and barriers of any, the spills of all, serialized
+    wgmma where any has them."""
     if len(entries) == 1:
         return entries[0]
     return PtxasStats(
         "+".join(e.function for e in entries), max(e.registers for e in entries), sum(e.spill_stores for e in entries),
         sum(e.spill_loads for e in entries), max(e.stack_frame for e in entries), max(e.static_smem for e in entries),
-        max(e.barriers for e in entries),
+        max(e.barriers for e in entries), any(e.serialized for e in entries),
     )
 
 
@@ -237,6 +243,7 @@ class CheckResult:
                 static_smem_bytes=self.stats.static_smem,
                 smem_bytes=self.smem_bytes,
                 barriers=self.stats.barriers,
+                wgmma_serialized=self.stats.serialized,
                 functions=[attrs.asdict(e) for e in self.entries],
             )
         else:
@@ -411,7 +418,8 @@ def format_table(results: Sequence[CheckResult]) -> str:
     for r in results:
         if r.stats:
             s = r.stats
-            status = ", ".join(([] if s.clean else ["LOCAL MEMORY"]) + ([] if r.fits_smem else [f"SMEM > {r.smem_limit}"]))
+            status = ", ".join(([] if s.clean else ["LOCAL MEMORY"]) + (["WGMMA SERIALIZED"] if s.serialized else [])
+                               + ([] if r.fits_smem else [f"SMEM > {r.smem_limit}"]))
             status = status or "ok"
             rows.append((r.cfg.short_form(), r.arch, str(s.registers), str(s.spill_stores), str(s.spill_loads),
                          str(s.stack_frame), _smem(r), status))
@@ -486,6 +494,7 @@ def run(cfgs: Sequence[AnyConfig], args: argparse.Namespace) -> int:
     def progress(r: CheckResult, done: int, n: int) -> None:
         if r.ok and r.stats:
             what = f"{r.stats.registers} regs, {r.stats.spill_stores + r.stats.spill_loads} B spills"
+            what += ", wgmma serialized" if r.stats.serialized else ""
             what += " (cached)" if r.cached else f" ({r.seconds:.1f} s)"
         else:
             what = "FAILED"

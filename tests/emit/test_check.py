@@ -51,6 +51,32 @@ def test_parse_ptxas_ignores_device_functions_and_reads_static_smem():
     assert s.clean
 
 
+LOG_SERIALIZED = """\
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function '_ZN3bwd6kernelENS_6ParamsE'
+ptxas info    : Compiling entry function '_ZN3bwd6kernelENS_6ParamsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN3bwd6kernelENS_6ParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+ptxas info    : Compiling entry function '_ZN3bwd10convert_dqENS_6ParamsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN3bwd10convert_dqENS_6ParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers
+"""
+
+
+def test_parse_ptxas_marks_the_entry_whose_wgmma_ptxas_serialized():
+    """sm_90a's C7512 remark names its function before that function's report: without local memory the kernel
+    is still slow, and the table says so."""
+    from flashgen.check import CheckResult, combined
+
+    kernel, convert = parse_ptxas(LOG_SERIALIZED)
+    assert kernel.serialized and kernel.clean and not convert.serialized
+    assert combined([kernel, convert]).serialized and not combined([convert]).serialized
+    res = CheckResult(CFG, "sm_90a", True, combined([kernel, convert]), Path("k.cu"), "nvcc", LOG_SERIALIZED, 0.0)
+    assert "WGMMA SERIALIZED" in format_table([res]) and res.to_dict()["wgmma_serialized"] is True
+    assert not parse_ptxas(LOG_SM90)[0].serialized
+
+
 def test_parse_ptxas_nothing():
     assert parse_ptxas("") == [] and parse_ptxas("error: something\n") == []
 
