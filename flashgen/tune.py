@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time causal attention; its winners serve compile('auto') calls with a causal or window mask")
     p.add_argument("--allow-spills", action="store_true",
                    help="bwd: time backward configs that spill too (default: drop those whose kernel ptxas "
-                        "compiles with local memory for this GPU)")
+                        "compiles with local memory or serialized wgmma for this GPU)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the finalists (default: 3)")
     p.add_argument("--finalists", type=int, default=4, help="fastest configs of the first timing that are timed again (default: 4)")
 

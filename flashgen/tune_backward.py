@@ -2,9 +2,9 @@
 
 Candidates: the backward configs given, else the backward tuning space of each dtype and head size
 (the GPU's engine's, :func:`flashgen.dsl.backward_config.tuning_space`), less those whose shared
-memory this GPU's blocks cannot have and those that spill on its arch: ptxas's report of each kernel
-compiled alone (:mod:`flashgen.check`, on the CPU, cached) drops them before anything is built, as a
-kernel with local memory only loses (``--allow-spills`` keeps them). A candidate whose first launch
+memory this GPU's blocks cannot have and those that spill or serialize their wgmma on its arch: ptxas's
+report of each kernel compiled alone (:mod:`flashgen.check`, on the CPU, cached) drops them before anything
+is built, as such a kernel only loses (``--allow-spills`` keeps them). A candidate whose first launch
 fails drops out of its bucket.
 
 Timing: per (dtype, d_head, length), one forward of the kernel ``compile("auto")`` runs gives o and
@@ -61,8 +61,9 @@ def default_space(dtypes: Sequence[str], d_heads: Sequence[int], masked: bool,
 
 def spill_free(cfgs: Sequence[BackwardConfig], capability: tuple[int, int],
                check: Callable[..., list] | None = None) -> tuple[list[BackwardConfig], dict[str, str]]:
-    """The configs that ptxas compiles for the GPU's arch without local memory (spills or a stack frame),
-    and ``{short form: why}`` of the others; ``check``: :func:`flashgen.check.check_configs`."""
+    """The configs that ptxas compiles for the GPU's arch without local memory (spills or a stack frame) and
+    without serializing their wgmma (C7512: each waits for the one before, for want of registers), and
+    ``{short form: why}`` of the others; ``check``: :func:`flashgen.check.check_configs`."""
     if check is None:
         from .check import check_configs as check
     arch = of_capability(capability).name
@@ -78,6 +79,8 @@ def spill_free(cfgs: Sequence[BackwardConfig], capability: tuple[int, int],
             s = r.stats
             dropped[cfg.short_form()] = (f"spills on {arch}: {s.spill_stores} B stores, {s.spill_loads} B loads, "
                                          f"{s.stack_frame} B stack")
+        elif r.stats.serialized:
+            dropped[cfg.short_form()] = f"ptxas serialized its wgmma on {arch} (too few registers)"
         else:
             kept.append(cfg)
     return kept, dropped

@@ -45,21 +45,23 @@ def test_the_default_space_is_the_engines_per_dtype_and_head_size():
     assert default_space(["bf16"], [264], False, (9, 0)) == []  # no backward takes d_head 264
 
 
-def _result(cfg, ok=True, spills=0, stack=0):
-    stats = PtxasStats("k", 255, spills, spills, stack, 0) if ok else None
+def _result(cfg, ok=True, spills=0, stack=0, serialized=False):
+    stats = PtxasStats("k", 255, spills, spills, stack, 0, serialized=serialized) if ok else None
     return CheckResult(cfg, "sm_90a", ok, stats, Path("k.cu"), "nvcc ...", "ptxas error: too bad", 1.0)
 
 
 def test_configs_that_spill_or_do_not_compile_are_dropped_with_why():
-    clean, spills, stack, broken, refused = (BackwardConfig("bf16", d_head=d) for d in (32, 48, 64, 80, 96))
+    clean, spills, stack, broken, refused, serial = (BackwardConfig("bf16", d_head=d) for d in (32, 48, 64, 80, 96, 112))
     asked = []
 
     def check(cfgs, archs):
         asked.append(archs)
-        return [_result(clean), _result(spills, spills=116), _result(stack, stack=8), _result(broken, ok=False)]
+        return [_result(clean), _result(spills, spills=116), _result(stack, stack=8), _result(broken, ok=False),
+                _result(serial, serialized=True)]
 
-    kept, dropped = spill_free([clean, spills, stack, broken, refused], (9, 0), check)
+    kept, dropped = spill_free([clean, spills, stack, broken, refused, serial], (9, 0), check)
     assert kept == [clean] and asked == [["sm_90a"]]
+    assert "serialized its wgmma on sm_90a" in dropped[serial.short_form()]
     assert "spills on sm_90a: 116 B stores" in dropped[spills.short_form()]
     assert "8 B stack" in dropped[stack.short_form()]
     assert "does not compile for sm_90a" in dropped[broken.short_form()] and "too bad" in dropped[broken.short_form()]
@@ -114,7 +116,7 @@ def test_a_backward_that_spills_or_does_not_compile_is_dropped_with_the_reason()
 
     clean, spilling, broken = (BackwardConfig("bf16", d_head=128, n_warps=8, d_split=2, stages=s) for s in (1, 2, 1))
     broken = broken.replace(swizzled=False)
-    reports = {clean: NS(cfg=clean, ok=True, stats=NS(clean=True)),
+    reports = {clean: NS(cfg=clean, ok=True, stats=NS(clean=True, serialized=False)),
                spilling: NS(cfg=spilling, ok=True, stats=NS(clean=False, spill_stores=8, spill_loads=4, stack_frame=16)),
                broken: NS(cfg=broken, ok=False, log="ptxas fatal   : out of resources\n")}
     kept, dropped = spill_free([clean, spilling, broken], (9, 0), check=lambda cfgs, archs: [reports[c] for c in cfgs])
