@@ -599,6 +599,7 @@ struct ModReader {
     size_t mask_first, mask_count;  // the mask_mod's scalars among the words
     bool masked;  // a mask_mod: calls take a block mask
     bool forgotten = false;  // a function died (or Python dropped its CallValues): serves nothing
+    bool plain_statics = true;  // every literal compares without running Python code (else Python reads every call)
     // the state of the last read through Python
     std::optional<c10::Device> device;
     std::vector<int64_t> mask_words, q_sizes;
@@ -616,7 +617,10 @@ struct ModReader {
                                             PyWeakref_CheckRef(fns[i][py::int_(0)].ptr())),
                        "a function is (weak reference, code) or None");
         }
-        for (const auto& s : statics_) statics.emplace_back(Place::of(s[py::int_(0)]), s[py::int_(1)]);
+        for (const auto& s : statics_) {
+            statics.emplace_back(Place::of(s[py::int_(0)]), s[py::int_(1)]);
+            plain_statics = plain_statics && plain(statics.back().second.ptr());
+        }
         for (const auto& s : scalars_) scalars.emplace_back(Place::of(s[py::int_(0)]), s[py::int_(1)].cast<bool>());
         for (const auto& t : tensors_) tensors.push_back({Place::of(t[py::int_(0)]), t[py::int_(1)].cast<int64_t>(), py::none()});
         FG_REQUIRE(mask_first + mask_count <= scalars.size(), "the mask_mod's words lie past the scalars");
@@ -632,10 +636,10 @@ struct ModReader {
     // CallValues.read's answer for a call of q's and k's sizes where it comes from this state; false: Python reads
     bool read(const at::Tensor& q, const at::Tensor& k, const py::handle& score_fn, const py::handle& mask_fn,
               ModValues& out) const {
-        if (forgotten || !serves(score_fn, 0) || !serves(mask_fn, 1)) return false;
+        if (forgotten || !plain_statics || !serves(score_fn, 0) || !serves(mask_fn, 1)) return false;
         for (const auto& [place, value] : statics) {
             const py::object now = place.read();
-            if (!now || Py_TYPE(now.ptr()) != Py_TYPE(value.ptr()) || !plain(now.ptr()) || !plain(value.ptr())) return false;
+            if (!now || Py_TYPE(now.ptr()) != Py_TYPE(value.ptr()) || !plain(now.ptr())) return false;
             // `now != value` as Python evaluates it (no identity shortcut: a NaN literal never matches)
             const auto differs = py::reinterpret_steal<py::object>(PyObject_RichCompare(now.ptr(), value.ptr(), Py_NE));
             const int truth = differs ? PyObject_IsTrue(differs.ptr()) : -1;
