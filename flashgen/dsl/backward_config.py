@@ -40,8 +40,13 @@ REGS_PER_CTA = min(t.regs_per_sm for t in TARGETS.values())
 ENGINES = ("mma_sync", "wgmma")
 #: wgmma: warpgroups of 4 warps; one producer, the rest consumers of 64 key rows each
 WG_WARPS = 4
-#: wgmma: query rows per block (the N of S^T and dP^T: 32 accumulator registers each per thread)
-WGMMA_B_R = 64
+#: wgmma: query rows per block by head size (the N of S^T and dP^T: B_r / 2 accumulator registers each per
+#: thread). d_head 64 takes 128 (two consumers each making 64 query rows of dQ): S^T, dP^T and dQ read their
+#: shared-memory operands in wider GEMMs, which at 64 rows were bound by shared-memory bandwidth; d_head 128's dK and
+#: dV leave room for 64 only
+WGMMA_B_R = {64: 128, 128: 64}
+#: wgmma: query block sizes the backward takes (64 or 128, either consumer making 64 rows of dQ at 128)
+WGMMA_B_RS = (64, 128)
 #: wgmma: head sizes its tiles take (whole 64-column TMA boxes; d_head 256's dK and dV do not fit the registers)
 WGMMA_D_HEADS = (64, 128)
 
@@ -98,11 +103,12 @@ class BackwardConfig:
 
     @classmethod
     def wgmma(cls, dtype: "DType | str", d_head: int, mask: str = "none", stages: int = 2) -> "BackwardConfig | None":
-        """The shipped wgmma backward (sm_90a) of a dtype and head size: query blocks of 64 rows, two
-        consumers of 64 key rows, ``stages`` ring stages; None for head sizes it does not take."""
+        """The shipped wgmma backward (sm_90a) of a dtype and head size: query blocks of
+        :data:`WGMMA_B_R` rows, two consumers of 64 key rows, ``stages`` ring stages; None for head sizes it
+        does not take."""
         if d_head not in WGMMA_D_HEADS:
             return None
-        return cls(dtype, d_head=d_head, mask=mask, engine="wgmma", B_r=WGMMA_B_R, B_c=128, n_warps=12, stages=stages)
+        return cls(dtype, d_head=d_head, mask=mask, engine="wgmma", B_r=WGMMA_B_R[d_head], B_c=128, n_warps=12, stages=stages)
 
     def __attrs_post_init__(self) -> None:
         for rule in _RULES:
@@ -319,9 +325,12 @@ def _rule_wgmma(c: BackwardConfig) -> None:
     if c.B_c != 64 * c.consumers:
         raise ConfigError(f"B_c={c.B_c} with n_warps={c.n_warps}: each of the {c.consumers} consumer warpgroup(s) owns 64 key "
                           f"rows (a wgmma's M), so B_c must be {64 * c.consumers}")
-    if c.B_r != WGMMA_B_R:
-        raise ConfigError(f"B_r={c.B_r}: the wgmma backward walks query blocks of {WGMMA_B_R} rows (S^T and dP^T of "
-                          f"64 x {WGMMA_B_R} per consumer beside dK and dV in its registers)")
+    if c.B_r not in WGMMA_B_RS or c.B_r > WGMMA_B_R[c.d_head]:
+        raise ConfigError(f"B_r={c.B_r} at d_head={c.d_head}: the wgmma backward walks query blocks of 64 rows, or 128 up to "
+                          f"d_head 64 (S^T and dP^T of 64 x B_r per consumer beside dK and dV of 64 x d_head in its registers)")
+    if c.B_r > 64 * c.consumers:
+        raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}: each consumer makes 64 query rows of dQ (a wgmma's M) or "
+                          f"fewer, so {c.consumers} consumer(s) take B_r up to {64 * c.consumers}")
     if c.d_split != 1 or not c.swizzled:
         raise ConfigError(f"{c.short_form()}: the wgmma backward has no d_split and needs swizzled tiles (TMA's 128-byte "
                           "swizzle)")

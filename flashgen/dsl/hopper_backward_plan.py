@@ -1,8 +1,9 @@
 """The plan of the wgmma backward (sm_90a): TMA tiles, the query-block ring, five warpgroup GEMMs.
 
 One CTA owns key block ``kb`` (``B_c`` = 64 x consumers key rows of one kv head) and walks the query
-blocks of ``B_r`` = 64 rows that meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`), for
-every query head of its group, as the mma.sync backward does:
+blocks of ``B_r`` rows (64, or 128 at d_head 64: :data:`~flashgen.dsl.backward_config.WGMMA_B_R`) that
+meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`), for every query head of its group, as
+the mma.sync backward does:
 
 * warpgroup 0 is the **producer**: one thread loads K and V once (TMA, one barrier), then per query
   block Q with its lse and dO with its D into a ``stages``-deep ring (TMA boxes for the tiles, one
@@ -16,13 +17,18 @@ GEMM        consumer tile (m x n, k)         A operand                    B oper
 ``dP``      dP^T = V dO^T (64 x B_r, d)      sV, own rows, K-major        sdO, K-major
 ``dV``      dV += P^T dO (64 x d, B_r)       P^T: S^T's accumulator       sdO, MN-major
 ``dK``      dK += dS^T Q (64 x d, B_r)       dS^T: dP^T's accumulator     sQ, MN-major
-``dQ``      dQ = dS K (B_r x d/consumers,    sdS (every consumer's dS^T   sK, own columns, MN-major
-            B_c)                             rows), MN-major
+``dQ``      dQ = dS K (64 x n, B_c)          sdS (every consumer's dS^T   sK, own columns, MN-major
+                                             rows; own query columns),
+                                             MN-major
 ==========  ===============================  ===========================  ==============================
+
+The consumers split the block's dQ (:class:`~flashgen.dsl.hopper_backward_smem.DqStage`) by columns at
+``B_r`` = 64 (each all 64 query rows x ``n`` = d / consumers columns) and by rows at ``B_r`` = 128 (each
+64 query rows x ``n`` = d columns, the A operand starting at its query columns of the dS^T tile).
 
 dS^T goes registers -> shared memory (``sdS``, two buffers: a consumer may store the next block's
 while another still reads this one's) and, after a named barrier over the consumers, each consumer
-computes ``d / consumers`` columns of the block's dQ and adds them into the fp32 buffer with
+computes its part of the block's dQ and adds it into the fp32 buffer with
 ``red.global.add.v2.f32`` straight from the accumulators (:class:`~flashgen.dsl.hopper_backward_smem.DqStage`).
 dK (times the scale) and dV go straight from the accumulators to global memory once the loop ends.
 
@@ -71,6 +77,8 @@ class HopperBackwardPlan(WarpSpecialized):
     gemms: dict  # S, dP, dV, dK, dQ -> WarpgroupGemm
     #: [k16 step][A reg] -> (accumulator value lo, hi): P^T -> A of dV and dS^T -> A of dK (one table)
     a_from_acc: tuple
+    #: dS^T made in the pass that recomputes P^T, after dP^T retired (:func:`_grad_with_p`)
+    grad_with_p: bool
     #: columns of dQ per consumer (consumer w: columns from w * dq_cols)
     dq_cols: int
     #: where each consumer stages its dQ for the bulk reductions
@@ -120,17 +128,19 @@ def _mnmajor_desc(operand: str, k_rows: int, n_cols: int, dtype, block_cols: int
                        tuple(x.start_address for x in ds), row_block_offset=block)
 
 
-def _schedule(deterministic: bool, grad_with_p: bool = False) -> tuple[Step, ...]:
+def _schedule(deterministic: bool, grad_with_p: bool = False, reads_score: bool = False) -> tuple[Step, ...]:
     """A consumer's steps per query block (the ring's use ``w``, the dS buffer ``w % 2``); ``deterministic``:
-    its dQ added in its turn among the key blocks that visit the query block (ascending). ``grad_with_p``
-    (a score_mod whose derivative reads the score): dP^T is waited for before the recompute, so that dS^T
-    is made in the same pass as P^T, from the score it needs (kept, it would cost a register per value)."""
+    its dQ added in its turn among the key blocks that visit the query block (ascending). ``grad_with_p``:
+    dP^T is waited for before the recompute, so that dS^T is made in the same pass as P^T, for a score_mod
+    whose derivative reads the score (``reads_score``: kept, it would cost a register per value) or where
+    the fp32 P^T, its fragments and dP^T would not fit the registers together (see :func:`_grad_with_p`)."""
     ordered = (WaitOrder("dQ", why="the lower key blocks' adds of this consumer's dQ columns made"),) if deterministic else ()
     signal = (SignalOrder("dQ", why="this add complete: the next key block's turn"),) if deterministic else ()
     if grad_with_p:
+        score = "score_mod(S^T * scale) log2e" if reads_score else "S^T * scale log2e"
         scores = (WgmmaWait("0", why="S^T and dP^T ready"),
-                  RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse log2e), the score mask where the block needs it"),
-                  GradScores(why="dS^T = P^T (dP^T - D) score_mod', in the same pass"),
+                  RecomputeP(why=f"P^T = exp2({score} - lse log2e), the score mask where the block needs it"),
+                  GradScores(why="dS^T = P^T (dP^T - D)" + (" score_mod'" if reads_score else "") + ", in the same pass"),
                   ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO"))
     else:
         scores = (WgmmaWait("1", why="S^T ready (dP^T may still run)"),
@@ -176,6 +186,14 @@ def _ordered_tail(ordered: tuple, signal: tuple) -> tuple[Step, ...]:
             *ordered, _REDUCE_DQ, *signal)
 
 
+def _grad_with_p(cfg: BackwardConfig, mask: ScoreMask) -> bool:
+    """Whether dS^T is made in the pass that recomputes P^T (``_schedule``'s ``grad_with_p``): for a score_mod
+    whose derivative reads the score, and for query blocks past one wgmma N of 64: a pass of its own would
+    keep the fp32 P^T (B_r / 2 registers) beside its 16-bit fragments, dP^T and dK, dV until dP^T retired
+    (ptxas spilled 48 bytes and serialized the wgmma at d_head 64, B_r 128)."""
+    return mask.derivative_reads_score or cfg.B_r > WGMMA_M
+
+
 @functools.lru_cache(maxsize=None)
 def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBackwardPlan:
     """The DSL objects of one wgmma backward config; ``mods`` as :func:`flashgen.dsl.backward_plan.make_backward_plan`."""
@@ -192,21 +210,26 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
                                 ("q_empty", cfg.stages, WARPGROUP * n), ("do_empty", cfg.stages, WARPGROUP * n)):  # release_arrivals each
         barriers[name] = (Mbarrier(name, count), off, stages)
         off += 8 * stages
-    dq_cols = d // n
+    dq = layout["dQ"]
+    dq_cols = dq.cols
     atom_s, atom_kv, atom_q = WGMMA_64xNx16(dt, B_r), WGMMA_64xNx16(dt, d), WGMMA_64xNx16(dt, dq_cols)
     gemms = {
         "S": WarpgroupGemm("S", atom_s, "smem", _kmajor_desc("K", B_c, d, dt, WGMMA_M), _kmajor_desc("Q", B_r, d, dt, B_r), trans_b=False),
         "dP": WarpgroupGemm("dP", atom_s, "smem", _kmajor_desc("V", B_c, d, dt, WGMMA_M), _kmajor_desc("dO", B_r, d, dt, B_r), trans_b=False),
         "dV": WarpgroupGemm("dV", atom_kv, "regs", None, _mnmajor_desc("dO", B_r, d, dt), trans_b=True),
         "dK": WarpgroupGemm("dK", atom_kv, "regs", None, _mnmajor_desc("Q", B_r, d, dt), trans_b=True),
-        "dQ": WarpgroupGemm("dQ", atom_q, "smem", _mnmajor_desc("dS", B_c, B_r, dt), _mnmajor_desc("K", B_c, d, dt, dq_cols),
+        # consumer w's dQ: dS's query rows (dS^T's columns) from dq.row0(w), K's columns from dq.col0(w); both w times
+        # consumer 1's (the consumers lie along the rows or along the columns)
+        "dQ": WarpgroupGemm("dQ", atom_q, "smem", _mnmajor_desc("dS", B_c, B_r, dt, dq.row0(1)), _mnmajor_desc("K", B_c, d, dt, dq.col0(1)),
                             trans_b=True, trans_a=True),
     }
     mask = ScoreMask(cfg.mask, B_r, B_c, mods)
+    grad_with_p = _grad_with_p(cfg, mask)
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
-        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=layout["dQ"], schedule=_schedule(cfg.deterministic, mask.derivative_reads_score),
+        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=dq, grad_with_p=grad_with_p,
+        schedule=_schedule(cfg.deterministic, grad_with_p, mask.derivative_reads_score),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
     )

@@ -51,7 +51,7 @@ def _descriptors(plan: HopperBackwardPlan) -> list[str]:
     return [_desc(plan, "desc_k", "S", "a", "K", True), _desc(plan, "desc_q", "S", "b", "Q", False),
             _desc(plan, "desc_v", "dP", "a", "V", True), _desc(plan, "desc_do", "dP", "b", "dO", False),
             _desc(plan, "desc_do_mn", "dV", "b", "dO", False), _desc(plan, "desc_q_mn", "dK", "b", "Q", False),
-            _desc(plan, "desc_ds", "dQ", "a", "dS", False), _desc(plan, "desc_k_mn", "dQ", "b", "K", True)]
+            _desc(plan, "desc_ds", "dQ", "a", "dS", True), _desc(plan, "desc_k_mn", "dQ", "b", "K", True)]
 
 
 def _helper(plan: HopperBackwardPlan, name: str) -> str:
@@ -112,13 +112,13 @@ def _recompute(plan: HopperBackwardPlan) -> list[str]:
     """P^T from S^T; where the score_mod's derivative reads the score, dS^T too (dP^T is ready: see the schedule)."""
     mask = plan.score_mask
     needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
-    fused = mask.derivative_reads_score
+    grad = "g" if mask.derivative_reads_score else ""
     return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + mask.backward_items_cpp(
         lambda lines: _per_value(plan, "B_r / 2", lines), lambda masked: [
-            "float s = s_acc[i];", f"const int key = {_KEY};", *(["float g;  // d score_mod / d score"] if fused else []),
+            "float s = s_acc[i];", f"const int key = {_KEY};", *(["float g;  // d score_mod / d score"] if grad else []),
             *mask.recompute_cpp("s", _QUERY, "key", "batch", "head", "g", masked),
             "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
-        ] + (_grad_lines(plan, "g") if fused else []))
+        ] + (_grad_lines(plan, grad) if plan.grad_with_p else []))
 
 
 def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:
@@ -127,8 +127,9 @@ def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:
 
 
 def _grad_scores(plan: HopperBackwardPlan) -> list[str]:
-    if plan.score_mask.derivative_reads_score:
-        return ["// made with P^T (the score_mod's derivative reads the score)"]
+    if plan.grad_with_p:
+        why = "the score_mod's derivative reads the score" if plan.score_mask.derivative_reads_score else "fewer registers live"
+        return [f"// made with P^T ({why})"]
     return _per_value(plan, "B_r / 2", _grad_lines(plan, ""))
 
 

@@ -13,8 +13,11 @@ GEMM        A (m, kk) of k16 step s, consumer w            B (n, kk)
 ``dP``      sV[64 w + m, 16 s + kk]                        sdO[n, 16 s + kk]
 ``dV``      registers (``a_from_acc``)                     sdO[16 s + kk, n] (MN-major)
 ``dK``      registers                                      sQ[16 s + kk, n]
-``dQ``      sdS[16 s + kk, m] (MN-major: dS = dS^T's T)    sK[16 s + kk, w * dq_cols + n]
+``dQ``      sdS[16 s + kk, row0(w) + m] (MN-major: dS =    sK[16 s + kk, col0(w) + n]
+            dS^T's T)
 ==========  =============================================  ============================================
+
+(``row0``, ``col0``: where consumer ``w``'s dQ lies in the query block, :class:`~flashgen.dsl.hopper_backward_smem.DqStage`.)
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def _wanted(plan: HopperBackwardPlan, gemm: str, operand: str, w: int, s: int, n
     kk = np.arange(16)[None, :] + 16 * s
     if kmajor:  # A rows are the consumer's 64 key rows; B rows every query row
         return np.broadcast_to(mn + (64 * w if operand == "a" else 0), (n, 16)), np.broadcast_to(kk, (n, 16))
-    col0 = w * plan.dq_cols if (gemm, operand) == ("dQ", "b") else 0
+    col0 = {("dQ", "a"): plan.dq_stage.row0(w), ("dQ", "b"): plan.dq_stage.col0(w)}.get((gemm, operand), 0)
     return np.broadcast_to(kk, (n, 16)), np.broadcast_to(mn + col0, (n, 16))
 
 
@@ -77,7 +80,8 @@ def descriptor_problems(plan: HopperBackwardPlan, gemm: str) -> list[str]:
 
 def ds_handoff_problems(plan: HopperBackwardPlan) -> list[str]:
     """What the consumers' dS^T stores put at each address (pairs of accumulator values as one 32-bit
-    store at the even value's layout offset) is what dQ's A descriptors read there: dS^T[16 s + kk, m]."""
+    store at the even value's layout offset) is what every consumer's dQ A descriptors read there:
+    dS^T[16 s + kk, row0(w) + m]."""
     tile, cs = plan.tiles["dS"], c_table(plan.gemms["S"].atom)
     table = tile_table(tile)
     held = {}  # element offset -> (key row, query column) of dS^T stored there
@@ -91,21 +95,23 @@ def ds_handoff_problems(plan: HopperBackwardPlan) -> list[str]:
             for e, rr, cc in zip(base.ravel() + half, r[:, ev + half].ravel(), c[:, ev + half].ravel()):
                 held[int(e)] = (int(rr), int(cc))
     g, out = plan.gemms["dQ"], []
-    for s in range(g.k_steps):
-        got = (descriptor_addresses_mn(g.a.descriptor(tile.offset, s, 0), 64, 16, plan.cfg.dtype) - tile.offset) // 2
-        for m, kk in np.ndindex(got.shape):
-            want = (16 * s + kk, m)
-            if held.get(int(got[m, kk])) != want:
-                out.append(f"dQ's A, step {s}, element ({m}, {kk}): reads element {got[m, kk]}, which holds dS^T"
-                           f"{held.get(int(got[m, kk]))}, not dS^T{want}")
-                if len(out) >= 3:
-                    return out
+    for w in range(plan.consumers):
+        for s in range(g.k_steps):
+            got = (descriptor_addresses_mn(g.a.descriptor(tile.offset, s, w), 64, 16, plan.cfg.dtype) - tile.offset) // 2
+            for m, kk in np.ndindex(got.shape):
+                want = (16 * s + kk, plan.dq_stage.row0(w) + m)
+                if held.get(int(got[m, kk])) != want:
+                    out.append(f"consumer {w}'s dQ A, step {s}, element ({m}, {kk}): reads element {got[m, kk]}, which holds dS^T"
+                               f"{held.get(int(got[m, kk]))}, not dS^T{want}")
+                    if len(out) >= 3:
+                        return out
     return out
 
 
 def barrier_problems(plan: HopperBackwardPlan) -> list[str]:
     """The empty barriers count one arrival per consumer warp, the full ones the producer's one; the ring,
-    the streamed tiles and the statistics have the same stages; the consumers' dQ columns make d_head."""
+    the streamed tiles and the statistics have the same stages; the consumers' dQ tiles cover the query
+    block's B_r x d_head once, each its region of the chunk."""
     cfg, out = plan.cfg, []
     for name, (bar, _, stages) in plan.barriers.items():
         want = plan.release_arrivals * plan.consumers if name.endswith("_empty") else 1
@@ -119,6 +125,21 @@ def barrier_problems(plan: HopperBackwardPlan) -> list[str]:
     for name, (_, stages, size) in plan.stats.items():
         if stages != plan.ring.stages or size != 4 * cfg.B_r:
             out.append(f"{name}: {stages} stage(s) of {size} bytes, expected {plan.ring.stages} of {4 * cfg.B_r}")
-    if plan.dq_cols * plan.consumers != cfg.d_head:
-        out.append(f"{plan.consumers} consumers x {plan.dq_cols} dQ columns != d_head {cfg.d_head}")
+    return out + dq_split_problems(plan)
+
+
+def dq_split_problems(plan: HopperBackwardPlan) -> list[str]:
+    """The consumers' dQ tiles (each the dQ GEMM's 64 x N at ``row0``, ``col0``) cover the query block's
+    ``B_r x d_head`` exactly once; the chunk holds every consumer's region."""
+    cfg, st, out = plan.cfg, plan.dq_stage, []
+    count = np.zeros((cfg.B_r + 64, cfg.d_head + st.cols), np.int64)
+    n = plan.gemms["dQ"].atom.N
+    if (st.rows, st.cols) != (64, n):
+        out.append(f"DqStage regions of {st.rows}x{st.cols}, the dQ GEMM makes 64x{n}")
+    for w in range(plan.consumers):
+        count[st.row0(w):st.row0(w) + 64, st.col0(w):st.col0(w) + n] += 1
+    if (count[:cfg.B_r, :cfg.d_head] != 1).any() or count[cfg.B_r:].any() or count[:, cfg.d_head:].any():
+        out.append(f"the consumers' dQ tiles do not cover the {cfg.B_r}x{cfg.d_head} query block exactly once")
+    if plan.consumers * st.rows * st.cols != cfg.B_r * cfg.d_head:
+        out.append(f"{plan.consumers} regions of {st.rows}x{st.cols} for a chunk of {cfg.B_r}x{cfg.d_head}")
     return out

@@ -3,7 +3,7 @@
 Driven only by the plan's objects: tile offsets, stages and layouts, the TMA loads, the ring and its
 barrier counts, each GEMM's descriptors (read back through the ISA address models
 ``descriptor_addresses`` / ``descriptor_addresses_mn``; consumer ``w`` adds ``row_block_offset * w``),
-``a_from_acc``, ``dq_cols``, the score mask and the rule objects, and the consumers' ``schedule``.
+``a_from_acc``, ``dq_stage`` (where each consumer's dQ lies), the score mask and the rule objects, and the consumers' ``schedule``.
 
 What is modelled
 ----------------
@@ -395,9 +395,9 @@ class HopperBwdCta:
 
     def recompute_p(self, c: _Consumer, j: int, where: str) -> None:
         """P^T from S^T through the plan's score rule (the score mask where the block needs it), then the
-        Recompute rule; where the score_mod's derivative reads the score, dS^T too (dP^T must be ready)."""
+        Recompute rule; where the plan makes dS^T in the same pass (``grad_with_p``), dS^T too (dP^T must be ready)."""
         prob, plan = self.prob, self.plan
-        fused = plan.score_mask.derivative_reads_score
+        fused = plan.grad_with_p
         self.touch(c, ("S", "dP") if fused else ("S",), ("S", "dP") if fused else ("S",), where)
         self.expect(c, "S", "S", j, where)
         h, qb = self.work[j]
@@ -419,8 +419,8 @@ class HopperBwdCta:
         c.holds["dP"] = ("dS", j)
 
     def grad_scores(self, c: _Consumer, j: int, where: str) -> None:
-        """dS^T, unless the RecomputeP step made it (a derivative that reads the score)."""
-        if self.plan.score_mask.derivative_reads_score:
+        """dS^T, unless the RecomputeP step made it (``grad_with_p``)."""
+        if self.plan.grad_with_p:
             self.expect(c, "dP", "dS", j, where)
             return
         self.touch(c, ("S", "dP"), ("dP",), where)
@@ -472,13 +472,14 @@ class HopperBwdCta:
                                  f"while consumer {o}'s gemm dQ may still read them (no barrier orders the read first)")
 
     def reduce_dq(self, c: _Consumer, j: int, where: str) -> None:
-        """dQ's columns ``[w * dq_cols, ...)`` of the query block added into the fp32 buffer (rows below seq_q)."""
+        """Consumer ``w``'s dQ (rows from ``row0(w)``, columns from ``col0(w)`` of the query block: the plan's
+        DqStage) added into the fp32 buffer (rows below seq_q)."""
         self.touch(c, ("dQ",), (), where)
         self.expect(c, "dQ", "dQ", j, where)
         self.count(c, "reduce", j)
         h, qb = self.work[j]
-        cq = self.maps["dQ"]
-        rows, cols = qb * self.cfg.B_r + cq.rows, c.w * self.plan.dq_cols + cq.cols
+        cq, st = self.maps["dQ"], self.plan.dq_stage
+        rows, cols = qb * self.cfg.B_r + st.row0(c.w) + cq.rows, st.col0(c.w) + cq.cols
         ok = rows < self.prob.seq_q
         np.add.at(self.dq_accum[h], (rows[ok], cols[ok]), c.acc["dQ"][ok])
 

@@ -1,6 +1,7 @@
 """The emitted wgmma backward (flashgen.emit.hopper_backward_kernel): its kernels compile for sm_90a
-without local memory, the dQ buffer's index function compiled for the host inverts the slots of the plan's
-DqStage at every thread and value, and emitting is pure."""
+without local memory and without wgmma serialized for want of registers, the dQ buffer's index function
+compiled for the host inverts the slots of the plan's DqStage at every thread and value (dQ split by columns
+or by rows), and emitting is pure."""
 from __future__ import annotations
 
 import functools
@@ -16,9 +17,11 @@ from flashgen.emit.hopper_backward_kernel import emit_hopper_backward
 from flashgen.toolchain import find_nvcc
 
 W = BackwardConfig.wgmma
-#: the shipped d_head 128 (the register-heaviest), both masks, one and two ring stages, the ordered dQ adds; d_head 64
-#: is the same program with half the columns (`flashgen check backward` compiles every shipped kernel)
-CONFIGS = [W("bf16", 128, "causal"), W("fp16", 128, "window", stages=1).replace(deterministic=True)]
+#: the shipped d_head 128 (the register-heaviest dK and dV), both masks, one and two ring stages, the ordered dQ adds;
+#: the shipped d_head 64 (query blocks of 128 rows: the widest S^T and dP^T), plain and ordered (`flashgen check backward`
+#: compiles every shipped kernel)
+CONFIGS = [W("bf16", 128, "causal"), W("fp16", 128, "window", stages=1).replace(deterministic=True),
+           W("bf16", 64, "causal"), W("fp16", 64, stages=1).replace(deterministic=True)]
 GXX = shutil.which("g++")
 
 
@@ -42,36 +45,47 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
     assert r.ok, failure_report(r)
     s = r.stats
     assert (s.spill_stores, s.spill_loads, s.stack_frame) == (0, 0, 0), f"{cfg}: local memory used\n  {r.command}"
+    assert "C7512" not in r.log, f"{cfg}: ptxas serialized the wgmma for want of registers\n  {r.command}"
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
-@pytest.mark.parametrize("d_head", [64, 128])
-def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, d_head):
-    """Value i of consumer thread t (its accumulator map's row and column) goes to DqStage.slot(t, i) of the
-    consumer's region, through the kernels' C++ rule (slot_cpp, for the pair i, i + 1); dq_chunk_index must find
-    it there for the dQ conversion."""
-    plan = make_hopper_backward_plan(W("bf16", d_head))
-    st = plan.dq_stage
+@pytest.mark.parametrize("cfg", [W("bf16", 128), W("bf16", 64), W("bf16", 64).replace(B_r=64)], ids=BackwardConfig.mangle)
+def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, cfg):
+    """Value i of consumer thread t (its accumulator map's row and column, placed at the consumer's row0 and col0)
+    goes to DqStage.slot(t, i) of the consumer's region, through the kernels' C++ rule (slot_cpp, for the pair i,
+    i + 1); dq_chunk_index must find it there for the dQ conversion, at every element of the B_r x d_head block."""
+    plan = make_hopper_backward_plan(cfg)
+    st, height, width = plan.dq_stage, cfg.B_r, cfg.d_head
     src = tmp_path / "index.cpp"
     src.write_text("#include <cstdint>\n#include <cstdio>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
-                   + st.index_cpp() + f"\nint main() {{ for (uint32_t r = 0; r < {st.rows}u; ++r) for (uint32_t c = 0; c < "
-                   f"{st.cols * st.consumers}u; ++c) std::printf(\"%u\\n\", dq_chunk_index(r, c));\n"
+                   + st.index_cpp() + f"\nint main() {{ for (uint32_t r = 0; r < {height}u; ++r) for (uint32_t c = 0; c < "
+                   f"{width}u; ++c) std::printf(\"%u\\n\", dq_chunk_index(r, c));\n"
                    f"for (uint32_t wtid = 0; wtid < 128u; ++wtid) for (uint32_t i = 0; i < {st.cols // 2}u; i += 2) "
                    f"std::printf(\"%u\\n\", {st.slot_cpp('wtid', 'i')}); return 0; }}\n")
     subprocess.run([GXX, "-O1", "-o", str(tmp_path / "index"), str(src)], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "index")], capture_output=True, text=True, check=True).stdout.split()]
-    width = st.cols * st.consumers
-    index, slots = got[:st.rows * width], got[st.rows * width:]
+    index, slots = got[:height * width], got[height * width:]
     assert slots == [st.slot(t, i) for t in range(128) for i in range(0, st.cols // 2, 2)]
     rows, cols = plan.gemms["dQ"].atom.c_map.tables()
     placed = {}
     for w in range(st.consumers):
         for t in range(128):
             for i in range(st.cols // 2):
-                r, c = int(rows[t, i]), w * st.cols + int(cols[t, i])
+                r, c = st.row0(w) + int(rows[t, i]), st.col0(w) + int(cols[t, i])
                 placed[(r, c)] = w * st.rows * st.cols + st.slot(t, i)
-    assert len(placed) == st.rows * width and sorted(placed.values()) == list(range(st.rows * width))
+    assert len(placed) == height * width and sorted(placed.values()) == list(range(height * width))
     assert all(index[r * width + c] == at for (r, c), at in placed.items())
+
+
+def test_d_head_64_splits_dq_by_rows_and_128_by_columns():
+    """A 128-row query block gives each consumer 64 query rows of every column (its A operand starts at its query
+    columns of dS^T, one 64-column swizzle box on); a 64-row block gives each consumer half of the columns (its B
+    operand starts half of K's columns on)."""
+    rows, cols = make_hopper_backward_plan(W("bf16", 64)), make_hopper_backward_plan(W("bf16", 128))
+    assert rows.dq_stage.by_rows and [(rows.dq_stage.row0(w), rows.dq_stage.col0(w)) for w in (0, 1)] == [(0, 0), (64, 0)]
+    assert not cols.dq_stage.by_rows and [(cols.dq_stage.row0(w), cols.dq_stage.col0(w)) for w in (0, 1)] == [(0, 0), (0, 64)]
+    assert rows.gemms["dQ"].a.row_block_offset == 128 * 128 and rows.gemms["dQ"].b.row_block_offset == 0
+    assert cols.gemms["dQ"].a.row_block_offset == 0 and cols.gemms["dQ"].b.row_block_offset == 128 * 128
 
 
 def test_only_ordered_adds_stage_dq_in_shared_memory():
@@ -81,7 +95,7 @@ def test_only_ordered_adds_stage_dq_in_shared_memory():
         free, ordered = (make_hopper_backward_plan(W("bf16", d_head).replace(deterministic=det)) for det in (False, True))
         assert not free.dq_stage.staged and ordered.dq_stage.staged
         region = free.dq_stage.consumers * free.dq_stage.region_bytes
-        assert ordered.smem_bytes - free.smem_bytes == region == 4 * 64 * d_head
+        assert ordered.smem_bytes - free.smem_bytes == region == 4 * free.cfg.B_r * d_head
 
 
 def test_emitting_is_pure():

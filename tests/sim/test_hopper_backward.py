@@ -20,8 +20,8 @@ from flashgen.sim.hopper_backward import hopper_backward_coverage, simulate_hopp
 from flashgen.sim.verify import hopper_backward_checks
 
 
-def _cfg(dtype="fp16", d_head=64, mask="none", stages=2):
-    return BackwardConfig(dtype, d_head=d_head, B_r=64, B_c=128, n_warps=12, engine="wgmma", stages=stages, mask=mask)
+def _cfg(dtype="fp16", d_head=64, mask="none", stages=2, B_r=64):
+    return BackwardConfig(dtype, d_head=d_head, B_r=B_r, B_c=128, n_warps=12, engine="wgmma", stages=stages, mask=mask)
 
 
 #: (config, batch, seq_q, seq_k, heads, kv_heads, mask arguments)
@@ -37,6 +37,13 @@ CASES = [
     (_cfg("bf16", d_head=128, mask="causal"), 1, 101, 141, 2, 1, {"causal": True, "align": "bottom_right"}),
     # ordered dQ adds: the query blocks walked upwards, the turns around each add
     (_cfg("fp16", mask="causal").replace(deterministic=True), 1, 101, 141, 4, 2, {"causal": True}),
+    # query blocks of 128 rows (d_head 64's shipped shape): dQ split by rows, dS^T made with P^T
+    (_cfg(B_r=128), 1, 301, 141, 2, 1, {}),
+    (_cfg("bf16", mask="causal", B_r=128), 1, 141, 269, 2, 1, {"causal": True}),
+    (_cfg("fp16", mask="causal", stages=1, B_r=128), 1, 269, 141, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (_cfg("bf16", mask="window", B_r=128), 1, 301, 101, 2, 1, {"window": (40, 7)}),
+    (_cfg("bf16", stages=1, B_r=128), 2, 1, 1, 1, 1, {}),
+    (_cfg("fp16", mask="causal", B_r=128).replace(deterministic=True), 1, 269, 141, 4, 2, {"causal": True}),
 ]
 
 
@@ -67,18 +74,24 @@ def test_simulated_gradients_match_the_reference(case):
 
 
 PLAN = make_hopper_backward_plan(_cfg())
+#: query blocks of 128 rows: each consumer's dQ reads its own query columns of dS^T
+ROWS = make_hopper_backward_plan(_cfg(B_r=128))
 INPUTS = _inputs(0, 1, 101, 141, 2, 1, 64)
 
 
-def _with_gemm(name, operand, **changes):
-    g = PLAN.gemms[name]
-    return attrs.evolve(PLAN, gemms={**PLAN.gemms, name: attrs.evolve(g, **{operand: attrs.evolve(getattr(g, operand), **changes)})})
+def _with_gemm(name, operand, plan=PLAN, **changes):
+    g = plan.gemms[name]
+    return attrs.evolve(plan, gemms={**plan.gemms, name: attrs.evolve(g, **{operand: attrs.evolve(getattr(g, operand), **changes)})})
 
 
-def _swapped_steps(name, operand):
-    steps = list(getattr(PLAN.gemms[name], operand).step_offsets)
+def _swapped_steps(name, operand, plan=PLAN):
+    steps = list(getattr(plan.gemms[name], operand).step_offsets)
     steps[0], steps[1] = steps[1], steps[0]
-    return _with_gemm(name, operand, step_offsets=tuple(steps))
+    return _with_gemm(name, operand, plan, step_offsets=tuple(steps))
+
+
+def _dq_split(plan, **changes):
+    return attrs.evolve(plan, dq_stage=attrs.evolve(plan.dq_stage, **changes))
 
 
 def _swapped_a_from_acc():
@@ -101,6 +114,9 @@ def _ds_layout(swizzle):
     (lambda: _with_gemm("S", "a", row_block_offset=0), "descriptors S", ("dq", "dk", "dv")),
     (_swapped_a_from_acc, "a_from_acc (P^T -> dV)", ("dk", "dv")),
     (lambda: _ds_layout(GmmaSwizzle.B64), "dS^T stores = dQ's A reads", ("dq",)),
+    (lambda: _with_gemm("dQ", "a", ROWS, row_block_offset=0), "descriptors dQ", ("dq",)),
+    (lambda: _swapped_steps("dV", "b", ROWS), "descriptors dV", ("dv",)),
+    (lambda: _swapped_steps("dQ", "a", ROWS), "dS^T stores = dQ's A reads", ("dq",)),
 ])
 def test_an_altered_plan_gives_wrong_gradients_and_fails_its_proof(broken, check, wrong):
     plan = broken()
@@ -108,6 +124,13 @@ def test_an_altered_plan_gives_wrong_gradients_and_fails_its_proof(broken, check
     assert check in failing
     errors = _errors(plan.cfg, simulate_hopper_backward(plan, *INPUTS), INPUTS, {})
     assert all(errors[n][0] > 10 * errors[n][1] for n in wrong), errors
+
+
+@pytest.mark.parametrize("changes", [{"by_rows": False}, {"by_rows": False, "cols": 32}, {"rows": 32}])
+def test_a_dq_split_that_misses_rows_or_columns_fails_its_proof(changes):
+    """The consumers' dQ tiles must cover the 128 x 64 query block once, each the dQ GEMM's 64 x 64."""
+    assert [c.name for c in hopper_backward_checks(ROWS) if not c.ok] == []
+    assert "barriers and ring" in [c.name for c in hopper_backward_checks(_dq_split(ROWS, **changes)) if not c.ok]
 
 
 def _schedule(plan, schedule):
