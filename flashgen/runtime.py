@@ -139,13 +139,15 @@ class Attention:
         """The backward kernel that differentiates this one (same dtype, head size and mask) for calls whose
         key length is ``seq_k``: this GPU's ``flashgen tune --passes bwd`` winner of its bucket, else the
         default (also for ``seq_k`` 0: unknown); ``deterministic`` (default: this object's setting) chooses
-        its variant with ordered dQ adds."""
+        its variant with ordered dQ adds; with a score_mod or mask_mod, the shape its engine builds them in
+        (``BackwardKernels.with_mods``)."""
         gpu = device_facts(_device_index(torch.device("cuda")))[0] if seq_k else None
         try:
-            return backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu, seq=seq_k,
-                                   deterministic=self.deterministic if deterministic is None else bool(deterministic))
+            cfg = backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu, seq=seq_k,
+                                  deterministic=self.deterministic if deterministic is None else bool(deterministic))
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
+        return cfg if self.built.mods is None else engine_of(cfg).backward.with_mods(cfg)
 
     def _load_backward(self, seq_k: int, deterministic: bool) -> int:
         """Build (or load from the cache) and load the backward kernel of key length ``seq_k`` (or its

@@ -68,11 +68,19 @@ class WgmmaBackward(BackwardKernels):
         limit = target.smem_per_block if target is not None else HOPPER_SMEM
         return cfg if cfg is not None and cfg.smem_bytes <= limit else None
 
+    def with_mods(self, cfg: Any) -> Any:
+        """Query blocks of 64 rows: at 128 (d_head 64) the recompute pass holds S^T and dP^T of 64 values each
+        beside dK and dV, and ptxas spilled 68-148 bytes (softcap, relative_bias, ALiBi with ordered dQ adds) or
+        serialized the wgmma (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there."""
+        return cfg.replace(B_r=64) if cfg.B_r > 64 else cfg
+
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
-        """The shipped shape with two and one ring stages (the other knobs are fixed by the head size)."""
+        """The shipped shape with two and one ring stages, and each with query blocks of 64 rows where it ships
+        128 (d_head 64); the other knobs are fixed by the head size."""
         from ..dsl.backward_config import BackwardConfig
 
-        return [c for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages) for stages in (2, 1)) if c is not None]
+        shipped = [c for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages) for stages in (2, 1)) if c is not None]
+        return [v for c in shipped for v in ([c] + ([c.replace(B_r=64)] if c.B_r > 64 else []))]
 
 
 class WgmmaEngine(Engine):

@@ -41,3 +41,24 @@ def test_an_engine_without_a_backward_is_refused(monkeypatch):
     monkeypatch.setattr(engines.ENGINES["wgmma"], "backward", None)
     with pytest.raises(ValueError, match="engine wgmma has no backward kernels yet; use one of mma_sync"):
         engines.backward_of(cfg)
+
+
+def test_a_forward_with_mods_is_differentiated_in_64_row_query_blocks(monkeypatch):
+    """The wgmma backward at d_head 64 ships 128-row query blocks, where ptxas spills the mods' code: a forward
+    carrying a score_mod or mask_mod gets its 64-row variant (its ordered dQ adds kept); without mods, or on an
+    engine that builds every shape with mods, the config stays."""
+    from types import SimpleNamespace
+
+    from flashgen.runtime import Attention
+    from flashgen.dsl.config import KernelConfig
+
+    wide = BackwardConfig.wgmma("bf16", 64, "causal").replace(deterministic=True)
+    assert engines.backward_of(wide).with_mods(wide) == wide.replace(B_r=64)
+    assert engines.backward_of(wide.replace(B_r=64)).with_mods(wide.replace(B_r=64)) == wide.replace(B_r=64)
+    sync = BackwardConfig("bf16", d_head=64, B_r=128)
+    assert engines.backward_of(sync).with_mods(sync) == sync
+    monkeypatch.setattr("flashgen.runtime.backward_lookup", lambda *a, **k: wide)
+    fwd = KernelConfig.wgmma("bf16", d_head=64, mask="causal")
+    call = lambda mods: Attention.backward_config(  # noqa: E731
+        SimpleNamespace(cfg=fwd, built=SimpleNamespace(capability=(9, 0), mods=mods), deterministic=True))
+    assert call(None) == wide and call(object()) == wide.replace(B_r=64)
