@@ -3,7 +3,8 @@
 Driven only by the plan's objects: tile offsets, stages and layouts, the TMA loads, the ring and its
 barrier counts, each GEMM's descriptors (read back through the ISA address models
 ``descriptor_addresses`` / ``descriptor_addresses_mn``; consumer ``w`` adds ``row_block_offset * w``),
-``a_from_acc``, ``dq_stage`` (where each consumer's dQ lies), the score mask and the rule objects, and the consumers' ``schedule``.
+``a_from_acc``, ``dq_stage`` (where each consumer's dQ lies), the score mask and the rule objects, and the
+consumers' ``schedule``.
 
 What is modelled
 ----------------
