@@ -79,7 +79,7 @@ class HopperBackwardPlan(WarpSpecialized):
     a_from_acc: tuple
     #: dS^T made in the pass that recomputes P^T, after dP^T retired (:func:`_grad_with_p`)
     grad_with_p: bool
-    #: columns of dQ per consumer (consumer w: columns from w * dq_cols)
+    #: columns of dQ per consumer (consumer w: from dq_stage.col0(w), rows from dq_stage.row0(w))
     dq_cols: int
     #: where each consumer stages its dQ for the bulk reductions
     dq_stage: DqStage

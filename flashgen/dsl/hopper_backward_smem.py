@@ -24,10 +24,10 @@ class DqStage:
     for (batch, head, query block), so that each warp's 8 bytes a thread cover 256 contiguous bytes.
 
     A consumer's dQ is one ``rows x cols`` wgmma tile (``rows`` = 64, its M) of the ``B_r x d_head`` block:
-    split by columns (``by_rows`` false: query blocks of 64 rows, consumer ``w`` makes every row of columns
-    ``[w cols, (w + 1) cols)``) or by rows (``by_rows``: query blocks of 64 rows per consumer, consumer ``w``
-    makes rows ``[64 w, 64 w + 64)`` of every column). Either way consumer ``w``'s region is the ``w``-th of
-    the chunk.
+    split by columns (``by_rows`` false: a 64-row query block, consumer ``w`` makes every row of columns
+    ``[w cols, (w + 1) cols)``) or by rows (``by_rows``: 64 query rows per consumer, consumer ``w`` makes
+    rows ``[64 w, 64 w + 64)`` of every column). Either way consumer ``w``'s region is the ``w``-th of the
+    chunk.
 
     Unordered adds go straight from the accumulators with ``red.global.add.v2.f32`` (no shared memory,
     no barrier: on an H100 8-10% less backward time at d_head 64 and 0.5-2.5% at 128 than staging them).
