@@ -45,8 +45,10 @@ WG_WARPS = 4
 #: shared-memory operands in wider GEMMs, which at 64 rows were bound by shared-memory bandwidth; d_head 128's dK and
 #: dV leave room for 64 only
 WGMMA_B_R = {64: 128, 128: 64}
-#: wgmma: query block sizes the backward takes (64 or 128, either consumer making 64 rows of dQ at 128)
-WGMMA_B_RS = (64, 128)
+#: wgmma: query block sizes the backward takes by head size (64 or 128, either consumer making 64 rows of dQ at 128;
+#: 80 at d_head 128, dQ made transposed, dQ^T = K^T dS^T, so that its M is a consumer's 64 columns of d_head).
+#: Prototype: B_r 80 compiles for the feasibility study; the CPU proofs and the CTA simulation do not take it yet
+WGMMA_B_RS = {64: (64, 128), 128: (64, 80)}
 #: wgmma: head sizes its tiles take (whole 64-column TMA boxes; d_head 256's dK and dV do not fit the registers)
 WGMMA_D_HEADS = (64, 128)
 
@@ -325,10 +327,11 @@ def _rule_wgmma(c: BackwardConfig) -> None:
     if c.B_c != 64 * c.consumers:
         raise ConfigError(f"B_c={c.B_c} with n_warps={c.n_warps}: each of the {c.consumers} consumer warpgroup(s) owns 64 key "
                           f"rows (a wgmma's M), so B_c must be {64 * c.consumers}")
-    if c.B_r not in WGMMA_B_RS or c.B_r > WGMMA_B_R[c.d_head]:
-        raise ConfigError(f"B_r={c.B_r} at d_head={c.d_head}: the wgmma backward walks query blocks of 64 rows, or 128 up to "
-                          f"d_head 64 (S^T and dP^T of 64 x B_r per consumer beside dK and dV of 64 x d_head in its registers)")
-    if c.B_r > 64 * c.consumers:
+    if c.B_r not in WGMMA_B_RS[c.d_head]:
+        raise ConfigError(f"B_r={c.B_r} at d_head={c.d_head}: the wgmma backward walks query blocks of 64 rows, 128 at "
+                          f"d_head 64 or 80 at d_head 128 (S^T and dP^T of 64 x B_r per consumer beside dK and dV of 64 x "
+                          f"d_head in its registers)")
+    if c.B_r % 64 == 0 and c.B_r > 64 * c.consumers:
         raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}: each consumer makes 64 query rows of dQ (a wgmma's M) or "
                           f"fewer, so {c.consumers} consumer(s) take B_r up to {64 * c.consumers}")
     if c.d_split != 1 or not c.swizzled:

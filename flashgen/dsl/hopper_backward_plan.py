@@ -186,6 +186,18 @@ def _ordered_tail(ordered: tuple, signal: tuple) -> tuple[Step, ...]:
             *ordered, _REDUCE_DQ, *signal)
 
 
+def _dq_gemm(dq: DqStage, atom: WGMMA_64xNx16, B_r: int, B_c: int, d: int, dt) -> WarpgroupGemm:
+    """Consumer w's dQ: dQ = dS K (M = its 64 query rows or all 64, N = dq.cols of K's columns from dq.col0(w); A the
+    dS^T tile read MN-major, B sK MN-major), or with ``dq.transposed`` dQ^T = K^T dS^T (M = its 64 columns of d_head,
+    N = the B_r query rows; A sK MN-major from dq.col0(w), B the [query][key] dS tile K-major)."""
+    if dq.transposed:
+        return WarpgroupGemm("dQ", atom, "smem", _mnmajor_desc("K", B_c, d, dt, dq.col0(1)), _kmajor_desc("dS", B_r, B_c, dt, B_r),
+                             trans_b=False, trans_a=True)
+    # dS's query rows (dS^T's columns) from dq.row0(w), K's columns from dq.col0(w); both w times consumer 1's
+    return WarpgroupGemm("dQ", atom, "smem", _mnmajor_desc("dS", B_c, B_r, dt, dq.row0(1)), _mnmajor_desc("K", B_c, d, dt, dq.col0(1)),
+                         trans_b=True, trans_a=True)
+
+
 def _grad_with_p(cfg: BackwardConfig, mask: ScoreMask) -> bool:
     """Whether dS^T is made in the pass that recomputes P^T (``_schedule``'s ``grad_with_p``): for a score_mod
     whose derivative reads the score, and for query blocks past one wgmma N of 64: a pass of its own would
@@ -218,10 +230,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
         "dP": WarpgroupGemm("dP", atom_s, "smem", _kmajor_desc("V", B_c, d, dt, WGMMA_M), _kmajor_desc("dO", B_r, d, dt, B_r), trans_b=False),
         "dV": WarpgroupGemm("dV", atom_kv, "regs", None, _mnmajor_desc("dO", B_r, d, dt), trans_b=True),
         "dK": WarpgroupGemm("dK", atom_kv, "regs", None, _mnmajor_desc("Q", B_r, d, dt), trans_b=True),
-        # consumer w's dQ: dS's query rows (dS^T's columns) from dq.row0(w), K's columns from dq.col0(w); both w times
-        # consumer 1's (the consumers lie along the rows or along the columns)
-        "dQ": WarpgroupGemm("dQ", atom_q, "smem", _mnmajor_desc("dS", B_c, B_r, dt, dq.row0(1)), _mnmajor_desc("K", B_c, d, dt, dq.col0(1)),
-                            trans_b=True, trans_a=True),
+        "dQ": _dq_gemm(dq, atom_q, B_r, B_c, d, dt),
     }
     mask = ScoreMask(cfg.mask, B_r, B_c, mods)
     grad_with_p = _grad_with_p(cfg, mask)

@@ -43,6 +43,9 @@ class DqStage:
     consumers: int
     staged: bool
     by_rows: bool = False  # consumers side by side down the query rows (else along the columns)
+    #: the consumer's tile is dQ^T (``rows`` columns of d_head x ``cols`` query rows: dQ^T = K^T dS^T, for query blocks
+    #: that are no multiple of a wgmma's M); consumer ``w`` makes columns ``[w rows, (w + 1) rows)`` of every query row
+    transposed: bool = False
 
     @property
     def region_bytes(self) -> int:
@@ -54,6 +57,8 @@ class DqStage:
 
     def col0(self, consumer: int) -> int:
         """The first column of consumer ``consumer``'s dQ."""
+        if self.transposed:
+            return consumer * self.rows
         return 0 if self.by_rows else consumer * self.cols
 
     def slot(self, thread: int, value: int) -> int:
@@ -70,7 +75,9 @@ class DqStage:
         :meth:`col0`), then the accumulator map of a 64 x n wgmma inverted (tile row ``16 w + 8 h + g``: warp ``w``,
         half ``h``, lane group ``g``; tile column ``8 j + 2 q + e``: thread ``32 w + 4 g + q`` holds it as value
         ``4 j + 2 h + e``)."""
-        if self.by_rows:
+        if self.transposed:  # tile row: the column of d_head; tile column: the query row
+            place, r = f"const uint32_t consumer = c / {self.rows}u, rr = c % {self.rows}u, cc = r;", "rr"
+        elif self.by_rows:
             place, r = f"const uint32_t consumer = r / {self.rows}u, rr = r % {self.rows}u, cc = c;", "rr"
         else:
             place, r = f"const uint32_t consumer = c / {self.cols}u, cc = c % {self.cols}u;", "r"
@@ -94,15 +101,17 @@ def smem_plan(cfg: Any) -> tuple[dict, int]:
     the consumers' staged dQ (:class:`DqStage`; ordered adds only), the mbarriers. Every 16-bit tile starts on the 1024-byte swizzle pattern."""
     d, B_r, B_c, st, dt = cfg.d_head, cfg.B_r, cfg.B_c, cfg.stages, cfg.dtype
     tiles, off = {}, 0
-    for name, rows, cols, stages in (("K", B_c, d, 1), ("V", B_c, d, 1), ("Q", B_r, d, st), ("dO", B_r, d, st), ("dS", B_c, B_r, 2)):
+    transposed = B_r % WGMMA_M != 0  # dQ^T = K^T dS^T reads dS K-major: the tile is stored [query][key]
+    ds = (B_r, B_c) if transposed else (B_c, B_r)
+    for name, rows, cols, stages in (("K", B_c, d, 1), ("V", B_c, d, 1), ("Q", B_r, d, st), ("dO", B_r, d, st), ("dS", *ds, 2)):
         tiles[name] = _kmajor("s" + name, rows, cols, dt, off, stages)
         off += stages * tiles[name].stage_bytes
     for name in ("LSE", "D"):
         tiles[name] = (off, st, B_r * STAT)
         off += st * B_r * STAT
-    by_rows = B_r > WGMMA_M  # a query block of several wgmma M: a consumer's dQ is its share of the rows
-    cols = d if by_rows else d // cfg.consumers
-    tiles["dQ"] = DqStage(off, WGMMA_M, cols, cfg.consumers, staged=cfg.deterministic, by_rows=by_rows)
+    by_rows = B_r > WGMMA_M and not transposed  # a query block of several wgmma M: a consumer's dQ is its share of the rows
+    cols = B_r if transposed else d if by_rows else d // cfg.consumers
+    tiles["dQ"] = DqStage(off, WGMMA_M, cols, cfg.consumers, staged=cfg.deterministic, by_rows=by_rows, transposed=transposed)
     off += cfg.consumers * tiles["dQ"].region_bytes if cfg.deterministic else 0
     tiles["barriers"] = (off, 0, 8)
     off += 8 * (1 + 4 * st)  # kv_full; q_full, do_full, q_empty, do_empty per stage

@@ -48,10 +48,18 @@ def _desc(plan: HopperBackwardPlan, var: str, gemm: str, operand: str, tile: str
 
 
 def _descriptors(plan: HopperBackwardPlan) -> list[str]:
+    ds, k = ("b", "a") if plan.dq_stage.transposed else ("a", "b")
     return [_desc(plan, "desc_k", "S", "a", "K", True), _desc(plan, "desc_q", "S", "b", "Q", False),
             _desc(plan, "desc_v", "dP", "a", "V", True), _desc(plan, "desc_do", "dP", "b", "dO", False),
             _desc(plan, "desc_do_mn", "dV", "b", "dO", False), _desc(plan, "desc_q_mn", "dK", "b", "Q", False),
-            _desc(plan, "desc_ds", "dQ", "a", "dS", True), _desc(plan, "desc_k_mn", "dQ", "b", "K", True)]
+            _desc(plan, "desc_ds", "dQ", ds, "dS", True), _desc(plan, "desc_k_mn", "dQ", k, "K", True)]
+
+
+def _operands(plan: HopperBackwardPlan, gemm: str) -> tuple[str, str, str]:
+    """_OPERANDS, with dQ^T = K^T dS^T's operands swapped where the plan makes dQ transposed."""
+    if gemm == "dQ" and plan.dq_stage.transposed:
+        return ("dq_acc", "desc_k_mn", "desc_ds")
+    return _OPERANDS[gemm]
 
 
 def _helper(plan: HopperBackwardPlan, name: str) -> str:
@@ -69,7 +77,7 @@ def _operand(var: str, offset: int) -> str:
 def _gemm(plan: HopperBackwardPlan, step: Step) -> list[str]:
     """fence, one wgmma per k16 step (A and B at their per-step offsets), commit."""
     g = plan.gemms[step.arg]
-    acc, a, b = _OPERANDS[step.arg]
+    acc, a, b = _operands(plan, step.arg)
     fn = _helper(plan, step.arg)
     calls = []
     for t, boff in enumerate(g.b.step_offsets):
@@ -142,9 +150,28 @@ def _convert(plan: HopperBackwardPlan, step: ConvertP) -> list[str]:
     return out
 
 
+#: how dS^T reaches a [query][key] dS tile (dQ made transposed): "b16" (one 16-bit store per value) or "stmatrix"
+#: (stmatrix .trans, four 8x8 blocks per instruction). Prototype knob of the 80-row query blocks.
+DS_TRANSPOSED_STORE = "stmatrix"
+
+
 def _store_ds(plan: HopperBackwardPlan) -> list[str]:
-    lay = plan.tiles["dS"].layout.to_cpp(["64 * cw + r", "c"])
-    return _per_value(plan, "B_r / 2", [f"st_shared_b32(sdS + buf * DS_BYTES + 2 * ({lay}), pack2(dp_acc[i], dp_acc[i + 1]));"], step=2)
+    if not plan.dq_stage.transposed:
+        lay = plan.tiles["dS"].layout.to_cpp(["64 * cw + r", "c"])
+        return _per_value(plan, "B_r / 2", [f"st_shared_b32(sdS + buf * DS_BYTES + 2 * ({lay}), pack2(dp_acc[i], dp_acc[i + 1]));"], step=2)
+    if DS_TRANSPOSED_STORE == "b16":
+        lo, hi = (plan.tiles["dS"].layout.to_cpp([q, "64 * cw + r"]) for q in ("c", "c + 1"))
+        return _per_value(plan, "B_r / 2", ["const uint32_t v = pack2(dp_acc[i], dp_acc[i + 1]);",
+                                            f"st_shared_b16(sdS + buf * DS_BYTES + 2 * ({lo}), uint16_t(v));",
+                                            f"st_shared_b16(sdS + buf * DS_BYTES + 2 * ({hi}), uint16_t(v >> 16));"], step=2)
+    # x4 number t: the 8x8 blocks (key half h, query chunk j) = (0, 2t), (1, 2t), (0, 2t + 1), (1, 2t + 1), whose
+    # fragment pairs are values 8t + 2m, 8t + 2m + 1 of block m; lane l addresses row l % 8 (a query) of block l / 8
+    lay = plan.tiles["dS"].layout.to_cpp(["8u * (2u * t + m / 2u) + lane % 8u", "64u * cw + 16u * (wtid / 32u) + 8u * (m % 2u)"])
+    return ["#pragma unroll", "for (uint32_t t = 0; t < B_r / 16; ++t) {",
+            "    const uint32_t lane = wtid % 32u, m = lane / 8u;",
+            f"    stmatrix_x4_trans(sdS + buf * DS_BYTES + 2 * ({lay}),",
+            "                      pack2(dp_acc[8 * t], dp_acc[8 * t + 1]), pack2(dp_acc[8 * t + 2], dp_acc[8 * t + 3]),",
+            "                      pack2(dp_acc[8 * t + 4], dp_acc[8 * t + 5]), pack2(dp_acc[8 * t + 6], dp_acc[8 * t + 7]));", "}"]
 
 
 def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
