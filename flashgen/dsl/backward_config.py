@@ -331,6 +331,10 @@ def _rule_wgmma(c: BackwardConfig) -> None:
         raise ConfigError(f"B_r={c.B_r} at d_head={c.d_head}: the wgmma backward walks query blocks of 64 rows, 128 at "
                           f"d_head 64 or 80 at d_head 128 (S^T and dP^T of 64 x B_r per consumer beside dK and dV of 64 x "
                           f"d_head in its registers)")
+    if c.B_r % 64 and c.d_head != 64 * c.consumers:
+        raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}: a query block of no multiple of 64 rows makes dQ transposed, "
+                          f"each consumer 64 columns of d_head (a wgmma's M), so d_head={c.d_head} needs "
+                          f"{c.d_head // 64} consumer(s), n_warps {4 * (1 + c.d_head // 64)}")
     if c.B_r % 64 == 0 and c.B_r > 64 * c.consumers:
         raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}: each consumer makes 64 query rows of dQ (a wgmma's M) or "
                           f"fewer, so {c.consumers} consumer(s) take B_r up to {64 * c.consumers}")

@@ -26,6 +26,11 @@ The consumers split the block's dQ (:class:`~flashgen.dsl.hopper_backward_smem.D
 ``B_r`` = 64 (each all 64 query rows x ``n`` = d / consumers columns) and by rows at ``B_r`` = 128 (each
 64 query rows x ``n`` = d columns, the A operand starting at its query columns of the dS^T tile).
 
+Query blocks of 80 rows at d_head 128 (a prototype: 80 is no wgmma M) make dQ transposed, dQ^T = K^T dS^T:
+consumer ``w``'s M is columns ``[64 w, 64 w + 64)`` of d_head (A: sK MN-major from that column box), N the 80
+query rows (B: the dS tile stored [query][key], K-major, written from the S^T-shaped accumulators with
+``stmatrix .trans``: :class:`~flashgen.dsl.hopper_backward_smem.DsStore`).
+
 dS^T goes registers -> shared memory (``sdS``, two buffers: a consumer may store the next block's
 while another still reads this one's) and, after a named barrier over the consumers, each consumer
 computes its part of the block's dQ and adds it into the fp32 buffer with
@@ -57,7 +62,7 @@ from ..attention.score_mask import ScoreMask
 from .atoms.hopper import Mbarrier, TmaLoad, WGMMA_64xNx16, wgmma_kmajor_descriptors, wgmma_mnmajor_descriptors
 from .backward_config import BackwardConfig
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, consumer_regs
-from .hopper_backward_smem import DqStage, smem_plan
+from .hopper_backward_smem import DqStage, DsStore, smem_plan
 from .hopper_plan import BOX_COLS, SWIZZLE, OperandDesc, TmaTile, WarpgroupGemm, WarpSpecialized, _p_from_s
 from .steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
                     WaitOrder, WgmmaWait)
@@ -83,6 +88,8 @@ class HopperBackwardPlan(WarpSpecialized):
     dq_cols: int
     #: where each consumer stages its dQ for the bulk reductions
     dq_stage: DqStage
+    #: how dS^T goes from the accumulators into the dS tile
+    ds_store: DsStore
     schedule: tuple[Step, ...]
     score_mask: ScoreMask
     query_blocks: QueryBlocks
@@ -237,7 +244,7 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
-        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=dq, grad_with_p=grad_with_p,
+        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=dq, ds_store=layout["dS_store"], grad_with_p=grad_with_p,
         schedule=_schedule(cfg.deterministic, grad_with_p, mask.derivative_reads_score),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,

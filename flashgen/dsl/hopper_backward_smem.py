@@ -61,6 +61,12 @@ class DqStage:
             return consumer * self.rows
         return 0 if self.by_rows else consumer * self.cols
 
+    def element(self, consumer: int, tile_row, tile_col):
+        """(query row of the block, column of d_head) of element (``tile_row``, ``tile_col``) of consumer
+        ``consumer``'s dQ tile (ints or numpy arrays)."""
+        q, c = (tile_col, tile_row) if self.transposed else (tile_row, tile_col)
+        return self.row0(consumer) + q, self.col0(consumer) + c
+
     def slot(self, thread: int, value: int) -> int:
         """The fp32 index, in a consumer's region, of accumulator value ``value`` of thread ``thread``."""
         return 2 * (128 * (value // 2) + thread) + value % 2
@@ -90,6 +96,42 @@ __host__ __device__ __forceinline__ uint32_t dq_chunk_index(uint32_t r, uint32_t
 }}"""
 
 
+@attrs.frozen
+class DsStore:
+    """How a consumer's dS^T accumulators (its 64 key rows x ``B_r`` query columns, S^T's accumulator map) reach
+    the dS tile of the buffer.
+
+    ``trans`` false: the tile is dS^T, ``[key][query]``; values ``i``, ``i + 1`` (``i`` even, adjacent columns)
+    as one 32-bit store at ``layout(64 w + row(i), col(i))``.
+
+    ``trans``: the tile is dS, ``[query][key]`` (dQ^T's K-major B); ``stmatrix.x4.trans``, instruction ``t`` of
+    ``B_r / 16`` storing four 8x8 blocks of the warp's 16 x B_r slice: block ``m`` is key half ``m % 2`` and query
+    chunk ``2 t + m / 2``, whose fragment pairs are values ``8 t + 2 m`` and ``8 t + 2 m + 1``; lane ``l`` gives the
+    address of row ``l % 8`` of block ``l / 8``, i.e. query ``8 (2 t + (l / 8) / 2) + l % 8`` at keys from
+    ``64 w + 16 warp + 8 ((l / 8) % 2)`` (8 contiguous 16-bit elements of a K-major row)."""
+
+    trans: bool
+    query_cols: int  # B_r
+
+    @property
+    def instructions(self) -> int:
+        """stmatrix.x4 per thread (``trans``)."""
+        return self.query_cols // 16
+
+    def regs(self, t: int) -> tuple[tuple[int, int], ...]:
+        """The accumulator values (lo, hi) each of instruction ``t``'s four 32-bit registers packs."""
+        return tuple((8 * t + 2 * m, 8 * t + 2 * m + 1) for m in range(4))
+
+    def lane_row(self, t: int, lane: int, warp: int, consumer: int) -> tuple[int, int]:
+        """(query, first key) of the row lane ``lane`` addresses in instruction ``t``."""
+        m = lane // 8
+        return 8 * (2 * t + m // 2) + lane % 8, 64 * consumer + 16 * warp + 8 * (m % 2)
+
+    def lane_row_cpp(self) -> tuple[str, str]:
+        """:meth:`lane_row` in C++ of ``t``, ``lane``, ``wtid`` (warp ``wtid / 32``) and ``cw``."""
+        return ("8u * (2u * t + lane / 16u) + lane % 8u", "64u * cw + 16u * (wtid / 32u) + 8u * ((lane / 8u) % 2u)")
+
+
 def _kmajor(name: str, rows: int, cols: int, dtype, offset: int, stages: int) -> SmemTile:
     return SmemTile(name, rows, cols, kmajor_tile_layout(rows, cols, dtype, SWIZZLE), offset, stages, rows * cols * dtype.size)
 
@@ -111,6 +153,7 @@ def smem_plan(cfg: Any) -> tuple[dict, int]:
         off += st * B_r * STAT
     by_rows = B_r > WGMMA_M and not transposed  # a query block of several wgmma M: a consumer's dQ is its share of the rows
     cols = B_r if transposed else d if by_rows else d // cfg.consumers
+    tiles["dS_store"] = DsStore(transposed, B_r)
     tiles["dQ"] = DqStage(off, WGMMA_M, cols, cfg.consumers, staged=cfg.deterministic, by_rows=by_rows, transposed=transposed)
     off += cfg.consumers * tiles["dQ"].region_bytes if cfg.deterministic else 0
     tiles["barriers"] = (off, 0, 8)

@@ -150,28 +150,17 @@ def _convert(plan: HopperBackwardPlan, step: ConvertP) -> list[str]:
     return out
 
 
-#: how dS^T reaches a [query][key] dS tile (dQ made transposed): "b16" (one 16-bit store per value) or "stmatrix"
-#: (stmatrix .trans, four 8x8 blocks per instruction). Prototype knob of the 80-row query blocks.
-DS_TRANSPOSED_STORE = "stmatrix"
-
-
 def _store_ds(plan: HopperBackwardPlan) -> list[str]:
     if not plan.dq_stage.transposed:
         lay = plan.tiles["dS"].layout.to_cpp(["64 * cw + r", "c"])
         return _per_value(plan, "B_r / 2", [f"st_shared_b32(sdS + buf * DS_BYTES + 2 * ({lay}), pack2(dp_acc[i], dp_acc[i + 1]));"], step=2)
-    if DS_TRANSPOSED_STORE == "b16":
-        lo, hi = (plan.tiles["dS"].layout.to_cpp([q, "64 * cw + r"]) for q in ("c", "c + 1"))
-        return _per_value(plan, "B_r / 2", ["const uint32_t v = pack2(dp_acc[i], dp_acc[i + 1]);",
-                                            f"st_shared_b16(sdS + buf * DS_BYTES + 2 * ({lo}), uint16_t(v));",
-                                            f"st_shared_b16(sdS + buf * DS_BYTES + 2 * ({hi}), uint16_t(v >> 16));"], step=2)
-    # x4 number t: the 8x8 blocks (key half h, query chunk j) = (0, 2t), (1, 2t), (0, 2t + 1), (1, 2t + 1), whose
-    # fragment pairs are values 8t + 2m, 8t + 2m + 1 of block m; lane l addresses row l % 8 (a query) of block l / 8
-    lay = plan.tiles["dS"].layout.to_cpp(["8u * (2u * t + m / 2u) + lane % 8u", "64u * cw + 16u * (wtid / 32u) + 8u * (m % 2u)"])
-    return ["#pragma unroll", "for (uint32_t t = 0; t < B_r / 16; ++t) {",
-            "    const uint32_t lane = wtid % 32u, m = lane / 8u;",
-            f"    stmatrix_x4_trans(sdS + buf * DS_BYTES + 2 * ({lay}),",
-            "                      pack2(dp_acc[8 * t], dp_acc[8 * t + 1]), pack2(dp_acc[8 * t + 2], dp_acc[8 * t + 3]),",
-            "                      pack2(dp_acc[8 * t + 4], dp_acc[8 * t + 5]), pack2(dp_acc[8 * t + 6], dp_acc[8 * t + 7]));", "}"]
+    query, key = plan.ds_store.lane_row_cpp()
+    lay = plan.tiles["dS"].layout.to_cpp([query, key])
+    regs = ", ".join(f"pack2(dp_acc[8 * t + {lo}], dp_acc[8 * t + {hi}])" for lo, hi in plan.ds_store.regs(0))
+    return ["// DsStore: stmatrix .trans of the 8x8 blocks (key half, query chunk); lane l addresses a query row of block l / 8",
+            "#pragma unroll", "for (uint32_t t = 0; t < B_r / 16; ++t) {",
+            "    const uint32_t lane = wtid % 32u;",
+            f"    stmatrix_x4_trans(sdS + buf * DS_BYTES + 2 * ({lay}), {regs});", "}"]
 
 
 def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:

@@ -71,16 +71,18 @@ class WgmmaBackward(BackwardKernels):
     def with_mods(self, cfg: Any) -> Any:
         """Query blocks of 64 rows: at 128 (d_head 64) the recompute pass holds S^T and dP^T of 64 values each
         beside dK and dV, and ptxas spilled 68-148 bytes (softcap, relative_bias, ALiBi with ordered dQ adds) or
-        serialized the wgmma (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there."""
+        serialized the wgmma (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there; at 80
+        (d_head 128) it spilled 12 bytes with softcap and serialized the wgmma with ALiBi."""
         return cfg.replace(B_r=64) if cfg.B_r > 64 else cfg
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
-        """The shipped shape with two and one ring stages, and each with query blocks of 64 rows where it ships
-        128 (d_head 64); the other knobs are fixed by the head size."""
-        from ..dsl.backward_config import BackwardConfig
+        """The shipped shape with two and one ring stages, and each with the head size's other query block size
+        (64 rows where it ships 128 at d_head 64; 80 where it ships 64 at d_head 128, a prototype); the other knobs
+        are fixed by the head size."""
+        from ..dsl.backward_config import WGMMA_B_RS, BackwardConfig
 
         shipped = [c for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages) for stages in (2, 1)) if c is not None]
-        return [v for c in shipped for v in ([c] + ([c.replace(B_r=64)] if c.B_r > 64 else []))]
+        return [v for c in shipped for v in [c] + [c.replace(B_r=b) for b in WGMMA_B_RS[d_head] if b != c.B_r]]
 
 
 class WgmmaEngine(Engine):

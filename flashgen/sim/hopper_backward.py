@@ -21,7 +21,7 @@ from flashgen.dsl.hopper_plan import SMEM_ALIGN
 from flashgen.sim.backward_cta import BackwardResult, BwdPass
 from flashgen.sim.copies import Coverage, coverage_of
 from flashgen.sim.hopper import SWIZZLE_SPAN, c_table, tma_byte_addresses
-from flashgen.sim.hopper_backward_cta import HopperBwdCta, tile_table
+from flashgen.sim.hopper_backward_cta import HopperBwdCta, ds_store_targets, tile_table
 
 _F32 = np.float32
 
@@ -99,26 +99,29 @@ def _tma_coverage(plan: HopperBackwardPlan, name: str) -> Coverage:
 
 
 def _ds_store_coverage(plan: HopperBackwardPlan) -> Coverage:
-    """The consumers' dS^T stores (32-bit, value pairs of the S^T accumulator at rows ``64 w + row``) write
-    each element of a buffer once, each pair at its layout offsets."""
+    """The consumers' dS^T stores (:func:`~flashgen.sim.hopper_backward_cta.ds_store_targets`: 32-bit value pairs of
+    the S^T accumulator at rows ``64 w + row``, or stmatrix .trans into a [query][key] tile) write each element of a
+    buffer once; a 32-bit pair's second value lands where the layout puts its (row, column)."""
     tile, cs = plan.tiles["dS"], c_table(plan.gemms["S"].atom)
     table = tile_table(tile)
-    count = np.zeros((tile.rows, tile.cols), np.int64)
+    count = np.zeros(tile.rows * tile.cols, np.int64)
     problems = []
     ev = np.arange(0, cs.rows.shape[1], 2)
     for w in range(plan.consumers):
-        r, c = 64 * w + cs.rows, cs.cols
-        if r.max() >= tile.rows or c.max() >= tile.cols:
+        dst = ds_store_targets(plan, w)
+        if dst.min() < 0 or dst.max() >= count.size:
             problems.append(f"consumer {w} stores past the {tile.rows}x{tile.cols} tile")
             continue
-        np.add.at(count, (r, c), 1)
-        pair_ok = (r[:, ev + 1] == r[:, ev]) & (table[r[:, ev + 1], c[:, ev + 1]] == table[r[:, ev], c[:, ev]] + 1)
-        if not pair_ok.all():
-            problems.append(f"consumer {w}: {int((~pair_ok).sum())} 32-bit store(s) whose second value is not the next element")
+        np.add.at(count, dst.ravel(), 1)
+        if not plan.ds_store.trans:
+            r, c = 64 * w + cs.rows, cs.cols
+            pair_ok = (r[:, ev + 1] == r[:, ev]) & (table[r[:, ev + 1], c[:, ev + 1]] == dst[:, ev + 1])
+            if not pair_ok.all():
+                problems.append(f"consumer {w}: {int((~pair_ok).sum())} 32-bit store(s) whose second value is not the next element")
     if (count != 1).any():
-        problems.append(f"{int((count != 1).sum())} element(s) of the dS^T buffer not stored exactly once")
-    return coverage_of("store_dS", problems, f"{plan.consumers} consumer(s) store {tile.name}[{tile.rows}x{tile.cols}] once, "
-                                             "value pairs at adjacent elements")
+        problems.append(f"{int((count != 1).sum())} element(s) of the dS buffer not stored exactly once")
+    how = "stmatrix .trans, [query][key]" if plan.ds_store.trans else "value pairs at adjacent elements"
+    return coverage_of("store_dS", problems, f"{plan.consumers} consumer(s) store {tile.name}[{tile.rows}x{tile.cols}] once, {how}")
 
 
 def _regions(plan: HopperBackwardPlan) -> list[tuple[int, int, str, int]]:

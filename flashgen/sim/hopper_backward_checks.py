@@ -18,6 +18,8 @@ GEMM        A (m, kk) of k16 step s, consumer w            B (n, kk)
 ==========  =============================================  ============================================
 
 (``row0``, ``col0``: where consumer ``w``'s dQ lies in the query block, :class:`~flashgen.dsl.hopper_backward_smem.DqStage`.)
+Where the DqStage is ``transposed`` (dQ^T = K^T dS^T), dQ's A (m, kk) is sK[16 s + kk, col0(w) + m] (MN-major) and its
+B (n, kk) sdS[n, 16 s + kk] (K-major: the tile is dS, [query][key]).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import numpy as np
 from flashgen.dsl.atoms.hopper import descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
 from flashgen.sim.hopper import c_table
-from flashgen.sim.hopper_backward_cta import tile_table
+from flashgen.sim.hopper_backward_cta import ds_store_targets, tile_table
 
 #: (GEMM, operand) -> (tile, K-major: rows and columns are (m or n, k), else (k, m or n), consumer column offset)
 _NEEDS = {
@@ -35,18 +37,25 @@ _NEEDS = {
     ("dV", "b"): ("dO", False), ("dK", "b"): ("Q", False),
     ("dQ", "a"): ("dS", False), ("dQ", "b"): ("K", False),
 }
+#: dQ^T = K^T dS^T (DqStage.transposed): A is K^T (sK MN-major, the consumer's columns), B the [query][key] dS tile
+_NEEDS_DQ_T = {("dQ", "a"): ("K", False), ("dQ", "b"): ("dS", True)}
 #: the reduction length of each GEMM, from the config
 _K = {"S": "d_head", "dP": "d_head", "dV": "B_r", "dK": "B_r", "dQ": "B_c"}
 
 
+def _needs(plan: HopperBackwardPlan, gemm: str, operand: str) -> tuple[str, bool]:
+    return (_NEEDS_DQ_T if plan.dq_stage.transposed and gemm == "dQ" else _NEEDS)[(gemm, operand)]
+
+
 def _wanted(plan: HopperBackwardPlan, gemm: str, operand: str, w: int, s: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Tile (row, col) ``[n, 16]`` that element (m or n, kk) of k16 step ``s`` of consumer ``w`` must read."""
-    _, kmajor = _NEEDS[(gemm, operand)]
+    _, kmajor = _needs(plan, gemm, operand)
     mn = np.arange(n)[:, None]
     kk = np.arange(16)[None, :] + 16 * s
     if kmajor:  # A rows are the consumer's 64 key rows; B rows every query row
         return np.broadcast_to(mn + (64 * w if operand == "a" else 0), (n, 16)), np.broadcast_to(kk, (n, 16))
-    col0 = {("dQ", "a"): plan.dq_stage.row0(w), ("dQ", "b"): plan.dq_stage.col0(w)}.get((gemm, operand), 0)
+    st = plan.dq_stage
+    col0 = ({("dQ", "a"): st.col0(w)} if st.transposed else {("dQ", "a"): st.row0(w), ("dQ", "b"): st.col0(w)}).get((gemm, operand), 0)
     return np.broadcast_to(kk, (n, 16)), np.broadcast_to(mn + col0, (n, 16))
 
 
@@ -60,7 +69,7 @@ def descriptor_problems(plan: HopperBackwardPlan, gemm: str) -> list[str]:
     for operand, desc, mn in (("a", g.a, g.trans_a), ("b", g.b, g.trans_b)):
         if desc is None:
             continue
-        tile = plan.tiles[_NEEDS[(gemm, operand)][0]]
+        tile = plan.tiles[_needs(plan, gemm, operand)[0]]
         table = tile_table(tile)
         n = 64 if operand == "a" else g.atom.N
         read = descriptor_addresses_mn if mn else descriptor_addresses
@@ -79,30 +88,29 @@ def descriptor_problems(plan: HopperBackwardPlan, gemm: str) -> list[str]:
 
 
 def ds_handoff_problems(plan: HopperBackwardPlan) -> list[str]:
-    """What the consumers' dS^T stores put at each address (pairs of accumulator values as one 32-bit
-    store at the even value's layout offset) is what every consumer's dQ A descriptors read there:
-    dS^T[16 s + kk, row0(w) + m]."""
+    """What the consumers' dS^T stores (:func:`~flashgen.sim.hopper_backward_cta.ds_store_targets`: 32-bit pairs, or
+    stmatrix .trans into a [query][key] tile) put at each address is what every consumer's dQ descriptors read
+    there: dS^T[16 s + kk, row0(w) + m] as dQ's A, or (dQ^T) dS^T[16 s + kk, n] as its B."""
     tile, cs = plan.tiles["dS"], c_table(plan.gemms["S"].atom)
-    table = tile_table(tile)
+    size = tile.stage_bytes // 2
     held = {}  # element offset -> (key row, query column) of dS^T stored there
-    ev = np.arange(0, cs.rows.shape[1], 2)
     for w in range(plan.consumers):
-        r, c = 64 * w + cs.rows, cs.cols
-        if r.max() >= tile.rows or c.max() >= tile.cols:
-            return [f"consumer {w}'s dS^T rows reach past the {tile.rows}x{tile.cols} tile"]
-        base = table[r[:, ev], c[:, ev]]
-        for half in (0, 1):
-            for e, rr, cc in zip(base.ravel() + half, r[:, ev + half].ravel(), c[:, ev + half].ravel()):
-                held[int(e)] = (int(rr), int(cc))
-    g, out = plan.gemms["dQ"], []
+        dst = ds_store_targets(plan, w)
+        if dst.min() < 0 or dst.max() >= size:
+            return [f"consumer {w}'s dS^T stores reach past the {tile.rows}x{tile.cols} tile"]
+        for e, rr, cc in zip(dst.ravel(), (64 * w + cs.rows).ravel(), cs.cols.ravel()):
+            if held.setdefault(int(e), (int(rr), int(cc))) != (int(rr), int(cc)):
+                return [f"element {e} of the dS tile is stored twice (dS^T{held[int(e)]} and dS^T{(int(rr), int(cc))})"]
+    g, st, out = plan.gemms["dQ"], plan.dq_stage, []
+    desc, n, read = (g.b, g.atom.N, descriptor_addresses) if st.transposed else (g.a, 64, descriptor_addresses_mn)
     for w in range(plan.consumers):
         for s in range(g.k_steps):
-            got = (descriptor_addresses_mn(g.a.descriptor(tile.offset, s, w), 64, 16, plan.cfg.dtype) - tile.offset) // 2
+            got = (read(desc.descriptor(tile.offset, s, w), n, 16, plan.cfg.dtype) - tile.offset) // 2
             for m, kk in np.ndindex(got.shape):
-                want = (16 * s + kk, plan.dq_stage.row0(w) + m)
+                want = (16 * s + kk, m if st.transposed else st.row0(w) + m)
                 if held.get(int(got[m, kk])) != want:
-                    out.append(f"consumer {w}'s dQ A, step {s}, element ({m}, {kk}): reads element {got[m, kk]}, which holds dS^T"
-                               f"{held.get(int(got[m, kk]))}, not dS^T{want}")
+                    out.append(f"consumer {w}'s dQ {'B' if st.transposed else 'A'}, step {s}, element ({m}, {kk}): reads element "
+                               f"{got[m, kk]}, which holds dS^T{held.get(int(got[m, kk]))}, not dS^T{want}")
                     if len(out) >= 3:
                         return out
     return out
@@ -132,12 +140,13 @@ def dq_split_problems(plan: HopperBackwardPlan) -> list[str]:
     """The consumers' dQ tiles (each the dQ GEMM's 64 x N at ``row0``, ``col0``) cover the query block's
     ``B_r x d_head`` exactly once; the chunk holds every consumer's region."""
     cfg, st, out = plan.cfg, plan.dq_stage, []
-    count = np.zeros((cfg.B_r + 64, cfg.d_head + st.cols), np.int64)
+    count = np.zeros((cfg.B_r + 64, cfg.d_head + max(st.cols, 64)), np.int64)
     n = plan.gemms["dQ"].atom.N
     if (st.rows, st.cols) != (64, n):
         out.append(f"DqStage regions of {st.rows}x{st.cols}, the dQ GEMM makes 64x{n}")
+    q, d = (n, 64) if st.transposed else (64, n)  # query rows, columns of d_head of a consumer's tile
     for w in range(plan.consumers):
-        count[st.row0(w):st.row0(w) + 64, st.col0(w):st.col0(w) + n] += 1
+        count[st.row0(w):st.row0(w) + q, st.col0(w):st.col0(w) + d] += 1
     if (count[:cfg.B_r, :cfg.d_head] != 1).any() or count[cfg.B_r:].any() or count[:, cfg.d_head:].any():
         out.append(f"the consumers' dQ tiles do not cover the {cfg.B_r}x{cfg.d_head} query block exactly once")
     if plan.consumers * st.rows * st.cols != cfg.B_r * cfg.d_head:

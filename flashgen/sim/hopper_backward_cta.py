@@ -20,9 +20,11 @@ What is modelled
   ``N`` newest, and a group *executes when it retires* (the latest moment the hardware may read its
   operands), so a missing wait or an early release gives wrong numbers, not only a hazard line.
   A k16 step is ``fp32(C + A B^T)`` with float64 products (:func:`~flashgen.sim.hopper.wgmma_k16`).
-* **dS^T**: ``store_rf dS`` writes pairs of adjacent accumulator values as one 32-bit store at
-  ``layout(64 w + row, col)`` of buffer ``item % buffers`` (the second half at the next element, as
-  ``st.shared.b32`` does); the ``handoff`` is a named barrier over the consumers.
+* **dS^T**: ``store_rf dS`` writes buffer ``item % buffers`` as the plan's ``ds_store`` says
+  (:func:`ds_store_targets`): pairs of adjacent accumulator values as one 32-bit store at
+  ``layout(64 w + row, col)`` (the second half at the next element, as ``st.shared.b32`` does), or, for a
+  [query][key] tile, ``stmatrix.x4.trans`` modelled from the ISA; the ``handoff`` is a named barrier over
+  the consumers.
 * **Happens-before**: vector clocks over the consumers and the producer, joined at the mbarriers
   (release -> fill -> wait) and the handoff barrier, decide whether one consumer's access is ordered
   after another's, whatever order this run happened to take.
@@ -76,6 +78,50 @@ def _addresses(desc: SmemDescriptor, n: int, mn: bool, dtype) -> np.ndarray:
 def tile_table(tile) -> np.ndarray:
     """``[row, col]`` -> element offset of a shared tile's layout (from its stage base)."""
     return offsets(tile.layout).reshape(tile.cols, tile.rows).T
+
+
+def stmatrix_x4_trans(row_elems: np.ndarray) -> np.ndarray:
+    """``stmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` of one warp (PTX ISA "stmatrix"), from the ISA alone:
+    ``row_elems[lane]`` is the element offset lane ``lane`` gives (row ``lane % 8`` of matrix ``lane / 8``); register
+    ``m`` of lane ``l`` holds matrix ``m``'s elements (row ``l / 4``, columns ``2 (l % 4)`` and ``+ 1``) as its low and
+    high halves, and .trans stores element (row, col) at position ``row`` of row address ``col``. Returns ``[lane,
+    m, half]`` -> element offset written."""
+    lane = np.arange(32)[:, None, None]
+    m, half = np.arange(4)[None, :, None], np.arange(2)[None, None, :]
+    row, col = lane // 4, 2 * (lane % 4) + half
+    return row_elems[8 * m + col] + row
+
+
+#: ds_store_targets' offset of a value whose row or column lies past the tile
+OUTSIDE = -(1 << 40)
+
+
+def ds_store_targets(plan: HopperBackwardPlan, w: int) -> np.ndarray:
+    """``[thread, value]`` -> element offset (from the buffer's base) where consumer ``w``'s dS^T store puts
+    accumulator value ``value`` of thread ``thread`` (the plan's :class:`~flashgen.dsl.hopper_backward_smem.DsStore`);
+    negative where the store addresses a row or column past the tile."""
+    tile, cs, st = plan.tiles["dS"], c_table(plan.gemms["S"].atom), plan.ds_store
+    table = tile_table(tile)
+
+    def at(r, c):
+        inside = (r < tile.rows) & (c < tile.cols)
+        return np.where(inside, table[np.minimum(r, tile.rows - 1), np.minimum(c, tile.cols - 1)], OUTSIDE)
+
+    if not st.trans:  # one 32-bit store per even value at its (key, query), the odd value in the next element
+        ev = np.arange(0, cs.rows.shape[1], 2)
+        out = np.zeros(cs.rows.shape, np.int64)
+        out[:, ev] = at(64 * w + cs.rows[:, ev], cs.cols[:, ev])
+        out[:, ev + 1] = out[:, ev] + 1
+        return out
+    out = np.full(cs.rows.shape, OUTSIDE, np.int64)
+    for warp in range(WG // 32):
+        for t in range(st.instructions):
+            query, key = np.array([st.lane_row(t, lane, warp, w) for lane in range(32)]).T
+            put = stmatrix_x4_trans(at(query, key))
+            for m, (lo, hi) in enumerate(st.regs(t)):
+                out[32 * warp:32 * warp + 32, lo] = put[:, m, 0]
+                out[32 * warp:32 * warp + 32, hi] = put[:, m, 1]
+    return out
 
 
 @attrs.define
@@ -140,7 +186,7 @@ class HopperBwdCta:
         n = cfg.consumers
         self.maps = {name: c_table(g.atom) for name, g in plan.gemms.items()}
         self.a_map = a_table(plan.gemms["dV"].atom)
-        self.ds_table = tile_table(plan.tiles["dS"])
+        self.ds_targets = [ds_store_targets(plan, w) for w in range(cfg.consumers)]
         self.buffers = plan.tiles["dS"].stages
         # the producer: K and V, then Q (+ lse) and dO (+ D) of each item; ring state per (tensor, stage)
         self.prod_ops = [("KV", None)] + [(t, j) for j in range(len(self.work)) for t in ("Q", "dO")]
@@ -349,9 +395,10 @@ class HopperBwdCta:
                 self.flag(where, f"consumer {c.w}: gemm {name} of item {j} executes on stage {st} of {t}, "
                                  f"which holds item {self.stage_item[t][st]}")
         tiles = plan.tiles
-        a_base = {"S": tiles["K"].offset, "dP": tiles["V"].offset, "dQ": tiles["dS"].stage_offset(j % self.buffers)}.get(name)
+        ds, k = tiles["dS"].stage_offset(j % self.buffers), tiles["K"].offset
+        a_base = {"S": tiles["K"].offset, "dP": tiles["V"].offset, "dQ": k if plan.dq_stage.transposed else ds}.get(name)
         b_base = {"S": tiles["Q"].stage_offset(st), "dP": tiles["dO"].stage_offset(st), "dV": tiles["dO"].stage_offset(st),
-                  "dK": tiles["Q"].stage_offset(st), "dQ": tiles["K"].offset}[name]
+                  "dK": tiles["Q"].stage_offset(st), "dQ": ds if plan.dq_stage.transposed else k}[name]
         if name == "dQ":
             self.check_ds_owners(c, j, where)
         fresh = name in ("S", "dP", "dQ")
@@ -444,16 +491,13 @@ class HopperBwdCta:
         self.expect(c, "dP", "dS", j, where)
         b, tile = j % self.buffers, self.plan.tiles["dS"]
         self.check_ds_overwrite(c, b, j, where)
-        cs, acc = self.maps["S"], c.acc["dP"]
-        ev = np.arange(0, acc.shape[1], 2)
-        dst = tile.stage_offset(b) // 2 + self.ds_table[64 * c.w + cs.rows[:, ev], cs.cols[:, ev]]
+        acc = c.acc["dP"]
+        dst = tile.stage_offset(b) // 2 + self.ds_targets[c.w]
         lo, hi = tile.stage_offset(b) // 2, tile.stage_offset(b + 1) // 2
-        if dst.min() < lo or dst.max() + 1 >= hi:
+        if dst.min() < lo or dst.max() >= hi:
             self.flag(where, f"consumer {c.w}: dS^T stores fall outside buffer {b} (elements {lo}..{hi - 1})")
-            dst = np.clip(dst, lo, hi - 2)
-        img = self.smem.view("<u2")
-        img[dst] = hw.encode(acc[:, ev], self.cfg.dtype)
-        img[dst + 1] = hw.encode(acc[:, ev + 1], self.cfg.dtype)
+            dst = np.clip(dst, lo, hi - 1)
+        self.smem.view("<u2")[dst] = hw.encode(acc, self.cfg.dtype)
         self.ds_owner[b][c.w] = j
         self.ds_stored[(c.w, j)] = int(c.vc[c.w])
 
@@ -480,7 +524,8 @@ class HopperBwdCta:
         self.count(c, "reduce", j)
         h, qb = self.work[j]
         cq, st = self.maps["dQ"], self.plan.dq_stage
-        rows, cols = qb * self.cfg.B_r + st.row0(c.w) + cq.rows, st.col0(c.w) + cq.cols
+        q, cols = st.element(c.w, cq.rows, cq.cols)
+        rows = qb * self.cfg.B_r + q
         ok = rows < self.prob.seq_q
         np.add.at(self.dq_accum[h], (rows[ok], cols[ok]), c.acc["dQ"][ok])
 

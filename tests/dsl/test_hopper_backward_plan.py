@@ -29,12 +29,16 @@ def test_the_shipped_query_blocks_are_128_rows_at_d_head_64_and_64_at_128():
     # d_head 64, 64-row query blocks: dQ's columns halved between the consumers
     (W("bf16", 64).replace(B_r=64), {"S": (64, 4), "dP": (64, 4), "dV": (64, 4), "dK": (64, 4), "dQ": (32, 8)}),
     (W("fp16", 128), {"S": (64, 8), "dP": (64, 8), "dV": (128, 4), "dK": (128, 4), "dQ": (64, 8)}),
+    # d_head 128, 80-row query blocks: dQ^T = K^T dS^T, 64 columns of d_head x 80 query rows per consumer
+    (W("bf16", 128).replace(B_r=80), {"S": (80, 8), "dP": (80, 8), "dV": (128, 5), "dK": (128, 5), "dQ": (80, 8)}),
 ], ids=str)
 def test_gemm_shapes_follow_the_query_block(cfg, gemms):
     plan = make_hopper_backward_plan(cfg)
     assert _shapes(plan) == (gemms, cfg.B_r // 16)
     assert plan.dq_cols * 64 * cfg.consumers == cfg.B_r * cfg.d_head
     assert plan.dq_stage.by_rows == (cfg.B_r == 128)
+    assert plan.dq_stage.transposed == plan.ds_store.trans == (cfg.B_r == 80)
+    assert (plan.tiles["dS"].rows, plan.tiles["dS"].cols) == ((80, 128) if cfg.B_r == 80 else (128, cfg.B_r))
 
 
 def test_ds_is_made_with_p_at_128_rows_only():
@@ -48,9 +52,9 @@ def test_ds_is_made_with_p_at_128_rows_only():
 
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("d_head", [64, 128])
-def test_every_shipped_variant_fits_shared_memory(d_head, stages, deterministic):
-    cfg = W("bf16", d_head, "causal", stages=stages).replace(deterministic=deterministic)
+@pytest.mark.parametrize("d_head, B_r", [(64, 128), (128, 64), (128, 80)])
+def test_every_shipped_variant_fits_shared_memory(d_head, B_r, stages, deterministic):
+    cfg = W("bf16", d_head, "causal", stages=stages).replace(deterministic=deterministic, B_r=B_r)
     assert cfg.smem_bytes == make_hopper_backward_plan(cfg).smem_bytes <= SMEM_LIMIT_BYTES
 
 
@@ -58,6 +62,8 @@ def test_every_shipped_variant_fits_shared_memory(d_head, stages, deterministic)
     ({"d_head": 128, "B_r": 128}, "B_r=128 at d_head=128"),
     ({"B_r": 192}, "B_r=192 at d_head=64"),
     ({"n_warps": 8, "B_c": 64}, "1 consumer(s) take B_r up to 64"),
+    ({"B_r": 80}, "B_r=80 at d_head=64"),
+    ({"d_head": 128, "B_r": 80, "n_warps": 8, "B_c": 64}, "d_head=128 needs 2 consumer(s)"),
 ])
 def test_query_blocks_the_plan_cannot_build_are_refused(changes, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -18,10 +18,11 @@ from flashgen.toolchain import find_nvcc
 
 W = BackwardConfig.wgmma
 #: the shipped d_head 128 (the register-heaviest dK and dV), both masks, one and two ring stages, the ordered dQ adds;
-#: the shipped d_head 64 (query blocks of 128 rows: the widest S^T and dP^T), plain and ordered (`flashgen check backward`
-#: compiles every shipped kernel)
+#: the shipped d_head 64 (query blocks of 128 rows: the widest S^T and dP^T), plain and ordered; d_head 128 with 80-row
+#: query blocks (dQ made transposed), plain and ordered (`flashgen check backward` compiles every shipped kernel)
 CONFIGS = [W("bf16", 128, "causal"), W("fp16", 128, "window", stages=1).replace(deterministic=True),
-           W("bf16", 64, "causal"), W("fp16", 64, stages=1).replace(deterministic=True)]
+           W("bf16", 64, "causal"), W("fp16", 64, stages=1).replace(deterministic=True),
+           W("bf16", 128).replace(B_r=80), W("fp16", 128, "causal").replace(B_r=80, deterministic=True)]
 GXX = shutil.which("g++")
 
 
@@ -49,7 +50,8 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
-@pytest.mark.parametrize("cfg", [W("bf16", 128), W("bf16", 64), W("bf16", 64).replace(B_r=64)], ids=BackwardConfig.mangle)
+@pytest.mark.parametrize("cfg", [W("bf16", 128), W("bf16", 64), W("bf16", 64).replace(B_r=64), W("bf16", 128).replace(B_r=80)],
+                         ids=BackwardConfig.mangle)
 def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, cfg):
     """Value i of consumer thread t (its accumulator map's row and column, placed at the consumer's row0 and col0)
     goes to DqStage.slot(t, i) of the consumer's region, through the kernels' C++ rule (slot_cpp, for the pair i,
@@ -71,10 +73,27 @@ def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, cfg):
     for w in range(st.consumers):
         for t in range(128):
             for i in range(st.cols // 2):
-                r, c = st.row0(w) + int(rows[t, i]), st.col0(w) + int(cols[t, i])
+                r, c = st.element(w, int(rows[t, i]), int(cols[t, i]))
                 placed[(r, c)] = w * st.rows * st.cols + st.slot(t, i)
     assert len(placed) == height * width and sorted(placed.values()) == list(range(height * width))
     assert all(index[r * width + c] == at for (r, c), at in placed.items())
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
+def test_the_transposed_ds_store_addresses_the_rows_the_simulator_stores(tmp_path):
+    """The emitted stmatrix .trans row address of every (instruction, lane, warp, consumer) (DsStore.lane_row_cpp,
+    compiled for the host) is the (query, key) that DsStore.lane_row gives the simulator and the proofs."""
+    plan = make_hopper_backward_plan(W("bf16", 128).replace(B_r=80))
+    st = plan.ds_store
+    query, key = st.lane_row_cpp()
+    src = tmp_path / "rows.cpp"
+    src.write_text("#include <cstdint>\n#include <cstdio>\nint main() { for (uint32_t cw = 0; cw < 2u; ++cw) "
+                   f"for (uint32_t wtid = 0; wtid < 128u; ++wtid) for (uint32_t t = 0; t < {st.instructions}u; ++t) {{ "
+                   f"const uint32_t lane = wtid % 32u; std::printf(\"%u %u\\n\", {query}, {key}); }} return 0; }}\n")
+    subprocess.run([GXX, "-O1", "-o", str(tmp_path / "rows"), str(src)], check=True)
+    got = [tuple(int(x) for x in line.split()) for line in
+           subprocess.run([str(tmp_path / "rows")], capture_output=True, text=True, check=True).stdout.splitlines()]
+    assert got == [st.lane_row(t, wtid % 32, wtid // 32, cw) for cw in range(2) for wtid in range(128) for t in range(st.instructions)]
 
 
 def test_d_head_64_splits_dq_by_rows_and_128_by_columns():

@@ -43,6 +43,19 @@ def test_an_engine_without_a_backward_is_refused(monkeypatch):
         engines.backward_of(cfg)
 
 
+def test_the_wgmma_tuning_space_times_both_query_block_sizes_of_a_head_size():
+    """Each shipped stage count with the head size's other query block size: 64 beside 128 at d_head 64, 80 beside
+    64 at d_head 128; a forward with mods is differentiated in 64-row blocks either way (ptxas spilled softcap's
+    code and serialized the wgmma with ALiBi at 80 rows)."""
+    from flashgen.dsl.dtypes import DType
+
+    for d_head, rows in ((64, [128, 64]), (128, [64, 80])):
+        space = engines.ENGINES["wgmma"].backward.tuning_space(DType.BF16, d_head)
+        assert [(c.B_r, c.stages) for c in space] == [(rows[0], 2), (rows[1], 2), (rows[0], 1), (rows[1], 1)]
+    narrow = BackwardConfig.wgmma("bf16", 128).replace(B_r=80)
+    assert engines.backward_of(narrow).with_mods(narrow) == narrow.replace(B_r=64)
+
+
 def test_a_forward_with_mods_is_differentiated_in_64_row_query_blocks(monkeypatch):
     """The wgmma backward at d_head 64 ships 128-row query blocks, where ptxas spills the mods' code: a forward
     carrying a score_mod or mask_mod gets its 64-row variant (its ordered dQ adds kept); without mods, or on an

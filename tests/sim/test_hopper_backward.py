@@ -13,6 +13,7 @@ from flashgen.cli import main
 from flashgen.dsl.atoms.hopper import GmmaSwizzle, kmajor_tile_layout
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+from flashgen.dsl.hopper_backward_smem import DsStore
 from flashgen.dsl.steps import Handoff, Release, WaitFull, WgmmaWait
 from flashgen.sim import hardware as hw
 from flashgen.sim.grad_reference import gradients
@@ -44,6 +45,11 @@ CASES = [
     (_cfg("bf16", mask="window", B_r=128), 1, 301, 101, 2, 1, {"window": (40, 7)}),
     (_cfg("bf16", stages=1, B_r=128), 2, 1, 1, 1, 1, {}),
     (_cfg("fp16", mask="causal", B_r=128).replace(deterministic=True), 1, 269, 141, 4, 2, {"causal": True}),
+    # query blocks of 80 rows at d_head 128: dQ^T = K^T dS^T, dS stored [query][key] by stmatrix .trans
+    (_cfg("bf16", d_head=128, B_r=80), 1, 201, 141, 2, 1, {}),
+    (_cfg("fp16", d_head=128, mask="causal", stages=1, B_r=80), 1, 101, 141, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (_cfg("bf16", d_head=128, mask="window", B_r=80), 1, 241, 101, 2, 1, {"window": (40, 7)}),
+    (_cfg("fp16", d_head=128, mask="causal", B_r=80).replace(deterministic=True), 1, 171, 141, 4, 2, {"causal": True}),
 ]
 
 
@@ -77,6 +83,9 @@ PLAN = make_hopper_backward_plan(_cfg())
 #: query blocks of 128 rows: each consumer's dQ reads its own query columns of dS^T
 ROWS = make_hopper_backward_plan(_cfg(B_r=128))
 INPUTS = _inputs(0, 1, 101, 141, 2, 1, 64)
+#: query blocks of 80 rows at d_head 128: dQ^T's A is K^T (the consumer's columns), its B the [query][key] dS tile
+T80 = make_hopper_backward_plan(_cfg("bf16", d_head=128, B_r=80))
+INPUTS_128 = _inputs(0, 1, 201, 141, 2, 1, 128)
 
 
 def _with_gemm(name, operand, plan=PLAN, **changes):
@@ -100,10 +109,19 @@ def _swapped_a_from_acc():
     return attrs.evolve(PLAN, a_from_acc=tuple(tuple(step) for step in table))
 
 
-def _ds_layout(swizzle):
-    tile = PLAN.tiles["dS"]
-    layout = kmajor_tile_layout(tile.rows, tile.cols, PLAN.cfg.dtype, swizzle)
-    return attrs.evolve(PLAN, tiles={**PLAN.tiles, "dS": attrs.evolve(tile, layout=layout)})
+def _ds_layout(swizzle, plan=PLAN):
+    tile = plan.tiles["dS"]
+    layout = kmajor_tile_layout(tile.rows, tile.cols, plan.cfg.dtype, swizzle)
+    return attrs.evolve(plan, tiles={**plan.tiles, "dS": attrs.evolve(tile, layout=layout)})
+
+
+@attrs.frozen
+class _SwappedKeyHalves(DsStore):
+    """A transposed dS store whose lanes address the other 8 keys of their 8x8 block's 16-key slice."""
+
+    def lane_row(self, t, lane, warp, consumer):
+        query, key = super().lane_row(t, lane, warp, consumer)
+        return query, key ^ 8
 
 
 @pytest.mark.parametrize("broken, check, wrong", [
@@ -117,12 +135,18 @@ def _ds_layout(swizzle):
     (lambda: _with_gemm("dQ", "a", ROWS, row_block_offset=0), "descriptors dQ", ("dq",)),
     (lambda: _swapped_steps("dV", "b", ROWS), "descriptors dV", ("dv",)),
     (lambda: _swapped_steps("dQ", "a", ROWS), "dS^T stores = dQ's A reads", ("dq",)),
+    (lambda: _ds_layout(GmmaSwizzle.B64, T80), "dS^T stores = dQ's A reads", ("dq",)),
+    (lambda: attrs.evolve(T80, ds_store=_SwappedKeyHalves(True, 80)), "dS^T stores = dQ's A reads", ("dq",)),
+    (lambda: _with_gemm("dQ", "a", T80, row_block_offset=0), "descriptors dQ", ("dq",)),
+    (lambda: _swapped_steps("dQ", "b", T80), "descriptors dQ", ("dq",)),
+    (lambda: _swapped_steps("dK", "b", T80), "descriptors dK", ("dk",)),
 ])
 def test_an_altered_plan_gives_wrong_gradients_and_fails_its_proof(broken, check, wrong):
     plan = broken()
     failing = [c.name for c in hopper_backward_checks(plan) if not c.ok]
     assert check in failing
-    errors = _errors(plan.cfg, simulate_hopper_backward(plan, *INPUTS), INPUTS, {})
+    inputs = INPUTS if plan.cfg.d_head == 64 else INPUTS_128
+    errors = _errors(plan.cfg, simulate_hopper_backward(plan, *inputs), inputs, {})
     assert all(errors[n][0] > 10 * errors[n][1] for n in wrong), errors
 
 
@@ -188,12 +212,28 @@ def test_one_ds_buffer_is_safe_with_one_ring_stage():
     assert res.ok, res.hazards[:3]
 
 
-@pytest.mark.parametrize("d_head, stages", [(64, 1), (64, 2), (128, 2)])
-def test_the_shipped_plans_are_covered_and_proven(d_head, stages):
-    plan = make_hopper_backward_plan(_cfg("bf16", d_head=d_head, stages=stages))
+@pytest.mark.parametrize("d_head, stages, B_r", [(64, 1, 64), (64, 2, 64), (128, 2, 64), (128, 2, 80), (128, 1, 80)])
+def test_the_shipped_plans_are_covered_and_proven(d_head, stages, B_r):
+    plan = make_hopper_backward_plan(_cfg("bf16", d_head=d_head, stages=stages, B_r=B_r))
     cov = hopper_backward_coverage(plan)
     assert all(c.ok for c in cov.values()), {n: c.detail for n, c in cov.items() if not c.ok}
     assert engines.verify_plan(plan).ok
+
+
+@attrs.frozen
+class _FirstKeyHalf(DsStore):
+    """A transposed dS store whose lanes all address the first 8 keys of their 16-key slice."""
+
+    def lane_row(self, t, lane, warp, consumer):
+        query, key = super().lane_row(t, lane, warp, consumer)
+        return query, key & ~8
+
+
+def test_a_transposed_ds_store_that_misses_keys_fails_coverage():
+    """stmatrix .trans lanes addressing the first 8 keys for both 8x8 blocks of a 16-key slice store them twice."""
+    assert hopper_backward_coverage(T80)["store_dS"].ok
+    cov = hopper_backward_coverage(attrs.evolve(T80, ds_store=_FirstKeyHalf(True, 80)))["store_dS"]
+    assert not cov.ok
 
 
 def test_a_tile_layout_other_than_tma_s_fails_coverage():
