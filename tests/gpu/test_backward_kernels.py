@@ -1,5 +1,5 @@
-"""The emitted mma.sync backward on a GPU: dQ, dK, dV of the three kernels (preprocess, main,
-dQ conversion) against float64 autograd (flashgen.reference.gradients) within FlashAttention's rule,
+"""The emitted backward on a GPU (mma.sync; wgmma on compute capability 9.0): dQ, dK, dV of the three kernels
+(preprocess, main, dQ conversion) against float64 autograd (flashgen.reference.gradients) within FlashAttention's rule,
 measured by the same gradients at the kernel's 16-bit roundings (flashgen.sim.grad_reference).
 
 The .cu is compiled to a shared library with nvcc and called through its C launcher with ctypes
@@ -18,9 +18,8 @@ torch = pytest.importorskip("torch")
 
 from flashgen import reference  # noqa: E402
 from flashgen.dsl.backward_config import BackwardConfig  # noqa: E402
-from flashgen.dsl.backward_plan import make_backward_plan  # noqa: E402
+from flashgen import engines  # noqa: E402
 from flashgen.emit.abi import BACKWARD_FIELDS
-from flashgen.emit.backward_kernel import emit_backward  # noqa: E402
 from flashgen.sim.grad_reference import gradients as lowp_gradients  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the kernel")]
@@ -39,12 +38,13 @@ _I64x3 = ctypes.c_int64 * 3
 
 
 def _library(cfg: BackwardConfig, tmp_path):
-    src = emit_backward(make_backward_plan(cfg))
+    src = engines.emit_backward(cfg)
     cu, so = tmp_path / f"{src.name}.cu", tmp_path / f"{src.name}.so"
     cu.write_text(src.text)
     major, minor = torch.cuda.get_device_capability()
-    arch = "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
-    subprocess.run(["nvcc", "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
+    # sm_90a's PTX (wgmma, setmaxnreg): -arch=sm_90a alone also embeds compute_90 PTX, which ptxas cannot assemble
+    target = "-gencode=arch=compute_90a,code=sm_90a" if (major, minor) == (9, 0) else f"-arch=sm_{major}{minor}"
+    subprocess.run(["nvcc", "-O3", "-std=c++17", "--expt-relaxed-constexpr", target, "-shared", "-Xcompiler", "-fPIC",
                     str(cu), "-o", str(so)], check=True, capture_output=True)
     return ctypes.CDLL(str(so)), src.name
 
@@ -84,12 +84,20 @@ CASES = [
     (BackwardConfig("bf16", n_warps=8, d_split=2, mask="causal", stages=2), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
     (BackwardConfig("fp16", d_head=64, mask="window", stages=2), 1, 513, 200, 2, 2, {"window": (50, 7)}),
     (BackwardConfig("bf16", d_head=256, n_warps=8, d_split=2, stages=2), 1, 1, 1, 1, 1, {}),
+    # wgmma, d_head 128: the shipped 64-row query blocks and the 80-row prototype (dQ^T = K^T dS^T)
+    (BackwardConfig.wgmma("bf16", 128), 1, 1000, 777, 4, 2, {}),
+    (BackwardConfig.wgmma("bf16", 128).replace(B_r=80), 1, 1000, 777, 4, 2, {}),
+    (BackwardConfig.wgmma("fp16", 128, "causal").replace(B_r=80), 2, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (BackwardConfig.wgmma("bf16", 128, "causal", stages=1).replace(B_r=80, deterministic=True), 1, 333, 333, 2, 2, {"causal": True}),
+    (BackwardConfig.wgmma("bf16", 128, "window").replace(B_r=80), 1, 241, 101, 2, 1, {"window": (40, 7)}),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_backward_kernels_match_float64_autograd(case, tmp_path):
     cfg, B, Sq, Sk, H, Hk, mask = CASES[case]
+    if cfg.engine == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma backward needs sm_90a")
     g = torch.Generator(device="cuda").manual_seed(case)
     dt = cfg.dtype.torch
     q, do = (torch.randn(B, Sq, H, cfg.d_head, device="cuda", generator=g).to(dt) for _ in range(2))
