@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from .atoms.copy import RF2SM, CopyAtom, RF2SM_stmatrix
 from .atoms.hopper import kmajor_tile_layout
 from .config import WGMMA_M
 from .hopper_plan import SMEM_ALIGN, SWIZZLE, SmemTile
@@ -112,6 +113,11 @@ class DsStore:
 
     trans: bool
     query_cols: int  # B_r
+
+    @property
+    def atom(self) -> CopyAtom:
+        """The store instruction: ``stmatrix.x4.trans`` (``trans``), else a 32-bit ``st.shared.b32`` per pair."""
+        return RF2SM_stmatrix(4, trans=True) if self.trans else RF2SM()
 
     @property
     def instructions(self) -> int:

@@ -21,7 +21,7 @@ from ..dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, Reduce
 from .abi import backward_args_struct
 from .backward_kernel import aux_kernels, mask_blocks_lines
 from .hopper_kernel import TARGET, TENSOR_MAPS
-from .ptx import hopper as ptx_hopper, math as ptx_math, red, turns, vec
+from .ptx import hopper as ptx_hopper, math as ptx_math, red, stmatrix as ptx_stmatrix, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .source import KernelSource, kernel_meta
 from .template import SMEM_ATTRIBUTE, CodeTemplate, compose
@@ -151,7 +151,9 @@ def _convert(plan: HopperBackwardPlan, step: ConvertP) -> list[str]:
 
 
 def _store_ds(plan: HopperBackwardPlan) -> list[str]:
-    if not plan.dq_stage.transposed:
+    """The consumer's dS^T accumulators into buffer ``buf`` of the dS tile (the plan's DsStore): a 32-bit pair per
+    two values, or ``B_r / 16`` stmatrix .trans into the [query][key] tile."""
+    if not plan.ds_store.trans:
         lay = plan.tiles["dS"].layout.to_cpp(["64 * cw + r", "c"])
         return _per_value(plan, "B_r / 2", [f"st_shared_b32(sdS + buf * DS_BYTES + 2 * ({lay}), pack2(dp_acc[i], dp_acc[i + 1]));"], step=2)
     query, key = plan.ds_store.lane_row_cpp()
@@ -160,7 +162,7 @@ def _store_ds(plan: HopperBackwardPlan) -> list[str]:
     return ["// DsStore: stmatrix .trans of the 8x8 blocks (key half, query chunk); lane l addresses a query row of block l / 8",
             "#pragma unroll", "for (uint32_t t = 0; t < B_r / 16; ++t) {",
             "    const uint32_t lane = wtid % 32u;",
-            f"    stmatrix_x4_trans(sdS + buf * DS_BYTES + 2 * ({lay}), {regs});", "}"]
+            f"    {ptx_stmatrix.helper_name(plan.ds_store.atom)}(sdS + buf * DS_BYTES + 2 * ({lay}), {regs});", "}"]
 
 
 def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
@@ -490,7 +492,8 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
     g = plan.gemms
     wgmma_fns = [ptx_hopper.wgmma(g[n].atom, g[n].trans_b, g[n].trans_a) if g[n].a_from == "smem" else ptx_hopper.wgmma_rs(g[n].atom, g[n].trans_b)
                  for n in ("S", "dV", "dQ")]
-    helpers = [vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns] + \
+    stores = [ptx_stmatrix.helper(plan.ds_store.atom)] if plan.ds_store.trans else []
+    helpers = [*stores, vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns] + \
         ([turns.helpers()] if cfg.deterministic else []) + ([] if plan.dq_stage.staged else [red.helpers(RF2GM_red())])
     env = dict(
         name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), gencode=TARGET.gencode,

@@ -22,6 +22,11 @@ Instructions
     it receives the transposed matrix's row, i.e. rows ``2*(l%4) + {0,1}`` of column
     ``l/4``.
 
+``stmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16`` (PTX 9.7.14.5.16, sm_90):
+    ldmatrix's addressing and fragment, the other way: register ``i`` of lane ``l``, row ``l/4``
+    columns ``2*(l%4) + {0,1}`` of matrix ``i``, is stored there (``.trans``: at rows
+    ``2*(l%4) + {0,1}`` of column ``l/4``).
+
 ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32`` (PTX 9.7.14.5.8,
 "Matrix Fragments for mma.m16n8k16 with floating point type")::
 
@@ -165,6 +170,16 @@ def ldmatrix(smem: np.ndarray, lane_addr: np.ndarray, num: int = 4, trans: bool 
     if off.min() < 0 or off.max() >= smem.shape[0]:
         raise IndexError("ldmatrix: a row address lies outside the shared-memory array")
     return smem[off]
+
+
+def stmatrix_offsets(lane_addr: np.ndarray, num: int, trans: bool) -> np.ndarray:
+    """Element offsets written from ``[lane, reg, half]`` by one ``stmatrix.x{num}[.trans]``.
+
+    The ISA gives stmatrix ldmatrix's addressing and fragment (lanes ``8i..8i+7`` name matrix ``i``'s
+    rows, register ``i`` of lane ``l`` holds row ``l/4`` columns ``2*(l%4) + {0,1}`` of matrix ``i``, stored
+    transposed under ``.trans``), so each register half goes to the element ldmatrix would load it from.
+    """
+    return ldmatrix_offsets(lane_addr, num, trans)
 
 
 # ---- mma.m16n8k16 fragment maps (PTX ISA) -----------------------------------------------

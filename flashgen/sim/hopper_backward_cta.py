@@ -23,8 +23,8 @@ What is modelled
 * **dS^T**: ``store_rf dS`` writes buffer ``item % buffers`` as the plan's ``ds_store`` says
   (:func:`ds_store_targets`): pairs of adjacent accumulator values as one 32-bit store at
   ``layout(64 w + row, col)`` (the second half at the next element, as ``st.shared.b32`` does), or, for a
-  [query][key] tile, ``stmatrix.x4.trans`` modelled from the ISA; the ``handoff`` is a named barrier over
-  the consumers.
+  [query][key] tile, ``stmatrix.x4.trans`` (:func:`~flashgen.sim.hardware.stmatrix_offsets`); the
+  ``handoff`` is a named barrier over the consumers.
 * **Happens-before**: vector clocks over the consumers and the producer, joined at the mbarriers
   (release -> fill -> wait) and the handoff barrier, decide whether one consumer's access is ordered
   after another's, whatever order this run happened to take.
@@ -80,18 +80,6 @@ def tile_table(tile) -> np.ndarray:
     return offsets(tile.layout).reshape(tile.cols, tile.rows).T
 
 
-def stmatrix_x4_trans(row_elems: np.ndarray) -> np.ndarray:
-    """``stmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` of one warp (PTX ISA "stmatrix"), from the ISA alone:
-    ``row_elems[lane]`` is the element offset lane ``lane`` gives (row ``lane % 8`` of matrix ``lane / 8``); register
-    ``m`` of lane ``l`` holds matrix ``m``'s elements (row ``l / 4``, columns ``2 (l % 4)`` and ``+ 1``) as its low and
-    high halves, and .trans stores element (row, col) at position ``row`` of row address ``col``. Returns ``[lane,
-    m, half]`` -> element offset written."""
-    lane = np.arange(32)[:, None, None]
-    m, half = np.arange(4)[None, :, None], np.arange(2)[None, None, :]
-    row, col = lane // 4, 2 * (lane % 4) + half
-    return row_elems[8 * m + col] + row
-
-
 #: ds_store_targets' offset of a value whose row or column lies past the tile
 OUTSIDE = -(1 << 40)
 
@@ -117,7 +105,7 @@ def ds_store_targets(plan: HopperBackwardPlan, w: int) -> np.ndarray:
     for warp in range(WG // 32):
         for t in range(st.instructions):
             query, key = np.array([st.lane_row(t, lane, warp, w) for lane in range(32)]).T
-            put = stmatrix_x4_trans(at(query, key))
+            put = hw.stmatrix_offsets(at(query, key), 4, trans=True)
             for m, (lo, hi) in enumerate(st.regs(t)):
                 out[32 * warp:32 * warp + 32, lo] = put[:, m, 0]
                 out[32 * warp:32 * warp + 32, hi] = put[:, m, 1]

@@ -1,4 +1,4 @@
-"""Hardware semantics on hand-checkable cases: ldmatrix, the m16n8k16 fragments, banks, fp32 math."""
+"""Hardware semantics on hand-checkable cases: ldmatrix, stmatrix, the m16n8k16 fragments, banks, fp32 math."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,6 +45,17 @@ def test_ldmatrix_trans_identity_coded():
                 row = 8 * (i % 2) + 2 * (lane % 4) + h
                 col = 8 * (i // 2) + lane // 4
                 assert regs[lane, i, h] == row * 256 + col
+
+
+def test_stmatrix_trans_puts_fragment_column_rows_at_the_lane_rows():
+    """stmatrix.x4.trans, each lane's row on its own 64-element line: the fragment's (row l/4, column 2*(l%4)+h)
+    of matrix i lands at position l/4 of the row lane 8i + 2*(l%4) + h names."""
+    addr = np.arange(32) * 64
+    off = hw.stmatrix_offsets(addr, 4, trans=True)
+    for lane in range(32):
+        for i in range(4):
+            for h in range(2):
+                assert off[lane, i, h] == (8 * i + 2 * (lane % 4) + h) * 64 + lane // 4
 
 
 @pytest.mark.parametrize("num", [1, 2])

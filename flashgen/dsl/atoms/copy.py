@@ -29,7 +29,7 @@ class CopyAtom:
     elems: int
     section: str
     trans: bool = False
-    num: int = 1  # ldmatrix: matrices per instruction (x1/x2/x4)
+    num: int = 1  # ldmatrix, stmatrix: matrices per instruction (x1/x2/x4)
 
     @property
     def bytes_per_thread(self) -> int:
@@ -83,6 +83,19 @@ def SM2RF(num: int = 4, trans: bool = False) -> CopyAtom:
         raise ValueError(f"ldmatrix moves 1, 2 or 4 matrices, not {num}")
     name = f"SM75_U16x{2 * num}_LDSM_T" if trans else f"SM75_U32x{num}_LDSM_N"
     return CopyAtom(name, "ldmatrix", SM, RF, 2 * num, "9.7.14.5.15 ldmatrix", trans=trans, num=num)
+
+
+def RF2SM_stmatrix(num: int = 4, trans: bool = False) -> CopyAtom:
+    """``stmatrix.sync.aligned.m8n8.x{num}[.trans].shared.b16`` (PTX 9.7.14.5.16, sm_90).
+
+    ldmatrix's inverse, with its fragment: lanes 8*i .. 8*i+7 supply the row addresses of
+    matrix i; source register i of every lane holds a fragment of matrix i (row ``l/4``,
+    columns ``2*(l%4)+{0,1}``), which ``.trans`` stores transposed.
+    """
+    if num not in (1, 2, 4):
+        raise ValueError(f"stmatrix moves 1, 2 or 4 matrices, not {num}")
+    name = f"SM90_U16x{2 * num}_STSM_T" if trans else f"SM90_U32x{num}_STSM_N"
+    return CopyAtom(name, "stmatrix", RF, SM, 2 * num, "9.7.14.5.16 stmatrix", trans=trans, num=num)
 
 
 # ---- where lanes point an ldmatrix.x4 inside a 16x16 block -------------------------------

@@ -27,12 +27,6 @@ __device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
-// Four 8x8 16-bit matrices from C-fragment pairs, each stored transposed (PTX ISA "stmatrix"): lane l names row
-// l % 8 of matrix l / 8 (16 contiguous bytes), which receives column l % 8 of the fragment's matrix.
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
 // Two fp32 values to 8 aligned bytes of shared memory.
 __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
