@@ -87,7 +87,8 @@ def wgmma_checks(plan: HopperPlan) -> tuple[Check, ...]:
 
 def hopper_backward_checks(plan: HopperBackwardPlan) -> tuple[Check, ...]:
     """The proofs of a wgmma backward plan: the accumulator-to-A table of dV and dK, the S^T accumulator
-    pattern, every GEMM's descriptors, the dS^T stores against dQ's A reads, the barrier counts."""
+    pattern, every GEMM's descriptors, the dS tile's stores against dQ's reads of it (its A operand, or its B where
+    dQ is made transposed), the barrier counts."""
     from flashgen.sim.hopper_backward_checks import barrier_problems, descriptor_problems, ds_handoff_problems
 
     g = plan.gemms
@@ -96,7 +97,7 @@ def hopper_backward_checks(plan: HopperBackwardPlan) -> tuple[Check, ...]:
         Check("a_from_acc (dS^T -> dK)", tuple(acc_to_a_problems(plan.a_from_acc, g["dP"].atom.c_map, g["dK"].atom.a_map, "dS^T"))),
         Check("S^T accumulator pattern", tuple(c_chunk_problems(g["S"].atom.c_map))),
     ) + tuple(Check(f"descriptors {name}", tuple(descriptor_problems(plan, name)[:SHOWN])) for name in g) + (
-        Check("dS^T stores = dQ's A reads", tuple(ds_handoff_problems(plan)[:SHOWN])),
+        Check("dS stores = dQ's dS operand reads", tuple(ds_handoff_problems(plan)[:SHOWN])),
         Check("barriers and ring", tuple(barrier_problems(plan))),
     )
 
