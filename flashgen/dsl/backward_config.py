@@ -46,8 +46,7 @@ WG_WARPS = 4
 #: dV leave room for 64 only
 WGMMA_B_R = {64: 128, 128: 64}
 #: wgmma: query block sizes the backward takes by head size (64 or 128, either consumer making 64 rows of dQ at 128;
-#: 80 at d_head 128, dQ made transposed, dQ^T = K^T dS^T, so that its M is a consumer's 64 columns of d_head).
-#: Prototype: B_r 80 compiles for the feasibility study; the CPU proofs and the CTA simulation do not take it yet
+#: 80 at d_head 128, dQ made transposed, dQ^T = K^T dS^T, so that its M is a consumer's 64 columns of d_head)
 WGMMA_B_RS = {64: (64, 128), 128: (64, 80)}
 #: wgmma: head sizes its tiles take (whole 64-column TMA boxes; d_head 256's dK and dV do not fit the registers)
 WGMMA_D_HEADS = (64, 128)

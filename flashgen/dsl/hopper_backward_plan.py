@@ -1,8 +1,8 @@
 """The plan of the wgmma backward (sm_90a): TMA tiles, the query-block ring, five warpgroup GEMMs.
 
 One CTA owns key block ``kb`` (``B_c`` = 64 x consumers key rows of one kv head) and walks the query
-blocks of ``B_r`` rows (64, or 128 at d_head 64: :data:`~flashgen.dsl.backward_config.WGMMA_B_R`) that
-meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`), for every query head of its group, as
+blocks of ``B_r`` rows (64; 128 at d_head 64 or 80 at d_head 128:
+:data:`~flashgen.dsl.backward_config.WGMMA_B_RS`) that meet it (:class:`~flashgen.attention.query_blocks.QueryBlocks`), for every query head of its group, as
 the mma.sync backward does:
 
 * warpgroup 0 is the **producer**: one thread loads K and V once (TMA, one barrier), then per query
@@ -18,15 +18,17 @@ GEMM        consumer tile (m x n, k)         A operand                    B oper
 ``dV``      dV += P^T dO (64 x d, B_r)       P^T: S^T's accumulator       sdO, MN-major
 ``dK``      dK += dS^T Q (64 x d, B_r)       dS^T: dP^T's accumulator     sQ, MN-major
 ``dQ``      dQ = dS K (64 x n, B_c)          sdS (every consumer's dS^T   sK, own columns, MN-major
-                                             rows; own query columns),
+            (B_r 64 or 128)                  rows; own query columns),
                                              MN-major
+``dQ``      dQ^T = K^T dS^T (64 x 80, B_c)   sK, own columns of d_head,   sdS stored [query][key]
+            (B_r 80)                         MN-major                     (dS), K-major
 ==========  ===============================  ===========================  ==============================
 
 The consumers split the block's dQ (:class:`~flashgen.dsl.hopper_backward_smem.DqStage`) by columns at
 ``B_r`` = 64 (each all 64 query rows x ``n`` = d / consumers columns) and by rows at ``B_r`` = 128 (each
 64 query rows x ``n`` = d columns, the A operand starting at its query columns of the dS^T tile).
 
-Query blocks of 80 rows at d_head 128 (a prototype: 80 is no wgmma M) make dQ transposed, dQ^T = K^T dS^T:
+Query blocks of 80 rows (d_head 128; 80 is no wgmma M, but a wgmma N) make dQ transposed, dQ^T = K^T dS^T:
 consumer ``w``'s M is columns ``[64 w, 64 w + 64)`` of d_head (A: sK MN-major from that column box), N the 80
 query rows (B: the dS tile stored [query][key], K-major, written from the S^T-shaped accumulators with
 ``stmatrix .trans``: :class:`~flashgen.dsl.hopper_backward_smem.DsStore`).

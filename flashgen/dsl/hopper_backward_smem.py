@@ -1,4 +1,5 @@
-"""Shared-memory placement of the wgmma backward (sm_90a): its tiles, statistics, staged dQ and mbarriers.
+"""Shared-memory placement of the wgmma backward (sm_90a): its tiles, statistics, staged dQ and mbarriers, and
+how the two tiles the consumers write from registers (dS, dQ) take their accumulators.
 
 Kept apart from :mod:`flashgen.dsl.hopper_backward_plan` so that :class:`~flashgen.dsl.backward_config.BackwardConfig`
 can size a config (``smem_bytes``) without building its plan. ``cfg`` is a wgmma ``BackwardConfig``.
@@ -27,8 +28,9 @@ class DqStage:
     A consumer's dQ is one ``rows x cols`` wgmma tile (``rows`` = 64, its M) of the ``B_r x d_head`` block:
     split by columns (``by_rows`` false: a 64-row query block, consumer ``w`` makes every row of columns
     ``[w cols, (w + 1) cols)``) or by rows (``by_rows``: 64 query rows per consumer, consumer ``w`` makes
-    rows ``[64 w, 64 w + 64)`` of every column). Either way consumer ``w``'s region is the ``w``-th of the
-    chunk.
+    rows ``[64 w, 64 w + 64)`` of every column), or transposed (``transposed``: an 80-row query block, the
+    tile is dQ^T, 64 columns of d_head x 80 query rows, consumer ``w`` makes columns ``[64 w, 64 w + 64)`` of
+    every row). Each way consumer ``w``'s region is the ``w``-th of the chunk.
 
     Unordered adds go straight from the accumulators with ``red.global.add.v2.f32`` (no shared memory,
     no barrier: on an H100 8-10% less backward time at d_head 64 and 0.5-2.5% at 128 than staging them).
@@ -39,8 +41,8 @@ class DqStage:
     the accumulator map."""
 
     offset: int  # bytes from the aligned shared-memory base: consumer w's region at offset + w * region_bytes (staged)
-    rows: int  # query rows of a consumer's dQ (a wgmma's M)
-    cols: int  # dQ columns per consumer
+    rows: int  # a consumer's dQ tile's rows (a wgmma's M): query rows, or columns of d_head where ``transposed``
+    cols: int  # its columns (the wgmma's N): columns of d_head, or query rows where ``transposed``
     consumers: int
     staged: bool
     by_rows: bool = False  # consumers side by side down the query rows (else along the columns)

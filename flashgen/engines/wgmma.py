@@ -77,7 +77,7 @@ class WgmmaBackward(BackwardKernels):
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
         """The shipped shape with two and one ring stages, and each with the head size's other query block size
-        (64 rows where it ships 128 at d_head 64; 80 where it ships 64 at d_head 128, a prototype); the other knobs
+        (64 rows where it ships 128 at d_head 64; 80 where it ships 64 at d_head 128); the other knobs
         are fixed by the head size."""
         from ..dsl.backward_config import WGMMA_B_RS, BackwardConfig
 

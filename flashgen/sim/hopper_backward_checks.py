@@ -137,8 +137,9 @@ def barrier_problems(plan: HopperBackwardPlan) -> list[str]:
 
 
 def dq_split_problems(plan: HopperBackwardPlan) -> list[str]:
-    """The consumers' dQ tiles (each the dQ GEMM's 64 x N at ``row0``, ``col0``) cover the query block's
-    ``B_r x d_head`` exactly once; the chunk holds every consumer's region."""
+    """The consumers' dQ tiles (each the dQ GEMM's 64 x N at ``row0``, ``col0``: 64 query rows x N columns of
+    d_head, or, ``transposed`` at 80 rows, N = 80 query rows x 64 columns) cover the query block's ``B_r x
+    d_head`` exactly once; the chunk holds every consumer's region."""
     cfg, st, out = plan.cfg, plan.dq_stage, []
     count = np.zeros((cfg.B_r + 64, cfg.d_head + max(st.cols, 64)), np.int64)
     n = plan.gemms["dQ"].atom.N
