@@ -96,6 +96,16 @@ def test_the_transposed_ds_store_addresses_the_rows_the_simulator_stores(tmp_pat
     assert got == [st.lane_row(t, wtid % 32, wtid // 32, cw) for cw in range(2) for wtid in range(128) for t in range(st.instructions)]
 
 
+def test_only_the_transposed_ds_store_brings_its_stmatrix_helper():
+    """The 80-row kernel stores dS with its DsStore's stmatrix atom, whose helper it defines once; the 64-row kernel
+    stores 32-bit pairs and carries no stmatrix helper."""
+    t80, t64 = (emit_hopper_backward(make_hopper_backward_plan(W("bf16", 128).replace(B_r=b))).text for b in (80, 64))
+    assert make_hopper_backward_plan(W("bf16", 128).replace(B_r=80)).ds_store.atom.family == "stmatrix"
+    assert t80.count("void stmatrix_x4_trans(") == 1 and t80.count("stmatrix_x4_trans(sdS + buf * DS_BYTES") == 1
+    assert "st_shared_b32(" not in t80
+    assert "stmatrix" not in t64.replace("st.shared or stmatrix wrote", "") and "st_shared_b32(sdS + buf * DS_BYTES" in t64
+
+
 def test_d_head_64_splits_dq_by_rows_and_128_by_columns():
     """A 128-row query block gives each consumer 64 query rows of every column (its A operand starts at its query
     columns of dS^T, one 64-column swizzle box on); a 64-row block gives each consumer half of the columns (its B
