@@ -21,7 +21,8 @@ from flashgen.dsl.hopper_plan import SMEM_ALIGN
 from flashgen.sim.backward_cta import BackwardResult, BwdPass
 from flashgen.sim.copies import Coverage, coverage_of
 from flashgen.sim.hopper import SWIZZLE_SPAN, c_table, tma_byte_addresses
-from flashgen.sim.hopper_backward_cta import HopperBwdCta, ds_store_targets, tile_table
+from flashgen.sim.hopper_backward_cta import HopperBwdCta
+from flashgen.sim.hopper_backward_smem import ds_store_targets, tile_table
 
 _F32 = np.float32
 
@@ -99,7 +100,7 @@ def _tma_coverage(plan: HopperBackwardPlan, name: str) -> Coverage:
 
 
 def _ds_store_coverage(plan: HopperBackwardPlan) -> Coverage:
-    """The consumers' dS^T stores (:func:`~flashgen.sim.hopper_backward_cta.ds_store_targets`: 32-bit value pairs of
+    """The consumers' dS^T stores (:func:`~flashgen.sim.hopper_backward_smem.ds_store_targets`: 32-bit value pairs of
     the S^T accumulator at rows ``64 w + row``, or stmatrix .trans into a [query][key] tile) write each element of a
     buffer once; a 32-bit pair's second value lands where the layout puts its (row, column)."""
     tile, cs = plan.tiles["dS"], c_table(plan.gemms["S"].atom)

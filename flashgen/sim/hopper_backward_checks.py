@@ -28,7 +28,7 @@ import numpy as np
 from flashgen.dsl.atoms.hopper import descriptor_addresses, descriptor_addresses_mn
 from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
 from flashgen.sim.hopper import c_table
-from flashgen.sim.hopper_backward_cta import ds_store_targets, tile_table
+from flashgen.sim.hopper_backward_smem import ds_store_targets, tile_table
 
 #: (GEMM, operand) -> (tile, K-major: rows and columns are (m or n, k), else (k, m or n), consumer column offset)
 _NEEDS = {
@@ -88,7 +88,7 @@ def descriptor_problems(plan: HopperBackwardPlan, gemm: str) -> list[str]:
 
 
 def ds_handoff_problems(plan: HopperBackwardPlan) -> list[str]:
-    """What the consumers' dS^T stores (:func:`~flashgen.sim.hopper_backward_cta.ds_store_targets`: 32-bit pairs, or
+    """What the consumers' dS^T stores (:func:`~flashgen.sim.hopper_backward_smem.ds_store_targets`: 32-bit pairs, or
     stmatrix .trans into a [query][key] tile) put at each address is what every consumer's dQ descriptors read
     there: dS^T[16 s + kk, row0(w) + m] as dQ's A, or (dQ^T) dS^T[16 s + kk, n] as its B."""
     tile, cs = plan.tiles["dS"], c_table(plan.gemms["S"].atom)

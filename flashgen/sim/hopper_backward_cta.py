@@ -21,7 +21,7 @@ What is modelled
   operands), so a missing wait or an early release gives wrong numbers, not only a hazard line.
   A k16 step is ``fp32(C + A B^T)`` with float64 products (:func:`~flashgen.sim.hopper.wgmma_k16`).
 * **dS^T**: ``store_rf dS`` writes buffer ``item % buffers`` as the plan's ``ds_store`` says
-  (:func:`ds_store_targets`): pairs of adjacent accumulator values as one 32-bit store at
+  (:func:`~flashgen.sim.hopper_backward_smem.ds_store_targets`): pairs of adjacent accumulator values as one 32-bit store at
   ``layout(64 w + row, col)`` (the second half at the next element, as ``st.shared.b32`` does), or, for a
   [query][key] tile, ``stmatrix.x4.trans`` (:func:`~flashgen.sim.hardware.stmatrix_offsets`); the
   ``handoff`` is a named barrier over the consumers.
@@ -58,7 +58,7 @@ from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem, backward_dscores, backward_scores, scale_log2
 from flashgen.sim.block_mask import BackwardView
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, walk_consumers, wgmma_k16
-from flashgen.sim.layout_eval import offsets
+from flashgen.sim.hopper_backward_smem import ds_store_targets
 
 _F32 = np.float32
 #: registers a GEMM's group reads and writes (accumulators S, dP, dV, dK, dQ; A fragments P, dS)
@@ -73,43 +73,6 @@ _FRAG_OF = {"P": "S", "dS": "dP"}
 def _addresses(desc: SmemDescriptor, n: int, mn: bool, dtype) -> np.ndarray:
     """Byte addresses ``[n, 16]`` of one k16 slice of a descriptor (MN- or K-major)."""
     return (descriptor_addresses_mn if mn else descriptor_addresses)(desc, n, 16, dtype)
-
-
-def tile_table(tile) -> np.ndarray:
-    """``[row, col]`` -> element offset of a shared tile's layout (from its stage base)."""
-    return offsets(tile.layout).reshape(tile.cols, tile.rows).T
-
-
-#: ds_store_targets' offset of a value whose row or column lies past the tile
-OUTSIDE = -(1 << 40)
-
-
-def ds_store_targets(plan: HopperBackwardPlan, w: int) -> np.ndarray:
-    """``[thread, value]`` -> element offset (from the buffer's base) where consumer ``w``'s dS^T store puts
-    accumulator value ``value`` of thread ``thread`` (the plan's :class:`~flashgen.dsl.hopper_backward_smem.DsStore`);
-    negative where the store addresses a row or column past the tile."""
-    tile, cs, st = plan.tiles["dS"], c_table(plan.gemms["S"].atom), plan.ds_store
-    table = tile_table(tile)
-
-    def at(r, c):
-        inside = (r < tile.rows) & (c < tile.cols)
-        return np.where(inside, table[np.minimum(r, tile.rows - 1), np.minimum(c, tile.cols - 1)], OUTSIDE)
-
-    if not st.trans:  # one 32-bit store per even value at its (key, query), the odd value in the next element
-        ev = np.arange(0, cs.rows.shape[1], 2)
-        out = np.zeros(cs.rows.shape, np.int64)
-        out[:, ev] = at(64 * w + cs.rows[:, ev], cs.cols[:, ev])
-        out[:, ev + 1] = out[:, ev] + 1
-        return out
-    out = np.full(cs.rows.shape, OUTSIDE, np.int64)
-    for warp in range(WG // 32):
-        for t in range(st.instructions):
-            query, key = np.array([st.lane_row(t, lane, warp, w) for lane in range(32)]).T
-            put = hw.stmatrix_offsets(at(query, key), 4, trans=True)
-            for m, (lo, hi) in enumerate(st.regs(t)):
-                out[32 * warp:32 * warp + 32, lo] = put[:, m, 0]
-                out[32 * warp:32 * warp + 32, hi] = put[:, m, 1]
-    return out
 
 
 @attrs.define
