@@ -40,11 +40,12 @@ REGS_PER_CTA = min(t.regs_per_sm for t in TARGETS.values())
 ENGINES = ("mma_sync", "wgmma")
 #: wgmma: warpgroups of 4 warps; one producer, the rest consumers of 64 key rows each
 WG_WARPS = 4
-#: wgmma: query rows per block by head size (the N of S^T and dP^T: B_r / 2 accumulator registers each per
-#: thread). d_head 64 takes 128 (two consumers each making 64 query rows of dQ): S^T, dP^T and dQ read their
-#: shared-memory operands in wider GEMMs, which at 64 rows were bound by shared-memory bandwidth; d_head 128's dK and
-#: dV leave room for 64 only
-WGMMA_B_R = {64: 128, 128: 64}
+#: wgmma: query rows per block by head size, unmasked and masked (the N of S^T and dP^T: B_r / 2 accumulator
+#: registers each per thread). d_head 64 takes 128 (two consumers each making 64 query rows of dQ): S^T, dP^T and dQ
+#: read their shared-memory operands in wider GEMMs, which at 64 rows were bound by shared-memory bandwidth (H100:
+#: 8-12% faster). d_head 128 takes 80 unmasked (dQ made transposed; H100: 10-16% faster than 64) but 64 under a
+#: causal or window mask, whose diagonal cuts more of the 80-row blocks (there 80 was 1-4% slower)
+WGMMA_B_R = {64: (128, 128), 128: (80, 64)}
 #: wgmma: query block sizes the backward takes by head size (64 or 128, either consumer making 64 rows of dQ at 128;
 #: 80 at d_head 128, dQ made transposed, dQ^T = K^T dS^T, so that its M is a consumer's 64 columns of d_head)
 WGMMA_B_RS = {64: (64, 128), 128: (64, 80)}
@@ -104,12 +105,12 @@ class BackwardConfig:
 
     @classmethod
     def wgmma(cls, dtype: "DType | str", d_head: int, mask: str = "none", stages: int = 2) -> "BackwardConfig | None":
-        """The shipped wgmma backward (sm_90a) of a dtype and head size: query blocks of
-        :data:`WGMMA_B_R` rows, two consumers of 64 key rows, ``stages`` ring stages; None for head sizes it
-        does not take."""
+        """The shipped wgmma backward (sm_90a) of a dtype, head size and mask: query blocks of :data:`WGMMA_B_R`
+        rows, two consumers of 64 key rows, ``stages`` ring stages; None for head sizes it does not take."""
         if d_head not in WGMMA_D_HEADS:
             return None
-        return cls(dtype, d_head=d_head, mask=mask, engine="wgmma", B_r=WGMMA_B_R[d_head], B_c=128, n_warps=12, stages=stages)
+        rows = WGMMA_B_R[d_head][mask != "none"]
+        return cls(dtype, d_head=d_head, mask=mask, engine="wgmma", B_r=rows, B_c=128, n_warps=12, stages=stages)
 
     def __attrs_post_init__(self) -> None:
         for rule in _RULES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashgen.dsl.backward_config import WGMMA_B_R, BackwardConfig
+from flashgen.dsl.backward_config import WGMMA_B_R, WGMMA_B_RS, BackwardConfig
 from flashgen.dsl.config import SMEM_LIMIT_BYTES, ConfigError
 from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
 from flashgen.dsl.steps import GradScores, RecomputeP
@@ -18,9 +18,11 @@ def _shapes(plan):
     return {name: (g.atom.N, g.k_steps) for name, g in plan.gemms.items()}, len(plan.a_from_acc)
 
 
-def test_the_shipped_query_blocks_are_128_rows_at_d_head_64_and_64_at_128():
-    assert WGMMA_B_R == {64: 128, 128: 64}
-    assert [W("bf16", d).B_r for d in (64, 128)] == [128, 64]
+def test_the_shipped_query_blocks_follow_the_head_size_and_the_mask():
+    """128 rows at d_head 64; at d_head 128, 80 unmasked and 64 where a causal or window diagonal cuts the blocks."""
+    assert [W("bf16", 64, m).B_r for m in ("none", "causal", "window")] == [128, 128, 128]
+    assert [W("fp16", 128, m).B_r for m in ("none", "causal", "window")] == [80, 64, 64]
+    assert all(rows in WGMMA_B_RS[d] for d, pair in WGMMA_B_R.items() for rows in pair)
 
 
 @pytest.mark.parametrize("cfg, gemms", [
@@ -28,7 +30,7 @@ def test_the_shipped_query_blocks_are_128_rows_at_d_head_64_and_64_at_128():
     (W("bf16", 64), {"S": (128, 4), "dP": (128, 4), "dV": (64, 8), "dK": (64, 8), "dQ": (64, 8)}),
     # d_head 64, 64-row query blocks: dQ's columns halved between the consumers
     (W("bf16", 64).replace(B_r=64), {"S": (64, 4), "dP": (64, 4), "dV": (64, 4), "dK": (64, 4), "dQ": (32, 8)}),
-    (W("fp16", 128), {"S": (64, 8), "dP": (64, 8), "dV": (128, 4), "dK": (128, 4), "dQ": (64, 8)}),
+    (W("fp16", 128, "causal"), {"S": (64, 8), "dP": (64, 8), "dV": (128, 4), "dK": (128, 4), "dQ": (64, 8)}),
     # d_head 128, 80-row query blocks: dQ^T = K^T dS^T, 64 columns of d_head x 80 query rows per consumer
     (W("bf16", 128).replace(B_r=80), {"S": (80, 8), "dP": (80, 8), "dV": (128, 5), "dK": (128, 5), "dQ": (80, 8)}),
 ], ids=str)

@@ -32,7 +32,7 @@ from background import cubin_build  # tests/ is on sys.path (the conftest's fold
 
 from flashgen.check import parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
-from flashgen.engines import emit
+from flashgen.engines import backward_of, emit
 from flashgen.mods.kernel_mods import prepare_mods
 from flashgen.toolchain import find_nvcc
 
@@ -42,11 +42,11 @@ _spec = importlib.util.spec_from_file_location("flashgen_example_mods", pathlib.
 EX = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(EX)
 
-#: config name -> (shipped backward config, arch)
+#: config name -> (shipped backward config as built for a forward with mods, arch)
 CONFIGS = {
     "mma_d128": (BackwardConfig.default("bf16", 128), "sm_80"),
     "mma_d64": (BackwardConfig.default("fp16", 64), "sm_80"),
-    "wgmma_d128": (BackwardConfig.wgmma("bf16", 128), "sm_90a"),
+    "wgmma_d128": (backward_of(BackwardConfig.wgmma("bf16", 128)).with_mods(BackwardConfig.wgmma("bf16", 128)), "sm_90a"),
 }
 #: (score_mod example, mask_mod example, built-in mask)
 MODS = {

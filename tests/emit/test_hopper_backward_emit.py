@@ -50,7 +50,7 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
-@pytest.mark.parametrize("cfg", [W("bf16", 128), W("bf16", 64), W("bf16", 64).replace(B_r=64), W("bf16", 128).replace(B_r=80)],
+@pytest.mark.parametrize("cfg", [W("bf16", 128, "causal"), W("bf16", 64), W("bf16", 64).replace(B_r=64), W("bf16", 128).replace(B_r=80)],
                          ids=BackwardConfig.mangle)
 def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, cfg):
     """Value i of consumer thread t (its accumulator map's row and column, placed at the consumer's row0 and col0)
@@ -110,7 +110,7 @@ def test_d_head_64_splits_dq_by_rows_and_128_by_columns():
     """A 128-row query block gives each consumer 64 query rows of every column (its A operand starts at its query
     columns of dS^T, one 64-column swizzle box on); a 64-row block gives each consumer half of the columns (its B
     operand starts half of K's columns on)."""
-    rows, cols = make_hopper_backward_plan(W("bf16", 64)), make_hopper_backward_plan(W("bf16", 128))
+    rows, cols = make_hopper_backward_plan(W("bf16", 64)), make_hopper_backward_plan(W("bf16", 128, "causal"))
     assert rows.dq_stage.by_rows and [(rows.dq_stage.row0(w), rows.dq_stage.col0(w)) for w in (0, 1)] == [(0, 0), (64, 0)]
     assert not cols.dq_stage.by_rows and [(cols.dq_stage.row0(w), cols.dq_stage.col0(w)) for w in (0, 1)] == [(0, 0), (0, 64)]
     assert rows.gemms["dQ"].a.row_block_offset == 128 * 128 and rows.gemms["dQ"].b.row_block_offset == 0

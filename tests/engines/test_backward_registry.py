@@ -44,15 +44,15 @@ def test_an_engine_without_a_backward_is_refused(monkeypatch):
 
 
 def test_the_wgmma_tuning_space_times_both_query_block_sizes_of_a_head_size():
-    """Each shipped stage count with the head size's other query block size: 64 beside 128 at d_head 64, 80 beside
-    64 at d_head 128; a forward with mods is differentiated in 64-row blocks either way (ptxas spilled softcap's
+    """Each shipped stage count with the head size's other query block size: 64 beside 128 at d_head 64, 64 beside
+    80 at d_head 128 (80 beside 64 under a causal mask); a forward with mods is differentiated in 64-row blocks either way (ptxas spilled softcap's
     code and serialized the wgmma with ALiBi at 80 rows)."""
     from flashgen.dsl.dtypes import DType
 
-    for d_head, rows in ((64, [128, 64]), (128, [64, 80])):
-        space = engines.ENGINES["wgmma"].backward.tuning_space(DType.BF16, d_head)
+    for d_head, mask, rows in ((64, "none", [128, 64]), (128, "none", [80, 64]), (128, "causal", [64, 80])):
+        space = engines.ENGINES["wgmma"].backward.tuning_space(DType.BF16, d_head, mask)
         assert [(c.B_r, c.stages) for c in space] == [(rows[0], 2), (rows[1], 2), (rows[0], 1), (rows[1], 1)]
-    narrow = BackwardConfig.wgmma("bf16", 128).replace(B_r=80)
+    narrow = BackwardConfig.wgmma("bf16", 128)
     assert engines.backward_of(narrow).with_mods(narrow) == narrow.replace(B_r=64)
 
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 import flashgen  # noqa: E402
 from flashgen import reference, runtime  # noqa: E402
 from flashgen.attention.score_mask import ScoreMask  # noqa: E402
+from flashgen import engines  # noqa: E402
 from flashgen.build import build  # noqa: E402
 from flashgen.dsl.backward_config import BackwardConfig  # noqa: E402
 from flashgen.dsl.dtypes import DType  # noqa: E402
@@ -30,7 +31,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 FORWARD = {"mma_sync": "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
            "wgmma": "(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent"}
-BACKWARD = {"mma_sync": BackwardConfig.default(DType.BF16, 128, "none"), "wgmma": BackwardConfig.wgmma(DType.BF16, 128, "none")}
+def _with_mods(cfg):
+    """The config the runtime builds for a forward carrying mods (64-row query blocks on wgmma)."""
+    return engines.backward_of(cfg).with_mods(cfg)
+
+
+BACKWARD = {"mma_sync": BackwardConfig.default(DType.BF16, 128, "none"), "wgmma": _with_mods(BackwardConfig.wgmma(DType.BF16, 128, "none"))}
 # (batch, seq_q, seq_k, heads_q, heads_kv): odd lengths, GQA, seq_q != seq_k both ways
 SHAPES = [(2, 1001, 1001, 4, 2), (1, 777, 1029, 6, 2), (1, 1030, 333, 4, 1)]
 N = max(max(s[1], s[2]) for s in SHAPES)
