@@ -534,9 +534,10 @@ _LAUNCHER = CodeTemplate(
 
 namespace $name {
 // Turn counters of the ordered dQ adds: one per (batch, query head, query block) where deterministic, else none.
+// Rounded up to whole 16 bytes: D and the other fp32 rows after them are read by 16-byte (vector and bulk) copies.
 inline size_t dq_turn_count(const ${name}_args* a) {
     (void)a;
-    return $turn_count;
+    return ($turn_count + 3) / 4 * 4;
 }
 }  // namespace $name
 

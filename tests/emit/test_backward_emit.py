@@ -161,13 +161,27 @@ def test_argument_struct_layout_is_the_field_tables(tmp_path):
     assert got == [getattr(layout, n).offset for n, *_ in ARGS_FIELDS] + [ctypes.sizeof(layout)]
 
 
+def _emitted(engine: str, deterministic: bool):
+    """(source, arch) of a d_head 64 backward of either engine, causal (the masked kernels read D past the counters)."""
+    if engine == "wgmma":
+        from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+        from flashgen.emit.hopper_backward_kernel import emit_hopper_backward
+
+        cfg = B.wgmma("fp16", 64, "causal").replace(deterministic=deterministic)
+        return emit_hopper_backward(make_hopper_backward_plan(cfg)), "sm_90a"
+    return emit_backward(make_backward_plan(B("fp16", d_head=64, mask="causal", deterministic=deterministic))), "sm_80"
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
-def test_the_turn_counters_of_a_deterministic_kernel_lie_in_the_zeroed_workspace(tmp_path):
-    """One int per (batch, query head, query block) joins the zeroed part (the counters start at 0); D's part
-    is unchanged; a kernel without the knob has no counters."""
-    srcs = [emit_backward(make_backward_plan(B("fp16", d_head=64, deterministic=det))) for det in (False, True)]
+@pytest.mark.parametrize("engine", ["mma_sync", "wgmma"])
+def test_the_turn_counters_of_a_deterministic_kernel_lie_in_the_zeroed_workspace(tmp_path, engine):
+    """One int per (batch, query head, query block[, consumer]) joins the zeroed part (the counters start at 0),
+    rounded up to 16 bytes so that D and the rows after it stay 16-byte aligned for any count (an odd one misaligned
+    the wgmma backward's 16-byte reads of D); the part after the counters is unchanged; no counters without the knob."""
+    srcs = [_emitted(engine, det) for det in (False, True)]
+    arch = srcs[0][1]
     mains = []
-    for src in srcs:
+    for src, _ in srcs:
         (tmp_path / f"{src.name}.cu").write_text(src.text)
         mains.append(f"""#include "{src.name}.cu"
 void print_{src.name}(int batch, int heads, int seq_q) {{
@@ -177,14 +191,18 @@ void print_{src.name}(int batch, int heads, int seq_q) {{
     {src.name}_workspace(&a, &bytes, &zeroed);
     std::printf("%zu %zu\\n", zeroed, bytes - zeroed);
 }}""")
-    shapes = [(1, 1, 1), (2, 3, 64), (2, 3, 65), (3, 5, 1000)]
-    calls = "".join(f"    print_{s.name}({b}, {h}, {n});\n" for b, h, n in shapes for s in srcs)
+    shapes = [(1, 1, 1), (2, 3, 64), (2, 3, 65), (3, 5, 1000), (1, 1, 257), (1, 3, 130)]
+    calls = "".join(f"    print_{s.name}({b}, {h}, {n});\n" for b, h, n in shapes for s, _ in srcs)
     (tmp_path / "main.cu").write_text("#include <cstdio>\n#include <cstddef>\n" + "\n".join(mains) + f"\nint main() {{\n{calls}    return 0;\n}}\n")
     exe = tmp_path / "ws"
-    res = subprocess.run([NVCC, "-std=c++17", "-arch=sm_80", "main.cu", "-o", str(exe)], cwd=tmp_path, capture_output=True, text=True)
+    res = subprocess.run([NVCC, "-std=c++17", f"-gencode=arch=compute_{arch[3:]},code={arch}", "main.cu", "-o", str(exe)], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    rows = 64 if engine == "mma_sync" else B.wgmma("fp16", 64, "causal").B_r
+    per_block = 1 if engine == "mma_sync" else 2  # the wgmma backward's two consumers take turns of their own
     for i, (b, h, n) in enumerate(shapes):
         plain_zeroed, plain_rest, det_zeroed, det_rest = got[4 * i:4 * i + 4]
-        assert plain_zeroed == b * h * n * 64 * 4 and plain_rest == det_rest == b * h * n * 4
-        assert det_zeroed - plain_zeroed == b * h * -(-n // 64) * 4
+        stat_len = n if engine == "mma_sync" else -(-n // rows) * rows
+        assert plain_zeroed == b * h * stat_len * 64 * 4 and plain_rest == det_rest
+        counters = b * h * -(-n // rows) * per_block
+        assert 4 * counters <= det_zeroed - plain_zeroed < 4 * counters + 16 and det_zeroed % 16 == 0
