@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from . import autograd, cache, launcher, tracing
+from .mods.cache import current
 from .mods.call_values import CallValues
+from .mods.diagonal import combine
 from .mods.copies import stable_copy
 from .mods.kernel_mods import KernelMods, prepare_mods
 from .build import BuildError, Built, build
@@ -214,15 +216,20 @@ class Attention:
         and v, through the score_mod; captured tensors that require grad are refused).
         """
         mask, left, right = _score_mask(causal, window)
+        split = None
+        if mask_mod is not None:
+            mask_mod, mask, left, right, align, split = _diagonal_call(q, k, mask_mod, mask, left, right, align)
         attn = self if mask == self._mask else self._variant(mask)
         if score_mod is not None or mask_mod is not None:
-            return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+            return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split)
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
 
-    def _run_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
+    def _run_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split=None):
         """A call with a score_mod / mask_mod: through the launcher's reader of the pair (``call_mods_again``, the values
-        read in C++ as :class:`CallValues` reads them), else :meth:`_mods_fast`, else :meth:`_launch_mods`."""
-        if out is None and not torch.compiler.is_compiling():
+        read in C++ as :class:`CallValues` reads them), else :meth:`_mods_fast`, else :meth:`_launch_mods`. ``split``
+        as :func:`_diagonal_call` says: a call that keeps a mask_mod with diagonal conjuncts whole (False) takes the
+        full path, since the readers of the pair may hold its rest alone (what calls that split it run)."""
+        if out is None and not torch.compiler.is_compiling() and split is not False:
             try:
                 result = self._native.call_mods_again(self._table, q, k, v, softmax_scale, left, right, align, return_lse,
                                                       score_mod, mask_mod)
@@ -232,12 +239,15 @@ class Attention:
                 result = self._mods_fast(q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
             if result is not None:
                 return result
-        return self._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+        return self._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod,
+                                 split is True)
 
     @torch.compiler.disable  # the mods are traced in Python: torch.compile runs this call eagerly
-    def _launch_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod):
-        """Run this kernel's variant built with the call's score_mod / mask_mod, on this call's captured values."""
-        mods, (score_args, mask_args) = prepare_mods(score_mod, mask_mod)
+    def _launch_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod,
+                     diagonal: bool = False):
+        """Run this kernel's variant built with the call's score_mod / mask_mod, on this call's captured values;
+        ``diagonal``: the mask_mod's rest alone (its diagonal conjuncts are the call's built-in window)."""
+        mods, (score_args, mask_args) = prepare_mods(score_mod, mask_mod, diagonal)
         if out is not None:
             raise InputError("out= is not supported with score_mod / mask_mod; call without out=")
         attn = self._with_mods(mods)
@@ -377,6 +387,32 @@ class Attention:
             raise InputError(str(exc)) from None
 
 
+@torch.compiler.disable  # the trace cache is Python: torch.compile runs this look-up eagerly
+def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str) -> tuple:
+    """A call's mask_mod with its diagonal conjuncts run as the built-in rule (:mod:`flashgen.mods.diagonal`):
+    ``(mask_mod, mask, left, right, align, split)``. ``split`` True: the diagonal conjuncts became the top-left
+    window ``(left, right)`` of ``mask`` (the call's own causal / window intersected in), ``mask_mod`` is None where
+    nothing else is left (the call runs without mods) and the kernel holds the rest (:func:`prepare_mods`'s
+    ``diagonal``). None: no diagonal conjunct, or inputs the call path refuses; False: this call keeps the mask_mod
+    whole, where its own window is aligned bottom-right on unequal lengths (no top-left window holds both) or
+    its lengths are past those for which the split is exact. Either way the arguments come back as given."""
+    as_given = (mask_mod, mask, left, right, align, None)
+    if not (callable(mask_mod) and align in ("top_left", "bottom_right") and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4):
+        return as_given  # the call path explains what it refuses
+    found = current(mask_mod, "mask").diagonal
+    if found is None:
+        return as_given
+    diagonal, rest = found
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    if not diagonal.exact_for(seq_q, seq_k) or (mask != "none" and align != "top_left" and seq_q != seq_k):
+        return mask_mod, mask, left, right, align, False
+    new_left, new_right = diagonal.window if mask == "none" else combine(diagonal.window, (left, right))
+    new_left = -1 if new_left < 0 else new_left
+    kind = "causal" if (new_left, new_right) == (-1, 0) else "window"
+    return (mask_mod if rest is not None else None), kind, new_left, new_right, "top_left", True
+
+
 def _same_objects(refs: list, objects) -> bool:
     """Whether each weak reference still points to the object in the same place."""
     for ref, obj in zip(refs, objects):
@@ -499,8 +535,12 @@ class AutoAttention:
                  return_lse=False, score_mod=None, mask_mod=None):
         """As :meth:`Attention.__call__`, with the kernel picked for the call's shape and mask."""
         mask, left, right = _score_mask(causal, window)
+        split = None
+        if mask_mod is not None:
+            mask_mod, mask, left, right, align, split = _diagonal_call(q, k, mask_mod, mask, left, right, align)
         if score_mod is not None or mask_mod is not None:
-            if out is None and not torch.compiler.is_compiling():  # a repeated call: the launcher reads its values
+            # a repeated call: the launcher reads its values (not one keeping a split mask_mod whole: _run_mods)
+            if out is None and not torch.compiler.is_compiling() and split is not False:
                 native = self._native or self._connect()
                 try:
                     result = native.dispatch_mods(self._table, q, k, v, softmax_scale, _MASK_CODES[mask], left, right,
@@ -509,7 +549,8 @@ class AutoAttention:
                     result = None  # the kernel's own call below explains it
                 if result is not None:
                     return result
-            return self._call_mods(q, k, v, out, softmax_scale, mask, left, right, align, return_lse, score_mod, mask_mod)
+            return self._call_mods(q, k, v, out, softmax_scale, mask, left, right, align, return_lse, score_mod, mask_mod,
+                                   split)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle
             # seq_bucket guards on the length's bucket, not its value
             handle = tracing.traced_pick(self._id, q.device, q.dtype, q.shape[3], seq_bucket(q.shape[1]), mask)
@@ -529,13 +570,13 @@ class AutoAttention:
         return result
 
     def _call_mods(self, q, k, v, out, softmax_scale, mask: str, left: int, right: int, align: str, return_lse: bool,
-                   score_mod, mask_mod):
+                   score_mod, mask_mod, split=None):
         """A call with a score_mod / mask_mod through the picked kernel's variant with them; an eager one leaves its
         launcher reader in the dispatch table under the call's key, for ``dispatch_mods``."""
         _check_lookup(q)
         shape = q.shape
         attn = self.pick(q.device, q.dtype, shape[3], shape[1], mask, mods=True)
-        result = attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
+        result = attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split)
         if out is None and not torch.compiler.is_compiling():
             reader = attn.mods_reader(score_mod, mask_mod)
             if reader is not None:

@@ -115,9 +115,12 @@ class Launcher:
         self.served: list = []  # of those, the launches whose values the launcher's reader read: their entry's name
         self.block_masks: list = []  # (words, tensors) of each mask_blocks call
         self.tables: list = []  # per dispatch table: (dispatch key, id(score_mod), id(mask_mod)) -> ModReader
+        self.masks: list = []  # the built-in mask of each build, by handle
+        self.plain: list = []  # (handle, offset or align, left, right) of launches without mods: operator or eager entry
 
     def build(self, cfg, capability=None, verbose=False, mods=None):
         self.builds.append(None if mods is None else mods.key)
+        self.masks.append(cfg.mask)
         return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), (9, 0), 0.0, True, mods)
 
     def load(self, built, verbose):
@@ -142,6 +145,24 @@ class Launcher:
         self.eager.append((handle, list(words), list(tensors), block_mask))
         o = q + handle
         return (o, q.new_empty((0,), dtype=torch.float32)) if return_lse else o
+
+    def attention(self, q, k, v, handle, scale, offset, left, right, return_lse):
+        self.plain.append((handle, offset, left, right))
+        return q + handle, q.new_empty((0,), dtype=torch.float32)
+
+    def call(self, q, k, v, out, handle, scale, left, right, align, return_lse):
+        if handle not in self.allowed or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            return None
+        self.plain.append((handle, align, left, right))
+        o = q + handle
+        return (o, q.new_empty((0,), dtype=torch.float32)) if return_lse else o
+
+    def dispatch(self, table, q, k, v, out, scale, mask, left, right, align, return_lse):
+        handle = self.tables[table].get(("plain", self._key(q, mask)))
+        return None if handle is None else self.call(q, k, v, out, handle, scale, left, right, align, return_lse)
+
+    def remember(self, table, q, mask, handle):
+        self.tables[table][("plain", self._key(q, mask))] = handle
 
     def new_dispatch_table(self):
         self.tables.append({})
@@ -185,6 +206,7 @@ def launcher(monkeypatch):
     monkeypatch.setattr(runtime, "build", fake.build)
     monkeypatch.setattr(runtime, "_load", fake.load)
     monkeypatch.setattr(runtime, "_attention_mods", fake.attention_mods)
+    monkeypatch.setattr(runtime, "_attention", fake.attention)
     monkeypatch.setattr(runtime, "_mask_blocks", fake.mask_blocks)
     monkeypatch.setattr(runtime, "device_facts", lambda index: ("NVIDIA H100", (9, 0)))
     monkeypatch.setattr(runtime, "_device_index", lambda device: 0)

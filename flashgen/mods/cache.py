@@ -41,6 +41,17 @@ def prepare(fn: Callable, kind: str) -> tuple[TracedMod, ModArgs]:
         return mod, mod.bind(fn)
 
 
+def current(fn: Callable, kind: str) -> TracedMod:
+    """:func:`traced`, traced again where a value compiled in as a literal changed: a trace whose structure holds
+    for the function now (its other values are read by :func:`prepare`)."""
+    mod = traced(fn, kind)
+    try:
+        mod.check_static(fn)
+    except StaleTrace:
+        mod = _retrace(fn, kind)
+    return mod
+
+
 def cache_info() -> CacheInfo:
     return CacheInfo(_COUNTS["hits"], _COUNTS["traces"], len(_TRACES))
 

@@ -214,9 +214,11 @@ _WORD_FLOAT = ("static inline float fg_word_float(long long w) {\n"
                "    const int bits = int(w); float f; __builtin_memcpy(&f, &bits, sizeof f); return f;\n}")
 
 
-def prepare_mods(score_mod: Any = None, mask_mod: Any = None) -> "tuple[KernelMods | None, tuple]":
+def prepare_mods(score_mod: Any = None, mask_mod: Any = None, diagonal: bool = False) -> "tuple[KernelMods | None, tuple]":
     """The KernelMods of a call's functions (each traced once, :func:`flashgen.mods.prepare`) and this call's
-    values ``(score ModArgs, mask ModArgs)``; (None, (None, None)) without either function."""
+    values ``(score ModArgs, mask ModArgs)``; (None, (None, None)) without either function. ``diagonal``: the call
+    runs the mask_mod's diagonal conjuncts as the built-in causal / window rule (:attr:`TracedMod.diagonal`), so
+    its kernel holds the rest of the mask_mod alone (none where nothing else is left)."""
     from .cache import prepare
 
     if score_mod is None and mask_mod is None:
@@ -226,6 +228,11 @@ def prepare_mods(score_mod: Any = None, mask_mod: Any = None) -> "tuple[KernelMo
             raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
     score, score_args = prepare(score_mod, "score") if score_mod is not None else (None, None)
     mask, mask_args = prepare(mask_mod, "mask") if mask_mod is not None else (None, None)
+    if diagonal and mask is not None and mask.diagonal is not None:
+        mask = mask.diagonal[1]
+        mask_args = mask.bind(mask_mod) if mask is not None else None
+        if score is None and mask is None:
+            return None, (None, None)
     return KernelMods(score, mask), (score_args, mask_args)
 
 

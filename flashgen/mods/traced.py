@@ -139,6 +139,15 @@ class TracedMod:
         return hashlib.sha256(self.canonical.encode()).hexdigest()[:16]
 
     @functools.cached_property
+    def diagonal(self) -> "tuple | None":
+        """A mask_mod's diagonal conjuncts and the rest of it as a TracedMod (None: none), or None where it has no
+        diagonal conjunct the built-in causal / window rule can run (:func:`flashgen.mods.diagonal.split_mod`);
+        derived once per trace, so every call of one trace runs the same rest."""
+        from .diagonal import split_mod
+
+        return split_mod(self)
+
+    @functools.cached_property
     def arguments_read(self) -> frozenset:
         """The names of the mod's own arguments its DAG reads (``b``, ``h``, ``q_idx``, ...)."""
         return frozenset(n.name for n in postorder(self.expr) if isinstance(n, Arg))
@@ -157,12 +166,17 @@ class TracedMod:
         values = args.values() if isinstance(args, ModArgs) else args
         return evaluate(self.expr, dict(zip(params, inputs)), values)
 
-    def bind(self, fn) -> ModArgs:
-        """The captured values of ``fn`` now; raises StaleTrace if they no longer fit the trace."""
+    def check_static(self, fn) -> None:
+        """Raise StaleTrace where a value of ``fn`` compiled in as a literal (:attr:`static`) changed: the trace's
+        structure, its literals included, then no longer holds."""
         for source, value in self.static:
             now = source.read(fn)
             if type(now) is not type(value) or now != value:
                 raise StaleTrace(f"'{source.name}' is compiled in as {value!r}, now {now!r}")
+
+    def bind(self, fn) -> ModArgs:
+        """The captured values of ``fn`` now; raises StaleTrace if they no longer fit the trace."""
+        self.check_static(fn)
         scalars = tuple(_scalar_value(a, a.source.read(fn)) for a in self.scalars)
         tensors = tuple(_tensor_value(a, a.source.read(fn)) for a in self.tensors)
         return ModArgs(scalars, tensors, tuple(a.name for a in self.scalars + self.tensors))
