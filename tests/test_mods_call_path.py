@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 from flashgen import runtime  # noqa: E402
 from flashgen.build import Built  # noqa: E402
 from flashgen.dsl.config import KernelConfig  # noqa: E402
-from flashgen.mods import cache_info  # noqa: E402
+from flashgen.mods import KernelMods, cache_info, trace  # noqa: E402
 
 
 _UNREAD = object()
@@ -110,8 +110,8 @@ class Launcher:
     def __init__(self):
         self.builds: list = []  # the KernelMods key of each build (None: no mods)
         self.allowed: set[int] = set()
-        self.operator: list = []  # (handle, words, tensors) of attention_mods calls
-        self.eager: list = []  # (handle, words, tensors, block_mask) of the eager entries' launches
+        self.operator: list = []  # (handle, words, tensors, offset, left, right) of attention_mods calls
+        self.eager: list = []  # (handle, words, tensors, block_mask, align, left, right) of the eager entries' launches
         self.served: list = []  # of those, the launches whose values the launcher's reader read: their entry's name
         self.block_masks: list = []  # (words, tensors) of each mask_blocks call
         self.tables: list = []  # per dispatch table: (dispatch key, id(score_mod), id(mask_mod)) -> ModReader
@@ -130,7 +130,7 @@ class Launcher:
         self.allowed.add(kernel)
 
     def attention_mods(self, q, k, v, handle, scale, offset, left, right, return_lse, words, tensors, block_mask):
-        self.operator.append((handle, list(words), list(tensors)))
+        self.operator.append((handle, list(words), list(tensors), offset, left, right))
         return q + handle, q.new_empty((0,), dtype=torch.float32)
 
     def mask_blocks(self, q, k, handle, shape, words, tensors):
@@ -142,7 +142,7 @@ class Launcher:
             return None
         if align not in ("top_left", "bottom_right"):
             raise ValueError(f"align='{align}': expected 'top_left' or 'bottom_right'")
-        self.eager.append((handle, list(words), list(tensors), block_mask))
+        self.eager.append((handle, list(words), list(tensors), block_mask, align, left, right))
         o = q + handle
         return (o, q.new_empty((0,), dtype=torch.float32)) if return_lse else o
 
@@ -480,3 +480,149 @@ def test_torch_compile_runs_calls_with_mods_eagerly_through_the_full_path(launch
     cap = 10.0
     compiled(Q)
     assert len(launcher.operator) == 2 and not launcher.eager and launcher.operator[-1][1] == [_float_word(10.0)]
+
+
+# ---- a mask_mod's diagonal conjuncts run as the built-in causal / window rule (flashgen.mods.diagonal) ----------
+
+def _launches(launcher) -> list:
+    """Every launch so far as (built-in mask, mods key or None, offset or align, left, right), in order of entry kind:
+    the plain ones (operator or eager entry), then those with mods (operator, eager entries)."""
+    plain = [(launcher.masks[h], launcher.builds[h], at, left, right) for h, at, left, right in launcher.plain]
+    mods = [(launcher.masks[e[0]], launcher.builds[e[0]], e[3], e[4], e[5]) for e in launcher.operator]
+    mods += [(launcher.masks[e[0]], launcher.builds[e[0]], e[4], e[5], e[6]) for e in launcher.eager]
+    return plain + mods
+
+
+def test_causal_as_a_mask_mod_runs_the_built_in_causal_kernel_without_mods_or_block_mask(launcher):
+    attn = _attention()
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    for _ in range(3):
+        attn(Q, Q, Q, mask_mod=causal)
+    traces = cache_info().traces
+    attn(Q, Q, Q, mask_mod=causal)
+    assert cache_info().traces == traces  # a repeated call does not trace again
+    assert _launches(launcher) == [("causal", None, "top_left", -1, 0)] * 4
+    assert not launcher.block_masks and set(launcher.builds) == {None}
+    assert trace(causal, "mask").diagonal[1] is None
+
+
+def test_a_sliding_window_mask_mod_meets_the_calls_own_window(launcher):
+    attn = _attention()
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 3)  # noqa: E731
+    attn(Q, Q, Q, mask_mod=window)
+    attn(Q, Q, Q, mask_mod=window, causal=True)
+    attn(Q, Q, Q, mask_mod=window, window=(1, 5))
+    attn(Q, Q, Q, mask_mod=window, window=(7, -1), align="bottom_right")  # equal lengths: both alignments agree
+    attn(Q, Q, Q, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx - q_idx <= 2, window=(4, 9))
+    assert _launches(launcher) == [("window", None, "top_left", 3, 0)] * 2 + [("window", None, "top_left", 1, 0),
+                                   ("window", None, "top_left", 3, 0), ("window", None, "top_left", 4, 2)]
+
+
+def test_the_rest_of_a_mask_mod_is_compiled_and_its_diagonal_runs_as_the_built_in_window(launcher):
+    attn = _attention()
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    for _ in range(4):
+        attn(Q, Q, Q, mask_mod=causal_document)
+    rest = KernelMods(mask=trace(causal_document, "mask").diagonal[1])
+    assert _launches(launcher)[0] == ("causal", rest.key, 0, -1, 0)  # the first call: the operator
+    assert _launches(launcher)[1:] == [("causal", rest.key, "top_left", -1, 0)] * 3
+    assert launcher.served == ["call_mods_again"] * 2 and len(launcher.block_masks) == 1
+    assert rest.key != KernelMods(mask=trace(causal_document, "mask")).key and set(launcher.builds) == {None, rest.key}
+
+
+
+def test_a_call_whose_window_no_top_left_window_holds_keeps_the_mask_mod_whole_and_takes_the_full_path(launcher):
+    """A bottom-right causal call on unequal lengths: the mask_mod runs whole, by the operator, never by a reader
+    of the pair, which may hold the rest alone; the calls that split it still keep what the function keeps."""
+    attn = _attention()
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    whole, rest = (KernelMods(mask=m).key for m in (trace(causal_document, "mask"),
+                                                     trace(causal_document, "mask").diagonal[1]))
+    short = Q[:, :4]
+    attn(Q, Q, Q, mask_mod=causal_document)
+    attn(Q, Q, Q, mask_mod=causal_document)  # Python's read: the launcher's reader of the pair gets its state
+    for _ in range(2):
+        attn(short, Q, Q, mask_mod=causal_document, causal=True, align="bottom_right")
+    assert [e[3:] for e in launcher.operator] == [(0, -1, 0), (2, -1, 0), (2, -1, 0)]
+    assert [launcher.builds[e[0]] for e in launcher.operator] == [rest, whole, whole]
+    attn(Q, Q, Q, mask_mod=causal_document)
+    last = _launches(launcher)[-1]
+    assert last[0] == "causal" and last[2:] == ("top_left", -1, 0)
+    assert last[1] in (rest, whole)  # either keeps what the function keeps with the causal rule
+
+
+def test_lengths_past_those_the_split_is_exact_for_keep_the_mask_mod_whole(launcher):
+    attn = _attention()
+    near_limit = lambda b, h, q_idx, kv_idx: kv_idx + 2147483640 >= q_idx + 2147483637  # noqa: E731  exact below 8
+    long = torch.zeros(1, 9, 2, 64, dtype=torch.float16)
+    attn(Q, Q, Q, mask_mod=near_limit)
+    attn(long, long, long, mask_mod=near_limit)
+    assert _launches(launcher) == [("window", None, "top_left", 3, -1),
+                                   ("none", KernelMods(mask=trace(near_limit, "mask")).key, 0, -1, -1)]
+
+
+def test_auto_attention_runs_diagonal_mask_mods_as_its_built_in_masks(launcher, monkeypatch):
+    monkeypatch.setattr(runtime, "_select", lambda device, dtype, d_head, seq_q, masked: KernelConfig(dtype="fp16", d_head=64))
+    auto = runtime.compile("auto")
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    for _ in range(3):
+        auto(Q, Q, Q, mask_mod=causal)
+        auto(Q, Q, Q, mask_mod=causal_document)
+    rest = KernelMods(mask=trace(causal_document, "mask").diagonal[1]).key
+    assert [x for x in _launches(launcher) if x[1] is None] == [("causal", None, "top_left", -1, 0)] * 3
+    assert [x[:2] + x[3:] for x in _launches(launcher) if x[1] is not None] == [("causal", rest, -1, 0)] * 3
+    assert launcher.served == ["dispatch_mods"] and len(launcher.block_masks) == 1  # the third call: the table's reader
+
+
+def test_a_call_to_differentiate_builds_the_backward_of_the_rewritten_call(launcher):
+    attn = _attention()
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    attn(Q.clone().requires_grad_(), Q, Q, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    assert launcher.plain[-1][1:] == (0, -1, 0) and launcher.masks[launcher.plain[-1][0]] == "causal"
+    assert launcher.builds[-1] is None and launcher.masks[-1] == "causal"  # its backward: no mods, causal
+    attn(Q.clone().requires_grad_(), Q, Q, mask_mod=causal_document)
+    rest = KernelMods(mask=trace(causal_document, "mask").diagonal[1]).key
+    assert launcher.operator[-1][3:] == (0, -1, 0) and launcher.builds[-2:] == [rest, rest]  # forward, backward
+    assert launcher.masks[-1] == "causal"
+
+
+def test_torch_compile_runs_a_diagonal_mask_mod_through_the_built_in_operator(launcher):
+    attn = _attention()
+    window = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= 2) & (kv_idx <= q_idx)  # noqa: E731
+    compiled = torch.compile(lambda q: attn(q, q, q, mask_mod=window) * 2, backend="eager")
+    out = compiled(Q)
+    handle, offset, left, right = launcher.plain[-1]
+    assert (launcher.masks[handle], offset, left, right) == ("window", 0, 2, 0) and torch.equal(out, (Q + handle) * 2)
+    assert not launcher.operator and not launcher.block_masks
+
+
+def test_a_literal_kept_captured_number_that_changes_gives_the_new_window(launcher):
+    attn = _attention()
+    width = 3
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= int(width))  # int(): the number is compiled in as a literal
+
+    attn(Q, Q, Q, mask_mod=window)
+    width = 5
+    attn(Q, Q, Q, mask_mod=window)
+    width = 3
+    attn(Q, Q, Q, mask_mod=window)
+    assert [x[3:] for x in _launches(launcher)] == [(3, 0), (5, 0), (3, 0)]
