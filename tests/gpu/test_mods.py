@@ -2,7 +2,8 @@
 
 Every example of ``examples/mods.py`` against the float64 reference (``flashgen.reference.attention``
 with the same functions), FlashAttention's rule, odd lengths, GQA, seq_q != seq_k, combined with the
-built-in masks; new captured values reuse the kernel; captured tensors may live on the CPU.
+built-in masks; new captured values reuse the kernel; captured tensors may live on the CPU. Diagonal
+mask_mods (causal, sliding window, a band) run as the built-in masks: bit for bit, forward and backward.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import flashgen  # noqa: E402
 from flashgen import mods as fg_mods  # noqa: E402
 from flashgen.attention.score_mask import ScoreMask  # noqa: E402
 from flashgen.engines import engine_of  # noqa: E402
-from flashgen.reference import check_attention  # noqa: E402
+from flashgen.reference import check_attention, check_gradients  # noqa: E402
 from flashgen.runtime import InputError  # noqa: E402
 from flashgen.sim.block_mask import block_mask  # noqa: E402
 from flashgen.targets import of_capability  # noqa: E402
@@ -282,3 +283,77 @@ def test_memcheck_clean_with_mods(cfg):
                          capture_output=True, text=True, cwd=repo, timeout=600)
     text = res.stdout + res.stderr
     assert res.returncode == 0 and "ERROR SUMMARY: 0 errors" in text, text[-6000:]
+
+
+# ---- diagonal mask_mods run as the built-in masks (flashgen.mods.diagonal) ----------------------------------
+
+#: name -> (mask_mod, the built-in call that keeps the same keys)
+DIAGONAL = {
+    "causal": (examples.causal(), dict(causal=True)),
+    "sliding_window": (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 37), dict(window=(37, 0))),
+    "band": (lambda b, h, q_idx, kv_idx: (kv_idx - q_idx <= 5) & (kv_idx >= q_idx - 20), dict(window=(20, 5))),
+}
+# seq_q != seq_k both ways; in (1, 257, 130, ...) the rows past key 129 + the window keep no key
+DIAGONAL_SHAPES = [(2, 113, 113, 4, 2), (1, 200, 333, 2, 2), (1, 257, 130, 3, 1)]
+
+
+def _run(attn, q, k, v, do, **kw):
+    """(o, lse, dq, dk, dv) of one differentiated call."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o, lse = attn(*leaves, return_lse=True, **kw)
+    return (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, do))
+
+
+@pytest.mark.parametrize("name", list(DIAGONAL))
+def test_diagonal_mask_mods_are_the_built_in_masks_bit_for_bit(attn, name):
+    """A mask_mod that is a diagonal rule runs as the built-in causal / window kernels: o, lse and the gradients
+    equal those of the built-in call bit for bit (deterministic backward) and match the float64 reference."""
+    mask_mod, builtin = DIAGONAL[name]
+    det = flashgen.compile(attn.cfg, deterministic=True)  # ordered dQ adds: equal inputs, equal bits
+    for n, shape in enumerate(DIAGONAL_SHAPES):
+        q, k, v = _inputs(attn, shape, seed=30 + n)
+        do = torch.randn_like(q)
+        what = f"{attn.cfg.short_form()} {name} as a mask_mod {shape}"
+        got = _run(det, q, k, v, do, mask_mod=mask_mod)
+        want = _run(det, q, k, v, do, **builtin)
+        for g, w, part in zip(got, want, ("o", "lse", "dq", "dk", "dv")):
+            assert torch.equal(g, w), f"{what}: {part} differs from the built-in {builtin}'s"
+        check_attention(got[0], q, k, v, what, mask_mod=mask_mod)
+        check_gradients(got[2:], q, k, v, do, what, mask_mod=mask_mod)
+
+
+def test_rows_without_a_kept_key_agree_between_the_built_in_window_and_a_kept_mask_mod(attn):
+    """The same band, once with literal sizes (the built-in window) and once with captured ones (a mask_mod):
+    rows without a kept key give o = 0 and lse = -inf in both, the others agree with the reference."""
+    shape = DIAGONAL_SHAPES[2]
+    right, left = 5, 20
+
+    def captured_band(b, h, q_idx, kv_idx):
+        return (kv_idx - q_idx <= right) & (kv_idx >= q_idx - left)
+
+    assert fg_mods.trace(captured_band, "mask").diagonal is None  # captured numbers: a mask_mod
+    q, k, v = _inputs(attn, shape, seed=41)
+    _, ref_lse = flashgen.reference.attention(q, k, v, return_lse=True, mask_mod=captured_band)
+    kept = torch.isfinite(ref_lse)
+    assert not kept.all(), "the shape leaves rows without a kept key"
+    for mod in (DIAGONAL["band"][0], captured_band):
+        o, lse = attn(q, k, v, return_lse=True, mask_mod=mod)
+        assert torch.equal(torch.isfinite(lse), kept), "rows without a kept key must give lse -inf, the others finite"
+        assert (o.float()[~kept.transpose(1, 2)] == 0).all(), "rows without a kept key give o = 0"
+        assert (lse[kept] - ref_lse[kept]).abs().max().item() < 1e-3
+        check_attention(o, q, k, v, f"{attn.cfg.short_form()} band", mask_mod=mod)
+
+
+def test_compile_auto_runs_a_sliding_window_mask_mod_as_its_window_kernel():
+    """With or without the call's own causal / window (which this window lies inside), bit for bit."""
+    attn = flashgen.compile("auto")
+    mask_mod = DIAGONAL["sliding_window"][0]
+    for n, (b, sq, sk, hq, hk) in enumerate(DIAGONAL_SHAPES):
+        g = torch.Generator(device="cuda").manual_seed(50 + n)
+        q, k, v = (torch.randn(b, s, h, 128, device="cuda", generator=g).to(torch.bfloat16)
+                   for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+        want = attn(q, k, v, window=(37, 0))
+        for kw in ({}, {"causal": True}, {"window": (64, -1)}):
+            got = attn(q, k, v, mask_mod=mask_mod, **kw)
+            assert torch.equal(got, want), f"{(b, sq, sk, hq, hk)} {kw}"
+            check_attention(got, q, k, v, f"auto sliding window {(b, sq, sk, hq, hk)} {kw}", mask_mod=mask_mod, **kw)
