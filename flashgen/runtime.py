@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 import weakref
 from typing import Any
 
@@ -218,7 +219,7 @@ class Attention:
         mask, left, right = _score_mask(causal, window)
         split = None
         if mask_mod is not None:
-            mask_mod, mask, left, right, align, split = _diagonal_call(q, k, mask_mod, mask, left, right, align)
+            mask_mod, mask, left, right, align, split = _diagonal(q, k, mask_mod, mask, left, right, align)
         attn = self if mask == self._mask else self._variant(mask)
         if score_mod is not None or mask_mod is not None:
             return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split)
@@ -387,7 +388,6 @@ class Attention:
             raise InputError(str(exc)) from None
 
 
-@torch.compiler.disable  # the trace cache is Python: torch.compile runs this look-up eagerly
 def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str) -> tuple:
     """A call's mask_mod with its diagonal conjuncts run as the built-in rule (:mod:`flashgen.mods.diagonal`):
     ``(mask_mod, mask, left, right, align, split)``. ``split`` True: the diagonal conjuncts became the top-left
@@ -396,21 +396,30 @@ def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str)
     ``diagonal``). None: no diagonal conjunct, or inputs the call path refuses; False: this call keeps the mask_mod
     whole, where its own window is aligned bottom-right on unequal lengths (no top-left window holds both) or
     its lengths are past those for which the split is exact. Either way the arguments come back as given."""
-    as_given = (mask_mod, mask, left, right, align, None)
-    if not (callable(mask_mod) and align in ("top_left", "bottom_right") and isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4):
-        return as_given  # the call path explains what it refuses
+    if type(mask_mod) is not types.FunctionType:
+        return mask_mod, mask, left, right, align, None  # the call path explains what it refuses
     found = current(mask_mod, "mask").diagonal
-    if found is None:
-        return as_given
+    if found is None or not (align in ("top_left", "bottom_right") and isinstance(q, torch.Tensor)
+                             and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4):
+        return mask_mod, mask, left, right, align, None
     diagonal, rest = found
-    seq_q, seq_k = q.shape[1], k.shape[1]
+    seq_q, seq_k = q.size(1), k.size(1)
     if not diagonal.exact_for(seq_q, seq_k) or (mask != "none" and align != "top_left" and seq_q != seq_k):
         return mask_mod, mask, left, right, align, False
     new_left, new_right = diagonal.window if mask == "none" else combine(diagonal.window, (left, right))
     new_left = -1 if new_left < 0 else new_left
     kind = "causal" if (new_left, new_right) == (-1, 0) else "window"
     return (mask_mod if rest is not None else None), kind, new_left, new_right, "top_left", True
+
+
+#: under torch.compile the trace cache is looked up eagerly (a graph break); eager calls skip the wrapper's cost
+_diagonal_traced = torch.compiler.disable(_diagonal_call)
+
+
+def _diagonal(q, k, mask_mod, mask: str, left: int, right: int, align: str) -> tuple:
+    """:func:`_diagonal_call`, eager or (under torch.compile) run eagerly."""
+    run = _diagonal_traced if torch.compiler.is_compiling() else _diagonal_call
+    return run(q, k, mask_mod, mask, left, right, align)
 
 
 def _same_objects(refs: list, objects) -> bool:
@@ -537,7 +546,7 @@ class AutoAttention:
         mask, left, right = _score_mask(causal, window)
         split = None
         if mask_mod is not None:
-            mask_mod, mask, left, right, align, split = _diagonal_call(q, k, mask_mod, mask, left, right, align)
+            mask_mod, mask, left, right, align, split = _diagonal(q, k, mask_mod, mask, left, right, align)
         if score_mod is not None or mask_mod is not None:
             # a repeated call: the launcher reads its values (not one keeping a split mask_mod whole: _run_mods)
             if out is None and not torch.compiler.is_compiling() and split is not False:

@@ -5,7 +5,9 @@ written in Python with torch operations, are traced once (trace.py) into a DAG o
 objects (expr.py) whose canonical form (traced.py) keys the kernel and which renders a
 ``__host__ __device__`` C++ function (cpp.py) and evaluates itself in numpy (evaluate.py), the two
 following one semantic table (ops.py). Captured numbers and tensors become kernel arguments
-(capture.py), read again on every call, so new values reuse the kernel.
+(capture.py), read again on every call, so new values reuse the kernel. A mask_mod's diagonal conjuncts
+(``q_idx >= kv_idx``, ``q_idx - kv_idx <= 128``) run as the kernels' built-in causal / window rule
+(diagonal.py, :attr:`TracedMod.diagonal`).
 
     from flashgen.mods import prepare
     mod, args = prepare(softcap, "score")   # cached per function

@@ -14,6 +14,9 @@ from .traced import ModArgs, StaleTrace, TracedMod
 
 _TRACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # fn -> {kind: (code, TracedMod)}
 _COUNTS = {"hits": 0, "traces": 0}
+#: (id(fn), kind) -> (weak reference to fn, its code, TracedMod): :func:`current`'s look-up on every call with a
+#: mask_mod, cheaper than hashing the function into the weak dictionary; a retrace drops the entry
+_CURRENT: dict = {}
 
 
 class CacheInfo(NamedTuple):
@@ -44,11 +47,22 @@ def prepare(fn: Callable, kind: str) -> tuple[TracedMod, ModArgs]:
 def current(fn: Callable, kind: str) -> TracedMod:
     """:func:`traced`, traced again where a value compiled in as a literal changed: a trace whose structure holds
     for the function now (its other values are read by :func:`prepare`)."""
-    mod = traced(fn, kind)
-    try:
-        mod.check_static(fn)
-    except StaleTrace:
-        mod = _retrace(fn, kind)
+    key = (id(fn), kind)
+    entry = _CURRENT.get(key)
+    if entry is None or entry[0]() is not fn or getattr(fn, "__code__", None) is not entry[1]:
+        mod = traced(fn, kind)
+        if _weakrefable(fn):
+            def drop(ref, key=key) -> None:  # the function is gone: its entry, unless another took the key
+                if _CURRENT.get(key, (None,))[0] is ref:
+                    del _CURRENT[key]
+            entry = _CURRENT[key] = (weakref.ref(fn, drop), fn.__code__, mod)
+    else:
+        mod = entry[2]
+    if mod.static:
+        try:
+            mod.check_static(fn)
+        except StaleTrace:
+            mod = _retrace(fn, kind)
     return mod
 
 
@@ -58,12 +72,14 @@ def cache_info() -> CacheInfo:
 
 def clear_cache() -> None:
     _TRACES.clear()
+    _CURRENT.clear()
     _COUNTS.update(hits=0, traces=0)
 
 
 def _retrace(fn: Callable, kind: str) -> TracedMod:
     mod = trace(fn, kind)
     _COUNTS["traces"] += 1
+    _CURRENT.pop((id(fn), kind), None)
     if _weakrefable(fn):
         _TRACES.setdefault(fn, {})[kind] = (fn.__code__, mod)
     return mod

@@ -25,6 +25,7 @@ sums (``i + right + 1``, a block's last row plus ``right``) stay in int32 too.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import attrs
@@ -55,7 +56,7 @@ class Diagonal:
     rest: object
     max_seq: int
 
-    @property
+    @functools.cached_property  # read on every call that runs the split
     def window(self) -> tuple[int, int]:
         """The built-in rule's top-left ``(left, right)`` of the bounds (-1: unbounded)."""
         return (-1 if self.hi is None else self.hi), (-1 if self.lo is None else -self.lo)
@@ -180,18 +181,3 @@ def combine(diagonal: tuple[int, int], call: tuple[int, int]) -> tuple[int, int]
 
     return tighter(diagonal[0], call[0]), tighter(diagonal[1], call[1])
 
-
-def split_mod(mod) -> "tuple[Diagonal, object] | None":
-    """A mask_mod TracedMod's :func:`split` and its rest as a TracedMod of its own (canonical names; it reads its
-    values from the same function, :meth:`TracedMod.bind`), None without a rest; None where nothing splits."""
-    from .traced import make_traced
-
-    found = split(mod.expr) if mod.kind == "mask" else None
-    if found is None:
-        return None
-    if found.rest is None:
-        return found, None
-    scalars = {a.name: (a.source, a.from_tensor) for a in mod.scalars}
-    buffers = {t.name: (t.source, None) for t in mod.tensors}
-    rest = make_traced("mask", found.rest, scalars, buffers, mod.static, f"{mod.description} less its diagonal")
-    return found, rest

@@ -93,7 +93,10 @@ class KernelMods:
     def manifest(self) -> dict:
         """What a caller of the emitted C launcher needs (JSON-able): the functions, the ``mod_words`` layout
         (each scalar's word, then each tensor's pointer and strides in elements, score_mod's before
-        mask_mod's), their count and the longest sequence the kernel takes (None: any)."""
+        mask_mod's), their count and the longest sequence the kernel takes (None: any). ``mask_diagonal``: where the
+        mask_mod has diagonal conjuncts (:attr:`TracedMod.diagonal`), the top-left ``window`` calls run them as, with
+        ``rest``, the mask_mod those calls compile (None: none, they run the built-in masked kernel); this kernel
+        holds the whole mask_mod, right for any window its caller passes."""
         words, w = [], 0
         for m in self.mods:
             for s in m.scalars:
@@ -107,7 +110,8 @@ class KernelMods:
                 w += 1 + t.rank
         return {"score_mod": self.score.description if self.score else None,
                 "mask_mod": self.mask.description if self.mask else None,
-                "key": self.key, "n_mod_words": self.n_words, "mod_words": words, "max_seq": self.index_limit}
+                "key": self.key, "n_mod_words": self.n_words, "mod_words": words, "max_seq": self.index_limit,
+                "mask_diagonal": _diagonal_manifest(self.mask)}
 
     def score_derivative(self):
         """``d score_mod / d score`` (:func:`flashgen.mods.grad.derivative`; None: 0, or no score_mod)."""
@@ -244,6 +248,15 @@ def _bias(score: TracedMod):
 @functools.lru_cache(maxsize=256)
 def _index_limit(mods: KernelMods) -> "int | None":
     return INDEX_LIMIT if has_split_casts([m.expr for m in mods.mods] + [mods.score_derivative()]) else None
+
+
+def _diagonal_manifest(mask: "TracedMod | None") -> "dict | None":
+    """:meth:`KernelMods.manifest`'s ``mask_diagonal`` entry."""
+    found = mask.diagonal if mask is not None else None
+    if found is None:
+        return None
+    diagonal, rest = found
+    return {"window": list(diagonal.window), "align": "top_left", "rest": rest.description if rest is not None else None}
 
 
 def _to_word(dtype: str, value) -> int:

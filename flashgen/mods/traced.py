@@ -140,12 +140,18 @@ class TracedMod:
 
     @functools.cached_property
     def diagonal(self) -> "tuple | None":
-        """A mask_mod's diagonal conjuncts and the rest of it as a TracedMod (None: none), or None where it has no
-        diagonal conjunct the built-in causal / window rule can run (:func:`flashgen.mods.diagonal.split_mod`);
-        derived once per trace, so every call of one trace runs the same rest."""
-        from .diagonal import split_mod
+        """A mask_mod's (:class:`flashgen.mods.diagonal.Diagonal`, rest): its diagonal conjuncts, which the built-in
+        causal / window rule runs, and the rest of it as a TracedMod of its own (canonical names; it reads its values
+        from the same function; None: no rest). None where it has no such conjunct (or for a score_mod). Derived
+        once per trace, so every call of one trace compiles the same rest."""
+        from .diagonal import split
 
-        return split_mod(self)
+        found = split(self.expr) if self.kind == "mask" else None
+        if found is None or found.rest is None:
+            return None if found is None else (found, None)
+        scalars = {a.name: (a.source, a.from_tensor) for a in self.scalars}
+        buffers = {t.name: (t.source, None) for t in self.tensors}
+        return found, make_traced("mask", found.rest, scalars, buffers, self.static, f"{self.description} less its diagonal")
 
     @functools.cached_property
     def arguments_read(self) -> frozenset:

@@ -199,3 +199,34 @@ def test_random_conjunctions_do_split():
     diagonal, keep = _split_keeps(fn)
     assert (diagonal.lo, diagonal.hi) == (None, 2)
     np.testing.assert_array_equal(keep, _brute(fn))
+
+
+def test_the_emitted_kernels_manifest_names_the_window_calls_run_the_diagonal_as():
+    from flashgen.dsl.config import KernelConfig
+    from flashgen.engines import emit
+    from flashgen.mods import KernelMods
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (DOC[q_idx] == DOC[kv_idx]) & (q_idx - kv_idx <= 7) & (kv_idx <= q_idx)
+
+    meta = emit(KernelConfig(dtype="fp16", d_head=64), KernelMods(mask=trace(causal_document, "mask"))).meta["mods"]
+    assert meta["mask_diagonal"] == {"window": [7, 0], "align": "top_left", "rest": meta["mask_mod"] + " less its diagonal"}
+    assert KernelMods(mask=trace(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, "mask")).manifest()["mask_diagonal"] == {
+        "window": [-1, 0], "align": "top_left", "rest": None}
+    assert KernelMods(mask=trace(lambda b, h, q_idx, kv_idx: DOC[q_idx] == DOC[kv_idx], "mask")).manifest()["mask_diagonal"] is None
+
+
+def test_the_trace_a_call_splits_follows_new_code_and_changed_literal_kept_numbers():
+    from flashgen.mods.cache import current
+
+    width = 3
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= int(width))  # int(): compiled in as a literal
+
+    assert current(window, "mask").diagonal[0].window == (3, 0)
+    assert current(window, "mask") is current(window, "mask")  # no retrace while nothing changed
+    width = 9
+    assert current(window, "mask").diagonal[0].window == (9, 0)
+    window.__code__ = (lambda b, h, q_idx, kv_idx: (kv_idx - q_idx <= 4) | (width < 0)).__code__
+    assert current(window, "mask").diagonal is None
