@@ -21,8 +21,8 @@ import torch
 from . import autograd, cache, launcher, tracing
 from .mods.cache import current
 from .mods.call_values import CallValues
-from .mods.diagonal import combine
 from .mods.copies import stable_copy
+from .mods.diagonal import combine
 from .mods.kernel_mods import KernelMods, prepare_mods
 from .build import BuildError, Built, build
 from .engines import engine_of
@@ -214,7 +214,9 @@ class Attention:
         functions, traced once per function (:mod:`flashgen.mods`) and compiled into a variant of this kernel
         (one per structure: new captured values reuse it). score_mod sees the scaled score; a key is kept where
         the causal/window rule and mask_mod both keep it. Such calls are differentiable too (with respect to q, k
-        and v, through the score_mod; captured tensors that require grad are refused).
+        and v, through the score_mod; captured tensors that require grad are refused). A mask_mod's diagonal
+        conjuncts with literal offsets (``q_idx >= kv_idx``, ``q_idx - kv_idx <= 128``) run as the built-in window
+        (:mod:`flashgen.mods.diagonal`): a causal mask_mod runs this kernel's causal variant, without mods.
         """
         mask, left, right = _score_mask(causal, window)
         split = None
