@@ -220,18 +220,23 @@ class Attention:
         """
         mask, left, right = _score_mask(causal, window)
         split = None
-        if mask_mod is not None:
+        if mask_mod is not None and (torch.compiler.is_compiling() or id(mask_mod) in _SPLITTING):
             mask_mod, mask, left, right, align, split = _diagonal(q, k, mask_mod, mask, left, right, align)
         attn = self if mask == self._mask else self._variant(mask)
         if score_mod is not None or mask_mod is not None:
-            return attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split)
+            result = attn._run_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split)
+            if result is _SPLIT_FIRST:  # now known to split: this call again, split before any fast path
+                return self(q, k, v, out, softmax_scale, causal, window, align, return_lse, score_mod, mask_mod)
+            return result
         return attn._launch(q, k, v, out, softmax_scale, left, right, align, return_lse)
 
     def _run_mods(self, q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod, split=None):
         """A call with a score_mod / mask_mod: through the launcher's reader of the pair (``call_mods_again``, the values
         read in C++ as :class:`CallValues` reads them), else :meth:`_mods_fast`, else :meth:`_launch_mods`. ``split``
         as :func:`_diagonal_call` says: a call that keeps a mask_mod with diagonal conjuncts whole (False) takes the
-        full path, since the readers of the pair may hold its rest alone (what calls that split it run)."""
+        full path, since the readers of the pair may hold its rest alone (what calls that split it run).
+        :data:`_SPLIT_FIRST` where the fast paths missed and the mask_mod turns out to have diagonal conjuncts not
+        known before (the caller splits the call and makes it again)."""
         if out is None and not torch.compiler.is_compiling() and split is not False:
             try:
                 result = self._native.call_mods_again(self._table, q, k, v, softmax_scale, left, right, align, return_lse,
@@ -242,6 +247,8 @@ class Attention:
                 result = self._mods_fast(q, k, v, softmax_scale, left, right, align, return_lse, score_mod, mask_mod)
             if result is not None:
                 return result
+        if split is None and mask_mod is not None and not torch.compiler.is_compiling() and _newly_splitting(mask_mod):
+            return _SPLIT_FIRST
         return self._launch_mods(q, k, v, out, softmax_scale, left, right, align, return_lse, score_mod, mask_mod,
                                  split is True)
 
@@ -401,6 +408,8 @@ def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str)
     if type(mask_mod) is not types.FunctionType:
         return mask_mod, mask, left, right, align, None  # the call path explains what it refuses
     found = current(mask_mod, "mask").diagonal
+    if found is not None:
+        _splitting(mask_mod)
     if found is None or not (align in ("top_left", "bottom_right") and isinstance(q, torch.Tensor)
                              and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4):
         return mask_mod, mask, left, right, align, None
@@ -412,6 +421,32 @@ def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str)
     new_left = -1 if new_left < 0 else new_left
     kind = "causal" if (new_left, new_right) == (-1, 0) else "window"
     return (mask_mod if rest is not None else None), kind, new_left, new_right, "top_left", True
+
+
+#: id -> weak reference of each live mask_mod whose trace has diagonal conjuncts: its calls are split before any
+#: fast path (the launcher's readers of a split call hold the rest of the mask_mod alone); a mask_mod not in it
+#: reaches the fast paths without a look-up of its trace
+_SPLITTING: dict = {}
+#: :meth:`Attention._run_mods`'s answer for a call to make again, split
+_SPLIT_FIRST = object()
+
+
+def _splitting(mask_mod) -> None:
+    """Put ``mask_mod`` in :data:`_SPLITTING` (until it dies)."""
+    key = id(mask_mod)
+    if key not in _SPLITTING:
+        _SPLITTING[key] = weakref.ref(mask_mod, lambda _, key=key: _SPLITTING.pop(key, None))
+
+
+def _newly_splitting(mask_mod) -> bool:
+    """Whether ``mask_mod`` has diagonal conjuncts and was not in :data:`_SPLITTING` (it is now): its first call,
+    or its first since its code changed."""
+    if id(mask_mod) in _SPLITTING or type(mask_mod) is not types.FunctionType:
+        return False
+    if current(mask_mod, "mask").diagonal is None:
+        return False
+    _splitting(mask_mod)
+    return True
 
 
 #: under torch.compile the trace cache is looked up eagerly (a graph break); eager calls skip the wrapper's cost
@@ -547,7 +582,7 @@ class AutoAttention:
         """As :meth:`Attention.__call__`, with the kernel picked for the call's shape and mask."""
         mask, left, right = _score_mask(causal, window)
         split = None
-        if mask_mod is not None:
+        if mask_mod is not None and (torch.compiler.is_compiling() or id(mask_mod) in _SPLITTING):
             mask_mod, mask, left, right, align, split = _diagonal(q, k, mask_mod, mask, left, right, align)
         if score_mod is not None or mask_mod is not None:
             # a repeated call: the launcher reads its values (not one keeping a split mask_mod whole: _run_mods)
@@ -560,6 +595,9 @@ class AutoAttention:
                     result = None  # the kernel's own call below explains it
                 if result is not None:
                     return result
+            if split is None and not torch.compiler.is_compiling() and _newly_splitting(mask_mod):
+                # now known to split: this call again, split before any fast path (and before a kernel is picked)
+                return self(q, k, v, out, softmax_scale, causal, window, align, return_lse, score_mod, mask_mod)
             return self._call_mods(q, k, v, out, softmax_scale, mask, left, right, align, return_lse, score_mod, mask_mod,
                                    split)
         if torch.compiler.is_compiling():  # picked once while tracing; the graph holds the kernel's handle

@@ -463,7 +463,7 @@ def test_auto_gives_calls_with_mods_the_config_of_masked_calls(launcher, monkeyp
 
     monkeypatch.setattr(runtime, "_select", select)
     runtime.compile("auto")(Q, Q, Q, score_mod=lambda s, b, h, i, j: s * 0.5)
-    runtime.compile("auto")(Q, Q, Q, mask_mod=lambda b, h, i, j: i >= j)
+    runtime.compile("auto")(Q, Q, Q, mask_mod=lambda b, h, i, j: i // 4 >= j // 4)  # no diagonal conjunct
     runtime.compile("auto").pick(Q.device, Q.dtype, 64, 6, "none")  # a call without mods
     assert asked == [True, True, False]
 
@@ -504,6 +504,28 @@ def test_causal_as_a_mask_mod_runs_the_built_in_causal_kernel_without_mods_or_bl
     assert _launches(launcher) == [("causal", None, "top_left", -1, 0)] * 4
     assert not launcher.block_masks and set(launcher.builds) == {None}
     assert trace(causal, "mask").diagonal[1] is None
+
+
+def test_repeated_calls_of_a_mask_mod_without_diagonal_conjuncts_reach_the_reader_without_a_trace_look_up(launcher,
+                                                                                                          monkeypatch):
+    """Only mask_mods known to have diagonal conjuncts are split before the fast paths: another one's trace is looked
+    up once, on its first call, and its repeated calls go straight to the launcher's reader."""
+    attn = _attention()
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    looked = []
+    real = runtime.current
+    monkeypatch.setattr(runtime, "current", lambda fn, kind: looked.append(fn) or real(fn, kind))
+    for _ in range(5):
+        attn(Q, Q, Q, mask_mod=document)
+    assert looked == [document] and launcher.served == ["call_mods_again"] * 3
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    for _ in range(2):
+        attn(Q, Q, Q, mask_mod=causal)
+    assert looked[1:] == [causal] * 3  # its first call: found splitting, made again split; then split first
 
 
 def test_a_sliding_window_mask_mod_meets_the_calls_own_window(launcher):
