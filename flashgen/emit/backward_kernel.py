@@ -31,7 +31,7 @@ from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
 from ..dsl.steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait, WaitOrder
 from ..dsl.addressing import split_offsets
 from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
-from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, turns, vec
+from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, sreg, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .abi import backward_args_struct
 from .source import KernelSource, kernel_meta
@@ -164,18 +164,26 @@ def _gemm_code(plan: BackwardPlan, step: Gemm) -> list[str]:
     return (_zero(acc, str(g.m_tiles), str(g.n_tiles)) if fresh else []) + ["{"] + ["    " + l for l in _gemm(g, acc, a_acc)] + ["}"]
 
 
+#: a step's own lane and warp (:func:`flashgen.emit.ptx.sreg.helpers`): the per-thread indices the step derives
+#: from them (the score's key row and query column, the mods' index arithmetic, the dQ adds' rows and columns)
+#: are recomputed in it, not held in registers across the query-block loop beside dK and dV (held, the kernels
+#: with a score_mod or mask_mod spilled at d_head 128)
+FRESH_LANE = "const uint32_t tid_f = fresh_tid(), lane_f = tid_f % 32, warp_f = tid_f / 32;"
+
+
 def _per_value(plan: BackwardPlan, lines: list[str]) -> list[str]:
     """``lines`` for every S^T / dP^T accumulator value (mi, nt, r) with its key row (the warp's rows
-    of the S GEMM's A operand) and query column."""
+    of the S GEMM's A operand) and query column, in a block of its own lane and warp (:data:`FRESH_LANE`)."""
     c = plan.mma.c_map
-    warp_rows, _ = plan.gemms["S"].a.copy.partition.warp_offset_cpp("warp")
+    warp_rows, _ = plan.gemms["S"].a.copy.partition.warp_offset_cpp("warp_f")
     return [
-        "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
-        "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
-        f"            const int key = kb * int(B_c) + int({warp_rows} + mi * 16 + {c.row.to_cpp(['lane', 'r'])});",
-        f"            const int qc = int(nt * 8 + {c.col.to_cpp(['lane', 'r'])});  // query row q_row0 + qc",
-        "            (void)key;",
-    ] + ["            " + l for l in lines] + ["        }"]
+        "{", "    " + FRESH_LANE,
+        "    #pragma unroll", "    for (uint32_t mi = 0; mi < MK; ++mi)", "        #pragma unroll", "        for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
+        "            #pragma unroll", "            for (uint32_t r = 0; r < 4; ++r) {",
+        f"                const int key = kb * int(B_c) + int({warp_rows} + mi * 16 + {c.row.to_cpp(['lane_f', 'r'])});",
+        f"                const int qc = int(nt * 8 + {c.col.to_cpp(['lane_f', 'r'])});  // query row q_row0 + qc",
+        "                (void)key;",
+    ] + ["                " + l for l in lines] + ["            }", "}"]
 
 
 def _recompute_code(plan: BackwardPlan, step: Step) -> list[str]:
@@ -229,14 +237,15 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
     copy = plan.red_dQ
     if not _adjacent_pairs(copy):
         raise ValueError(f"{copy.name}: values 2h and 2h+1 are not adjacent columns of one row; the dQ reduction adds them as pairs")
-    args = dict(lane="lane", v="r", warp="warp", mi="mi", nt="nt")
-    return ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
-            "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
-            f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
-            f"            const uint32_t col = {_call(copy, 'col', **args)};",
-            "            if (row < p.seq_q && col < D_HEAD)",
-            "                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][nt][r], dq_acc[mi][nt][r + 1]);",
-            "        }"]
+    args = dict(lane="lane_f", v="r", warp="warp_f", mi="mi", nt="nt")
+    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
+             "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
+             f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
+             f"            const uint32_t col = {_call(copy, 'col', **args)};",
+             "            if (row < p.seq_q && col < D_HEAD)",
+             "                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][nt][r], dq_acc[mi][nt][r + 1]);",
+             "        }"]
+    return ["{", "    " + FRESH_LANE] + ["    " + l for l in lines] + ["}"]
 
 
 #: this (batch, query head, query block)'s turn counter of the ordered dQ adds
@@ -612,7 +621,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
     lay = plan.smem_layout
     atoms = {load.copy.atom for g in plan.gemms.values() for load in (g.a, g.b) if load is not None}
     helpers = [cp_async.helpers(plan.g2s["Q"].atom), vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_mma.helper(plan.mma),
-               red.helpers(plan.red_dQ.atom)] + ([turns.helpers()] if cfg.deterministic else []) + [ldmatrix.helper(a) for a in sorted(atoms, key=lambda a: a.name)]
+               red.helpers(plan.red_dQ.atom), sreg.helpers()] + ([turns.helpers()] if cfg.deterministic else []) + [ldmatrix.helper(a) for a in sorted(atoms, key=lambda a: a.name)]
     if plan.stats["LSE"].atom.is_async:
         helpers.append(cp_async.helpers(plan.stats["LSE"].atom))
     text = compose(_PARTS, dict(
