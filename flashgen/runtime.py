@@ -405,11 +405,7 @@ def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str)
     ``diagonal``). None: no diagonal conjunct, or inputs the call path refuses; False: this call keeps the mask_mod
     whole, where its own window is aligned bottom-right on unequal lengths (no top-left window holds both) or
     its lengths are past those for which the split is exact. Either way the arguments come back as given."""
-    if type(mask_mod) is not types.FunctionType:
-        return mask_mod, mask, left, right, align, None  # the call path explains what it refuses
-    found = current(mask_mod, "mask").diagonal
-    if found is not None:
-        _splitting(mask_mod)
+    found = _diagonal_of(mask_mod)  # None for what is not a function: the call path explains what it refuses
     if found is None or not (align in ("top_left", "bottom_right") and isinstance(q, torch.Tensor)
                              and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4):
         return mask_mod, mask, left, right, align, None
@@ -418,7 +414,6 @@ def _diagonal_call(q, k, mask_mod, mask: str, left: int, right: int, align: str)
     if not diagonal.exact_for(seq_q, seq_k) or (mask != "none" and align != "top_left" and seq_q != seq_k):
         return mask_mod, mask, left, right, align, False
     new_left, new_right = diagonal.window if mask == "none" else combine(diagonal.window, (left, right))
-    new_left = -1 if new_left < 0 else new_left
     kind = "causal" if (new_left, new_right) == (-1, 0) else "window"
     return (mask_mod if rest is not None else None), kind, new_left, new_right, "top_left", True
 
@@ -438,15 +433,21 @@ def _splitting(mask_mod) -> None:
         _SPLITTING[key] = weakref.ref(mask_mod, lambda _, key=key: _SPLITTING.pop(key, None))
 
 
+def _diagonal_of(mask_mod) -> "tuple | None":
+    """``mask_mod``'s (:class:`~flashgen.mods.diagonal.Diagonal`, rest) where it is a function whose trace has
+    diagonal conjuncts (it joins :data:`_SPLITTING`), else None."""
+    if type(mask_mod) is not types.FunctionType:
+        return None
+    found = current(mask_mod, "mask").diagonal
+    if found is not None:
+        _splitting(mask_mod)
+    return found
+
+
 def _newly_splitting(mask_mod) -> bool:
     """Whether ``mask_mod`` has diagonal conjuncts and was not in :data:`_SPLITTING` (it is now): its first call,
     or its first since its code changed."""
-    if id(mask_mod) in _SPLITTING or type(mask_mod) is not types.FunctionType:
-        return False
-    if current(mask_mod, "mask").diagonal is None:
-        return False
-    _splitting(mask_mod)
-    return True
+    return id(mask_mod) not in _SPLITTING and _diagonal_of(mask_mod) is not None
 
 
 #: under torch.compile the trace cache is looked up eagerly (a graph break); eager calls skip the wrapper's cost
