@@ -65,16 +65,6 @@ class Diagonal:
         """Whether the split keeps what the mask_mod keeps for these lengths (see the module docstring)."""
         return max(seq_q, seq_k) <= self.max_seq
 
-    def keeps(self, q_idx, kv_idx):
-        """The bounds' kept set (numpy or Python ints, broadcast): what the built-in window keeps."""
-        d = q_idx - kv_idx
-        keep = d == d
-        if self.lo is not None:
-            keep = keep & (d >= self.lo)
-        if self.hi is not None:
-            keep = keep & (d <= self.hi)
-        return keep
-
 
 def conjuncts(root) -> list:
     """The operands of a (nested) bool conjunction, left to right; ``[root]`` for anything else."""
