@@ -150,7 +150,7 @@ class Attention:
                                   deterministic=self.deterministic if deterministic is None else bool(deterministic))
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
-        return cfg if self.built.mods is None else engine_of(cfg).backward.with_mods(cfg)
+        return cfg if self.built.mods is None else engine_of(cfg).backward.with_mods(cfg, self.built.mods)
 
     def _load_backward(self, seq_k: int, deterministic: bool) -> int:
         """Build (or load from the cache) and load the backward kernel of key length ``seq_k`` (or its

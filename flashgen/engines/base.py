@@ -52,9 +52,10 @@ class BackwardKernels:
         this engine's backward does not take the head size)."""
         raise NotImplementedError
 
-    def with_mods(self, cfg: Any) -> Any:
-        """The config to build in place of ``cfg`` where the forward carries a score_mod or mask_mod: ``cfg``
-        unless its shape leaves the mods' code too few registers."""
+    def with_mods(self, cfg: Any, mods: Any = None) -> Any:
+        """The config to build in place of ``cfg`` where the forward carries a score_mod or mask_mod (``mods``,
+        :class:`flashgen.mods.KernelMods`; None: any): ``cfg`` unless its shape leaves the mods' code too few
+        registers."""
         return cfg
 
 

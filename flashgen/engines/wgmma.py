@@ -68,12 +68,18 @@ class WgmmaBackward(BackwardKernels):
         limit = target.smem_per_block if target is not None else HOPPER_SMEM
         return cfg if cfg is not None and cfg.smem_bytes <= limit else None
 
-    def with_mods(self, cfg: Any) -> Any:
-        """Query blocks of 64 rows: at 128 (d_head 64) the recompute pass holds S^T and dP^T of 64 values each
-        beside dK and dV, and ptxas spilled 68-148 bytes (softcap, relative_bias, ALiBi with ordered dQ adds) or
-        serialized the wgmma (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there; at 80
-        (d_head 128) it spilled 12 bytes with softcap and serialized the wgmma with ALiBi."""
-        return cfg.replace(B_r=64) if cfg.B_r > 64 else cfg
+    def with_mods(self, cfg: Any, mods: Any = None) -> Any:
+        """Query blocks of 64 rows, but for a mask_mod alone at d_head 64 without ordered dQ adds, which keeps 128.
+        At 128 rows (d_head 64) the recompute pass holds S^T and dP^T of 64 values each beside dK and dV, and
+        ptxas spilled 68-148 bytes (softcap, relative_bias, ALiBi with ordered dQ adds) or serialized the wgmma
+        (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there; every example mask_mod alone
+        compiles clean there without ordered adds (document, prefix LM, sliding window with sinks, block-local;
+        unmasked and causal). At 80 (d_head 128) ptxas spilled 12 bytes with softcap and serialized the wgmma with
+        ALiBi and with the sliding window with sinks."""
+        mask_only = mods is not None and mods.score is None and mods.mask is not None
+        if cfg.B_r > 64 and not (mask_only and cfg.d_head == 64 and not cfg.deterministic):
+            return cfg.replace(B_r=64)
+        return cfg
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
         """The shipped shape with two and one ring stages, and each with the head size's other query block size

@@ -39,6 +39,7 @@ CONFIGS = {
     "mma_d128": (BackwardConfig.default("bf16", 128), "sm_80"),
     "mma_d64": (BackwardConfig.default("fp16", 64), "sm_80"),
     "wgmma_d128": (backward_of(BackwardConfig.wgmma("bf16", 128)).with_mods(BackwardConfig.wgmma("bf16", 128)), "sm_90a"),
+    "wgmma_d64_mask": (BackwardConfig.wgmma("bf16", 64), "sm_90a"),  # 128-row blocks: a mask_mod alone keeps them
 }
 #: (score_mod example, mask_mod example, built-in mask)
 MODS = {
@@ -47,6 +48,7 @@ MODS = {
     "relative_bias+doc": ("relative_bias", "document_mask", "none"),
     "prefix_lm": (None, "prefix_lm", "none"),
     "softcap+doc": ("softcap", "document_mask", "none"),
+    "doc": (None, "document_mask", "none"),
 }
 #: the (config, mods) pairs whose main kernel may spill (up to SPILL_CAP bytes): none today; every other pair must not
 SPILLS: set = set()
@@ -54,9 +56,10 @@ SPILL_CAP = 128
 #: compiled here (the suite's time: one nvcc run each): each engine with the fused dS (softcap) and with both
 #: mods, the mma.sync default with a computed mask_mod, with a bias under the built-in causal mask and with a table
 #: bias beside a loading mask_mod (the pairs that spilled most before their indices were recomputed per step);
-#: d_head 64 with both mods
+#: d_head 64 with both mods, and the wgmma d_head 64 backward's 128-row blocks with a mask_mod alone (loading, computed)
 CASES = [("mma_d128", "softcap"), ("mma_d128", "prefix_lm"), ("mma_d128", "alibi+causal"), ("mma_d128", "relative_bias+doc"),
-         ("mma_d128", "softcap+doc"), ("wgmma_d128", "softcap"), ("wgmma_d128", "softcap+doc"), ("mma_d64", "softcap+doc")]
+         ("mma_d128", "softcap+doc"), ("wgmma_d128", "softcap"), ("wgmma_d128", "softcap+doc"), ("mma_d64", "softcap+doc"),
+         ("wgmma_d64_mask", "doc"), ("wgmma_d64_mask", "prefix_lm")]
 
 
 def _id(case) -> str:
@@ -99,3 +102,4 @@ def test_backward_kernels_with_mods_compile(case, compiled):
             assert max(s.spill_stores, s.spill_loads, s.stack_frame) <= SPILL_CAP, spill
         else:
             assert s.clean, spill
+        assert not s.serialized, f"{f}: ptxas serialized its wgmma (too few registers)"

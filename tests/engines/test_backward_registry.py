@@ -74,4 +74,26 @@ def test_a_forward_with_mods_is_differentiated_in_64_row_query_blocks(monkeypatc
     fwd = KernelConfig.wgmma("bf16", d_head=64, mask="causal")
     call = lambda mods: Attention.backward_config(  # noqa: E731
         SimpleNamespace(cfg=fwd, built=SimpleNamespace(capability=(9, 0), mods=mods), deterministic=True))
-    assert call(None) == wide and call(object()) == wide.replace(B_r=64)
+    assert call(None) == wide and call(_mods(mask=True)) == wide.replace(B_r=64)
+
+
+def _mods(score: bool = False, mask: bool = False):
+    """KernelMods of a softcap score_mod and / or a prefix-LM mask_mod."""
+    from flashgen.mods.kernel_mods import prepare_mods
+
+    import torch
+
+    return prepare_mods(score_mod=(lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)) if score else None,
+                        mask_mod=(lambda b, h, q, kv: (kv <= q) | (kv < 5)) if mask else None)[0]
+
+
+@pytest.mark.parametrize("d_head, deterministic, score, rows", [
+    (64, False, False, 128),   # a mask_mod alone: its code fits beside 128-row blocks
+    (64, True, False, 64),     # ordered dQ adds: ptxas serialized the wgmma with prefix LM there
+    (64, False, True, 64),     # with a score_mod: ptxas spilled
+    (128, False, False, 64),   # 80 rows: ptxas serialized the wgmma with the sliding window with sinks
+])
+def test_a_mask_mod_alone_keeps_wide_query_blocks_where_its_code_fits(d_head, deterministic, score, rows):
+    cfg = BackwardConfig.wgmma("bf16", d_head).replace(deterministic=deterministic)
+    assert engines.backward_of(cfg).with_mods(cfg, _mods(score=score, mask=True)).B_r == rows
+    assert engines.backward_of(cfg).with_mods(cfg, _mods(score=True)).B_r == 64

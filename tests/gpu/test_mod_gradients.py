@@ -33,14 +33,18 @@ _spec = importlib.util.spec_from_file_location("mods_examples", Path(__file__).p
 examples = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(examples)
 
+#: engine -> forward config; d_head 64 on wgmma, whose backward keeps 128-row query blocks for a mask_mod alone
 FORWARD = {"mma_sync": "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax",
-           "wgmma": "(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent"}
-def _with_mods(cfg):
-    """The config the runtime builds for a forward carrying mods (64-row query blocks on wgmma)."""
-    return engines.backward_of(cfg).with_mods(cfg)
+           "wgmma": "(BF16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent",
+           "wgmma_d64": "(BF16, 64, 128, 128, 12): wgmma+stages_2+pingpong+intra+persistent"}
+BACKWARD = {"mma_sync": BackwardConfig.default(DType.BF16, 128, "none"), "wgmma": BackwardConfig.wgmma(DType.BF16, 128, "none"),
+            "wgmma_d64": BackwardConfig.wgmma(DType.BF16, 64, "none")}
 
 
-BACKWARD = {"mma_sync": BackwardConfig.default(DType.BF16, 128, "none"), "wgmma": _with_mods(BackwardConfig.wgmma(DType.BF16, 128, "none"))}
+def _with_mods(cfg, mods):
+    """The config the runtime builds for a forward carrying ``mods`` (64-row query blocks on wgmma but for a
+    mask_mod alone at d_head 64)."""
+    return engines.backward_of(cfg).with_mods(cfg, mods)
 # (batch, seq_q, seq_k, heads_q, heads_kv): odd lengths, GQA, seq_q != seq_k both ways, a single token
 SHAPES = [(2, 113, 113, 4, 2), (1, 257, 130, 3, 1), (1, 77, 200, 2, 2), (1, 1, 1, 2, 1)]
 N = max(max(s[1], s[2]) for s in SHAPES)
@@ -78,7 +82,7 @@ def kernels():
         mods, _ = prepare_mods(score_mod, mask_mod)
         for e in engines:
             jobs[(e, name, "fwd")] = (forwards[e].cfg, mods)
-            jobs[(e, name, "bwd")] = (BACKWARD[e], mods)
+            jobs[(e, name, "bwd")] = (_with_mods(BACKWARD[e], mods), mods)
     with ThreadPoolExecutor(16) as pool:  # nvcc runs in subprocesses: threads build in parallel
         built = dict(zip(jobs, pool.map(lambda job: build(job[0], cap, mods=job[1]), jobs.values())))
     out = {}
@@ -109,7 +113,7 @@ def test_gradients_through_every_example(kernels, engine, name):
     fwd, handle, score_mod, mask_mod = kernels[(engine, name)]
     kw = {"score_mod": score_mod, "mask_mod": mask_mod}
     for n, shape in enumerate(SHAPES):
-        q, k, v, do = random_qkv_do(shape, seed=n)
+        q, k, v, do = random_qkv_do(shape, seed=n, d_head=fwd.cfg.d_head)
         o, got = _backward(fwd, handle, q, k, v, do, score_mod, mask_mod)
         reference.check_attention(o, q, k, v, f"{engine} {name} {shape} o", **kw)
         assert [g.shape for g in got] == [q.shape, k.shape, v.shape] and all(g.dtype == q.dtype for g in got)
