@@ -343,13 +343,14 @@ class ScoreMask:
 
     def backward_items_cpp(self, loop: Callable[[list[str]], list[str]], body: Callable[[bool], list[str]]) -> list[str]:
         """An item's loop over its recomputed scores: ``loop(lines)`` wraps ``lines`` in it and ``body(masked)``
-        makes them (with :meth:`recompute_cpp`'s variant ``masked``: None for the one loop). Without a mask_mod, two loops under the
-        item's ``masked``: where nothing is masked (most items) no score pays for the rule's predicated range
-        tests (the wgmma consumer's loop: 153 -> 62 ISETP), and a score_mod runs on every score unconditionally,
-        so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of one a score;
-        softcap's wgmma consumer stopped spilling 96 bytes)."""
-        if self.mask_mod is not None:  # with one, the second loop's registers made the
-            return loop(body(None))  # wgmma consumer spill (12 bytes, softcap + document mask)
+        makes them (with :meth:`recompute_cpp`'s variant ``masked``: None for the one loop). Two loops under the
+        item's ``masked`` but with both a score_mod and a mask_mod: where nothing is masked (most items) no score
+        pays for the rule's predicated range tests (the wgmma consumer's loop: 153 -> 62 ISETP) or for a mask_mod
+        (evaluated, predicated, in full items too by one loop), and a score_mod runs on every score
+        unconditionally, so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of
+        one a score; softcap's wgmma consumer stopped spilling 96 bytes)."""
+        if self.mask_mod is not None and self.score_mod is not None:  # with both, the second loop's registers made
+            return loop(body(None))  # the wgmma consumer spill (12 bytes, softcap + document mask)
         return _block("if (masked) {", loop(body(True)))[:-1] + _block(
             "} else {  // nothing masked: the score_mod (if any) alone, on every score", loop(body(False)))
 
