@@ -70,9 +70,11 @@ COMBOS = {
 }
 
 
-def _values(rng, sm: ScoreMask) -> dict:
+def _values(rng, sm: ScoreMask, mask_values: "dict | None" = None) -> dict:
     """Per value: (i, j, b, h, seq_q, seq_k, offset, left, right, masked) and the fp32 inputs s, lse, dp, D.
-    An unmasked block (the built-in rule keeps it whole: no mask_mod) has no row past seq_q or key past seq_k."""
+    An unmasked block (the built-in rule keeps it whole: no mask_mod) has no row past seq_q or key past seq_k.
+    With a mask_mod, some values the built-in rule and the mask_mod keep are unmasked: items the block mask calls
+    full (their own loop, without the mask_mod)."""
     n = lambda lo, hi: rng.integers(lo, hi, N).astype(np.int32)  # noqa: E731
     v = {"i": n(0, 44), "j": n(0, 52), "b": n(0, 2), "h": n(0, 4), "seq_q": n(1, 41), "seq_k": n(1, 49), "offset": n(-6, 7),
          "left": n(-1, 12), "right": n(-1, 12)}
@@ -82,6 +84,11 @@ def _values(rng, sm: ScoreMask) -> dict:
     v["seq_k"][plain] = np.maximum(v["seq_k"][plain], v["j"][plain] + 1)
     for name, scale in (("s", 6.0), ("lse", 2.0), ("dp", 1.0), ("D", 1.0)):
         v[name] = (scale * rng.standard_normal(N)).astype(np.float32)
+    if sm.mask_mod is not None:
+        for n in np.flatnonzero(rng.integers(0, 2, N)):
+            at = {k: int(v[k][n]) for k in _INT_FIELDS[:-1]}
+            v["masked"][n] = not sm._keep(np.array([at["i"]]), np.array([at["j"]]), True, at["b"], at["h"], at["seq_q"], at["seq_k"],
+                                          (at["offset"], at["left"], at["right"]), (None, mask_values))[0]
     return v
 
 
@@ -163,7 +170,8 @@ def test_rendered_backward_rule_equals_numpy(combo, tmp_path):
     mods, (sa, ma) = prepare_mods(score_fn, mask_fn) if score_fn or mask_fn else (None, (None, None))
     sm = ScoreMask(kind, B_R, B_C, mods)
     assert (mods.derivative_kind if mods is not None else "one") == derivative
-    v = _values(np.random.default_rng(len(combo)), sm)
+    v = _values(np.random.default_rng(len(combo)), sm, ma.values() if ma else None)
+    assert (~v["masked"]).any()  # both loops reached (with a mask_mod: full items', without it)
     words, n_words = words_cpp(mods, sa, ma) if mods is not None else (["static const long long* words = nullptr;"], 0)
     got = np.array(build_and_run(tmp_path, _source(sm, words, n_words, v)), dtype=np.uint64).astype(np.uint32).view(np.float32)
     y_cpp, prob_cpp, ds_cpp = got.reshape(N, 3).T
