@@ -7,8 +7,9 @@ without mods and with the built-in causal mask (the bars for a mod's cost). Roun
 each row reports the median TFLOP/s (causal-like masks count the kept half) and the ratios' range over
 rounds. Every flashgen output is checked against the float64 reference on a slice of query rows first.
 ``--pass fwd+bwd`` times the forward and the backward (``torch.autograd.grad`` of q, k, v, 3.5x the forward's
-FLOPs) of every callable instead: training with the functions; flashgen's gradients of the first batch entry
-are checked against float64 autograd first (FlashAttention's rule, the 16-bit autograd baseline).
+FLOPs) of every callable instead: training with the functions; ``--pass bwd`` the backward alone (the gradients
+of a forward recorded once, 2.5x); with either, flashgen's gradients of the first batch entry are checked
+against float64 autograd first (FlashAttention's rule, the 16-bit autograd baseline).
 
     python benchmarks/mods_bench.py --seqs 2048 8192 --rounds 3 --json mods_h100.json
 """
@@ -78,6 +79,14 @@ def with_backward(fn, leaves: list, do: torch.Tensor):
     return run
 
 
+def backward_of(fn, leaves: list, do: torch.Tensor):
+    """The gradients of q, k, v through one recorded call of ``fn`` (a forward), again at every call (the graph
+    kept): the backward alone. ``do`` as in :func:`with_backward`."""
+    o = fn()
+    grad_out = do if o.shape == do.shape else do.transpose(1, 2)
+    return lambda: torch.autograd.grad(o, leaves, grad_out, retain_graph=True)
+
+
 def check_gradients(attn, q, k, v, do, what: str, **mods) -> None:
     """dq, dk, dv of ``attn`` on the first batch entry against float64 autograd through the reference with the
     same functions, by FlashAttention's rule against autograd through the reference in q's dtype."""
@@ -91,7 +100,7 @@ def check_gradients(attn, q, k, v, do, what: str, **mods) -> None:
 def bench_seq(seq: int, args) -> list[dict]:
     device, batch = "cuda", max(1, args.tokens // seq)
     dt = getattr(torch, args.dtype)
-    train = args.pass_ == "fwd+bwd"
+    train = args.pass_ != "fwd"
     q, k, v = (torch.randn(batch, seq, args.heads, args.d_head, device=device, dtype=dt, requires_grad=train) for _ in range(3))
     do = torch.randn_like(q)
     attn = flashgen.compile("auto")
@@ -112,9 +121,10 @@ def bench_seq(seq: int, args) -> list[dict]:
         if train:
             if seq <= 4096:  # float64 gradients of a longer sequence are too large
                 check_gradients(attn, q, k, v, do, f"{name} seq {seq}", **{key: f for key, f in sub.items() if f is not None})
-            fns = {n: with_backward(f, [q, k, v], do) for n, f in fns.items()}
+            timed = with_backward if args.pass_ == "fwd+bwd" else backward_of
+            fns = {n: timed(f, [q, k, v], do) for n, f in fns.items()}
         times = interleaved(fns, args.rounds)
-        work = 3.5 if train else 1.0  # the backward does 2.5x the forward's FLOPs
+        work = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[args.pass_]  # the backward does 2.5x the forward's FLOPs
         flops = work * attention_flops(batch, args.heads, seq, seq, args.d_head) * kept_fraction(mask, seq, device)
         full = work * attention_flops(batch, args.heads, seq, seq, args.d_head)
         row = {"case": name, "seq": seq, "batch": batch, "times_ms": times,
@@ -145,8 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="element type (default bfloat16)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each in a rotated order (default 3)")
     p.add_argument("--cases", nargs="*", help="only these cases (default: all)")
-    p.add_argument("--pass", dest="pass_", choices=["fwd", "fwd+bwd"], default="fwd",
-                   help="time the forward, or the forward and the backward (training) (default fwd)")
+    p.add_argument("--pass", dest="pass_", choices=["fwd", "bwd", "fwd+bwd"], default="fwd",
+                   help="time the forward, the backward alone (gradients of a recorded forward), or both (training) "
+                        "(default fwd)")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -49,6 +49,19 @@ def test_with_backward_gives_the_gradients_of_either_layout():
     assert torch.allclose(g, do * 3.0)
 
 
+def test_backward_of_runs_the_forward_once_and_the_gradients_every_time():
+    q = torch.randn(2, 5, 3, 4, requires_grad=True)
+    do = torch.randn(2, 5, 3, 4)
+    calls = []
+
+    def forward():
+        calls.append(1)
+        return q.transpose(1, 2) * 3.0  # flex's (batch, heads, seq, d)
+    run = mb.backward_of(forward, [q], do)
+    grads = [run()[0] for _ in range(3)]
+    assert len(calls) == 1 and all(torch.allclose(g, do * 3.0) for g in grads)
+
+
 def test_the_gradient_check_passes_a_right_attention_and_fails_a_wrong_one():
     from flashgen import reference
 
