@@ -74,13 +74,13 @@ def _steep_alibi(heads: int):
 def kernels():
     """{(engine, case): (forward Attention with the mods, backward handle, mod functions)}, built in parallel."""
     cap = torch.cuda.get_device_capability()
-    engines = [e for e in FORWARD if e == "mma_sync" or cap >= (9, 0)]
+    kinds = [e for e in FORWARD if e == "mma_sync" or cap >= (9, 0)]
     funcs = {name: make() for name, make in CASES.items()}
-    forwards = {e: flashgen.compile(FORWARD[e]) for e in engines}
+    forwards = {e: flashgen.compile(FORWARD[e]) for e in kinds}
     jobs = {}
     for name, (score_mod, mask_mod) in funcs.items():
         mods, _ = prepare_mods(score_mod, mask_mod)
-        for e in engines:
+        for e in kinds:
             jobs[(e, name, "fwd")] = (forwards[e].cfg, mods)
             jobs[(e, name, "bwd")] = (_with_mods(BACKWARD[e], mods), mods)
     with ThreadPoolExecutor(16) as pool:  # nvcc runs in subprocesses: threads build in parallel
@@ -88,7 +88,7 @@ def kernels():
     out = {}
     for name, (score_mod, mask_mod) in funcs.items():
         mods, _ = prepare_mods(score_mod, mask_mod)
-        for e in engines:
+        for e in kinds:
             out[(e, name)] = (forwards[e]._with_mods(mods), runtime._load(built[(e, name, "bwd")], False), score_mod, mask_mod)
     return out
 
