@@ -70,12 +70,17 @@ def flex_callable(q, k, v, score_mod, mask_mod):
     return lambda: flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask)
 
 
+def _grad_out(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``do`` (shaped as flashgen's o) in ``o``'s layout: flex's o is (batch, heads, seq, d), the same values
+    transposed."""
+    return do if o.shape == do.shape else do.transpose(1, 2)
+
+
 def with_backward(fn, leaves: list, do: torch.Tensor):
-    """``fn`` (a forward) followed by the gradients of q, k, v (``do`` shaped as flashgen's o; flex's o is
-    (batch, heads, seq, d), the same values transposed)."""
+    """``fn`` (a forward) followed by the gradients of q, k, v (``do`` shaped as flashgen's o)."""
     def run():
         o = fn()
-        return torch.autograd.grad(o, leaves, do if o.shape == do.shape else do.transpose(1, 2))
+        return torch.autograd.grad(o, leaves, _grad_out(o, do))
     return run
 
 
@@ -83,7 +88,7 @@ def backward_of(fn, leaves: list, do: torch.Tensor):
     """The gradients of q, k, v through one recorded call of ``fn`` (a forward), again at every call (the graph
     kept): the backward alone. ``do`` as in :func:`with_backward`."""
     o = fn()
-    grad_out = do if o.shape == do.shape else do.transpose(1, 2)
+    grad_out = _grad_out(o, do)
     return lambda: torch.autograd.grad(o, leaves, grad_out, retain_graph=True)
 
 

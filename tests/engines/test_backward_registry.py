@@ -79,9 +79,9 @@ def test_a_forward_with_mods_is_differentiated_in_64_row_query_blocks(monkeypatc
 
 def _mods(score: bool = False, mask: bool = False):
     """KernelMods of a softcap score_mod and / or a prefix-LM mask_mod."""
-    from flashgen.mods.kernel_mods import prepare_mods
-
     import torch
+
+    from flashgen.mods.kernel_mods import prepare_mods
 
     return prepare_mods(score_mod=(lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)) if score else None,
                         mask_mod=(lambda b, h, q, kv: (kv <= q) | (kv < 5)) if mask else None)[0]
