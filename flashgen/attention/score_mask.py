@@ -42,15 +42,20 @@ class ScoreMask:
         return self.mods.mask if self.mods is not None else None
 
     @property
-    def mask_bits(self) -> bool:
-        """Whether the mask_mod is evaluated into bits at the start of a block (:meth:`bits_cpp`): when it
-        reads captured tensors, whose loads then run under the S GEMM; an arithmetic mask_mod (causal, prefix
-        LM) is cheaper evaluated in place."""
+    def mask_loads(self) -> bool:
+        """Whether the mask_mod reads captured tensors (loads per score)."""
         if self.mask_mod is None:
             return False
         from ..mods.expr import Load, postorder  # mods' package imports torch: only for kernels with mods
 
         return any(isinstance(n, Load) for n in postorder(self.mask_mod.expr))
+
+    @property
+    def mask_bits(self) -> bool:
+        """Whether the mask_mod is evaluated into bits at the start of a block (:meth:`bits_cpp`): when it
+        reads captured tensors, whose loads then run under the S GEMM; an arithmetic mask_mod (causal, prefix
+        LM) is cheaper evaluated in place."""
+        return self.mask_loads
 
     @property
     def score_mod(self):
@@ -344,13 +349,14 @@ class ScoreMask:
     def backward_items_cpp(self, loop: Callable[[list[str]], list[str]], body: Callable[[bool], list[str]]) -> list[str]:
         """An item's loop over its recomputed scores: ``loop(lines)`` wraps ``lines`` in it and ``body(masked)``
         makes them (with :meth:`recompute_cpp`'s variant ``masked``: None for the one loop). Two loops under the
-        item's ``masked`` but with both a score_mod and a mask_mod: where nothing is masked (most items) no score
+        item's ``masked`` but where a score_mod whose derivative reads the score (softcap) meets a mask_mod that
+        loads captured tensors (a document mask): where nothing is masked (most items) no score
         pays for the rule's predicated range tests (the wgmma consumer's loop: 153 -> 62 ISETP) or for a mask_mod
         (evaluated, predicated, in full items too by one loop), and a score_mod runs on every score
         unconditionally, so the compiler hoists its index-free loads (ALiBi's slope: one load an item instead of
         one a score; softcap's wgmma consumer stopped spilling 96 bytes)."""
-        if self.mask_mod is not None and self.score_mod is not None:  # with both, the second loop's registers made
-            return loop(body(None))  # the wgmma consumer spill (12 bytes, softcap + document mask)
+        if self.derivative_reads_score and self.mask_loads:  # a score-reading derivative beside a mask_mod that loads:
+            return loop(body(None))  # the second loop made the wgmma consumer spill (8 bytes, softcap + document mask)
         return _block("if (masked) {", loop(body(True)))[:-1] + _block(
             "} else {  // nothing masked: the score_mod (if any) alone, on every score", loop(body(False)))
 

@@ -49,6 +49,7 @@ MODS = {
     "prefix_lm": (None, "prefix_lm", "none"),
     "softcap+doc": ("softcap", "document_mask", "none"),
     "doc": (None, "document_mask", "none"),
+    "softcap+prefix_lm": ("softcap", "prefix_lm", "none"),
 }
 #: the (config, mods) pairs whose main kernel may spill (up to SPILL_CAP bytes): none today; every other pair must not
 SPILLS: set = set()
@@ -59,7 +60,8 @@ SPILL_CAP = 128
 #: d_head 64 with both mods, and the wgmma d_head 64 backward's 128-row blocks with a mask_mod alone (loading, computed)
 CASES = [("mma_d128", "softcap"), ("mma_d128", "prefix_lm"), ("mma_d128", "alibi+causal"), ("mma_d128", "relative_bias+doc"),
          ("mma_d128", "softcap+doc"), ("wgmma_d128", "softcap"), ("wgmma_d128", "softcap+doc"), ("mma_d64", "softcap+doc"),
-         ("wgmma_d64_mask", "doc"), ("wgmma_d64_mask", "prefix_lm")]
+         ("wgmma_d64_mask", "doc"), ("wgmma_d64_mask", "prefix_lm"), ("wgmma_d128", "relative_bias+doc"),
+         ("wgmma_d128", "softcap+prefix_lm")]
 
 
 def _id(case) -> str:

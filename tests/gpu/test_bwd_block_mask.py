@@ -79,7 +79,18 @@ def _head_window():
     return head_window_mod
 
 
-CASES = {"document_mask": _document_mask, "document_window_sinks": _document_window_sinks, "head_window": _head_window}
+def _alibi(score, b, h, q_idx, kv_idx):  # a bias beside a mask_mod that loads: full items run apart (two loops)
+    return score - 0.05 * (h + 1) * (q_idx - kv_idx).abs()
+
+
+def _softcap(score, b, h, q_idx, kv_idx):  # a derivative that reads the score beside an arithmetic mask_mod: two loops
+    return 4.0 * torch.tanh(score / 4.0)
+
+
+#: name -> () -> (score_mod, mask_mod)
+CASES = {"document_mask": lambda: (None, _document_mask()), "document_window_sinks": lambda: (None, _document_window_sinks()),
+         "head_window": lambda: (None, _head_window()), "alibi+document_mask": lambda: (_alibi, _document_mask()),
+         "softcap+head_window": lambda: (_softcap, _head_window())}
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +103,12 @@ def kernels():
             continue
         forward = flashgen.compile(FORWARD[engine])
         for name, make in CASES.items():
-            fn = make()
-            mods, _ = prepare_mods(None, fn)
+            score_mod, fn = make()
+            mods, _ = prepare_mods(score_mod, fn)
             for det in (False, True):
                 cfg = BACKWARD[engine].replace(deterministic=det)
-                out[(engine, name, det)] = (forward._with_mods(mods), cfg, runtime._load(build(cfg, cap, mods=mods), False), fn)
+                out[(engine, name, det)] = (forward._with_mods(mods), cfg, runtime._load(build(cfg, cap, mods=mods), False),
+                                            score_mod, fn)
     return out
 
 
@@ -106,15 +118,15 @@ def kernels():
 def test_backward_with_its_block_mask_matches_the_reference(kernels, engine, name, deterministic):
     if (engine, name, deterministic) not in kernels:
         pytest.skip(f"{engine} kernels need compute capability 9.0")
-    fwd, cfg, handle, fn = kernels[(engine, name, deterministic)]
-    mods, (_, mask_args) = prepare_mods(None, fn)
-    words, tensors = mods.pack(None, mask_args)
+    fwd, cfg, handle, score_mod, fn = kernels[(engine, name, deterministic)]
+    mods, (score_args, mask_args) = prepare_mods(score_mod, fn)
+    words, tensors = mods.pack(score_args, mask_args)
     tensors = [t.to("cuda") for t in tensors]
     skipped = 0
     for n, shape in enumerate(SHAPES):
         b, sq, sk, hq, hk = shape
         q, k, v, do = random_qkv_do(shape, seed=n)
-        o, lse = fwd(q, k, v, return_lse=True, mask_mod=fn)
+        o, lse = fwd(q, k, v, return_lse=True, score_mod=score_mod, mask_mod=fn)
         bm_shape = mods.block_mask_shape(b, hq, sq, sk, cfg.B_r, cfg.B_c, transposed=True)
         bm = torch.ops.flashgen.mask_blocks(q, k, handle, list(bm_shape), words, tensors)
         want_bm = numpy_block_mask(ScoreMask("none", cfg.B_r, cfg.B_c, mods), mask_args.values(), b, hq, sq, sk, transposed=True)
@@ -128,7 +140,8 @@ def test_backward_with_its_block_mask_matches_the_reference(kernels, engine, nam
                                                               words, tensors, block_mask)
         got, dense = run(bm), run(None)
         assert [g.shape for g in got] == [q.shape, k.shape, v.shape] and all(g.dtype == q.dtype for g in got)
-        reference.check_gradients(got, q, k, v, do, f"{engine} backward with block mask, {name} {shape}", mask_mod=fn)
+        reference.check_gradients(got, q, k, v, do, f"{engine} backward with block mask, {name} {shape}", score_mod=score_mod,
+                                  mask_mod=fn)
         for g, d, what in zip(got, dense, ("dq", "dk", "dv")):
             torch.testing.assert_close(g, d, atol=2e-2, rtol=2e-2, msg=f"{engine} {name} {shape} {what}: with and without the block mask")
         if deterministic:
