@@ -92,6 +92,14 @@ def backward_of(fn, leaves: list, do: torch.Tensor):
     return lambda: torch.autograd.grad(o, leaves, grad_out, retain_graph=True)
 
 
+def keep_compiled_graphs() -> None:
+    """Let a compiled function's backward run again on its kept graph (:func:`backward_of`): torch.compile
+    donates the saved buffers to a backward by default, which then refuses ``retain_graph``."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+
 def check_gradients(attn, q, k, v, do, what: str, **mods) -> None:
     """dq, dk, dv of ``attn`` on the first batch entry against float64 autograd through the reference with the
     same functions, by FlashAttention's rule against autograd through the reference in q's dtype."""
@@ -167,6 +175,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.pass_ == "bwd":
+        keep_compiled_graphs()
     rows = []
     try:
         for seq in args.seqs:
