@@ -66,7 +66,6 @@ def save_cache(data: dict, path: Path | None = None) -> None:
 #: The wgmma engine's default key block per d_head, and the larger one of long unmasked sequences
 #: (:mod:`flashgen.engines.wgmma` says why).
 HOPPER_B_C = wgmma_defaults.DEFAULT_B_C
-HOPPER_LONG_B_C = wgmma_defaults.LONG_B_C
 
 
 def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False) -> KernelConfig | None:

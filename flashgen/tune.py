@@ -16,7 +16,7 @@ from typing import Any
 
 from . import engines
 from .dsl.config import KernelConfig
-from .policy import (BUCKETS, HOPPER_B_C, HOPPER_LONG_B_C, bucket_key, hopper_default, load_cache,  # noqa: F401
+from .policy import (BUCKETS, HOPPER_B_C, bucket_key, hopper_default, load_cache,  # noqa: F401
                      lookup, save_cache, seq_bucket, tune_cache_path)
 from .targets import of_capability
 

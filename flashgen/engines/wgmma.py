@@ -12,15 +12,10 @@ if TYPE_CHECKING:
     from ..dsl.hopper_plan import HopperPlan
 
 #: Key block size of the default kernel per d_head (registers: O + S + P per consumer; shared memory:
-#: Q + 2 stages of K and V).
+#: Q + 2 stages of K and V). Every length, masked or not, takes it: a larger key block for long unmasked
+#: d_head-128 sequences (B_c 160, the most that fits beside the persistent kernel's output tile) no longer
+#: pays on an H100 or an H200 (docs/results/block_size.txt).
 DEFAULT_B_C = {64: 128, 128: 128, 192: 96, 256: 64}
-#: Unmasked sequences in the buckets ``lo`` to ``hi`` take the larger key block ``B_c`` (d_head -> (lo, hi, B_c)):
-#: the per-block fixed cost (row max, barrier turns, O rescale) spreads over more keys. d_head 128
-#: persistent B_c 160 (the most that fits beside the output tile) measured +4 to +9% at seq 2048-4096
-#: on an H100 and +1 to +5% on an H200, about even at 8192, 0-5% slower at 16384 on the H200; shorter
-#: and masked sequences run faster with B_c 128, and for d_head 64 every larger block was slower
-#: (docs/results/block_size.txt). Bucket 0 (unknown length) keeps the base block.
-LONG_B_C = {128: (2048, 8192, 160)}
 #: Shared memory per block of the wgmma engine's target (the default's bound where no GPU is named).
 HOPPER_SMEM = target_named("sm_90a").smem_per_block
 #: The head size whose defaults ``flashgen bench`` times.
@@ -135,15 +130,11 @@ class WgmmaEngine(Engine):
         return hopper_configs() if dtypes is None else hopper_configs(dtypes)
 
     def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig | None:
-        """Persistent where the separate output tile fits in shared memory (d_head 64 and 128); the
-        larger key block of :data:`LONG_B_C` for long unmasked sequences."""
+        """Persistent where the separate output tile fits in shared memory (d_head 64 and 128); the key
+        block of :data:`DEFAULT_B_C` for every length and mask (``bucket`` and ``masked`` choose nothing here)."""
         if d_head not in DEFAULT_B_C:
             return None
-        B_c = DEFAULT_B_C[d_head]
-        lo, hi, long_b_c = LONG_B_C.get(d_head, (0, 0, B_c))
-        if bucket and lo <= bucket <= hi and not masked:
-            B_c = long_b_c
-        cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=B_c)
+        cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=DEFAULT_B_C[d_head])
         try:
             return cfg.replace(persistent=True)
         except ConfigError:
@@ -151,4 +142,4 @@ class WgmmaEngine(Engine):
 
     def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
         """The defaults of the timed lengths, unmasked and masked, at d_head :data:`BENCH_D_HEAD`."""
-        return [self.default_config(dt, BENCH_D_HEAD, b, m) for dt in DType for b in buckets for m in (False, True)]
+        return list(dict.fromkeys(self.default_config(dt, BENCH_D_HEAD, b, m) for dt in DType for b in buckets for m in (False, True)))

@@ -7,7 +7,6 @@ instructions the plan asks for (wgmma, TMA, mbarrier, setmaxnreg, named barriers
 from __future__ import annotations
 
 import functools
-import math
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.dtypes import DType
 from flashgen.dsl.hopper_plan import make_hopper_plan
 from flashgen.engines import emit
-from flashgen.tune import HOPPER_B_C, HOPPER_LONG_B_C, hopper_default, lookup
+from flashgen.tune import HOPPER_B_C, hopper_default, lookup
 from flashgen.toolchain import find_nvcc
 
 CONFIGS = [
@@ -118,15 +117,10 @@ def test_sm90_defaults_to_the_wgmma_engine():
     for dtype in (DType.FP16, DType.BF16):
         hopper = lookup("NVIDIA H200", dtype, 128, 4096, cache={}, capability=(9, 0))
         assert hopper.is_wgmma and hopper.persistent and hopper == hopper_default(dtype, 128, 4096)
-        # the larger key block only for unmasked sequences in the buckets listed for the head size; a bucket
-        # spans lengths from b / sqrt(2) to b * sqrt(2), so every length of a bucket gets the same kernel
-        lo, hi, long_b_c = HOPPER_LONG_B_C[128]
-        first, last = math.ceil(lo / math.sqrt(2)), math.floor(hi * math.sqrt(2))
-        for seq, masked in ((first, False), (last, False), (first - 1, False), (last + 1, False), (lo, True), (hi, True),
-                            (512, False)):
+        # one persistent kernel per head size for every length, masked or not
+        for seq, masked in ((512, False), (2048, False), (4096, False), (8192, False), (16384, False), (2048, True), (8192, True)):
             cfg = lookup("NVIDIA H200", dtype, 128, seq, cache={}, capability=(9, 0), masked=masked)
-            assert cfg.B_c == (long_b_c if first <= seq <= last and not masked else HOPPER_B_C[128]), (seq, masked)
-            assert cfg.persistent and cfg.replace(B_c=HOPPER_B_C[128]) == hopper_default(dtype, 128)
+            assert cfg == hopper_default(dtype, 128) and cfg.persistent and cfg.B_c == HOPPER_B_C[128], (seq, masked)
         assert hopper_default(dtype, 64, 16384).B_c == HOPPER_B_C[64]
         ampere = lookup("NVIDIA A100", dtype, 128, 4096, cache={}, capability=(8, 0))
         assert not ampere.is_wgmma and ampere in default_configs()
