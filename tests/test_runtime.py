@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from flashgen import runtime  # noqa: E402
 from flashgen.build import Built  # noqa: E402
 from flashgen.dsl.dtypes import DType  # noqa: E402
-from flashgen.tune import lookup  # noqa: E402
+from flashgen.tune import lookup, seq_bucket  # noqa: E402
 
 REAL_SELECT = runtime._select
 
@@ -138,13 +138,20 @@ def test_the_first_masked_call_builds_only_the_masked_kernel(kernels):
     assert [c.mask for c in kernels.built] == ["causal", "window", "none"]
 
 
-def test_lengths_of_one_bucket_share_a_kernel_and_other_buckets_may_not(kernels):
+def test_lengths_of_one_bucket_share_a_kernel_and_other_buckets_may_not(kernels, monkeypatch):
+    shipped = kernels.select
+
+    def tuned_512(device, dtype, d_head, seq_q, masked):  # a tune cache holding a config of its own for bucket 512
+        cfg = shipped(device, dtype, d_head, seq_q, masked)
+        return cfg.replace(B_c=64) if seq_bucket(int(seq_q)) == 512 else cfg
+
+    monkeypatch.setattr(runtime, "_select", tuned_512)
     auto = runtime.compile("auto")
-    for seq in (2048, 2000, 2500):  # bucket 2048: the default takes the larger key block
+    for seq in (2048, 2000, 2500, 4096):  # buckets 2048 and 4096: the shipped default
         auto(*qkv(seq))
     auto(*qkv(512))
     assert len(kernels.built) == 2 and kernels.built[0].B_c != kernels.built[1].B_c
-    assert kernels.launched == [0, 0, 0, 1]
+    assert kernels.launched == [0, 0, 0, 0, 1]
 
 
 def test_calls_that_cannot_be_dispatched_raise_input_errors(kernels, monkeypatch):
