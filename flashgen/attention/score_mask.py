@@ -183,7 +183,7 @@ class ScoreMask:
         rows, cols = np.broadcast_to(rows, s.shape), np.broadcast_to(cols, s.shape)
         if self.mods is None:
             return np.where(self.keep_array(rows, cols, seq_k, *mask_args), s, f32(-np.inf)) if masked else s
-        keep = self._keep(rows, cols, masked, b, h, seq_q, seq_k, mask_args, mod_values)
+        keep = self.keep_scores(rows, cols, masked, b, h, seq_q, seq_k, mask_args, mod_values)
         out = np.where(keep, s, f32(-np.inf)) if masked else s.copy()
         sel = np.nonzero(keep)
         if forward and self.bias:
@@ -197,7 +197,7 @@ class ScoreMask:
             out[sel] = self.score_mod.evaluate(scaled, b, h, rows[sel], cols[sel], args=mod_values[0])
         return out
 
-    def _keep(self, rows, cols, masked: bool, b: int, h: int, seq_q: int, seq_k: int, mask_args, mod_values) -> np.ndarray:
+    def keep_scores(self, rows, cols, masked: bool, b: int, h: int, seq_q: int, seq_k: int, mask_args, mod_values) -> np.ndarray:
         """Where :meth:`apply` keeps a score (with mods): rows before seq_q, and in masked blocks the built-in rule
         and the mask_mod, which the kernel asks only where the rest of the rule keeps."""
         keep = rows < seq_q

@@ -87,7 +87,7 @@ def _values(rng, sm: ScoreMask, mask_values: "dict | None" = None) -> dict:
     if sm.mask_mod is not None:
         for n in np.flatnonzero(rng.integers(0, 2, N)):
             at = {k: int(v[k][n]) for k in _INT_FIELDS[:-1]}
-            v["masked"][n] = not sm._keep(np.array([at["i"]]), np.array([at["j"]]), True, at["b"], at["h"], at["seq_q"], at["seq_k"],
+            v["masked"][n] = not sm.keep_scores(np.array([at["i"]]), np.array([at["j"]]), True, at["b"], at["h"], at["seq_q"], at["seq_k"],
                                           (at["offset"], at["left"], at["right"]), (None, mask_values))[0]
     return v
 
