@@ -30,6 +30,7 @@ from . import cache
 from .dsl import configs
 from .dsl.configs import AnyConfig
 from .engines import emit, engine_of, verify
+from .ptxas import PtxasStats, parse_ptxas
 from .targets import TARGETS, of_capability
 from .toolchain import find_nvcc, nvcc_identity, require_nvcc
 
@@ -38,6 +39,8 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
 BUILD_FLAGS = NVCC_FLAGS + ("-lineinfo",)
 #: A shared library with the CUDA runtime linked in statically: it needs neither torch nor a libcudart on the path.
 LIBRARY_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "--cudart", "static")
+#: ptxas's report of every build, kept with the kernel (:attr:`Built.ptxas`)
+REPORT_FLAGS = ("-Xptxas", "-v")
 #: The packages and modules whose source determines the emitted text (the emitter imports nothing else of flashgen).
 GENERATOR_PACKAGES = ("dsl", "emit", "engines", "attention", "mods")
 GENERATOR_MODULES = ("targets.py",)
@@ -55,7 +58,7 @@ def nvcc_command(cu_path: Path, capability: tuple[int, int], out: str = "kernel.
 def library_command(name: str, capability: tuple[int, int]) -> list[str]:
     """The nvcc command, run in the entry's folder, that builds ``name``'s library (the build stage's ``compile``).
     Relative paths: the line info of the library names ``<name>.cu`` wherever the entry lies."""
-    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, of_capability(capability).gencode, f"{name}.cu", "-o", f"{name}.so"]
+    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, *REPORT_FLAGS, of_capability(capability).gencode, f"{name}.cu", "-o", f"{name}.so"]
 
 
 def repro(folder: Path, name: str, capability: tuple[int, int]) -> str:
@@ -93,7 +96,7 @@ def cache_key(cfg: AnyConfig, capability: tuple[int, int], mods: Any = None) -> 
     record names its kind, so a backward config's key is never a forward one's); ``mods``: the
     score_mod / mask_mod compiled in (their structure, :attr:`flashgen.mods.KernelMods.key`)."""
     nvcc = find_nvcc()
-    parts = (json.dumps(configs.to_record(cfg), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS),
+    parts = (json.dumps(configs.to_record(cfg), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS + REPORT_FLAGS),
              nvcc_identity(nvcc) if nvcc else "no nvcc", of_capability(capability).arch) + ((mods.key,) if mods else ())
     h = hashlib.sha256()
     for part in parts:
@@ -113,6 +116,7 @@ class Built:
     compile_seconds: float
     cache_hit: bool
     mods: Any = None  # the score_mod / mask_mod compiled in (flashgen.mods.KernelMods), or None
+    ptxas: tuple[PtxasStats, ...] = ()  # ptxas's report per entry function (none from an entry built before it was kept)
 
     @property
     def cu_path(self) -> Path:
@@ -131,6 +135,18 @@ class Built:
         """The emitted CUDA source, as compiled."""
         return self.cu_path.read_text()
 
+    def register_problems(self) -> list[str]:
+        """What ptxas reported that costs speed, per entry function: local memory (spills, a stack frame) and
+        wgmma serialized for want of registers; empty for a clean kernel."""
+        out = []
+        for e in self.ptxas:
+            if not e.clean:
+                out.append(f"{e.function}: {e.spill_stores} bytes of spill stores, {e.spill_loads} of spill loads, "
+                           f"{e.stack_frame} of stack frame")
+            if e.serialized:
+                out.append(f"{e.function}: wgmma serialized")
+        return out
+
 
 def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bool = False, mods: Any = None) -> Built:
     """Find ``cfg``'s kernel library in the cache, or build it, for ``capability`` (default: the current GPU);
@@ -142,22 +158,27 @@ def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bo
     entry = cache.root() / key
     record = cache.read_entry(entry, (f"{name}.so", f"{name}.cu"))
     if record is not None:
-        return Built(cfg, name, key, entry, capability, record["seconds"], True, mods)
+        return Built(cfg, name, key, entry, capability, record["seconds"], True, mods, _stats(record))
     label = cfg.short_form() + (f" with {mods.describe()}" if mods else "")
     if verbose:
         cache.warn(f"building {label} -> {entry}")
     t0 = time.perf_counter()
     with cache.staging(entry) as tmp:
-        _compile(cfg, name, capability, tmp, final=entry, mods=mods)
+        stats = tuple(parse_ptxas(_compile(cfg, name, capability, tmp, final=entry, mods=mods) or ""))
         seconds = round(time.perf_counter() - t0, 2)
         cache.write_record(tmp, {"config": configs.to_record(cfg), "short_form": cfg.short_form(), "name": name,
                                  "arch": of_capability(capability).arch, "seconds": seconds,
-                                 "command": repro(entry, name, capability)}
+                                 "command": repro(entry, name, capability), "ptxas": [attrs.asdict(e) for e in stats]}
                            | ({"mods": mods.key} if mods else {}),
                            (f"{name}.so", f"{name}.cu"))
     if verbose:
         cache.warn(f"compiled {name} in {seconds:.1f} s")
-    return Built(cfg, name, key, entry, capability, seconds, False, mods)
+    return Built(cfg, name, key, entry, capability, seconds, False, mods, stats)
+
+
+def _stats(record: dict) -> tuple[PtxasStats, ...]:
+    """The ptxas report a cache record keeps (none in a record written before builds kept it)."""
+    return tuple(PtxasStats(**e) for e in record.get("ptxas", ()))
 
 
 _EXAMPLE = list(TARGETS.values())[-1]  # the newest target, as the example of a name
@@ -173,9 +194,9 @@ def _current_capability() -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability())
 
 
-def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Path, final: Path, mods: Any = None) -> None:
+def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Path, final: Path, mods: Any = None) -> str:
     """Verify ``cfg``'s plan (the proofs the emitter relies on), emit it into ``folder`` and compile its library
-    there; BuildError with a repro command on failure."""
+    there: nvcc's log (ptxas's report in it); BuildError with a repro command on failure."""
     from .sim.verify import VerificationError
 
     try:
@@ -194,6 +215,7 @@ def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Pat
         shutil.copytree(folder, kept)
         raise BuildError(f"building {cfg.short_form()} failed (nvcc exit {proc.returncode}).\n  source: {kept / cu.name}\n"
                          f"  reproduce: {repro(kept, name, capability)}\n{(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout + proc.stderr
 
 
 def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool, str]:

@@ -159,10 +159,26 @@ class Attention:
         cfg = self.backward_config(seq_k, deterministic)
         handle = self._backwards.get(cfg)
         if handle is None:
-            built = build(cfg, self.built.capability, verbose=self.verbose, mods=self.built.mods)
+            built = self._build_backward(cfg)
             handle = self._backwards[cfg] = _load(built, self.verbose)
-            self._backward_cfgs[handle] = cfg
+            self._backward_cfgs[handle] = built.cfg
         return handle
+
+    def _build_backward(self, cfg: BackwardConfig) -> Built:
+        """Build ``cfg`` with this kernel's mods; where the mods' code compiled into local memory or serialized
+        wgmma there, the engine's shape with fewer registers (:meth:`BackwardKernels.fallback`) if it compiles
+        clean: a user's function may need more registers than the examples the shapes were chosen by."""
+        built = build(cfg, self.built.capability, verbose=self.verbose, mods=self.built.mods)
+        smaller = engine_of(cfg).backward.fallback(cfg) if self.built.mods is not None else None
+        if smaller is None or not built.register_problems():
+            return built
+        retry = build(smaller, self.built.capability, verbose=self.verbose, mods=self.built.mods)
+        if retry.register_problems():
+            return built
+        if self.verbose:
+            cache.warn(f"{cfg.short_form()} with {self.built.mods.describe()}: {'; '.join(built.register_problems())}; "
+                       f"running {smaller.short_form()}")
+        return retry
 
     def _variant(self, mask: str) -> "Attention":
         """The same kernel with another score mask, built on first use."""

@@ -24,13 +24,15 @@ SM90 = (9, 0)
 class FakeCompiler:
     """Stands in for verify + emit + nvcc: writes ``<name>.cu`` and a ``<name>.so`` of known bytes."""
 
-    def __init__(self):
+    def __init__(self, log: str = ""):
         self.calls = 0
+        self.log = log  # what nvcc printed (ptxas's report)
 
     def __call__(self, cfg, name, capability, folder, final, mods=None):
         self.calls += 1
         (folder / f"{name}.cu").write_text(f"// {cfg.short_form()}\n")
         (folder / f"{name}.so").write_bytes(b"\x7fELF" + b"\0" * 4096)
+        return self.log
 
 
 @pytest.fixture
@@ -39,6 +41,37 @@ def compiler(monkeypatch, tmp_path):
     fake = FakeCompiler()
     monkeypatch.setattr(build_mod, "_compile", fake)
     return fake
+
+
+#: ptxas -v of a kernel whose main entry spilled and serialized its wgmma, beside a clean one
+SPILLED_LOG = """\
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'main_kernel'
+ptxas info    : Compiling entry function 'main_kernel' for 'sm_90a'
+ptxas info    : Function properties for main_kernel
+    24 bytes stack frame, 24 bytes spill stores, 32 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+ptxas info    : Compiling entry function 'convert' for 'sm_90a'
+ptxas info    : Function properties for convert
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers
+"""
+
+
+def test_the_entry_keeps_ptxas_report_for_a_hit(monkeypatch, tmp_path):
+    """What ptxas said about a build (spills, serialized wgmma) comes back with the kernel, built or found."""
+    monkeypatch.setenv("FLASHGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build_mod, "_compile", FakeCompiler(SPILLED_LOG))
+    built = build_mod.build(CFG, SM90)
+    problems = built.register_problems()
+    assert not built.cache_hit and len(problems) == 2
+    assert "main_kernel: 24 bytes of spill stores, 32 of spill loads, 24 of stack frame" in problems
+    assert "main_kernel: wgmma serialized" in problems and not any("convert" in p for p in problems)
+    hit = build_mod.build(CFG, SM90)
+    assert hit.cache_hit and hit.ptxas == built.ptxas and hit.register_problems() == problems
+
+
+def test_a_clean_build_reports_no_problems(compiler):
+    assert build_mod.build(CFG, SM90).register_problems() == []
 
 
 def test_a_hit_neither_emits_nor_compiles(compiler, monkeypatch):
@@ -179,6 +212,8 @@ def test_build_command_fills_the_cache_ahead_of_time(capsys, monkeypatch, tmp_pa
     for cfg in cfgs:
         built = build_mod.build(cfg, (8, 0))
         assert built.cache_hit and built.library.read_bytes()[:4] == b"\x7fELF"
+        assert any(cfg.mangle() in e.function for e in built.ptxas)
+        assert built.register_problems() == []  # nvcc's own report, kept: the shipped defaults compile clean
     assert main(["build", *short, "--arch", "sm_80", "-q"]) == 0
     assert capsys.readouterr().err == ""
 

@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch")
 
 from flashgen import runtime  # noqa: E402
 from flashgen.build import Built  # noqa: E402
+from flashgen.mods.kernel_mods import prepare_mods  # noqa: E402
+from flashgen.ptxas import PtxasStats  # noqa: E402
 from flashgen.dsl.dtypes import DType  # noqa: E402
 from flashgen.tune import lookup, seq_bucket  # noqa: E402
 
@@ -152,6 +154,44 @@ def test_lengths_of_one_bucket_share_a_kernel_and_other_buckets_may_not(kernels,
     auto(*qkv(512))
     assert len(kernels.built) == 2 and kernels.built[0].B_c != kernels.built[1].B_c
     assert kernels.launched == [0, 0, 0, 0, 1]
+
+
+def _spill(function="k"):
+    return PtxasStats(function, 168, 16, 16, 16, 0)
+
+
+@pytest.mark.parametrize("clean_rows, tried_rows, run_rows", [((128, 64), [128], 128), ((64,), [128, 64], 64), ((), [128, 64], 128)],
+                         ids=["preferred-clean", "fallback-clean", "neither-clean"])
+def test_a_backward_with_mods_that_spills_falls_back_to_fewer_rows(kernels, monkeypatch, clean_rows, tried_rows, run_rows):
+    """A mask_mod's d_head-64 wgmma backward prefers 128-row query blocks; where the user's function spilled
+    there, the 64-row kernel runs if it compiled clean, else the preferred one."""
+    mods = prepare_mods(mask_mod=lambda b, h, q, kv: (q // 7) == (kv // 7))[0]
+    fwd = lookup("NVIDIA H100", DType.FP16, 64, 2048, cache={}, capability=(9, 0))
+    attn = runtime.Attention(kernels.build(fwd, (9, 0), mods=mods))
+    tried = []
+
+    def build(cfg, capability=None, verbose=False, mods=None):
+        tried.append(cfg.B_r)
+        stats = () if cfg.B_r in clean_rows else (_spill(),)
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), tuple(capability), 0.0, True, mods, stats)
+
+    monkeypatch.setattr(runtime, "build", build)
+    preferred = attn.backward_config()
+    assert preferred.B_r == 128 and preferred.engine == "wgmma"
+    built = attn._build_backward(preferred)
+    assert tried == tried_rows and built.cfg.B_r == run_rows and built.mods is mods
+
+
+def test_a_backward_without_mods_keeps_its_kernel_whatever_ptxas_said(kernels, monkeypatch):
+    attn = runtime.Attention(kernels.build(lookup("NVIDIA H100", DType.FP16, 64, 2048, cache={}, capability=(9, 0)), (9, 0)))
+    tried = []
+
+    def build(cfg, capability=None, verbose=False, mods=None):
+        tried.append(cfg.B_r)
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), tuple(capability), 0.0, True, mods, (_spill(),))
+
+    monkeypatch.setattr(runtime, "build", build)
+    assert attn._build_backward(attn.backward_config()).cfg.B_r == 128 and tried == [128]
 
 
 def test_calls_that_cannot_be_dispatched_raise_input_errors(kernels, monkeypatch):

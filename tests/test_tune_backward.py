@@ -11,7 +11,8 @@ import pytest
 
 from flashgen import engines
 
-from flashgen.check import CheckResult, PtxasStats
+from flashgen.check import CheckResult
+from flashgen.ptxas import PtxasStats
 from flashgen.cli import main
 from flashgen.dsl.backward_config import TUNING_KNOBS, BackwardConfig, tuning_space
 from flashgen.dsl.config import ConfigError

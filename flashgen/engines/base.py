@@ -58,6 +58,11 @@ class BackwardKernels:
         registers."""
         return cfg
 
+    def fallback(self, cfg: Any) -> Any:
+        """A shape with fewer registers to build where ``cfg``'s kernel with a user's mods compiled into local
+        memory or serialized wgmma (:meth:`flashgen.build.Built.register_problems`), or None: none."""
+        return None
+
 
 class Engine:
     """One engine. Subclasses set the class attributes and implement the methods."""

@@ -70,11 +70,16 @@ class WgmmaBackward(BackwardKernels):
         (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there; every example mask_mod alone
         compiles clean there without ordered adds (document, prefix LM, sliding window with sinks, block-local;
         unmasked and causal). At 80 (d_head 128) ptxas spilled 12 bytes with softcap and serialized the wgmma with
-        ALiBi and with the sliding window with sinks."""
+        ALiBi and with the sliding window with sinks. A user's mask_mod that does not fit 128 rows either falls back
+        to 64 when built (:meth:`fallback`)."""
         mask_only = mods is not None and mods.score is None and mods.mask is not None
         if cfg.B_r > 64 and not (mask_only and cfg.d_head == 64 and not cfg.deterministic):
             return cfg.replace(B_r=64)
         return cfg
+
+    def fallback(self, cfg: Any) -> Any:
+        """64-row query blocks (the fewest registers) for a kernel of more rows whose mods did not fit."""
+        return cfg.replace(B_r=64) if cfg.B_r > 64 else None
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
         """The shipped shape with two and one ring stages, and each with the head size's other query block size

@@ -12,7 +12,7 @@ import pytest
 
 from background import cubin_build  # tests/ is on sys.path (the conftest's folder)
 
-from flashgen.check import parse_ptxas
+from flashgen.ptxas import parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import make_backward_plan
 from flashgen.emit.backward_kernel import emit_backward, index_functions

@@ -22,7 +22,7 @@ import pytest
 
 from background import cubin_build  # tests/ is on sys.path (the conftest's folder)
 
-from flashgen.check import parse_ptxas
+from flashgen.ptxas import parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.engines import backward_of, emit
 from flashgen.mods.kernel_mods import prepare_mods

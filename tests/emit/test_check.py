@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from flashgen import check
-from flashgen.check import CheckError, check_configs, format_table, parse_ptxas
+from flashgen.check import CheckError, check_configs, format_table
+from flashgen.ptxas import parse_ptxas
 from flashgen.dsl.notation import parse_config
 
 CFG = parse_config("(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles")
@@ -67,7 +68,8 @@ ptxas info    : Used 16 registers, used 0 barriers
 def test_parse_ptxas_marks_the_entry_whose_wgmma_ptxas_serialized():
     """sm_90a's C7512 remark names its function before that function's report: without local memory the kernel
     is still slow, and the table says so."""
-    from flashgen.check import CheckResult, combined
+    from flashgen.check import CheckResult
+    from flashgen.ptxas import combined
 
     kernel, convert = parse_ptxas(LOG_SERIALIZED)
     assert kernel.serialized and kernel.clean and not convert.serialized

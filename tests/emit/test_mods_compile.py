@@ -16,7 +16,7 @@ import pytest
 
 from background import cubin_build  # tests/ is on sys.path (the conftest's folder)
 
-from flashgen.check import parse_ptxas
+from flashgen.ptxas import parse_ptxas
 from flashgen.dsl.configs import load as load_config
 from flashgen.engines import emit
 from flashgen.mods.kernel_mods import prepare_mods
