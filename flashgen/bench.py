@@ -560,17 +560,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
-def default_bench_configs(capability: tuple[int, int], seqs) -> list:
+def default_bench_configs(capability: tuple[int, int]) -> list:
     """The configs timed when none are given: the shipped configs of every engine the GPU runs (the
-    mma.sync defaults; on sm_90a also the wgmma defaults of the timed lengths, unmasked and masked)."""
+    mma.sync defaults; on sm_90a also the wgmma defaults)."""
     from . import engines
-    from .policy import seq_bucket
     from .targets import of_capability
 
-    buckets = [seq_bucket(s) if s else 0 for s in seqs]
     runnable = engines.runnable_on(of_capability(capability))
-    cfgs = [c for e in sorted(runnable, key=lambda e: e.rank) for c in e.bench_configs(buckets)]
-    return list(dict.fromkeys(cfgs))
+    return list(dict.fromkeys(c for e in sorted(runnable, key=lambda e: e.rank) for c in e.bench_configs()))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -594,7 +591,7 @@ def main(args: argparse.Namespace) -> int:
     if specs:
         cfgs = list(resolve_configs(specs, forward_only="flashgen bench").configs)
     else:
-        cfgs = [] if auto else default_bench_configs(torch.cuda.get_device_capability(), [s for s, _ in shapes])
+        cfgs = [] if auto else default_bench_configs(torch.cuda.get_device_capability())
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds,
                         settle_s=args.settle, passes=tuple(dict.fromkeys(args.passes)), auto=auto)

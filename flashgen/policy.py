@@ -63,15 +63,13 @@ def save_cache(data: dict, path: Path | None = None) -> None:
     os.replace(tmp, path)
 
 
-#: The wgmma engine's default key block per d_head, and the larger one of long unmasked sequences
-#: (:mod:`flashgen.engines.wgmma` says why).
+#: The wgmma engine's default key block per d_head (:mod:`flashgen.engines.wgmma` says why).
 HOPPER_B_C = wgmma_defaults.DEFAULT_B_C
 
 
-def hopper_default(dtype: DType, d_head: int, seq: int = 0, masked: bool = False) -> KernelConfig | None:
-    """The default wgmma-engine config for a head size (and, where it matters, the sequence length
-    and whether a mask is applied), or None where that engine does not take the head size."""
-    return engines.engine_named("wgmma").default_config(dtype, d_head, seq_bucket(seq) if seq else 0, masked)
+def hopper_default(dtype: DType, d_head: int) -> KernelConfig | None:
+    """The default wgmma-engine config for a head size, or None where that engine does not take it."""
+    return engines.engine_named("wgmma").default_config(dtype, d_head)
 
 
 def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = None,
@@ -87,7 +85,7 @@ def lookup(gpu: str, dtype: DType, d_head: int, seq: int, cache: dict | None = N
         return parse_config(entry["config"])
     target = of_capability(capability) if capability is not None else None
     for engine in engines.runnable_on(target):  # preferred first; mma.sync takes every head size
-        cfg = engine.default_config(dtype, d_head, seq_bucket(seq) if seq else 0, masked)
+        cfg = engine.default_config(dtype, d_head)
         if cfg is not None:
             return cfg
     raise ConfigError(f"no engine has a default config for d_head={d_head}")

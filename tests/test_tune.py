@@ -29,22 +29,22 @@ def test_masked_calls_use_only_masked_winners():
     cache = cache_with(bucket_key(4096), tuned.short_form())
     assert lookup(H100, DType.FP16, 128, 4096, cache=cache, capability=(9, 0)) == tuned
     # an unmasked winner was timed without a mask: a masked call falls back to the shipped default
-    assert lookup(H100, DType.FP16, 128, 4096, cache=cache, capability=(9, 0), masked=True) == hopper_default(DType.FP16, 128, 4096, True)
+    assert lookup(H100, DType.FP16, 128, 4096, cache=cache, capability=(9, 0), masked=True) == hopper_default(DType.FP16, 128)
     cache = cache_with(bucket_key(4096, masked=True), tuned.short_form())
     assert lookup(H100, DType.FP16, 128, 4000, cache=cache, capability=(9, 0), masked=True) == tuned
-    assert lookup(H100, DType.FP16, 128, 4000, cache=cache, capability=(9, 0)) == hopper_default(DType.FP16, 128, 4000)
+    assert lookup(H100, DType.FP16, 128, 4000, cache=cache, capability=(9, 0)) == hopper_default(DType.FP16, 128)
     assert bucket_key(3000) == "4096" and bucket_key(3000, masked=True) == "4096/masked"
 
 
 def test_bench_times_what_auto_would_pick():
     seqs = [s for s, _ in SHAPES]
-    picked = default_bench_configs((9, 0), seqs)
+    picked = default_bench_configs((9, 0))
     for dtype in DType:
         for seq in seqs:
             for masked in (False, True):
                 assert lookup(H100, dtype, 128, seq, cache={}, capability=(9, 0), masked=masked) in picked
     assert set(default_configs()) <= set(picked)
-    assert default_bench_configs((8, 0), seqs) == default_configs()
+    assert default_bench_configs((8, 0)) == default_configs()
 
 
 @pytest.mark.parametrize("argv, words", [

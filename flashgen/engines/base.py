@@ -130,13 +130,13 @@ class Engine:
         """What ``flashgen tune`` times by default on a target where this engine is preferred."""
         raise NotImplementedError
 
-    def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig | None:
-        """The shipped config for a head size (``bucket``: the sequence length's tuning bucket, 0 when
-        unknown; ``masked``: a mask will be applied), or None where the engine does not take it."""
+    def default_config(self, dtype: DType, d_head: int) -> KernelConfig | None:
+        """The shipped config for a head size (every length and mask; ``flashgen tune`` results override it per
+        length bucket), or None where the engine does not take it."""
         raise NotImplementedError
 
-    def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
-        """What ``flashgen bench`` times by default (``buckets``: the timed lengths' buckets)."""
+    def bench_configs(self) -> list[KernelConfig]:
+        """What ``flashgen bench`` times by default."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

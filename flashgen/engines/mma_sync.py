@@ -104,7 +104,7 @@ class MmaSyncEngine(Engine):
     def tuning_space(self, dtypes: Sequence[str] | None = None) -> list[KernelConfig]:
         return tuning_space() if dtypes is None else tuning_space(dtypes)
 
-    def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig:
+    def default_config(self, dtype: DType, d_head: int) -> KernelConfig:
         """The seed's default of the dtype at ``d_head``; where its 128 query rows leave the O and S
         accumulators too few registers (d_head 192 and up), the same with 64 (16 rows per warp)."""
         base = next(c for c in default_configs() if c.dtype == dtype)
@@ -115,5 +115,5 @@ class MmaSyncEngine(Engine):
         except ConfigError:
             return base.replace(d_head=d_head, B_r=SMALL_B_R)
 
-    def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
+    def bench_configs(self) -> list[KernelConfig]:
         return default_configs()

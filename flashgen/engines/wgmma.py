@@ -134,9 +134,9 @@ class WgmmaEngine(Engine):
     def tuning_space(self, dtypes: Sequence[str] | None = None) -> list[KernelConfig]:
         return hopper_configs() if dtypes is None else hopper_configs(dtypes)
 
-    def default_config(self, dtype: DType, d_head: int, bucket: int = 0, masked: bool = False) -> KernelConfig | None:
+    def default_config(self, dtype: DType, d_head: int) -> KernelConfig | None:
         """Persistent where the separate output tile fits in shared memory (d_head 64 and 128); the key
-        block of :data:`DEFAULT_B_C` for every length and mask (``bucket`` and ``masked`` choose nothing here)."""
+        block of :data:`DEFAULT_B_C`."""
         if d_head not in DEFAULT_B_C:
             return None
         cfg = KernelConfig.wgmma(dtype, d_head=d_head, B_c=DEFAULT_B_C[d_head])
@@ -145,6 +145,6 @@ class WgmmaEngine(Engine):
         except ConfigError:
             return cfg
 
-    def bench_configs(self, buckets: Sequence[int]) -> list[KernelConfig]:
-        """The defaults of the timed lengths, unmasked and masked, at d_head :data:`BENCH_D_HEAD`."""
-        return list(dict.fromkeys(self.default_config(dt, BENCH_D_HEAD, b, m) for dt in DType for b in buckets for m in (False, True)))
+    def bench_configs(self) -> list[KernelConfig]:
+        """The defaults at d_head :data:`BENCH_D_HEAD`, each dtype."""
+        return [self.default_config(dt, BENCH_D_HEAD) for dt in DType]

@@ -116,12 +116,12 @@ def test_emitted_source_renders_the_plan():
 def test_sm90_defaults_to_the_wgmma_engine():
     for dtype in (DType.FP16, DType.BF16):
         hopper = lookup("NVIDIA H200", dtype, 128, 4096, cache={}, capability=(9, 0))
-        assert hopper.is_wgmma and hopper.persistent and hopper == hopper_default(dtype, 128, 4096)
+        assert hopper.is_wgmma and hopper.persistent and hopper == hopper_default(dtype, 128)
         # one persistent kernel per head size for every length, masked or not
         for seq, masked in ((512, False), (2048, False), (4096, False), (8192, False), (16384, False), (2048, True), (8192, True)):
             cfg = lookup("NVIDIA H200", dtype, 128, seq, cache={}, capability=(9, 0), masked=masked)
             assert cfg == hopper_default(dtype, 128) and cfg.persistent and cfg.B_c == HOPPER_B_C[128], (seq, masked)
-        assert hopper_default(dtype, 64, 16384).B_c == HOPPER_B_C[64]
+        assert hopper_default(dtype, 64).B_c == HOPPER_B_C[64]
         ampere = lookup("NVIDIA A100", dtype, 128, 4096, cache={}, capability=(8, 0))
         assert not ampere.is_wgmma and ampere in default_configs()
         # a head size the engine does not take falls back to mma.sync
