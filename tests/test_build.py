@@ -16,6 +16,8 @@ from flashgen import build as build_mod
 from flashgen import cache
 from flashgen.dsl.config import KernelConfig, default_configs
 
+from ptxas_logs import LOG_SERIALIZED, LOG_SM80
+
 REPO = Path(__file__).resolve().parents[1]
 CFG = default_configs()[0]
 SM90 = (9, 0)
@@ -43,29 +45,15 @@ def compiler(monkeypatch, tmp_path):
     return fake
 
 
-#: ptxas -v of a kernel whose main entry spilled and serialized its wgmma, beside a clean one
-SPILLED_LOG = """\
-ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'main_kernel'
-ptxas info    : Compiling entry function 'main_kernel' for 'sm_90a'
-ptxas info    : Function properties for main_kernel
-    24 bytes stack frame, 24 bytes spill stores, 32 bytes spill loads
-ptxas info    : Used 168 registers, used 16 barriers
-ptxas info    : Compiling entry function 'convert' for 'sm_90a'
-ptxas info    : Function properties for convert
-    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 16 registers, used 0 barriers
-"""
-
-
 def test_the_entry_keeps_ptxas_report_for_a_hit(monkeypatch, tmp_path):
     """What ptxas said about a build (spills, serialized wgmma) comes back with the kernel, built or found."""
     monkeypatch.setenv("FLASHGEN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(build_mod, "_compile", FakeCompiler(SPILLED_LOG))
+    monkeypatch.setattr(build_mod, "_compile", FakeCompiler(LOG_SERIALIZED + LOG_SM80))
     built = build_mod.build(CFG, SM90)
     problems = built.register_problems()
     assert not built.cache_hit and len(problems) == 2
-    assert "main_kernel: 24 bytes of spill stores, 32 of spill loads, 24 of stack frame" in problems
-    assert "main_kernel: wgmma serialized" in problems and not any("convert" in p for p in problems)
+    assert "_ZN3foo6kernelENS_6ParamsE: 16 bytes of spill stores, 24 of spill loads, 16 of stack frame" in problems
+    assert "_ZN3bwd6kernelENS_6ParamsE: wgmma serialized" in problems and not any("convert" in p for p in problems)
     hit = build_mod.build(CFG, SM90)
     assert hit.cache_hit and hit.ptxas == built.ptxas and hit.register_problems() == problems
 

@@ -16,28 +16,11 @@ import pytest
 from flashgen import check
 from flashgen.check import CheckError, check_configs, format_table
 from flashgen.ptxas import parse_ptxas
+
+from ptxas_logs import LOG_SERIALIZED, LOG_SM80, LOG_SM90  # tests/ is on sys.path (pytest's prepend mode)
 from flashgen.dsl.notation import parse_config
 
 CFG = parse_config("(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles")
-
-LOG_SM80 = """\
-ptxas info    : 4096 bytes gmem
-ptxas info    : Compiling entry function '_ZN3foo6kernelENS_6ParamsE' for 'sm_80'
-ptxas info    : Function properties for _ZN3foo6kernelENS_6ParamsE
-    16 bytes stack frame, 16 bytes spill stores, 24 bytes spill loads
-ptxas info    : Used 255 registers, used 1 barriers, 16 bytes cumulative stack size, 488 bytes cmem[0]
-ptxas info    : Compile time = 575.211 ms
-"""
-
-LOG_SM90 = """\
-ptxas info    : Function properties for _Z6helperv
-    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
-ptxas info    : Compiling entry function 'k' for 'sm_90a'
-ptxas info    : Function properties for k
-    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 6 registers, used 1 barriers, 400 bytes smem, 352 bytes cmem[0]
-"""
-
 
 def test_parse_ptxas_entry_with_spills():
     (s,) = parse_ptxas(LOG_SM80)
@@ -52,17 +35,6 @@ def test_parse_ptxas_ignores_device_functions_and_reads_static_smem():
     assert s.clean
 
 
-LOG_SERIALIZED = """\
-ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function '_ZN3bwd6kernelENS_6ParamsE'
-ptxas info    : Compiling entry function '_ZN3bwd6kernelENS_6ParamsE' for 'sm_90a'
-ptxas info    : Function properties for _ZN3bwd6kernelENS_6ParamsE
-    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 168 registers, used 16 barriers
-ptxas info    : Compiling entry function '_ZN3bwd10convert_dqENS_6ParamsE' for 'sm_90a'
-ptxas info    : Function properties for _ZN3bwd10convert_dqENS_6ParamsE
-    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 16 registers, used 0 barriers
-"""
 
 
 def test_parse_ptxas_marks_the_entry_whose_wgmma_ptxas_serialized():
