@@ -171,9 +171,12 @@ def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bo
                                  "command": repro(entry, name, capability), "ptxas": [attrs.asdict(e) for e in stats]}
                            | ({"mods": mods.key} if mods else {}),
                            (f"{name}.so", f"{name}.cu"))
+    built = Built(cfg, name, key, entry, capability, seconds, False, mods, stats)
     if verbose:
         cache.warn(f"compiled {name} in {seconds:.1f} s")
-    return Built(cfg, name, key, entry, capability, seconds, False, mods, stats)
+        for problem in built.register_problems():  # slower than it could be: local memory or serialized wgmma
+            cache.warn(f"{label}: ptxas: {problem}")
+    return built
 
 
 def _stats(record: dict) -> tuple[PtxasStats, ...]:
@@ -218,14 +221,14 @@ def _compile(cfg: AnyConfig, name: str, capability: tuple[int, int], folder: Pat
     return proc.stdout + proc.stderr
 
 
-def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool, str]:
+def _build_worker(args: tuple[dict, tuple[int, int]]) -> tuple[str, float, bool, str, list[str]]:
     cfg_dict, capability = args
     cfg = configs.from_dict(cfg_dict)
     try:
         built = build(cfg, capability)
-        return cfg.short_form(), built.compile_seconds, built.cache_hit, ""
+        return cfg.short_form(), built.compile_seconds, built.cache_hit, "", built.register_problems()
     except (BuildError, cache.CacheError) as exc:
-        return cfg.short_form(), 0.0, False, str(exc)
+        return cfg.short_form(), 0.0, False, str(exc), []
 
 
 def job_label(cfg: AnyConfig, capability: tuple[int, int]) -> str:
@@ -240,16 +243,17 @@ def build_jobs(jobs: list[tuple[AnyConfig, tuple[int, int]]], workers: int | Non
 
     done = 0
 
-    def report(index: int, result: tuple[str, float, bool, str]) -> None:
+    def report(index: int, result: tuple[str, float, bool, str, list[str]]) -> None:
         nonlocal done
         done += 1
         if progress:
-            _, seconds, hit, err = result
+            _, seconds, hit, err, problems = result
             status = "FAILED" if err else ("in the cache" if hit else f"{seconds:.1f} s")
+            status += f" (ptxas: {'; '.join(problems)})" if problems else ""
             print(f"[flashgen] [{done}/{len(jobs)}] {job_label(*jobs[index])}: {status}", file=sys.stderr, flush=True)
 
     results = run_parallel(_build_worker, [(configs.to_record(c), tuple(cap)) for c, cap in jobs], workers, report)
-    return {job: err for job, (_, _, _, err) in zip(jobs, results) if err}
+    return {job: err for job, (_, _, _, err, _) in zip(jobs, results) if err}
 
 
 def build_many(cfgs: list[AnyConfig], capability: tuple[int, int], jobs: int | None = None,

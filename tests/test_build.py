@@ -58,6 +58,17 @@ def test_the_entry_keeps_ptxas_report_for_a_hit(monkeypatch, tmp_path):
     assert hit.cache_hit and hit.ptxas == built.ptxas and hit.register_problems() == problems
 
 
+def test_builds_say_what_ptxas_reported(monkeypatch, tmp_path, capsys):
+    """A verbose build and the progress lines of ahead-of-time builds name a kernel's register problems."""
+    monkeypatch.setenv("FLASHGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build_mod, "_compile", FakeCompiler(LOG_SM80))
+    build_mod.build(CFG, SM90, verbose=True)
+    assert "ptxas: _ZN3foo6kernelENS_6ParamsE: 16 bytes of spill stores, 24 of spill loads" in capsys.readouterr().err
+    assert build_mod.build_jobs([(CFG, SM90)], workers=1) == {}  # one job runs here: the fake compile's entry, a hit
+    line = capsys.readouterr().err
+    assert "in the cache (ptxas: _ZN3foo6kernelENS_6ParamsE: 16 bytes of spill stores" in line
+
+
 def test_a_clean_build_reports_no_problems(compiler):
     assert build_mod.build(CFG, SM90).register_problems() == []
 
