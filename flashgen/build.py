@@ -58,7 +58,8 @@ def nvcc_command(cu_path: Path, capability: tuple[int, int], out: str = "kernel.
 def library_command(name: str, capability: tuple[int, int]) -> list[str]:
     """The nvcc command, run in the entry's folder, that builds ``name``'s library (the build stage's ``compile``).
     Relative paths: the line info of the library names ``<name>.cu`` wherever the entry lies."""
-    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, *REPORT_FLAGS, of_capability(capability).gencode, f"{name}.cu", "-o", f"{name}.so"]
+    return [_nvcc(), *BUILD_FLAGS, *LIBRARY_FLAGS, *REPORT_FLAGS, of_capability(capability).gencode, f"{name}.cu",
+            "-o", f"{name}.so"]
 
 
 def repro(folder: Path, name: str, capability: tuple[int, int]) -> str:
@@ -96,7 +97,8 @@ def cache_key(cfg: AnyConfig, capability: tuple[int, int], mods: Any = None) -> 
     record names its kind, so a backward config's key is never a forward one's); ``mods``: the
     score_mod / mask_mod compiled in (their structure, :attr:`flashgen.mods.KernelMods.key`)."""
     nvcc = find_nvcc()
-    parts = (json.dumps(configs.to_record(cfg), sort_keys=True), generator_fingerprint(), " ".join(BUILD_FLAGS + LIBRARY_FLAGS + REPORT_FLAGS),
+    flags = " ".join(BUILD_FLAGS + LIBRARY_FLAGS + REPORT_FLAGS)
+    parts = (json.dumps(configs.to_record(cfg), sort_keys=True), generator_fingerprint(), flags,
              nvcc_identity(nvcc) if nvcc else "no nvcc", of_capability(capability).arch) + ((mods.key,) if mods else ())
     h = hashlib.sha256()
     for part in parts:
