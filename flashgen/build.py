@@ -138,16 +138,9 @@ class Built:
         return self.cu_path.read_text()
 
     def register_problems(self) -> list[str]:
-        """What ptxas reported that costs speed, per entry function: local memory (spills, a stack frame) and
-        wgmma serialized for want of registers; empty for a clean kernel."""
-        out = []
-        for e in self.ptxas:
-            if not e.clean:
-                out.append(f"{e.function}: {e.spill_stores} bytes of spill stores, {e.spill_loads} of spill loads, "
-                           f"{e.stack_frame} of stack frame")
-            if e.serialized:
-                out.append(f"{e.function}: wgmma serialized")
-        return out
+        """What ptxas reported that costs speed, per entry function (:meth:`PtxasStats.problems`): local memory
+        and wgmma serialized for want of registers; empty for a clean kernel."""
+        return [p for e in self.ptxas for p in e.problems()]
 
 
 def build(cfg: AnyConfig, capability: tuple[int, int] | None = None, verbose: bool = False, mods: Any = None) -> Built:

@@ -29,6 +29,12 @@ class PtxasStats:
         """No spills and no stack frame (no local memory)."""
         return self.spill_stores == 0 and self.spill_loads == 0 and self.stack_frame == 0
 
+    def problems(self) -> list[str]:
+        """What costs this entry speed, in words: local memory (spills, a stack frame) and serialized wgmma."""
+        out = [] if self.clean else [f"{self.function}: {self.spill_stores} bytes of spill stores, {self.spill_loads} of "
+                                     f"spill loads, {self.stack_frame} of stack frame"]
+        return out + ([f"{self.function}: wgmma serialized"] if self.serialized else [])
+
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS = re.compile(r"Function properties for (\S+)")
