@@ -112,6 +112,15 @@ class BackwardPlan:
     def mma(self) -> MMA_16x8x16:
         return self.gemms["S"].mma
 
+    @property
+    def closing_barrier(self) -> bool:
+        """The query-block loop ends with a barrier after every warp's last shared-memory read (the dQ
+        GEMM's of sK): only where the ordered dQ adds need one. Without it the epilogue passes a
+        barrier before it stages dK and dV over sK and sV."""
+        body = self.schedule.body
+        last_gemm = max(i for i, s in enumerate(body) if isinstance(s, Gemm))
+        return any(isinstance(s, Barrier) for s in body[last_gemm + 1:])
+
     def copies(self) -> list[tuple[str, TiledCopy]]:
         """(kind, copy) of every copy through shared memory, in the order of a query block and the epilogue."""
         out: list[tuple[str, TiledCopy]] = [("g2s", self.g2s[n]) for n in RESIDENT + STREAMED]
@@ -228,13 +237,19 @@ def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = Fals
     the kv head's group): Q, dO, lse, D in one cp.async group; the five GEMMs and the rules between.
 
     One stage: block j's copies, then ``wait_group 0``. Two: the prologue copies block 0, and block j
-    first issues block j+1's copies into the other stage (freed by the previous block's closing
-    barrier) and waits for all but that newest group, so the loads run under block j's GEMMs. Groups
-    complete in order, so the first wait also completes K and V; the barrier at the end keeps the
-    next copies off tiles that other warps may still read. ``deterministic``: the dQ adds wait for
-    their turn (as late as possible, after the dQ GEMM) and the end barrier, behind every warp's adds,
-    precedes passing it on. ``grad_with_p`` (a score_mod whose derivative reads the score): dP^T first, so
-    that dS^T is made in the same pass as P^T, from the score it needs.
+    first issues block j+1's copies into the other stage and waits for all but that newest group, so
+    the loads run under block j's GEMMs. Groups complete in order, so the first wait also completes K
+    and V.
+
+    Two barriers per block. The one before the dQ GEMM (dS^T visible) comes after every read of Q_j,
+    dO_j, lse_j and D_j (the dQ GEMM reads only dS and K): a warp past it may overwrite block j's stage
+    with the next copies, and the next block's opening barrier keeps its dS^T store off the dS that
+    slower warps still read. So the loop has no closing barrier; the epilogue passes one
+    (:attr:`BackwardPlan.closing_barrier`) before dK and dV are staged over sK and sV, which the last
+    dQ GEMM reads. ``deterministic``: the dQ adds wait for their turn (as late as possible, after the
+    dQ GEMM) and a closing barrier, behind every warp's adds, precedes passing it on. ``grad_with_p`` (a
+    score_mod whose derivative reads the score): dP^T first, so that dS^T is made in the same pass as
+    P^T, from the score it needs.
     """
     def copies(block, guard=None, which="j"):
         return tuple(Copy(n, block, guard, why=f"{n.lower() if n in STATS else n}_{which}") for n in STREAMED + STATS)
@@ -262,7 +277,7 @@ def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = Fals
         Gemm("dQ", why="dQ_j = dS K"),
         WaitOrder("dQ", why="the key blocks below this one that visit Q_j have added their dQ_j") if deterministic else None,
         ReduceGM("dQ", why="dQ_j added into the fp32 buffer"),
-        Barrier(why="all warps done with Q_j, dO_j, dS before the next block's copies"),
+        Barrier(why="every warp's dQ_j added before the turn passes on") if deterministic else None,
         SignalOrder("dQ", why="the next key block's turn to add dQ_j") if deterministic else None,
     )
     return Schedule(pro, tuple(s for s in body if s is not None))

@@ -339,10 +339,14 @@ def _steps(plan: BackwardPlan, steps) -> list[str]:
 
 def _epilogue(plan: BackwardPlan) -> list[str]:
     """dK times the scale; dK, dV -> sK, sV (each warp its own rows), __syncwarp, 16-byte stores."""
-    lines = ["if (work == 0) {  // no query block ran: K and V may still be in flight before their space is reused",
-             "    cp_async_wait<0>();", "    __syncthreads();", "}",
-             "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
-             "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) dk_acc[mi][nt][r] = bwd_grad_scaled(dk_acc[mi][nt][r], p.scale);"]
+    if plan.closing_barrier:
+        lines = ["if (work == 0) {  // no query block ran: K and V may still be in flight before their space is reused",
+                 "    cp_async_wait<0>();", "    __syncthreads();", "}"]
+    else:
+        lines = ["if (work == 0) cp_async_wait<0>();  // no query block ran: K and V may still be in flight",
+                 "__syncthreads();  // every warp done reading sK and sV (the last block's GEMMs) before dK and dV go there"]
+    lines += ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
+              "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) dk_acc[mi][nt][r] = bwd_grad_scaled(dk_acc[mi][nt][r], p.scale);"]
     for name, acc, tile in (("dK", "dk_acc", "sK"), ("dV", "dv_acc", "sV")):
         r2s, s2g = plan.r2s[name], plan.s2g[name]
         addr = _addr(r2s, v="2 * h", mi="mi", nt="nt")

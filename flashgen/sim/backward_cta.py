@@ -379,6 +379,8 @@ class _BwdCta:
         out = {}
         if not self.work:  # the last wait (no query block ran): K and V may be in flight
             self.wait(Wait("0"), 0)
+        if not self.work or not self.plan.closing_barrier:
+            self.where = "epilogue barrier"
             self.hz.barrier()
         self.dk = self.plan.score_grad.scaled(self.dk, self.scale)
         for name, acc, tile in (("dK", self.dk, "K"), ("dV", self.dv, "V")):

@@ -10,7 +10,7 @@ import pytest
 
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import make_backward_plan
-from flashgen.dsl.steps import Barrier, Wait
+from flashgen.dsl.steps import Barrier, Gemm, Wait
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import simulate_backward
 from flashgen.sim.grad_reference import gradients
@@ -78,7 +78,7 @@ def _without(plan, index):
 
 @pytest.mark.parametrize("step, words", [
     (Barrier(why="dS^T visible to all warps"), "has completed but no barrier made it visible"),
-    (Barrier(why="all warps done with Q_j, dO_j, dS before the next block's copies"), "write-after-read"),
+    (Barrier(why="... and are visible to all warps"), "has completed but no barrier made it visible"),
     (Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V) have landed"), "in flight"),
 ])
 def test_a_missing_step_is_a_hazard(step, words):
@@ -89,16 +89,49 @@ def test_a_missing_step_is_a_hazard(step, words):
 
 
 @pytest.mark.parametrize("step, words", [
-    (Barrier(why="all warps done with Q_j, dO_j, dS before the next block's copies"), "write-after-read"),
+    (Barrier(why="dS^T visible to all warps"), "has completed but no barrier made it visible"),
     (Wait("1", why="all but block j+1's group: Q_j, dO_j, lse_j, D_j (and K, V)"), "in flight"),
 ])
 def test_a_missing_step_of_the_two_stage_schedule_is_a_hazard(step, words):
-    """Without the closing barrier the next block's copies overwrite a stage other warps still read;
-    without the wait the GEMMs read a block still in flight."""
+    """Without the dS^T barrier the dQ GEMM reads dS^T other warps stored unpublished; without the wait
+    the GEMMs read a block still in flight."""
     plan = make_backward_plan(B("fp16", d_head=64, stages=2))
     broken = _without(plan, plan.schedule.body.index(step))
     res = simulate_backward(broken, *_inputs(0, 200, 70, 1, 1, 64))
     assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_loop_needs_no_closing_barrier_but_the_epilogue_needs_one(stages):
+    """The dS^T barrier follows every read of a block's streamed tiles, so the next copies may go out
+    behind it; the epilogue's barrier keeps dK's staging off the sK the last dQ GEMM reads."""
+    from unittest import mock
+
+    from flashgen.dsl.backward_plan import BackwardPlan
+
+    for cfg in (B("fp16", d_head=64, stages=stages), B("bf16", d_head=256, n_warps=8, d_split=2, stages=stages)):
+        plan = make_backward_plan(cfg)
+        assert not plan.closing_barrier and sum(isinstance(s, Barrier) for s in plan.schedule.body) == 2
+        inputs = _inputs(0, 200, 70, 1, 1, cfg.d_head)
+        res = simulate_backward(plan, *inputs)
+        assert res.ok, res.hazards[:3]
+        with mock.patch.object(BackwardPlan, "closing_barrier", property(lambda self: True)):
+            res = simulate_backward(plan, *inputs)
+        assert any("epilogue" in h and "write-after-read" in h and "sK" in h for h in res.hazards), res.hazards[:3]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_streamed_tile_read_after_the_ds_barrier_is_a_hazard(stages):
+    """dK's GEMM (a reader of Q_j) moved behind the dS^T barrier: a warp past that barrier overwrites
+    Q_j's stage with the next block's copies while slower warps still read it."""
+    plan = make_backward_plan(B("fp16", d_head=64, stages=stages))
+    body = list(plan.schedule.body)
+    dk = next(s for s in body if isinstance(s, Gemm) and s.arg == "dK")
+    body.remove(dk)
+    body.insert(body.index(Barrier(why="dS^T visible to all warps")) + 1, dk)
+    broken = attrs.evolve(plan, schedule=attrs.evolve(plan.schedule, body=tuple(body)))
+    res = simulate_backward(broken, *_inputs(0, 200, 70, 1, 1, 64))
+    assert any("write-after-read" in h and "sQ" in h for h in res.hazards), res.hazards[:3]
 
 
 def test_waiting_for_the_newest_group_only_is_a_hazard():
