@@ -15,8 +15,10 @@ share of d_head rounded up to a power of two (:attr:`BackwardConfig.d_cols_per_w
 tiles keep their ``d_smem`` columns, and the shares' columns past d_head are computed and dropped).
 Every warp of a group computes the group's S^T and dP^T (the A operands of its dV and dK columns)
 itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
-by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. Row counts are whole
-numbers of the MMA's 16 rows, column counts of its k16.
+by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. ``split_scores`` removes that
+price: warp ``h`` computes only query columns ``[h * B_r/d_split, ...)`` of S^T and dP^T, and P^T and
+dS^T go through shared memory (``sP``, ``sdS``), from where dV and dK read their A operands. Row counts
+are whole numbers of the MMA's 16 rows, column counts of its k16.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ class BackwardConfig:
     d_split: int = 1
     stages: int = 1
     deterministic: bool = False
+    split_scores: bool = False
 
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
@@ -171,29 +174,40 @@ class BackwardConfig:
         return mma_cols(self.d_head)
 
     @property
+    def score_cols_per_warp(self) -> int:
+        """Query columns of S^T and dP^T one warp computes: all ``B_r``, or with ``split_scores`` its
+        ``B_r / d_split`` (warp ``h`` of a group from ``h * B_r / d_split``)."""
+        return self.B_r // self.d_split if self.split_scores else self.B_r
+
+    @property
     def acc_regs(self) -> int:
         """Accumulator registers per thread at the peak: dK and dV, plus S^T and dP^T (while dS is
         formed) or dQ (while it is reduced), whichever is more."""
         kv = 2 * self.key_rows_per_warp * self.d_cols_per_warp // 32
-        scores = 2 * self.key_rows_per_warp * self.B_r // 32
+        scores = 2 * self.key_rows_per_warp * self.score_cols_per_warp // 32
         dq = self.query_rows_per_warp * self.d_cols_per_warp // 32
         return kv + max(scores, dq)
 
     @property
     def smem_bytes(self) -> int:
-        """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit);
-        wgmma: two dS^T buffers, the ring's mbarriers and the slack that aligns the base to 1024 bytes."""
+        """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit),
+        with ``split_scores`` P^T too (as dS^T); wgmma: two dS^T buffers, the ring's mbarriers and the slack that aligns the base to 1024 bytes."""
         if self.engine == "wgmma":
             from .hopper_backward_smem import smem_plan
 
             return smem_plan(self)[1]
         streamed = self.stages * (2 * self.B_r * self.d_smem * self.dtype.size + 2 * 4 * self.B_r)
-        return 2 * self.B_c * self.d_smem * self.dtype.size + streamed + self.B_c * self.B_r * self.dtype.size
+        scores = (2 if self.split_scores else 1) * self.B_c * self.B_r * self.dtype.size
+        return 2 * self.B_c * self.d_smem * self.dtype.size + streamed + scores
 
     # ---- names ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The knobs; ``split_scores`` only where on, so that the names and hashes of the configs from
+        before it are unchanged."""
         d = attrs.asdict(self)
         d["dtype"] = self.dtype.value
+        if not self.split_scores:
+            del d["split_scores"]
         return d
 
     @classmethod
@@ -214,6 +228,7 @@ class BackwardConfig:
         flags = (["wgmma"] if self.engine == "wgmma" else []) + (["swizzled"] if self.swizzled else [])
         flags += [self.mask] if self.mask != "none" else []
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
+        flags += ["split_scores"] if self.split_scores else []
         flags += [f"stages_{self.stages}"] if self.stages > 1 else []
         flags += ["deterministic"] if self.deterministic else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
@@ -228,6 +243,7 @@ class BackwardConfig:
         parts += (["wgmma"] if self.engine == "wgmma" else []) + (["swz"] if self.swizzled else [])
         parts += [self.mask] if self.mask != "none" else []
         parts += [f"ds{self.d_split}"] if self.d_split > 1 else []
+        parts += ["ss"] if self.split_scores else []
         parts += [f"s{self.stages}"] if self.stages > 1 else []
         parts += ["det"] if self.deterministic else []
         return "_".join(["flash_bwd", *parts])
@@ -244,7 +260,7 @@ def _rule_choices(c: BackwardConfig) -> None:
         raise ConfigError(f"engine={c.engine!r}: the backward is built by {', '.join(ENGINES)} so far")
     if c.mask not in MASKS:
         raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
-    for name in ("swizzled", "deterministic"):
+    for name in ("swizzled", "deterministic", "split_scores"):
         if not isinstance(getattr(c, name), bool):
             raise ConfigError(f"{name}={getattr(c, name)!r}: expected true or false")
 
@@ -285,6 +301,18 @@ def _rule_d_split(c: BackwardConfig) -> None:
                           "use a smaller d_split")
 
 
+def _rule_split_scores(c: BackwardConfig) -> None:
+    if not c.split_scores:
+        return
+    if c.engine != "mma_sync" or c.d_split == 1:
+        raise ConfigError(f"split_scores with engine={c.engine}, d_split={c.d_split}: it splits S^T and dP^T's query "
+                          "columns over the warps of a d_split group, so it needs the mma_sync engine and d_split > 1")
+    if c.B_r % (MMA_K * c.d_split):
+        raise ConfigError(f"split_scores with B_r={c.B_r}, d_split={c.d_split}: each warp of a group computes B_r/{c.d_split} "
+                          f"query columns of S^T and dP^T, read as B operands {MMA_K} rows at a time (ldmatrix x4), so "
+                          f"B_r must be a multiple of {MMA_K * c.d_split}")
+
+
 def acc_reg_limit(threads: int) -> int:
     """Accumulator registers a thread of a ``threads``-thread CTA may hold: its share of the register
     file (whole multiples of 8, at most 255) less the registers everything else needs."""
@@ -299,13 +327,14 @@ def _rule_registers(c: BackwardConfig) -> None:
         raise ConfigError(
             f"d_head={c.d_head}, B_r={c.B_r}, B_c={c.B_c}, n_warps={c.n_warps}"
             f"{f', d_split={c.d_split}' if c.d_split > 1 else ''}: the accumulators need {c.acc_regs} registers "
-            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {limit} for {c.threads} threads); use d_split, "
-            "smaller blocks or (up to 8) more warps")
+            f"per thread (dK + dV + max(S^T + dP^T, dQ); > {limit} for {c.threads} threads); use d_split"
+            f"{'' if c.split_scores else ' (with split_scores)'}, smaller blocks or (up to 8) more warps")
 
 
 def _rule_smem(c: BackwardConfig) -> None:
     if c.smem_bytes > SMEM_LIMIT_BYTES:
-        raise ConfigError(f"shared memory {c.smem_bytes} bytes (K, V, Q, dO tiles of {c.d_smem} columns, dS^T, lse and D) "
+        raise ConfigError(f"shared memory {c.smem_bytes} bytes (K, V, Q, dO tiles of {c.d_smem} columns, dS^T"
+                          f"{', P^T' if c.split_scores else ''}, lse and D) "
                           f"exceeds the {SMEM_LIMIT_BYTES}-byte per-block limit")
 
 
@@ -343,7 +372,7 @@ def _rule_wgmma(c: BackwardConfig) -> None:
                           "swizzle)")
 
 
-_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_sizes, _rule_registers, _rule_smem)
+_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_split_scores, _rule_sizes, _rule_registers, _rule_smem)
 
 
 # ---- the tuning space ------------------------------------------------------------------

@@ -24,7 +24,11 @@ GEMM        warp tile (m x n, k)          A operand                B operand
 ==========  ============================  =======================  ==================================
 
 S^T and dP^T (kr x B_r) are computed by every warp of the group (each needs all of them as the A
-operand of its dV and dK columns). dS^T goes registers -> shared (``sdS``, key rows, 16 bit; stored
+operand of its dV and dK columns). With ``split_scores`` warp ``h`` of a group computes only the ``nw =
+B_r / d_split`` query columns from ``h * nw`` of them (its S and dP B operands: those rows of sQ and
+sdO), stores its part of P^T to ``sP`` (B_c x B_r, 16 bit, laid out as ``sdS``) and of dS^T to ``sdS``,
+and after a barrier dV and dK read their A operands, the group's key rows, from ``sP`` and ``sdS``
+(ldmatrix, as the S GEMM reads K). dS^T goes registers -> shared (``sdS``, key rows, 16 bit; stored
 by the first warp of each group, :attr:`BackwardPlan.ds_store_every`) so that the dQ GEMM, whose
 warps own query rows, can read all of it; ``sdS_t`` is the same memory in (query, key) coordinates.
 dQ is added into a ``(batch, heads, seq_q, d)`` fp32 buffer with ``red.global.add.f32`` at the C
@@ -104,8 +108,8 @@ class BackwardPlan:
     score_grad: ScoreGrad
     row_dot: RowDot  # the preprocess kernel's rule
     valid_cols: int
-    #: dS^T is stored by warps ``w % ds_store_every == 0``, the first of each group (the group's
-    #: other warps hold the same values)
+    #: dS^T is stored by warps ``w % ds_store_every == 0``: the first of each group, whose other warps
+    #: hold the same values; every warp with ``split_scores`` (each holds its own query columns)
     ds_store_every: int = 1
 
     @property
@@ -125,7 +129,7 @@ class BackwardPlan:
         """(kind, copy) of every copy through shared memory, in the order of a query block and the epilogue."""
         out: list[tuple[str, TiledCopy]] = [("g2s", self.g2s[n]) for n in RESIDENT + STREAMED]
         out += [("s2r", load.copy) for g in self.gemms.values() for load in (g.a, g.b) if load is not None]
-        out += [("r2s", self.r2s[n]) for n in ("dS", "dK", "dV")]
+        out += [("r2s", self.r2s[n]) for n in ("P", "dS", "dK", "dV") if n in self.r2s]
         return out + [("s2g", self.s2g[n]) for n in ("dK", "dV")]
 
     @property
@@ -133,7 +137,7 @@ class BackwardPlan:
         """Byte offset of each shared tensor (16-bit tiles; the fp32 statistics after them); a streamed
         tile's offset is its stage 0's, stage ``s`` at ``+ s *`` :attr:`stage_bytes`."""
         out, at = {}, 0
-        for name in ("sK", "sV", "sQ", "sdO", "sdS"):
+        for name in ("sK", "sV", "sQ", "sdO", "sdS") + (("sP",) if "sP" in self.tensors else ()):
             out[name] = at
             at += self.tensors[name].layout.cosize * 2 * (self.cfg.stages if name[1:] in STREAMED else 1)
         out["sdS_t"], out["sdK"], out["sdV"] = out["sdS"], out["sK"], out["sV"]
@@ -165,6 +169,8 @@ def _tensors(cfg: BackwardConfig) -> dict[str, Tensor]:
         t[f"s{name}"] = Tensor(f"s{name}", "SM", dt, smem_tile_layout(n, D, cfg.swizzled))
     t["sdS"] = Tensor("sdS", "SM", dt, smem_tile_layout(cfg.B_c, cfg.B_r, cfg.swizzled))  # dS^T: (key, query)
     t["sdS_t"] = Tensor("sdS_t", "SM", dt, transposed(t["sdS"].layout))  # dS: (query, key)
+    if cfg.split_scores:
+        t["sP"] = Tensor("sP", "SM", dt, smem_tile_layout(cfg.B_c, cfg.B_r, cfg.swizzled))  # P^T: (key, query)
     # dK and dV are staged over K's and V's shared memory; each warp rewrites only its own key rows
     t["sdK"] = Tensor("sdK", "SM", dt, t["sK"].layout)
     t["sdV"] = Tensor("sdV", "SM", dt, t["sV"].layout)
@@ -189,10 +195,12 @@ def _a_load_trans(name: str, tile: Tensor, m_tiles: int, k: int, warp_rows: int,
     return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4, trans=True), tile, regs, part, "warp"), k // 8, 1, False)
 
 
-def _b_load(name: str, tile: Tensor, n: int, k: int, dt) -> OperandLoad:
-    """B operand from a tile stored (n, k) row-major, all of it (ldmatrix; the forward's K)."""
+def _b_load(name: str, tile: Tensor, n: int, k: int, dt, split: int = 1) -> OperandLoad:
+    """B operand from a tile stored (n, k) row-major (ldmatrix; the forward's K): all of it, or with
+    ``split`` > 1 warp ``w``'s ``n`` rows from ``(w % split) * n``."""
     regs = Tensor(f"r{name}", "RF", dt, Layout((n // 16, k // 16, 4), (4, 4 * n // 16, 1)))
-    part = Partition(ldmatrix_x4_cols_then_rows("ldsm_B"), (Loop("nn", n // 16, 16, 0), Loop("kk", k // 16, 0, 16)))
+    place = dict(warp_cols=split, place_row_step=n) if split > 1 else {}
+    part = Partition(ldmatrix_x4_cols_then_rows("ldsm_B"), (Loop("nn", n // 16, 16, 0), Loop("kk", k // 16, 0, 16)), **place)
     return OperandLoad(name, TiledCopy(f"s2r_{name}", SM2RF(4), tile, regs, part, "warp"), k // 8, 1, False)
 
 
@@ -207,13 +215,16 @@ def _b_load_trans(name: str, tile: Tensor, n: int, k: int, split: int, dt) -> Op
 
 def _gemms(cfg: BackwardConfig, t: dict[str, Tensor], mma: MMA_16x8x16) -> dict[str, WarpGemm]:
     dt, DM, DW, BR, BC, sp = cfg.dtype, cfg.d_mma, cfg.d_cols_per_warp, cfg.B_r, cfg.B_c, cfg.d_split
-    kr, qr = cfg.key_rows_per_warp, cfg.query_rows_per_warp
+    kr, qr, nw = cfg.key_rows_per_warp, cfg.query_rows_per_warp, cfg.score_cols_per_warp
     mk, mq = kr // 16, qr // 16
+    ss = sp if cfg.split_scores else 1  # warps splitting the query columns of S^T and dP^T
+    p_a, ds_a = ((_a_load("Pt", t["sP"], mk, BR, kr, sp, dt), _a_load("dSt", t["sdS"], mk, BR, kr, sp, dt))
+                 if cfg.split_scores else (None, None))  # else the S^T / dP^T accumulators
     return {
-        "S": WarpGemm("S", mma, mk, BR // 8, DM, _a_load("K", t["sK"], mk, DM, kr, sp, dt), _b_load("Q", t["sQ"], BR, DM, dt)),
-        "dP": WarpGemm("dP", mma, mk, BR // 8, DM, _a_load("V", t["sV"], mk, DM, kr, sp, dt), _b_load("dO", t["sdO"], BR, DM, dt)),
-        "dV": WarpGemm("dV", mma, mk, DW // 8, BR, None, _b_load_trans("dOt", t["sdO"], DW, BR, sp, dt)),
-        "dK": WarpGemm("dK", mma, mk, DW // 8, BR, None, _b_load_trans("Qt", t["sQ"], DW, BR, sp, dt)),
+        "S": WarpGemm("S", mma, mk, nw // 8, DM, _a_load("K", t["sK"], mk, DM, kr, sp, dt), _b_load("Q", t["sQ"], nw, DM, dt, ss)),
+        "dP": WarpGemm("dP", mma, mk, nw // 8, DM, _a_load("V", t["sV"], mk, DM, kr, sp, dt), _b_load("dO", t["sdO"], nw, DM, dt, ss)),
+        "dV": WarpGemm("dV", mma, mk, DW // 8, BR, p_a, _b_load_trans("dOt", t["sdO"], DW, BR, sp, dt)),
+        "dK": WarpGemm("dK", mma, mk, DW // 8, BR, ds_a, _b_load_trans("Qt", t["sQ"], DW, BR, sp, dt)),
         "dQ": WarpGemm("dQ", mma, mq, DW // 8, BC, _a_load_trans("dS", t["sdS_t"], mq, BC, qr, sp, dt),
                        _b_load_trans("Kt", t["sK"], DW, BC, sp, dt)),
     }
@@ -232,7 +243,7 @@ def _acc_copy(name: str, atom, src_name: str, dst: Tensor, m_tiles: int, n_tiles
 ANY_BLOCK = Guard(0, "<", "end")
 
 
-def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = False) -> Schedule:
+def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = False, split_scores: bool = False) -> Schedule:
     """Prologue: K and V of the CTA's key block. Body, per query block ``j`` (of every query head of
     the kv head's group): Q, dO, lse, D in one cp.async group; the five GEMMs and the rules between.
 
@@ -249,18 +260,11 @@ def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = Fals
     dQ GEMM reads. ``deterministic``: the dQ adds wait for their turn (as late as possible, after the
     dQ GEMM) and a closing barrier, behind every warp's adds, precedes passing it on. ``grad_with_p`` (a
     score_mod whose derivative reads the score): dP^T first, so that dS^T is made in the same pass as
-    P^T, from the score it needs.
+    P^T, from the score it needs. ``split_scores``: :func:`_split_schedule`.
     """
-    def copies(block, guard=None, which="j"):
-        return tuple(Copy(n, block, guard, why=f"{n.lower() if n in STATS else n}_{which}") for n in STREAMED + STATS)
-
-    pro = (Copy("K", why="K block (resident)"), Copy("V", why="V block (resident)"))
-    if stages == 1:
-        pro, head = pro + (Commit(),), copies(J) + (Commit(), Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V) have landed"))
-    else:
-        pro += copies(BEGIN, ANY_BLOCK, "first") + (Commit(),)
-        head = copies(NEXT, HAS_NEXT, "j+1") + (Commit(why="(empty in the last block: the wait below counts it)"),
-                                                Wait("1", why="all but block j+1's group: Q_j, dO_j, lse_j, D_j (and K, V)"))
+    if split_scores:
+        return _split_schedule(stages, deterministic, grad_with_p)
+    pro, head = _copy_head(stages, "1")
     if grad_with_p:
         scores = (Gemm("S", why="S^T = K Q_j^T"), Gemm("dP", why="dP^T = V dO_j^T"),
                   RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse_j log2e), masked"),
@@ -275,11 +279,71 @@ def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = Fals
         StoreRF("dS", why="dS^T -> shared memory for the dQ GEMM"),
         Barrier(why="dS^T visible to all warps"),
         Gemm("dQ", why="dQ_j = dS K"),
+    ) + _dq_adds(deterministic)
+    return Schedule(pro, tuple(s for s in body if s is not None))
+
+
+def _stream_copies(block, guard=None, which="j") -> tuple:
+    """Copies of a query block's Q, dO, lse and D (``block``: which one, ``which``: its name in comments)."""
+    return tuple(Copy(n, block, guard, why=f"{n.lower() if n in STATS else n}_{which}") for n in STREAMED + STATS)
+
+
+def _copy_head(stages: int, wait_two: str) -> tuple[tuple, tuple]:
+    """(prologue, the body's opening copies and wait). One stage: block j's copies and ``wait_group 0``.
+    Two: the prologue copies block 0 too; the body issues block j+1's and waits with ``wait_two``
+    groups left in flight ("1": block j+1's, issued just before; "0": issued after the wait by
+    :func:`_split_schedule`)."""
+    pro = (Copy("K", why="K block (resident)"), Copy("V", why="V block (resident)"))
+    if stages == 1:
+        return pro + (Commit(),), _stream_copies(J) + (Commit(), Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V) have landed"))
+    pro += _stream_copies(BEGIN, ANY_BLOCK, "first") + (Commit(),)
+    if wait_two == "0":
+        return pro, (Wait("0", why="Q_j, dO_j, lse_j, D_j (and K, V): issued in the block before"),)
+    return pro, _stream_copies(NEXT, HAS_NEXT, "j+1") + (Commit(why="(empty in the last block: the wait below counts it)"),
+                                                         Wait("1", why="all but block j+1's group: Q_j, dO_j, lse_j, D_j (and K, V)"))
+
+
+def _dq_adds(deterministic: bool) -> tuple:
+    """The dQ adds, in turn where ``deterministic`` (None for the steps it leaves out)."""
+    return (
         WaitOrder("dQ", why="the key blocks below this one that visit Q_j have added their dQ_j") if deterministic else None,
         ReduceGM("dQ", why="dQ_j added into the fp32 buffer"),
         Barrier(why="every warp's dQ_j added before the turn passes on") if deterministic else None,
         SignalOrder("dQ", why="the next key block's turn to add dQ_j") if deterministic else None,
     )
+
+
+def _split_schedule(stages: int, deterministic: bool, grad_with_p: bool) -> Schedule:
+    """``split_scores``: each warp makes its query columns of P^T and dS^T and stores them (``sP``,
+    ``sdS``); after the barrier that makes them visible, dV and dK read them as A operands and read
+    Q_j and dO_j as B operands, and dQ reads dS and K. So block j's stage is read up to dK, after the
+    second barrier: two stages issue block j+1's copies after the opening barrier (which every warp
+    passes only once done with block j-1, whose stage they overwrite), and wait for them (``wait_group
+    0``) at the next block's start; one stage closes each block with a barrier before the next block's
+    copies. The opening barrier also keeps this block's P^T and dS^T stores off the tiles that slower
+    warps still read for block j-1's dV, dK and dQ."""
+    pro, head = _copy_head(stages, "0")
+    opening = (Barrier(why="... and are visible to all warps; every warp is done with block j-1"),)
+    if stages > 1:
+        opening += _stream_copies(NEXT, HAS_NEXT, "j+1") + (Commit(why="(empty in the last block: the next wait counts it)"),)
+    p_store = StoreRF("P", why="this warp's columns of P^T -> shared memory for the dV GEMM")
+    if grad_with_p:
+        scores = (Gemm("S", why="S^T = K Q_j^T, this warp's query columns"), Gemm("dP", why="dP^T = V dO_j^T, the same columns"),
+                  RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse_j log2e), masked"),
+                  GradScores(why="dS^T = P^T * (dP^T - D_j) score_mod', in the same pass"), p_store)
+    else:
+        scores = (Gemm("S", why="S^T = K Q_j^T, this warp's query columns"),
+                  RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"), p_store,
+                  Gemm("dP", why="dP^T = V dO_j^T, the same columns"), GradScores(why="dS^T = P^T * (dP^T - D_j)"))
+    closing = (Barrier(why="every warp's reads of Q_j and dO_j done before block j+1's copies overwrite them"),
+               ) if stages == 1 and not deterministic else ()
+    body = head + opening + scores + (
+        StoreRF("dS", why="this warp's columns of dS^T -> shared memory for the dK and dQ GEMMs"),
+        Barrier(why="P^T and dS^T visible to all warps"),
+        Gemm("dV", why="dV += P^T dO_j"),
+        Gemm("dK", why="dK += dS^T Q_j"),
+        Gemm("dQ", why="dQ_j = dS K"),
+    ) + _dq_adds(deterministic) + closing
     return Schedule(pro, tuple(s for s in body if s is not None))
 
 
@@ -322,8 +386,12 @@ def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
     sp, dw = cfg.d_split, cfg.d_cols_per_warp
     mk, nq, nd = kr // 16, cfg.B_r // 8, dw // 8
     own = dw if sp > 1 else 0  # a warp's column offset per place in its group
-    r2s = {
-        "dS": _acc_copy("r2s_dS", RF2SM(), "rdS", t["sdS"], mk, nq, kr, mma, dt, sp),
+    if cfg.split_scores:  # each warp its own query columns of P^T and dS^T
+        nw = cfg.score_cols_per_warp
+        r2s = {n: _acc_copy(f"r2s_{n}", RF2SM(), f"r{n}", t[f"s{n}"], mk, nw // 8, kr, mma, dt, sp, nw) for n in ("P", "dS")}
+    else:
+        r2s = {"dS": _acc_copy("r2s_dS", RF2SM(), "rdS", t["sdS"], mk, nq, kr, mma, dt, sp)}
+    r2s |= {
         "dK": _acc_copy("r2s_dK", RF2SM(), "rdK", t["sdK"], mk, nd, kr, mma, dt, sp, own),
         "dV": _acc_copy("r2s_dV", RF2SM(), "rdV", t["sdV"], mk, nd, kr, mma, dt, sp, own),
     }
@@ -337,8 +405,8 @@ def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
     mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c, mods)
     if cfg.deterministic:
         dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_cols)
-    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score),
-                        _row_reduce_lanes(mma.c_map), mask,
-                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, sp)
+    schedule = _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score, cfg.split_scores)
+    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, schedule, _row_reduce_lanes(mma.c_map), mask,
+                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, 1 if cfg.split_scores else sp)
 
 

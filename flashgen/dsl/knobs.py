@@ -298,6 +298,9 @@ BACKWARD_ONLY: tuple[Knob, ...] = (
          flag=Pattern("d_split_{}", "d_split_N", (1,)), mangled=Pattern("ds{}")),
     Knob("deterministic", bool, "backward: dQ's adds from the key blocks in a fixed order, so gradients are "
          "bit-identical run to run", default=False, engines=(), off=False, flag=Switch("deterministic"), mangled=Switch("det")),
+    Knob("split_scores", bool, "backward: the warps of a d_split group split S^T and dP^T's query columns and stage P^T "
+         "and dS^T in shared memory for dV and dK, instead of each computing the group's whole tiles", default=False,
+         engines=(), off=False, flag=Switch("split_scores"), mangled=Switch("ss")),
 )
 BACKWARD_FLAGS: tuple[Spelled, ...] = _groups(BACKWARD_ONLY, "flag")
 

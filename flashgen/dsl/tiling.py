@@ -69,6 +69,9 @@ class Partition:
     ``warp_cols`` wide (warp ``w`` at grid row ``w // warp_cols``, column ``w % warp_cols``),
     offset by ``warp_row_step`` rows per grid row and ``warp_col_step`` columns per grid
     column; ``warp_cols == 1`` is the one-dimensional split (warp ``w`` adds ``w * warp_row_step`` rows).
+    ``place_row_step`` adds rows per grid column instead: a tile the warps of a grid row split by rows
+    (the backward's S^T B operand with ``split_scores``: warp ``h`` of a group reads query rows from
+    ``h * place_row_step``).
     """
 
     tv: TVMap
@@ -76,6 +79,7 @@ class Partition:
     warp_row_step: int = 0
     warp_col_step: int = 0
     warp_cols: int = 1
+    place_row_step: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.warp_cols < 1:
@@ -84,22 +88,26 @@ class Partition:
     @property
     def uses_warp(self) -> bool:
         """Whether the coordinates depend on the warp index (a warp-owned tile)."""
-        return bool(self.warp_row_step or self.warp_col_step)
+        return bool(self.warp_row_step or self.warp_col_step or self.place_row_step)
 
     def warp_offset(self, warp):
         """``(row, col)`` offset of warp ``warp``'s tile (ints or int arrays)."""
-        return (warp // self.warp_cols) * self.warp_row_step, (warp % self.warp_cols) * self.warp_col_step
+        row = (warp // self.warp_cols) * self.warp_row_step + (warp % self.warp_cols) * self.place_row_step
+        return row, (warp % self.warp_cols) * self.warp_col_step
 
     def warp_offset_cpp(self, warp: str = "warp") -> tuple[str, str]:
         """C++ expressions of :meth:`warp_offset` ("0" where there is none)."""
         grid_row = warp if self.warp_cols == 1 else f"({warp} / {self.warp_cols}u)"
         row = f"{grid_row} * {self.warp_row_step}u" if self.warp_row_step else "0"
+        if self.place_row_step:
+            place = f"({warp} % {self.warp_cols}u) * {self.place_row_step}u"
+            row = place if row == "0" else f"{row} + {place}"
         col = f"({warp} % {self.warp_cols}u) * {self.warp_col_step}u" if self.warp_col_step else "0"
         return row, col
 
     def warp_text(self) -> str:
         """What warp ``w`` adds, for comments: ``16 rows`` or ``((w / 2u) * 16u, (w % 2u) * 64u)``."""
-        if self.warp_cols == 1 and not self.warp_col_step:
+        if self.warp_cols == 1 and not self.warp_col_step and not self.place_row_step:
             return f"{self.warp_row_step} rows"
         return "({}, {})".format(*self.warp_offset_cpp("w"))
 
@@ -141,7 +149,7 @@ class Partition:
         r, c = self.tv.to_cpp(thread, value)
         rows, cols = [r], [c]
         dr, dc = self.warp_offset_cpp(warp)
-        rows += [dr] if self.warp_row_step else []
+        rows += [dr] if self.warp_row_step or self.place_row_step else []
         cols += [dc] if self.warp_col_step else []
         for loop in self.loops:
             if loop.row_step:

@@ -39,8 +39,18 @@ from .template import CodeTemplate, compose
 
 __all__ = ["TARGET", "emit_backward"]
 
-#: shared tensors with an offset function, and the 16-bit tiles with a base address
+#: shared tensors with an offset function, and the 16-bit tiles with a base address (and ``sP`` where the plan has it)
 _SMEM_TENSORS = ("sK", "sV", "sQ", "sdO", "sdS", "sdS_t", "sdK", "sdV")
+
+
+
+def _optional_tiles(plan: BackwardPlan) -> tuple[str, ...]:
+    """The 16-bit tiles only some plans have: ``sP`` (``split_scores``)."""
+    return tuple(t for t in ("sP",) if t in plan.tensors)
+
+
+def _smem_tensors(plan: BackwardPlan) -> tuple[str, ...]:
+    return _SMEM_TENSORS + _optional_tiles(plan)
 
 
 def _params(copy: TiledCopy) -> list[str]:
@@ -82,14 +92,14 @@ def _red_fns(copy: TiledCopy) -> str:
 
 def index_functions(plan: BackwardPlan) -> list[tuple[str, list[str]]]:
     """(function name, parameter names) of every emitted index function, for host tests."""
-    out = [(f"{t}_offset", ["row", "col"]) for t in _SMEM_TENSORS]
+    out = [(f"{t}_offset", ["row", "col"]) for t in _smem_tensors(plan)]
     for _, copy in plan.copies():
         out += [(f"{copy.name}_{s}", _params(copy)) for s in ("row", "col", "smem")]
     return out + [(f"{plan.red_dQ.name}_{s}", _params(plan.red_dQ)) for s in ("row", "col")]
 
 
 def _index_section(plan: BackwardPlan) -> str:
-    parts = [_offset_fn(f"{t}_offset", t, plan.tensors[t].layout) for t in _SMEM_TENSORS]
+    parts = [_offset_fn(f"{t}_offset", t, plan.tensors[t].layout) for t in _smem_tensors(plan)]
     parts += [_partition_fns(copy, _params(copy)[0], _params(copy)) for _, copy in plan.copies()]
     return "\n\n".join(parts + [_red_fns(plan.red_dQ)])
 
@@ -160,6 +170,7 @@ _ACC = {"S": ("s_acc", None), "dP": ("dp_acc", None), "dV": ("dv_acc", "s_acc"),
 def _gemm_code(plan: BackwardPlan, step: Gemm) -> list[str]:
     g = plan.gemms[step.arg]
     acc, a_acc = _ACC[step.arg]
+    a_acc = a_acc if g.a is None else None  # else A from shared memory (split_scores: P^T, dS^T)
     fresh = step.arg in ("S", "dP", "dQ")
     return (_zero(acc, str(g.m_tiles), str(g.n_tiles)) if fresh else []) + ["{"] + ["    " + l for l in _gemm(g, acc, a_acc)] + ["}"]
 
@@ -180,17 +191,26 @@ def _lanes(plan: BackwardPlan) -> tuple[list[str], str, str]:
     return [], "lane", "warp"
 
 
+def _score_tiles(plan: BackwardPlan) -> str:
+    """The n8 tiles of a warp's S^T and dP^T: all the query block's, or its columns' (``split_scores``)."""
+    n = plan.gemms["S"].n_tiles
+    return "B_r / 8" if 8 * n == plan.cfg.B_r else f"{n}u"
+
+
 def _per_value(plan: BackwardPlan, lines: list[str]) -> list[str]:
     """``lines`` for every S^T / dP^T accumulator value (mi, nt, r) with its key row (the warp's rows
-    of the S GEMM's A operand) and query column, in a block of its own lane and warp where :func:`_lanes` says so."""
+    of the S GEMM's A operand) and query column (the warp's rows of its B operand), in a block of its own
+    lane and warp where :func:`_lanes` says so."""
     c = plan.mma.c_map
     opening, lane, warp = _lanes(plan)
     warp_rows, _ = plan.gemms["S"].a.copy.partition.warp_offset_cpp(warp)
+    warp_cols, _ = plan.gemms["S"].b.copy.partition.warp_offset_cpp(warp)
+    first = "" if warp_cols == "0" else f"{warp_cols} + "
     loops = [
-        "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
+        "#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", f"    for (uint32_t nt = 0; nt < {_score_tiles(plan)}; ++nt)",
         "        #pragma unroll", "        for (uint32_t r = 0; r < 4; ++r) {",
         f"            const int key = kb * int(B_c) + int({warp_rows} + mi * 16 + {c.row.to_cpp([lane, 'r'])});",
-        f"            const int qc = int(nt * 8 + {c.col.to_cpp([lane, 'r'])});  // query row q_row0 + qc",
+        f"            const int qc = int({first}nt * 8 + {c.col.to_cpp([lane, 'r'])});  // query row q_row0 + qc",
         "            (void)key;",
     ] + ["            " + l for l in lines] + ["        }"]
     return ["{"] + ["    " + l for l in opening + loops] + ["}"]
@@ -221,11 +241,16 @@ def _grad_scores_code(plan: BackwardPlan, step: Step) -> list[str]:
     return _per_value(plan, _grad_lines(plan, ""))
 
 
-def _store_ds_code(plan: BackwardPlan, step: Step) -> list[str]:
-    addr = _addr(plan.r2s["dS"], v="2 * h", mi="mi", nt="nt")
-    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < B_r / 8; ++nt)",
+#: a stored accumulator's registers: P^T in the S^T accumulator, dS^T in the dP^T one
+_STORED = {"P": "s_acc", "dS": "dp_acc"}
+
+
+def _store_code(plan: BackwardPlan, step: Step) -> list[str]:
+    """A warp's P^T or dS^T -> shared memory (its ``r2s`` copy), two 16-bit values a word."""
+    addr, acc = _addr(plan.r2s[step.arg], v="2 * h", mi="mi", nt="nt"), _STORED[step.arg]
+    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MK; ++mi)", "    #pragma unroll", f"    for (uint32_t nt = 0; nt < {_score_tiles(plan)}; ++nt)",
              "        #pragma unroll", "        for (uint32_t h = 0; h < 2; ++h)",
-             f"            st_shared_b32({addr}, pack2(dp_acc[mi][nt][2 * h], dp_acc[mi][nt][2 * h + 1]));"]
+             f"            st_shared_b32({addr}, pack2({acc}[mi][nt][2 * h], {acc}[mi][nt][2 * h + 1]));"]
     every = plan.ds_store_every
     if every == 1:
         return lines
@@ -321,7 +346,7 @@ _STEP_CODE = {
     Gemm: _gemm_code,
     RecomputeP: _recompute_code,
     GradScores: _grad_scores_code,
-    StoreRF: _store_ds_code,
+    StoreRF: _store_code,
     ReduceGM: _reduce_dq_code,
     WaitOrder: _wait_order_code,
     SignalOrder: _signal_order_code,
@@ -649,7 +674,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
         mod_params=plan.score_mask.params_cpp(backward=True), mod_fill=plan.score_mask.fill_cpp(backward=True),
-        smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS")]
+        smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS") + _optional_tiles(plan)]
                    + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
         stage_addrs=[f"const uint32_t s{n}_addr = s{n}_stage0 + stage * {plan.stage_bytes[n]}u;" for n in ("Q", "dO")],
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"], stats_bytes=f"{plan.stage_bytes['LSE']}u", stages=cfg.stages,
