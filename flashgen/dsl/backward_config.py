@@ -180,12 +180,21 @@ class BackwardConfig:
         return self.B_r // self.d_split if self.split_scores else self.B_r
 
     @property
+    def dq_passes(self) -> int:
+        """Passes of the dQ GEMM over slices of a warp's ``dw`` columns (each reloading its dS fragments):
+        2 where ``split_scores`` leaves dK, dV and a whole dQ at 192 accumulators or more (d_head 256 at
+        d_split 4, 64 key rows: one pass spilled 64 bytes on sm_90a, two 32-column passes none), else 1."""
+        kv = 2 * self.key_rows_per_warp * self.d_cols_per_warp // 32
+        dq = self.query_rows_per_warp * self.d_cols_per_warp // 32
+        return 2 if self.split_scores and kv + dq >= 192 and self.d_cols_per_warp >= 2 * MMA_K else 1
+
+    @property
     def acc_regs(self) -> int:
         """Accumulator registers per thread at the peak: dK and dV, plus S^T and dP^T (while dS is
         formed) or dQ (while it is reduced), whichever is more."""
         kv = 2 * self.key_rows_per_warp * self.d_cols_per_warp // 32
         scores = 2 * self.key_rows_per_warp * self.score_cols_per_warp // 32
-        dq = self.query_rows_per_warp * self.d_cols_per_warp // 32
+        dq = self.query_rows_per_warp * self.d_cols_per_warp // 32 // self.dq_passes
         return kv + max(scores, dq)
 
     @property

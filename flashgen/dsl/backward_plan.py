@@ -111,6 +111,10 @@ class BackwardPlan:
     #: dS^T is stored by warps ``w % ds_store_every == 0``: the first of each group, whose other warps
     #: hold the same values; every warp with ``split_scores`` (each holds its own query columns)
     ds_store_every: int = 1
+    #: the dQ GEMM and its adds in passes over slices of the warp's columns (:attr:`BackwardConfig.dq_passes`):
+    #: the emitted GEMM adds each slice as soon as it is made, so only a slice's accumulators live; the sums
+    #: (each element's k steps in order) and the shared-memory reads are those of one pass
+    dq_passes: int = 1
 
     @property
     def mma(self) -> MMA_16x8x16:
@@ -337,13 +341,16 @@ def _split_schedule(stages: int, deterministic: bool, grad_with_p: bool) -> Sche
                   Gemm("dP", why="dP^T = V dO_j^T, the same columns"), GradScores(why="dS^T = P^T * (dP^T - D_j)"))
     closing = (Barrier(why="every warp's reads of Q_j and dO_j done before block j+1's copies overwrite them"),
                ) if stages == 1 and not deterministic else ()
+    # the turn of the ordered adds is waited for before the dQ GEMM: its passes add as they go (dq_passes)
+    turn = _dq_adds(deterministic)
     body = head + opening + scores + (
         StoreRF("dS", why="this warp's columns of dS^T -> shared memory for the dK and dQ GEMMs"),
         Barrier(why="P^T and dS^T visible to all warps"),
         Gemm("dV", why="dV += P^T dO_j"),
         Gemm("dK", why="dK += dS^T Q_j"),
+        turn[0],
         Gemm("dQ", why="dQ_j = dS K"),
-    ) + _dq_adds(deterministic) + closing
+    ) + turn[1:] + closing
     return Schedule(pro, tuple(s for s in body if s is not None))
 
 
@@ -407,6 +414,7 @@ def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
         dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_cols)
     schedule = _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score, cfg.split_scores)
     return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, schedule, _row_reduce_lanes(mma.c_map), mask,
-                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, 1 if cfg.split_scores else sp)
+                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, 1 if cfg.split_scores else sp,
+                        cfg.dq_passes)
 
 

@@ -137,10 +137,12 @@ def _zero(acc: str, m: str, n: str) -> list[str]:
             f"    for (uint32_t nt = 0; nt < {n}; ++nt) {acc}[mi][nt][0] = {acc}[mi][nt][1] = {acc}[mi][nt][2] = {acc}[mi][nt][3] = 0.f;"]
 
 
-def _gemm(g: WarpGemm, acc: str, a_acc: str | None) -> list[str]:
+def _gemm(g: WarpGemm, acc: str, a_acc: str | None, passes: int = 1) -> list[str]:
     """``acc += A B`` over k16 steps ``kk``; A from shared memory (ldmatrix) or, ``a_acc``, from an
     accumulator packed to 16 bits (n tiles (2kk, 2kk+1) form A operand kk). B is loaded one x4
-    (two n8 tiles, :meth:`OperandLoad.b_operand_regs`) at a time, so only 4 of its registers live."""
+    (two n8 tiles, :meth:`OperandLoad.b_operand_regs`) at a time, so only 4 of its registers live.
+    ``passes`` > 1: inside a loop over ``pass``, only that pass's slice of the x4 loads ``nn``, into
+    ``acc``'s slots of the slice (``n2``)."""
     mt, nt, steps = g.m_tiles, g.n_tiles, g.k // 16
     lines = [f"uint32_t a[{mt}][4];"]
     if a_acc is None:
@@ -152,12 +154,16 @@ def _gemm(g: WarpGemm, acc: str, a_acc: str | None) -> list[str]:
             lines.append(f"    a[mi][{r}] = pack2({a_acc}[mi][2 * kk + {off}][{c0}], {a_acc}[mi][2 * kk + {off}][{c0 + 1}]);")
         lines.append("}")
     per = OperandLoad.N_TILES_PER_X4
+    slot, n_loop = "nn", [f"for (uint32_t nn = 0; nn < {nt // per}; ++nn) {{"]
+    if passes > 1:
+        n = nt // per // passes
+        slot, n_loop = "n2", [f"for (uint32_t n2 = 0; n2 < {n}; ++n2) {{", f"    const uint32_t nn = pass * {n}u + n2;"]
     mmas = []
     for t in range(per):
         _, (b0, b1) = OperandLoad.b_operand_regs(t)
-        mmas.append(f"        mma_16816({acc}[mi][nn * {per} + {t}], a[mi], b[{b0}], b[{b1}]);")
+        mmas.append(f"        mma_16816({acc}[mi][{slot} * {per} + {t}], a[mi], b[{b0}], b[{b1}]);")
     copy = g.b.copy
-    lines += ["#pragma unroll", f"for (uint32_t nn = 0; nn < {nt // per}; ++nn) {{", "    uint32_t b[4];",
+    lines += ["#pragma unroll", *n_loop, "    uint32_t b[4];",
               f"    {ldmatrix.helper_name(copy.atom)}(b, {_addr(copy, kk='kk', nn='nn')});",
               "    #pragma unroll", f"    for (uint32_t mi = 0; mi < {mt}; ++mi) {{"] + mmas + ["    }", "}"]
     return [f"// {g.name}: warp tile {16 * mt} x {8 * nt}, reduction {g.k} in k16 steps", "#pragma unroll",
@@ -171,6 +177,8 @@ def _gemm_code(plan: BackwardPlan, step: Gemm) -> list[str]:
     g = plan.gemms[step.arg]
     acc, a_acc = _ACC[step.arg]
     a_acc = a_acc if g.a is None else None  # else A from shared memory (split_scores: P^T, dS^T)
+    if step.arg == "dQ" and plan.dq_passes > 1:
+        return _dq_passes_code(plan)
     fresh = step.arg in ("S", "dP", "dQ")
     return (_zero(acc, str(g.m_tiles), str(g.n_tiles)) if fresh else []) + ["{"] + ["    " + l for l in _gemm(g, acc, a_acc)] + ["}"]
 
@@ -268,20 +276,43 @@ def _adjacent_pairs(copy: TiledCopy) -> bool:
                 and (cols[:, 0::2] % 2 == 0).all())
 
 
-def _reduce_dq_code(plan: BackwardPlan, step: Step) -> list[str]:
+def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str]:
+    """The dQ accumulator added into the fp32 buffer; ``passes`` > 1: the slice of pass ``pass``
+    (:func:`_dq_passes_code`, which adds each slice itself: the step alone then emits nothing)."""
     copy = plan.red_dQ
     if not _adjacent_pairs(copy):
         raise ValueError(f"{copy.name}: values 2h and 2h+1 are not adjacent columns of one row; the dQ reduction adds them as pairs")
+    if plan.dq_passes > 1 and passes == 1:
+        return ["// added by the dQ GEMM's passes"]
     opening, lane, warp = _lanes(plan)
     args = dict(lane=lane, v="r", warp=warp, mi="mi", nt="nt")
-    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", "    for (uint32_t nt = 0; nt < DW / 8; ++nt)",
+    slot, n_loop = "nt", ["    for (uint32_t nt = 0; nt < DW / 8; ++nt)"]
+    if passes > 1:
+        slot, n_loop = "n4", [f"    for (uint32_t n4 = 0; n4 < DW / 8 / {passes}; ++n4) {{", f"        const uint32_t nt = pass * (DW / 8 / {passes}) + n4;"]
+    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
              "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
              f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
              f"            const uint32_t col = {_call(copy, 'col', **args)};",
              "            if (row < p.seq_q && col < D_HEAD)",
-             "                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][nt][r], dq_acc[mi][nt][r + 1]);",
-             "        }"]
+             f"                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][{slot}][r], dq_acc[mi][{slot}][r + 1]);",
+             "        }"] + (["    }"] if passes > 1 else [])
     return ["{"] + ["    " + l for l in opening + lines] + ["}"]
+
+
+def _dq_passes_code(plan: BackwardPlan) -> list[str]:
+    """The dQ GEMM and its adds in ``plan.dq_passes`` passes over slices of the warp's columns: a slice's
+    accumulators, its GEMM (the dS fragments reloaded each pass) and its adds. The adds' step must follow the
+    GEMM's in the schedule (they are made here)."""
+    body = plan.schedule.body
+    at = body.index(next(s for s in body if isinstance(s, Gemm) and s.arg == "dQ"))
+    if at + 1 == len(body) or not isinstance(body[at + 1], ReduceGM):
+        raise ValueError(f"{plan.cfg.short_form()}: the dQ GEMM in {plan.dq_passes} passes adds each pass's slice, so the "
+                         "schedule's dQ adds must follow it directly")
+    g, passes = plan.gemms["dQ"], plan.dq_passes
+    lines = _zero("dq_acc", str(g.m_tiles), str(g.n_tiles // passes)) + ["{"] + ["    " + l for l in _gemm(g, "dq_acc", None, passes)]
+    lines += ["}"] + _reduce_dq_code(plan, body[at + 1], passes)
+    return [f"// in {passes} passes of {8 * g.n_tiles // passes} columns, each added as soon as it is made (fewer live accumulators)",
+            "#pragma unroll", f"for (uint32_t pass = 0; pass < {passes}; ++pass) {{"] + ["    " + l for l in lines] + ["}"]
 
 
 #: this (batch, query head, query block)'s turn counter of the ordered dQ adds

@@ -159,11 +159,15 @@ class _BwdCta:
         if block_mask is not None:
             qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
         self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
-        # K and V are tracked per (row, column part): the warps of a group stage dK / dV over them side by side
-        self.parts = {"K": cfg.d_split, "V": cfg.d_split}
+        # tracked per (row, column part), parts of ``width`` columns: K and V, over which the warps of a group stage
+        # dK / dV side by side; with split_scores P^T and dS^T, whose query columns the warps of a group store
+        self.parts = {"K": (cfg.d_split, cfg.d_cols_per_warp), "V": (cfg.d_split, cfg.d_cols_per_warp)}
         rows = {"K": cfg.B_c, "V": cfg.B_c, "dS": cfg.B_c}
+        if cfg.split_scores:
+            self.parts |= {n: (cfg.d_split, cfg.score_cols_per_warp) for n in ("P", "dS")}
+            rows["P"] = cfg.B_c
         rows |= {self.tile(n, s): cfg.B_r for n in STREAMED + STATS for s in range(cfg.stages)}
-        self.hz = HazardTracker({t: n * self.parts.get(t, 1) for t, n in rows.items()}, cfg.n_warps)
+        self.hz = HazardTracker({t: n * self.parts.get(t, (1, 0))[0] for t, n in rows.items()}, cfg.n_warps)
         self.image = np.zeros(plan.smem_layout["end"] // 2, np.uint16)
         self.stats = {self.tile(name, s): np.zeros(cfg.B_r, _F32) for name in STATS for s in range(cfg.stages)}
         self.staged: dict[int, tuple] = {}
@@ -228,13 +232,14 @@ class _BwdCta:
 
     def rows(self, name: str, warp: int | None = None, axis: str = "rows", tile: str = "") -> np.ndarray:
         """The hazard tracker's units of ``tile`` that copy ``name`` touches (of one warp, or all):
-        its rows (``axis``: the trace's rows or columns), for K and V (row, column part) pairs."""
+        its rows (``axis``: the trace's rows or columns), for a tile of :attr:`parts` (row, column part) pairs."""
         t = self.tr[name]
         sel = (lambda a: a) if warp is None else (lambda a: a[warp])
         r, ok = sel(getattr(t, axis)), sel(t.in_tile)
-        parts = self.parts.get(tile, 1)
-        if parts > 1:  # part h: the columns warp h of a group stages dK / dV in (the last: up to d_smem)
-            r = r * parts + np.minimum(sel(t.cols) // self.cfg.d_cols_per_warp, parts - 1)
+        parts, width = self.parts.get(tile, (1, 0))
+        if parts > 1:  # part h: the columns warp h of a group writes (the last: up to the tile's width)
+            other = sel(t.cols if axis == "rows" else t.rows)
+            r = r * parts + np.minimum(other // width, parts - 1)
         return np.unique(r[ok])
 
     def label(self, name: str, j: int) -> str:
@@ -279,7 +284,7 @@ class _BwdCta:
 
     def read(self, tile: str, trace: str, warp: int, j: int, axis: str = "rows") -> None:
         self.hz.read(self.tile(tile, j), self.rows(trace, warp, axis, tile), warp,
-                     self.label(tile, j) if tile != "dS" else f"dS{self.work[j]}", self.where)
+                     self.label(tile, j) if tile not in _SCORE_TILES else f"{tile}{self.work[j]}", self.where)
 
     # -- GEMMs
     def gemm(self, step: Gemm, j: int) -> None:
@@ -293,7 +298,7 @@ class _BwdCta:
         b = operand_regs(g.b, self.stage_image(b_tile, j), self.tr[b_trace], w)
         if a_tile is None:
             return None, b
-        self.read(a_tile, g.a.copy.name, w, j, "cols" if a_tile == "dS" else "rows")
+        self.read(a_tile, g.a.copy.name, w, j, "cols" if g.name == "dQ" else "rows")  # dQ reads dS^T transposed
         return operand_regs(g.a, self.stage_image(a_tile, j), self.tr[g.a.copy.name], w), b
 
     def gemm_scores(self, g: WarpGemm, w: int, j: int) -> None:
@@ -303,31 +308,40 @@ class _BwdCta:
         out[w] = warp_gemm(g, b, a, np.zeros_like(out[w]))
 
     def gemm_kv(self, g: WarpGemm, w: int, j: int) -> None:
-        """dV += P^T dO or dK += dS^T Q, A from the S^T / dS^T accumulator (16 bit)."""
-        _, b = self._ab(g, w, j, None, "dO" if g.name == "dV" else "Q")
+        """dV += P^T dO or dK += dS^T Q, A from the S^T / dP^T accumulator (16 bit), or where the plan
+        loads it (``split_scores``) from the shared P^T / dS^T."""
+        stored = "P" if g.name == "dV" else "dS"
+        a, b = self._ab(g, w, j, None if g.a is None else stored, "dO" if g.name == "dV" else "Q")
         acc = self.dv if g.name == "dV" else self.dk
-        src = self.s if g.name == "dV" else self.dp
-        acc[w] = warp_gemm(g, b, fr.pack_P(src[w], self.cfg.dtype), acc[w])
+        if a is None:
+            a = fr.pack_P((self.s if g.name == "dV" else self.dp)[w], self.cfg.dtype)
+        acc[w] = warp_gemm(g, b, a, acc[w])
 
     def gemm_dq(self, g: WarpGemm, w: int, j: int) -> None:
         a, b = self._ab(g, w, j, "dS", "K")
         self.dq[w] = warp_gemm(g, b, a, np.zeros_like(self.dq[w]))
 
     # -- the backward's rules on the accumulators
+    def _query_cols(self, w: int) -> np.ndarray:
+        """The query block's rows that are warp ``w``'s S^T columns: the rows of its S GEMM's B operand."""
+        g = self.plan.gemms["S"]
+        return g.b.copy.partition.warp_offset(w)[0] + np.arange(8 * g.n_tiles)
+
     def _columns(self, w: int, stat: str, j: int) -> np.ndarray:
         """``stat`` of each accumulator value's column (query row), ``[mk, nq, 32, 4]``."""
-        self.hz.read(self.tile(stat, j), np.arange(self.cfg.B_r), w, self.label(stat, j), self.where)
-        cols = fr.matrix_to_acc(np.broadcast_to(np.arange(self.cfg.B_r, dtype=_F32), (self.cfg.key_rows_per_warp, self.cfg.B_r)))
-        return self.stats[self.tile(stat, j)][cols.astype(np.int64)]
+        cols = self._query_cols(w)
+        self.hz.read(self.tile(stat, j), cols, w, self.label(stat, j), self.where)
+        at = fr.matrix_to_acc(np.broadcast_to(cols.astype(_F32), (self.cfg.key_rows_per_warp, cols.size)))
+        return self.stats[self.tile(stat, j)][at.astype(np.int64)]
 
     def _indices(self, w: int, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Global query row and key of each of warp ``w``'s S^T accumulator values ``[mk, nq, 32, 4]``."""
         cfg, (_, qb) = self.cfg, self.work[j]
         kr = cfg.key_rows_per_warp
         keys = self.prob.kb * cfg.B_c + self.plan.gemms["S"].a.copy.partition.warp_offset(w)[0] + np.arange(kr)
-        queries = qb * cfg.B_r + np.arange(cfg.B_r)
-        return (fr.matrix_to_acc(np.ascontiguousarray(np.broadcast_to(queries[None, :], (kr, cfg.B_r)))),
-                fr.matrix_to_acc(np.ascontiguousarray(np.broadcast_to(keys[:, None], (kr, cfg.B_r)))))
+        queries = qb * cfg.B_r + self._query_cols(w)
+        return (fr.matrix_to_acc(np.ascontiguousarray(np.broadcast_to(queries[None, :], (kr, queries.size)))),
+                fr.matrix_to_acc(np.ascontiguousarray(np.broadcast_to(keys[:, None], (kr, queries.size)))))
 
     def recompute_p(self, step: Step, j: int) -> None:
         """P^T from S^T through the plan's score rule; dS^T too where the score_mod's derivative reads the score."""
@@ -354,10 +368,12 @@ class _BwdCta:
 
     # -- stores
     def store_rf(self, step: StoreRF, j: int) -> None:
-        tr = self.tr["r2s_dS"]
+        """dS^T (the dP^T accumulator) or P^T (the S^T one) -> its shared tile, by every ``ds_store_every``-th warp."""
+        name = step.arg
+        tr, acc = self.tr[f"r2s_{name}"], self.dp if name == "dS" else self.s
         for w in range(0, self.cfg.n_warps, self.plan.ds_store_every):
-            self.hz.write("dS", self.rows("r2s_dS", w), w, False, f"dS{self.work[j]}", self.where)
-            _r2s(self.image, tr, self.dp[w], w, self.cfg.dtype)
+            self.hz.write(name, self.rows(tr.name, w, tile=name), w, False, f"{name}{self.work[j]}", self.where)
+            _r2s(self.image, tr, acc[w], w, self.cfg.dtype)
 
     def reduce_gm(self, step: ReduceGM, j: int) -> None:
         cfg = self.cfg
@@ -418,6 +434,9 @@ def _s2g(image: np.ndarray, tr: CopyTrace, out: np.ndarray, w: int, d_head: int)
     ok = (rows < out.shape[0]) & (cols < d_head)
     out[rows[ok][:, None], cols[ok][:, None] + e] = image[src[ok][:, None] + e]
 
+
+#: shared tiles of one query block's scores (P^T, dS^T): labelled by work item
+_SCORE_TILES = ("P", "dS")
 
 #: step class -> how the backward CTA executes it
 _STEPS = {
@@ -629,7 +648,12 @@ def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = 
     group, place = [w // sp for w in range(cfg.n_warps)], [w % sp for w in range(cfg.n_warps)]
     keys = [(g * kr, 0) for g in group]
     own_d = {n: [(0, h * dw) for h in place] for n in ("s2r_dOt", "s2r_Qt", "s2r_Kt")}
-    own_a = {"s2r_K": (kr, keys), "s2r_V": (kr, keys), "s2r_dS": (qr, [(g * qr, 0) for g in group])}
+    own_a = {"s2r_K": (kr, keys), "s2r_V": (kr, keys), "s2r_dS": (qr, [(g * qr, 0) for g in group]),
+             "s2r_Pt": (kr, keys), "s2r_dSt": (kr, keys)}
+    need_k = {"s2r_dS": cfg.B_c, "s2r_Pt": cfg.B_r, "s2r_dSt": cfg.B_r}
+    nw = cfg.score_cols_per_warp  # split_scores: warp h's query columns of S^T and dP^T, rows of sQ / sdO
+    if cfg.split_scores:
+        own_a |= {n: (nw, [(h * nw, 0) for h in place]) for n in ("s2r_Q", "s2r_dO")}
     whole_d = sp == 1  # one warp per row: its dK / dV rows reach d_head, the padding columns included
     out = {}
     for kind, copy in plan.copies():
@@ -637,11 +661,13 @@ def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = 
         if kind == "g2s":
             out[copy.name] = cp.check_g2s(tr)
         elif kind == "s2r":
-            need = cfg.B_c if copy.name == "s2r_dS" else dw if copy.name in own_d else cfg.d_mma
+            need = need_k.get(copy.name, dw if copy.name in own_d else cfg.d_mma)
             rows, origins = own_a.get(copy.name, (None, own_d.get(copy.name)))
             out[copy.name] = cp.check_ldmatrix(tr, rows, need, origins)
-        elif copy.name == "r2s_dS":
-            out[copy.name] = cp.check_r2s(tr, kr, cfg.B_r, origins=keys)
+        elif copy.name in ("r2s_dS", "r2s_P"):
+            first = [h * nw if cfg.split_scores else 0 for h in place]  # else the group's warps hold the same columns
+            out[copy.name] = cp.check_r2s(tr, kr, nw, origins=[(g * kr, c) for g, c in zip(group, first)],
+                                          owned_cols=nw if cfg.split_scores else None)
         elif kind == "r2s":
             out[copy.name] = cp.check_r2s(tr, kr, cfg.d_head if whole_d else dw, origins=[(g * kr, h * dw) for g, h in zip(group, place)],
                                           owned_cols=None if whole_d else dw)
