@@ -20,7 +20,10 @@ CONFIGS = [B("fp16"), B("bf16", d_head=64, B_r=128, B_c=128, n_warps=8), B("fp16
            B("bf16", d_head=64, B_r=128, B_c=32, n_warps=8, d_split=4, swizzled=False),
            B("bf16", n_warps=8, d_split=2, mask="causal", stages=2),
            # split shares past d_head: d_mma below d_smem, and d_head 24's 16-column shares (a quarter of its tiles)
-           B.default("fp16", 160, "causal"), B("bf16", d_head=192, n_warps=8, d_split=2), B("fp16", d_head=24, n_warps=8, d_split=2)]
+           B.default("fp16", 160, "causal"), B("bf16", d_head=192, n_warps=8, d_split=2), B("fp16", d_head=24, n_warps=8, d_split=2),
+           # split_scores: each warp its query columns of S^T and dP^T (B rows of sQ / sdO), of the P^T and dS^T stores
+           B("fp16", n_warps=8, d_split=2, split_scores=True), B("bf16", d_head=256, n_warps=8, d_split=4, stages=2, split_scores=True),
+           B("fp16", d_head=64, B_c=16, n_warps=4, d_split=4, swizzled=False, mask="window", split_scores=True)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
@@ -29,10 +32,11 @@ def test_every_copy_covers_its_tile_once(cfg):
     assert not bad
 
 
-@pytest.mark.parametrize("d_split", [1, 2])
+@pytest.mark.parametrize("d_split, split_scores", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("swizzled", [True, False])
-def test_swizzled_tiles_are_conflict_free(swizzled, d_split):
-    traces = trace_backward(make_backward_plan(B("fp16", swizzled=swizzled, n_warps=4 * d_split, d_split=d_split)))
+def test_swizzled_tiles_are_conflict_free(swizzled, d_split, split_scores):
+    cfg = B("fp16", swizzled=swizzled, n_warps=4 * d_split, d_split=d_split, split_scores=split_scores)
+    traces = trace_backward(make_backward_plan(cfg))
     ratios = {name: wavefronts(t)[0].sum() / wavefronts(t)[1].sum() for name, t in traces.items()}
     ldsm = [r for name, r in ratios.items() if name.startswith(("s2r", "r2s"))]
     assert (max(ratios.values()) == 1.0) if swizzled else (min(ldsm) > 1.0)
@@ -96,6 +100,11 @@ def test_transposed_layout_reads_the_same_memory():
     # 512 threads share the register file: 128 registers a thread (ptxas spilled this config)
     ({"d_head": 256, "n_warps": 16, "d_split": 4}, ["d_split=4", "> 97 for 512 threads"]),
     ({"deterministic": 1}, ["deterministic=1", "true or false"]),
+    ({"split_scores": True}, ["split_scores", "d_split=1", "d_split > 1"]),
+    ({"split_scores": True, "n_warps": 8, "d_split": 8, "d_head": 256, "B_c": 16}, ["B_r=64", "d_split=8", "multiple of 128"]),
+    ({"split_scores": 1}, ["split_scores=1", "true or false"]),
+    # without split_scores every warp of a group holds the group's whole S^T and dP^T: 256 accumulators
+    ({"d_head": 256, "n_warps": 8, "d_split": 4}, ["d_split=4", "registers", "with split_scores"]),
 ])
 def test_invalid_configs_name_the_rule_and_values(knobs, words):
     with pytest.raises(ConfigError) as e:
@@ -149,6 +158,38 @@ def test_names_and_round_trip():
     assert len({c.content_hash() for c in (det, det.replace(deterministic=False))}) == 2
     with pytest.raises(ConfigError, match="unknown backward config key"):
         B.from_dict({"dtype": "fp16", "async_copy": True})
+
+
+def test_split_scores_names_sizes_and_rules():
+    """The knob's flag and mangled word; left out of the dict (names and hashes of the configs before it) where
+    off; its S^T and dP^T a d_split-th of the query block; P^T's tile in the shared memory; d_split 4 on 64
+    key rows valid with it (the FlashAttention-2 shape of d_head 256), its dQ in two passes."""
+    from flashgen.dsl.configs import parse_short_form
+
+    cfg = B("bf16", d_head=256, n_warps=8, d_split=4, stages=2, split_scores=True)
+    assert cfg.short_form() == "bwd(BF16, 256, 64, 64, 8): swizzled+d_split_4+split_scores+stages_2"
+    assert cfg.mangle() == "flash_bwd_bf16_d256_br64_bc64_w8_swz_ds4_ss_s2"
+    assert parse_short_form(cfg.short_form()) == cfg and B.from_dict(cfg.to_dict()) == cfg
+    off = cfg.replace(split_scores=False, d_split=2)
+    assert "split_scores" not in off.to_dict() and cfg.to_dict()["split_scores"] is True
+    assert cfg.score_cols_per_warp == 16 and off.score_cols_per_warp == 64
+    assert cfg.smem_bytes == cfg.replace(split_scores=False, d_split=2).smem_bytes + 64 * 64 * 2 == 214016
+    assert cfg.dq_passes == 2 and cfg.acc_regs == 128 + 32 and off.dq_passes == 1
+    assert B("bf16", n_warps=8, d_split=2, split_scores=True).dq_passes == 1
+
+
+def test_split_scores_plan_reads_p_and_ds_from_shared_memory():
+    """Warp h of a group: S^T and dP^T of its B_r / d_split query columns (rows of sQ / sdO from h * B_r / d_split),
+    dV and dK's A operands from sP / sdS (the group's key rows, all B_r), every warp storing its dS^T; sP after sdS."""
+    plan = make_backward_plan(B("fp16", n_warps=8, d_split=2, split_scores=True))
+    s = plan.gemms["S"]
+    assert s.n_tiles == 4 and s.b.copy.partition.warp_offset(3) == (32, 0) and s.b.copy.partition.warp_offset(2) == (0, 0)
+    assert plan.gemms["dV"].a.copy.smem.name == "sP" and plan.gemms["dK"].a.copy.smem.name == "sdS"
+    assert plan.gemms["dV"].a.copy.partition.warp_offset(3) == (16, 0) and plan.gemms["dV"].k == 64
+    assert plan.ds_store_every == 1 and plan.r2s["P"].partition.warp_offset(3) == (16, 32)
+    lay = plan.smem_layout
+    assert lay["sP"] == lay["sdS"] + 64 * 64 * 2 and lay["end"] == plan.cfg.smem_bytes
+    assert "sP" not in make_backward_plan(B("fp16", n_warps=8, d_split=2)).smem_layout
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)

@@ -30,7 +30,13 @@ CLEAN = [B("fp16", d_head=64, stages=2), B("bf16", mask="causal", stages=2),  # 
          B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"),
          B("fp16", n_warps=8, d_split=2, mask="window"),
          # the ordered dQ adds
-         B("bf16", d_head=64, mask="causal", stages=2, deterministic=True), B("bf16", n_warps=8, d_split=2, deterministic=True)]
+         B("bf16", d_head=64, mask="causal", stages=2, deterministic=True), B("bf16", n_warps=8, d_split=2, deterministic=True),
+         # split_scores (P^T and dS^T through shared memory): d_head 256 in pairs and in fours (dQ in two passes), 128, 64
+         B("bf16", d_head=256, n_warps=8, d_split=2, stages=2, split_scores=True),
+         B("bf16", d_head=256, n_warps=8, d_split=4, mask="causal", stages=2, split_scores=True),
+         B("fp16", d_head=256, n_warps=8, d_split=4, split_scores=True, deterministic=True),
+         B("bf16", n_warps=8, d_split=2, mask="causal", stages=2, split_scores=True),
+         B("fp16", d_head=64, n_warps=8, d_split=4, stages=2, split_scores=True)]
 
 
 def _domain(plan, copy, params):
@@ -206,3 +212,16 @@ void print_{src.name}(int batch, int heads, int seq_q) {{
         assert plain_zeroed == b * h * stat_len * 64 * 4 and plain_rest == det_rest
         counters = b * h * -(-n // rows) * per_block
         assert 4 * counters <= det_zeroed - plain_zeroed < 4 * counters + 16 and det_zeroed % 16 == 0
+
+
+def test_split_scores_score_loops_take_the_warps_query_columns():
+    """The recompute's and the gradient's query column ``qc`` (the lse / D it reads, the mask's and the mods' query
+    index) starts at the warp's rows of the S GEMM's B operand; the dQ GEMM of two passes adds each slice as made."""
+    plan = make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=4, split_scores=True))
+    text = emit_backward(plan).text
+    first, _ = plan.gemms["S"].b.copy.partition.warp_offset_cpp("warp")
+    assert first == "(warp % 4u) * 16u"
+    assert text.count(f"const int qc = int({first} + nt * 8 + ") == 3  # masked, unmasked recompute; the gradient
+    assert "for (uint32_t pass = 0; pass < 2; ++pass)" in text and "// added by the dQ GEMM's passes" in text
+    plain = emit_backward(make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=2))).text
+    assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "pass" not in plain

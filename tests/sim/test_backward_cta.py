@@ -10,7 +10,7 @@ import pytest
 
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import make_backward_plan
-from flashgen.dsl.steps import Barrier, Gemm, Wait
+from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, Wait
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import simulate_backward
 from flashgen.sim.grad_reference import gradients
@@ -42,6 +42,17 @@ CASES = [
     (B.default("fp16", 240, "causal"), 20, 20, 1, 1, {"causal": True}),
     (B("bf16", d_head=192, n_warps=8, d_split=2, mask="causal", stages=2), 70, 33, 2, 1, {"causal": True, "align": "bottom_right"}),
     (B("fp16", d_head=24, n_warps=8, d_split=2), 17, 70, 2, 1, {}),
+    # split_scores: each warp of a group its query columns of S^T and dP^T, P^T and dS^T through shared memory
+    (B("fp16", d_head=64, n_warps=8, d_split=2, split_scores=True), 17, 113, 2, 1, {}),
+    (B("bf16", d_head=64, B_c=32, n_warps=4, d_split=2, mask="causal", stages=2, split_scores=True), 113, 70, 4, 2,
+     {"causal": True, "align": "bottom_right"}),
+    (B("fp16", d_head=64, B_c=16, n_warps=4, d_split=4, mask="window", split_scores=True), 70, 33, 2, 1, {"window": (9, 4)}),
+    (B("fp16", n_warps=8, d_split=2, mask="window", split_scores=True), 70, 33, 2, 1, {"window": (20, 3)}),
+    (B("bf16", n_warps=8, d_split=4, stages=2, split_scores=True), 65, 130, 4, 2, {}),
+    (B("bf16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2, split_scores=True), 130, 70, 2, 1, {"causal": True}),
+    (B("bf16", d_head=256, n_warps=8, d_split=4, stages=2, split_scores=True), 33, 70, 4, 2, {}),
+    (B("fp16", d_head=256, n_warps=8, d_split=4, mask="causal", split_scores=True), 70, 113, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (B("bf16", d_head=192, n_warps=8, d_split=4, mask="causal", stages=2, split_scores=True), 33, 70, 2, 2, {"causal": True}),
 ]
 
 
@@ -172,6 +183,9 @@ ORDERED = [
     (B("fp16", d_head=64, B_c=32, n_warps=2, deterministic=True), 70, 113, 2, 1, {}),
     (B("bf16", d_head=64, B_c=32, n_warps=2, mask="causal", deterministic=True), 113, 90, 2, 2, {"causal": True, "align": "bottom_right"}),
     (B("fp16", d_head=64, B_c=16, n_warps=4, d_split=4, mask="window", deterministic=True), 70, 100, 2, 1, {"window": (40, 9)}),
+    (B("bf16", d_head=64, B_c=32, n_warps=4, d_split=2, mask="causal", deterministic=True, split_scores=True), 113, 90, 2, 1,
+     {"causal": True}),
+    (B("fp16", d_head=256, n_warps=8, d_split=4, stages=2, deterministic=True, split_scores=True), 70, 150, 2, 1, {}),
 ]
 
 
@@ -216,3 +230,79 @@ def test_a_wrong_rank_rule_hangs_the_ctas(monkeypatch):
     cfg, seq_q, seq_k, heads, kv_heads, mask = ORDERED[2]
     res = simulate_backward(cfg, *_inputs(2, seq_q, seq_k, heads, kv_heads, cfg.d_head), **mask)
     assert any("waits forever for turn" in h for h in res.hazards), res.hazards[:3]
+
+
+SPLIT = B("fp16", d_head=64, n_warps=8, d_split=2, split_scores=True)
+
+
+def _moved(plan, step, before):
+    """``plan`` with ``step`` of its body moved in front of ``before``."""
+    body = [s for s in plan.schedule.body if s != step]
+    body.insert(body.index(before), step)
+    return attrs.evolve(plan, schedule=attrs.evolve(plan.schedule, body=tuple(body)))
+
+
+def _gemm_step(plan, name):
+    return next(s for s in plan.schedule.body if isinstance(s, Gemm) and s.arg == name)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_split_scores_schedules_are_clean_with_two_or_three_barriers(stages):
+    """Two stages: two barriers per block, the next copies behind the opening one; one stage closes each block."""
+    plan = make_backward_plan(SPLIT.replace(stages=stages))
+    assert sum(isinstance(s, Barrier) for s in plan.schedule.body) == 4 - stages
+    assert plan.closing_barrier == (stages == 1)
+    res = simulate_backward(plan, *_inputs(0, 200, 70, 1, 1, 64))
+    assert res.ok, res.hazards[:3]
+
+
+@pytest.mark.parametrize("gemm, tile", [("dV", "sP"), ("dK", "sdS")])
+def test_split_scores_dv_or_dk_before_the_score_barrier_is_a_hazard(gemm, tile):
+    """dV (dK) moved in front of the barrier after the P^T and dS^T stores reads the other warps' columns unpublished."""
+    plan = make_backward_plan(SPLIT)
+    broken = _moved(plan, _gemm_step(plan, gemm), Barrier(why="P^T and dS^T visible to all warps"))
+    res = simulate_backward(broken, *_inputs(0, 130, 70, 1, 1, 64))
+    assert any(tile in h and "no barrier made it visible" in h for h in res.hazards), res.hazards[:3]
+
+
+def test_split_scores_next_copies_before_the_opening_barrier_are_a_hazard():
+    """Block j+1's copies issued before the opening barrier (the order without split_scores) overwrite the stage
+    that slower warps' dV and dK of block j-1 still read."""
+    plan = make_backward_plan(SPLIT.replace(stages=2))
+    body = list(plan.schedule.body)
+    opening = next(s for s in body if isinstance(s, Barrier))
+    copies = [s for s in body[body.index(opening) + 1:] if isinstance(s, (Copy, Commit))][:5]
+    for c in copies:
+        body.remove(c)
+    body[body.index(opening):body.index(opening)] = copies
+    broken = attrs.evolve(plan, schedule=attrs.evolve(plan.schedule, body=tuple(body)))
+    res = simulate_backward(broken, *_inputs(0, 200, 70, 1, 1, 64))
+    assert any("write-after-read" in h and ("sQ" in h or "sdO" in h) for h in res.hazards), res.hazards[:3]
+
+
+def test_split_scores_one_stage_without_its_closing_barrier_is_a_hazard():
+    plan = make_backward_plan(SPLIT)
+    broken = _without(plan, len(plan.schedule.body) - 1)
+    res = simulate_backward(broken, *_inputs(0, 200, 70, 1, 1, 64))
+    assert any("write-after-read" in h and "sQ" in h for h in res.hazards), res.hazards[:3]
+
+
+def test_split_scores_without_the_p_store_is_a_hazard():
+    plan = make_backward_plan(SPLIT)
+    broken = _without(plan, plan.schedule.body.index(next(s for s in plan.schedule.body if s.arg == "P")))
+    res = simulate_backward(broken, *_inputs(0, 130, 70, 1, 1, 64))
+    assert any("sP rows never written" in h for h in res.hazards), res.hazards[:3]
+
+
+def test_split_scores_query_columns_of_the_wrong_warp_give_wrong_gradients():
+    """Every warp of a group reading the first warp's rows of Q and dO: P^T and dS^T hold the wrong columns."""
+    plan = make_backward_plan(SPLIT)
+    gemms = dict(plan.gemms)
+    for name in ("S", "dP"):
+        b = gemms[name].b
+        part = attrs.evolve(b.copy.partition, place_row_step=0)
+        gemms[name] = attrs.evolve(gemms[name], b=attrs.evolve(b, copy=attrs.evolve(b.copy, partition=part)))
+    inputs = _inputs(3, 64, 64, 1, 1, 64)
+    res = simulate_backward(attrs.evolve(plan, gemms=gemms), *inputs)
+    with pytest.raises(AssertionError):
+        _check(SPLIT, res, inputs, {})

@@ -51,6 +51,8 @@ CASES = {
     "scaled_by_table+causal": (scaled_by_table, None, {"causal": True}, 53, 70),
 }
 MMA = BackwardConfig("bf16", d_head=64, B_c=32, n_warps=2)
+#: split_scores: the mods see each warp's own query columns
+MMA_SPLIT = BackwardConfig("bf16", d_head=64, B_c=32, n_warps=4, d_split=2, split_scores=True)
 WGMMA = BackwardConfig("fp16", d_head=64, B_r=64, B_c=128, n_warps=12, engine="wgmma", stages=2)
 
 
@@ -105,10 +107,11 @@ def _assert_close(cfg, name, res, inputs):
         assert err <= bound, f"{name} {n}: max error {err:.3g} > {bound:.3g}"
 
 
+@pytest.mark.parametrize("cfg", [MMA, MMA_SPLIT], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
-def test_mma_sync_backward_with_mods_matches_autograd(name):
-    plan, values, inputs = _setup(MMA, name)
-    _assert_close(MMA, name, simulate_backward(plan, *inputs, **CASES[name][2], mod_values=values), inputs)
+def test_mma_sync_backward_with_mods_matches_autograd(name, cfg):
+    plan, values, inputs = _setup(cfg, name)
+    _assert_close(cfg, name, simulate_backward(plan, *inputs, **CASES[name][2], mod_values=values), inputs)
 
 
 @pytest.mark.parametrize("name", ["softcap", "alibi+causal", "relative_bias+document", "prefix_lm+window", "softcap+document"])
