@@ -38,6 +38,8 @@ _spec.loader.exec_module(EX)
 CONFIGS = {
     "mma_d128": (BackwardConfig.default("bf16", 128), "sm_80"),
     "mma_d64": (BackwardConfig.default("fp16", 64), "sm_80"),
+    # split_scores: the mods' query index from the warp's own query columns
+    "mma_split_d128": (BackwardConfig("bf16", n_warps=8, d_split=2, stages=2, split_scores=True), "sm_90a"),
     "wgmma_d128": (backward_of(BackwardConfig.wgmma("bf16", 128)).with_mods(BackwardConfig.wgmma("bf16", 128)), "sm_90a"),
     "wgmma_d64_mask": (BackwardConfig.wgmma("bf16", 64), "sm_90a"),  # 128-row blocks: a mask_mod alone keeps them
 }
@@ -61,7 +63,7 @@ SPILL_CAP = 128
 CASES = [("mma_d128", "softcap"), ("mma_d128", "prefix_lm"), ("mma_d128", "alibi+causal"), ("mma_d128", "relative_bias+doc"),
          ("mma_d128", "softcap+doc"), ("wgmma_d128", "softcap"), ("wgmma_d128", "softcap+doc"), ("mma_d64", "softcap+doc"),
          ("wgmma_d64_mask", "doc"), ("wgmma_d64_mask", "prefix_lm"), ("wgmma_d128", "relative_bias+doc"),
-         ("wgmma_d128", "softcap+prefix_lm")]
+         ("wgmma_d128", "softcap+prefix_lm"), ("mma_split_d128", "softcap+doc"), ("mma_split_d128", "alibi+causal")]
 
 
 def _id(case) -> str:
