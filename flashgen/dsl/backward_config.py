@@ -395,17 +395,24 @@ TUNING_KNOBS: dict[str, tuple] = {
     "d_split": (1, 2, 4, 8, 16),
     "swizzled": (True, False),
     "stages": (1, 2),
+    "split_scores": (False, True),
 }
+#: the head sizes whose tuning space takes ``split_scores``: where d_split >= 2 is needed to hold dK, dV and dQ, and
+#: S^T and dP^T computed d_split times cost most (at d_head 256 about a third of the shared-memory operand loads)
+SPLIT_SCORES_MIN_D_HEAD = 192
 
 
 def tuning_space(dtype: "DType | str", d_head: int, mask: str = "none") -> list[BackwardConfig]:
-    """Every valid config of :data:`TUNING_KNOBS`'s product for a dtype, head size and mask, in the
-    product's order (the shipped :meth:`BackwardConfig.default` is among them). Which of them spill
+    """Every valid config of :data:`TUNING_KNOBS`'s product for a dtype, head size and mask (``split_scores``
+    from d_head :data:`SPLIT_SCORES_MIN_D_HEAD`), in the product's order (the shipped :meth:`BackwardConfig.default` is among them). Which of them spill
     depends on the arch, so the tuner asks ptxas (:mod:`flashgen.tune_backward`), not this list."""
     out = []
     for values in itertools.product(*TUNING_KNOBS.values()):
+        knobs = dict(zip(TUNING_KNOBS, values))
+        if knobs["split_scores"] and d_head < SPLIT_SCORES_MIN_D_HEAD:
+            continue
         try:
-            out.append(BackwardConfig(dtype, d_head=d_head, mask=mask, **dict(zip(TUNING_KNOBS, values))))
+            out.append(BackwardConfig(dtype, d_head=d_head, mask=mask, **knobs))
         except ConfigError:
             continue
     return out

@@ -226,3 +226,15 @@ def test_a_reduction_that_adds_an_element_twice_is_refused():
     same_cols = attrs.evolve(part, warp_col_step=0)  # both warps of a group on the same columns
     with pytest.raises(ValueError, match="not once each; an ordered reduction of dQ would have to order the threads"):
         dq_adds_once(attrs.evolve(plan.red_dQ, partition=same_cols), 8, 64, 128)
+
+
+def test_the_tuning_space_takes_split_scores_from_d_head_192():
+    """``flashgen tune --passes bwd`` times split_scores configs where the repeated scores cost most; the shipped
+    default stays the one without it (choosing it needs GPU timings)."""
+    from flashgen.dsl.backward_config import SPLIT_SCORES_MIN_D_HEAD, tuning_space
+
+    for d in (128, SPLIT_SCORES_MIN_D_HEAD, 256):
+        split = [c for c in tuning_space("bf16", d, "causal") if c.split_scores]
+        assert bool(split) == (d >= SPLIT_SCORES_MIN_D_HEAD)
+        assert not B.default("bf16", d, "causal").split_scores
+    assert B("bf16", d_head=256, n_warps=8, d_split=4, stages=2, split_scores=True) in tuning_space("bf16", 256)
