@@ -84,6 +84,15 @@ CASES = [
     (BackwardConfig("bf16", n_warps=8, d_split=2, mask="causal", stages=2), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
     (BackwardConfig("fp16", d_head=64, mask="window", stages=2), 1, 513, 200, 2, 2, {"window": (50, 7)}),
     (BackwardConfig("bf16", d_head=256, n_warps=8, d_split=2, stages=2), 1, 1, 1, 1, 1, {}),
+    # split_scores: each warp its query columns of S^T and dP^T, P^T and dS^T through shared memory (d_head 256: over
+    # sm_80's shared memory, as the d_head 256 case above)
+    (BackwardConfig("bf16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2, split_scores=True), 1, 300, 520, 2, 1,
+     {"causal": True, "align": "bottom_right"}),
+    (BackwardConfig("bf16", d_head=256, n_warps=8, d_split=4, stages=2, split_scores=True), 2, 1000, 777, 4, 2, {}),
+    (BackwardConfig("fp16", d_head=256, n_warps=8, d_split=4, mask="causal", split_scores=True, deterministic=True), 1, 333, 333,
+     2, 2, {"causal": True}),
+    (BackwardConfig("fp16", n_warps=8, d_split=2, mask="window", stages=2, split_scores=True), 1, 513, 200, 2, 2, {"window": (50, 7)}),
+    (BackwardConfig("bf16", d_head=64, n_warps=8, d_split=4, stages=2, split_scores=True), 2, 257, 129, 4, 2, {}),
     # wgmma, d_head 128: 64-row query blocks (shipped under a mask) and 80-row ones (shipped unmasked; dQ^T = K^T dS^T)
     (BackwardConfig.wgmma("bf16", 128).replace(B_r=64), 1, 1000, 777, 4, 2, {}),
     (BackwardConfig.wgmma("bf16", 128), 1, 1000, 777, 4, 2, {}),
