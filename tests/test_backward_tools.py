@@ -61,6 +61,15 @@ def test_simulate_runs_the_backward_simulator(capsys):
     assert rc == 0 and "backward pass (dQ, dK, dV vs float64): ok" in text
 
 
+def test_simulate_reports_the_split_scores_stores_per_query_block(capsys):
+    name = "bwd(BF16, 128, 64, 64, 8): swizzled+d_split_4+split_scores+stages_2"
+    rc, out, _ = run_cli(capsys, "simulate", name, "--json", "-q")
+    (rep,) = json.loads(out)
+    assert rc == 0 and rep["ok"] and rep["grads"]["ok"] and rep["schedule"]["ok"]
+    per = {c["name"]: c["per"] for c in rep["copies"]}
+    assert per["r2s_P"] == per["r2s_dS"] == per["s2r_Pt"] == "query_block" and per["r2s_dK"] == "cta"
+
+
 def test_simulate_fails_a_backward_config_whose_proofs_fail(monkeypatch, capsys):
     monkeypatch.setattr("flashgen.sim.verify.backward_checks", lambda plan: (Check("address split g2s_Q", ("thread 3: off by 8",)),))
     engines.verify_config.cache_clear()

@@ -27,9 +27,9 @@ HEADS, KV_HEADS = 2, 1
 
 def _per(kind: str, name: str) -> str:
     """How often a copy runs: once per CTA (the resident K and V's loads, the dK and dV epilogue) or
-    per query block (the streamed tiles, every ldmatrix, the dS^T store)."""
+    per query block (the streamed tiles, every ldmatrix, the dS^T and P^T stores)."""
     operand = name.split("_", 1)[1]
-    once = (kind == "g2s" and operand in RESIDENT) or kind == "s2g" or (kind == "r2s" and operand != "dS")
+    once = (kind == "g2s" and operand in RESIDENT) or kind == "s2g" or (kind == "r2s" and operand not in ("dS", "P"))
     return "cta" if once else "query_block"
 
 

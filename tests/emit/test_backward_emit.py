@@ -223,5 +223,9 @@ def test_split_scores_score_loops_take_the_warps_query_columns():
     assert first == "(warp % 4u) * 16u"
     assert text.count(f"const int qc = int({first} + nt * 8 + ") == 3  # masked, unmasked recompute; the gradient
     assert "for (uint32_t pass = 0; pass < 2; ++pass)" in text and "// added by the dQ GEMM's passes" in text
+    # P^T from the S^T accumulator into sP, dS^T from the dP^T one into sdS, dV's and dK's A operands loaded back
+    assert "st_shared_b32(sP_addr + 2u * (r2s_P_base" in text and "pack2(s_acc[mi][nt][2 * h], s_acc" in text
+    assert "st_shared_b32(sdS_addr + 2u * (r2s_dS_base" in text and "pack2(dp_acc[mi][nt][2 * h], dp_acc" in text
+    assert "(a[mi], sP_addr + 2u * (s2r_Pt_base" in text and "(a[mi], sdS_addr + 2u * (s2r_dSt_base" in text
     plain = emit_backward(make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=2))).text
     assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "pass" not in plain
