@@ -180,7 +180,8 @@ class GradScores(Step):
 
 
 class StoreRF(Step):
-    """Accumulator ``arg`` -> shared memory, 16 bit (dS^T for the dQ GEMM's other warps)."""
+    """Accumulator ``arg`` -> shared memory, 16 bit (dS^T for the dQ GEMM's other warps; with the backward's
+    ``split_scores`` also P^T, each warp's query columns, for the dV and dK GEMMs of the group)."""
 
     op = "store_rf"
 
