@@ -14,7 +14,7 @@ from flashgen import engines
 from flashgen.check import CheckResult
 from flashgen.ptxas import PtxasStats
 from flashgen.cli import main
-from flashgen.dsl.backward_config import SPLIT_SCORES_MIN_D_HEAD, TUNING_KNOBS, BackwardConfig, tuning_space
+from flashgen.dsl.backward_config import TUNING_KNOBS, BackwardConfig, tuning_space
 from flashgen.dsl.config import ConfigError
 from flashgen.dsl.dtypes import DType
 from flashgen.policy import (backward_bucket_key, backward_lookup, bucket_key, load_cache, lookup, save_cache,
@@ -31,11 +31,9 @@ def test_the_space_is_every_valid_combination_of_the_knobs(dtype, d_head, mask):
     assert space and len(set(space)) == len(space)
     assert BackwardConfig.default(dtype, d_head, mask) in space
     assert {(c.dtype, c.d_head, c.mask) for c in space} == {(DType.parse(dtype), d_head, mask)}
-    # what the space leaves out, the config's own rules refuse (but split_scores below the head sizes it is tuned at)
+    # what the space leaves out, the config's own rules refuse
     for values in itertools.product(*TUNING_KNOBS.values()):
         knobs = dict(zip(TUNING_KNOBS, values))
-        if knobs["split_scores"] and d_head < SPLIT_SCORES_MIN_D_HEAD:
-            continue
         if not any(all(getattr(c, k) == v for k, v in knobs.items()) for c in space):
             with pytest.raises(ConfigError):
                 BackwardConfig(dtype, d_head=d_head, mask=mask, **knobs)

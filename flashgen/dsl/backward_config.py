@@ -82,28 +82,16 @@ class BackwardConfig:
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
                 smem_limit: int = SMEM_LIMIT_BYTES) -> "BackwardConfig | None":
-        """The shipped config of a dtype, head size and mask: 64 query rows, swizzled. Up to 128 columns,
-        64 key rows and 4 warps each holding all of d_head's accumulators (on an H100 at d_head 128 about
-        1.5x the speed of 8 warps in pairs splitting the columns, whose S^T and dP^T are computed twice).
-        Past 128, 4 warps cannot hold the accumulators: d_head 256 takes 8 warps in pairs
-        (``d_split=2``), each 128 columns of dK, dV and dQ; the others 8 warps in fours on 32 key rows
-        (``d_split=4``), each 64 columns (:attr:`d_cols_per_warp`: d_head's share rounded up to a power
-        of two), S^T and dP^T over d_head rounded up to 16. Pairs there would need the 256-column
-        accumulators of d_head 256 beside address registers for the columns past d_head, and ptxas
-        spills some of them; the fours leave about 40 registers spare. Two stages (the next query block
-        loads under this one's GEMMs) where they fit ``smem_limit``, a GPU's shared memory per block;
-        else one. None where even one stage does not fit, and above 256."""
-        if d_head <= 128:
-            cfg = cls(dtype, d_head=d_head, mask=mask, stages=2)
-        elif d_head == 256:
-            cfg = cls(dtype, d_head=d_head, mask=mask, n_warps=8, d_split=2, stages=2)
-        elif d_head < 256:
-            cfg = cls(dtype, d_head=d_head, mask=mask, B_c=32, n_warps=8, d_split=4, stages=2)
-        else:
+        """The shipped config of a dtype, head size and mask: the first of :func:`_default_shapes` that fits
+        ``smem_limit`` (a GPU's shared memory per block) with two stages (the next query block loads under
+        this one's GEMMs), else the first with one. None where none fits, and above 256."""
+        if not 0 < d_head <= 256:
             return None
+        shapes = [cls(dtype, d_head=d_head, mask=mask, **knobs) for knobs in _default_shapes(d_head)]
         for stages in (2, 1):
-            if cfg.replace(stages=stages).smem_bytes <= smem_limit:
-                return cfg.replace(stages=stages)
+            fits = [c.replace(stages=stages) for c in shapes if c.replace(stages=stages).smem_bytes <= smem_limit]
+            if fits:
+                return fits[0]
         return None
 
     @classmethod
@@ -298,6 +286,27 @@ def _rule_sizes(c: BackwardConfig) -> None:
                               f"16-byte chunks must split evenly over the CTA's {c.threads} threads")
 
 
+def _default_shapes(d_head: int) -> list[dict]:
+    """The block shapes :meth:`BackwardConfig.default` tries, best first (timed on an H100, bf16, seq 2048 and
+    8192, causal and not; the later ones serve GPUs with less shared memory per block).
+
+    * Up to 64 columns: 8 warps on 128 x 128 blocks (each warp 16 key rows and all of d_head's
+      accumulators), about 10% faster than 4 warps on 64 x 64.
+    * Up to 128: 8 warps in pairs on 128 key rows (``d_split=2``, each warp half the columns of dK, dV and
+      dQ) with ``split_scores`` (each warp half the query columns of S^T and dP^T), about 16% faster than
+      4 warps on 64 x 64, which hold every accumulator and compute the scores once.
+    * Past 128, 4 warps cannot hold the accumulators: 8 warps in fours on 64 key rows with
+      ``split_scores``, each 64 columns (:attr:`BackwardConfig.d_cols_per_warp`: d_head's share rounded up to
+      a power of two), 1.2x (d_head 256) to 2.2x (d_head 192) the speed of the shapes without split scores
+      that follow, which compute S^T and dP^T once per warp of a group."""
+    if d_head <= 64:
+        return [dict(B_r=128, B_c=128, n_warps=8), dict()]
+    if d_head <= 128:
+        return [dict(B_c=128, n_warps=8, d_split=2, split_scores=True), dict()]
+    old = dict(n_warps=8, d_split=2) if d_head == 256 else dict(B_c=32, n_warps=8, d_split=4)
+    return [dict(n_warps=8, d_split=4, split_scores=True), old]
+
+
 def _rule_d_split(c: BackwardConfig) -> None:
     if not isinstance(c.d_split, int) or c.d_split < 1 or c.d_split & (c.d_split - 1) or c.n_warps % c.d_split:
         raise ConfigError(f"d_split={c.d_split!r} with n_warps={c.n_warps}: must be a power of two dividing n_warps")
@@ -397,20 +406,13 @@ TUNING_KNOBS: dict[str, tuple] = {
     "stages": (1, 2),
     "split_scores": (False, True),
 }
-#: the head sizes whose tuning space takes ``split_scores``: where d_split >= 2 is needed to hold dK, dV and dQ, and
-#: S^T and dP^T computed d_split times cost most (at d_head 256 about a third of the shared-memory operand loads)
-SPLIT_SCORES_MIN_D_HEAD = 192
-
-
 def tuning_space(dtype: "DType | str", d_head: int, mask: str = "none") -> list[BackwardConfig]:
-    """Every valid config of :data:`TUNING_KNOBS`'s product for a dtype, head size and mask (``split_scores``
-    from d_head :data:`SPLIT_SCORES_MIN_D_HEAD`), in the product's order (the shipped :meth:`BackwardConfig.default` is among them). Which of them spill
+    """Every valid config of :data:`TUNING_KNOBS`'s product for a dtype, head size and mask, in the product's
+    order (the shipped :meth:`BackwardConfig.default` is among them). Which of them spill
     depends on the arch, so the tuner asks ptxas (:mod:`flashgen.tune_backward`), not this list."""
     out = []
     for values in itertools.product(*TUNING_KNOBS.values()):
         knobs = dict(zip(TUNING_KNOBS, values))
-        if knobs["split_scores"] and d_head < SPLIT_SCORES_MIN_D_HEAD:
-            continue
         try:
             out.append(BackwardConfig(dtype, d_head=d_head, mask=mask, **knobs))
         except ConfigError:

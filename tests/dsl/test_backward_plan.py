@@ -228,13 +228,17 @@ def test_a_reduction_that_adds_an_element_twice_is_refused():
         dq_adds_once(attrs.evolve(plan.red_dQ, partition=same_cols), 8, 64, 128)
 
 
-def test_the_tuning_space_takes_split_scores_from_d_head_192():
-    """``flashgen tune --passes bwd`` times split_scores configs where the repeated scores cost most; the shipped
-    default stays the one without it (choosing it needs GPU timings)."""
-    from flashgen.dsl.backward_config import SPLIT_SCORES_MIN_D_HEAD, tuning_space
+def test_the_default_takes_split_scores_past_64_columns_and_falls_back_where_shared_memory_is_short():
+    """Past d_head 64 the shipped shape splits the scores among a group's warps; a GPU whose shared memory
+    cannot hold it with two stages gets the shape without split scores that fits two, not split scores in one."""
+    from flashgen.dsl.backward_config import tuning_space
+    from flashgen.targets import TARGETS
 
-    for d in (128, SPLIT_SCORES_MIN_D_HEAD, 256):
-        split = [c for c in tuning_space("bf16", d, "causal") if c.split_scores]
-        assert bool(split) == (d >= SPLIT_SCORES_MIN_D_HEAD)
-        assert not B.default("bf16", d, "causal").split_scores
-    assert B("bf16", d_head=256, n_warps=8, d_split=4, stages=2, split_scores=True) in tuning_space("bf16", 256)
+    big, small = TARGETS["sm_90a"].smem_per_block, 99 * 1024
+    for d in (64, 96, 128, 192, 256):
+        cfg = B.default("bf16", d, "causal", smem_limit=big)
+        assert cfg.split_scores == (d > 64) and cfg.stages == 2 and cfg in tuning_space("bf16", d, "causal")
+    for d, stages in ((64, 2), (128, 1)):  # d_head 128's 4-warp shape needs 105 KiB for two stages
+        cfg = B.default("bf16", d, "causal", smem_limit=small)
+        assert (cfg.stages, cfg.n_warps, cfg.split_scores) == (stages, 4, False) and cfg.smem_bytes <= small
+        assert B.default("bf16", d, "causal", smem_limit=big).smem_bytes > small

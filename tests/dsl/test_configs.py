@@ -90,18 +90,20 @@ def test_a_backward_knob_in_a_forward_short_form_is_refused_by_name():
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
 def test_the_default_backward_takes_two_stages_where_the_gpus_shared_memory_holds_them(capability):
+    from flashgen.dsl.backward_config import _default_shapes
     from flashgen.dsl.dtypes import DType
     from flashgen.policy import backward_lookup
     from flashgen.targets import of_capability
 
     limit = of_capability(capability).smem_per_block
     for d in (32, 64, 96, 128, 256):
-        if BackwardConfig.default("bf16", d, "causal").replace(stages=1).smem_bytes > limit:
+        shapes = [BackwardConfig("bf16", d_head=d, mask="causal", **knobs) for knobs in _default_shapes(d)]
+        if all(c.replace(stages=1).smem_bytes > limit for c in shapes):
             with pytest.raises(ConfigError, match=f"no backward kernel takes d_head={d} within the {limit}-byte"):
                 backward_lookup(DType.BF16, d, "causal", capability)
             continue
         cfg = backward_lookup(DType.BF16, d, "causal", capability)
-        two = cfg.replace(stages=2)
-        assert cfg.smem_bytes <= limit and cfg.stages == (2 if two.smem_bytes <= limit else 1), (d, cfg)
+        two = any(c.replace(stages=2).smem_bytes <= limit for c in shapes)
+        assert cfg.smem_bytes <= limit and cfg.stages == (2 if two else 1), (d, cfg)
     assert backward_lookup(DType.FP16, 128, "none", (9, 0)).stages == 2
     assert backward_lookup(DType.FP16, 128, "none", (8, 6)).stages == 1  # 107,520 bytes > 99 KiB

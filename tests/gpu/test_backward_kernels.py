@@ -93,6 +93,12 @@ CASES = [
      2, 2, {"causal": True}),
     (BackwardConfig("fp16", n_warps=8, d_split=2, mask="window", stages=2, split_scores=True), 1, 513, 200, 2, 2, {"window": (50, 7)}),
     (BackwardConfig("bf16", d_head=64, n_warps=8, d_split=4, stages=2, split_scores=True), 2, 257, 129, 4, 2, {}),
+    # the shipped mma_sync shapes: 128 x 128 blocks of 8 warps (d_head 64), pairs on 128 key rows (up to 128), fours
+    # on 64 (past 128), with split scores past 64; d_head 96 and 192 pad each warp's columns to a power of two
+    (BackwardConfig.default("bf16", 64, "window"), 1, 513, 200, 2, 2, {"window": (50, 7)}),
+    (BackwardConfig.default("fp16", 96), 2, 257, 129, 4, 2, {}),
+    (BackwardConfig.default("bf16", 128, "causal"), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
+    (BackwardConfig.default("fp16", 192, "causal"), 2, 1000, 777, 4, 2, {"causal": True}),
     # wgmma, d_head 128: 64-row query blocks (shipped under a mask) and 80-row ones (shipped unmasked; dQ^T = K^T dS^T)
     (BackwardConfig.wgmma("bf16", 128).replace(B_r=64), 1, 1000, 777, 4, 2, {}),
     (BackwardConfig.wgmma("bf16", 128), 1, 1000, 777, 4, 2, {}),
