@@ -182,6 +182,27 @@ def test_a_backward_with_mods_that_spills_falls_back_to_fewer_rows(kernels, monk
     assert tried == tried_rows and built.cfg.B_r == run_rows and built.mods is mods
 
 
+def test_an_mma_sync_backward_with_mods_that_spills_falls_back_to_the_former_shape(kernels, monkeypatch):
+    """On an sm_80 GPU the d_head-64 backward prefers 8 warps in pairs with split scores; where the user's
+    functions spilled there, the former 4-warp shape (no split) runs."""
+    mods = prepare_mods(mask_mod=lambda b, h, q, kv: (q // 7) == (kv // 7))[0]
+    fwd = lookup("NVIDIA A100", DType.FP16, 64, 2048, cache={}, capability=(8, 0))
+    attn = runtime.Attention(kernels.build(fwd, (8, 0), mods=mods))
+    tried = []
+
+    def build(cfg, capability=None, verbose=False, mods=None):
+        tried.append(cfg)
+        stats = (_spill(),) if cfg.split_scores else ()
+        return Built(cfg, cfg.mangle(), "key", Path("/nonexistent"), tuple(capability), 0.0, True, mods, stats)
+
+    monkeypatch.setattr(runtime, "build", build)
+    preferred = attn.backward_config()
+    assert preferred.engine == "mma_sync" and preferred.split_scores
+    built = attn._build_backward(preferred)
+    assert tried[0] == preferred and len(tried) == 2 and built.cfg == tried[1]
+    assert (built.cfg.n_warps, built.cfg.split_scores, built.cfg.mask, built.cfg.stages) == (4, False, preferred.mask, preferred.stages)
+
+
 def test_a_backward_without_mods_keeps_its_kernel_whatever_ptxas_said(kernels, monkeypatch):
     attn = runtime.Attention(kernels.build(lookup("NVIDIA H100", DType.FP16, 64, 2048, cache={}, capability=(9, 0)), (9, 0)))
     tried = []

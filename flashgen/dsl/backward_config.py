@@ -286,21 +286,34 @@ def _rule_sizes(c: BackwardConfig) -> None:
                               f"16-byte chunks must split evenly over the CTA's {c.threads} threads")
 
 
+def lightest_default(cfg: BackwardConfig) -> "BackwardConfig | None":
+    """The last of :func:`_default_shapes` for ``cfg``'s head size (the former default: its kernels with the
+    example mods compiled free of local memory) with ``cfg``'s other knobs, or None where ``cfg`` has that
+    shape: where a user's mods do not fit ``cfg``'s registers."""
+    shape = BackwardConfig(cfg.dtype, d_head=cfg.d_head, **_default_shapes(cfg.d_head)[-1])
+    knobs = {k: getattr(shape, k) for k in ("B_r", "B_c", "n_warps", "d_split", "split_scores")}
+    lighter = cfg.replace(**knobs)
+    return None if lighter == cfg else lighter
+
+
 def _default_shapes(d_head: int) -> list[dict]:
     """The block shapes :meth:`BackwardConfig.default` tries, best first (timed on an H100, bf16, seq 2048 and
-    8192, causal and not; the later ones serve GPUs with less shared memory per block).
+    8192, `docs/results/backward_shapes_mma_sync_h100.json`; the later ones serve GPUs with less shared memory
+    per block). ``split_scores`` gives each warp of a ``d_split`` group its share of the query columns of S^T
+    and dP^T, so the scores are computed once, not once per warp.
 
-    * Up to 64 columns: 8 warps on 128 x 128 blocks (each warp 16 key rows and all of d_head's
-      accumulators), about 10% faster than 4 warps on 64 x 64.
-    * Up to 128: 8 warps in pairs on 128 key rows (``d_split=2``, each warp half the columns of dK, dV and
-      dQ) with ``split_scores`` (each warp half the query columns of S^T and dP^T), about 16% faster than
-      4 warps on 64 x 64, which hold every accumulator and compute the scores once.
-    * Past 128, 4 warps cannot hold the accumulators: 8 warps in fours on 64 key rows with
-      ``split_scores``, each 64 columns (:attr:`BackwardConfig.d_cols_per_warp`: d_head's share rounded up to
-      a power of two), 1.2x (d_head 256) to 2.2x (d_head 192) the speed of the shapes without split scores
-      that follow, which compute S^T and dP^T once per warp of a group."""
+    * Up to 64 columns: 8 warps on 128 x 128 blocks, in pairs with split scores where halving d_head pads no
+      column (d_head 64: 6-10% faster than the 8 warps alone, 13-21% than 4 warps on 64 x 64); where it would pad
+      (d_head 48: to 64 columns) the 8 warps alone, each holding all of d_head's accumulators (4% faster).
+    * Up to 128: 8 warps in pairs on 128 key rows with split scores, 1.05-1.16x the speed of 4 warps on 64 x 64
+      (d_head 96 and 128), which hold every accumulator.
+    * Past 128, 4 warps cannot hold the accumulators: 8 warps in fours on 64 key rows with split scores, each
+      64 columns (:attr:`BackwardConfig.d_cols_per_warp`: d_head's share rounded up to a power of two), 1.2x
+      (d_head 256) to 2.2x (192) the speed of the shapes without split scores that follow."""
     if d_head <= 64:
-        return [dict(B_r=128, B_c=128, n_warps=8), dict()]
+        pairs = dict(B_r=128, B_c=128, n_warps=8, d_split=2, split_scores=True)
+        no_pad = BackwardConfig("fp16", d_head=d_head, **pairs).d_cols == mma_cols(d_head)
+        return [pairs] * no_pad + [dict(B_r=128, B_c=128, n_warps=8), dict()]
     if d_head <= 128:
         return [dict(B_c=128, n_warps=8, d_split=2, split_scores=True), dict()]
     old = dict(n_warps=8, d_split=2) if d_head == 256 else dict(B_c=32, n_warps=8, d_split=4)

@@ -52,6 +52,13 @@ class MmaSyncBackward(BackwardKernels):
             return BackwardConfig.default(dtype, d_head, mask)
         return BackwardConfig.default(dtype, d_head, mask, smem_limit=target.smem_per_block)
 
+    def fallback(self, cfg: Any) -> Any:
+        """The head size's former default shape (no split scores; the fewest registers its mods were seen to
+        need) for a kernel whose mods did not fit."""
+        from ..dsl.backward_config import lightest_default
+
+        return lightest_default(cfg)
+
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
         from ..dsl.backward_config import tuning_space
 

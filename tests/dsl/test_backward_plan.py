@@ -228,16 +228,19 @@ def test_a_reduction_that_adds_an_element_twice_is_refused():
         dq_adds_once(attrs.evolve(plan.red_dQ, partition=same_cols), 8, 64, 128)
 
 
-def test_the_default_takes_split_scores_past_64_columns_and_falls_back_where_shared_memory_is_short():
-    """Past d_head 64 the shipped shape splits the scores among a group's warps; a GPU whose shared memory
-    cannot hold it with two stages gets the shape without split scores that fits two, not split scores in one."""
+def test_the_default_splits_the_scores_and_falls_back_where_shared_memory_is_short():
+    """The shipped shapes split the scores among a group's warps (but where the split pads d_head below 64
+    columns); a GPU whose shared memory cannot hold them with two stages gets the shape without split scores
+    that fits two, not split scores in one."""
     from flashgen.dsl.backward_config import tuning_space
     from flashgen.targets import TARGETS
 
     big, small = TARGETS["sm_90a"].smem_per_block, 99 * 1024
-    for d in (64, 96, 128, 192, 256):
+    for d in (48, 64, 96, 128, 192, 256):
         cfg = B.default("bf16", d, "causal", smem_limit=big)
-        assert cfg.split_scores == (d > 64) and cfg.stages == 2 and cfg in tuning_space("bf16", d, "causal")
+        assert cfg.stages == 2 and cfg in tuning_space("bf16", d, "causal")
+        # up to 64 columns the split only where halving d_head pads no column (d_head 48 would compute 64)
+        assert cfg.split_scores == (d != 48) and (cfg.d_cols == cfg.d_mma or d > 64)
     for d, stages in ((64, 2), (128, 1)):  # d_head 128's 4-warp shape needs 105 KiB for two stages
         cfg = B.default("bf16", d, "causal", smem_limit=small)
         assert (cfg.stages, cfg.n_warps, cfg.split_scores) == (stages, 4, False) and cfg.smem_bytes <= small

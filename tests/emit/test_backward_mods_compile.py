@@ -10,7 +10,9 @@ default holds up to 255 registers with a mod (249 without): it stays free of loc
 per-thread indices a step derives from its lane and warp are recomputed in the step (``fresh_tid``), not
 held in registers across the query-block loop (held, it spilled 4-28 bytes with these mods). The wgmma
 consumer has 168 (its setmaxnreg share); a forward with mods is differentiated in 64-row query blocks
-(``with_mods``), where nothing spills. Kernels free of local memory must stay so; a pair put in
+(``with_mods``), where nothing spills. Where a user's mods spill the shipped shape, a call runs the engine's
+fallback shape (``BackwardKernels.fallback``; the mma.sync d_head-64 default with softcap and a document mask
+does). Kernels free of local memory must stay so; a pair put in
 :data:`SPILLS` must still compile and spill no more than :data:`SPILL_CAP` bytes.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from background import cubin_build  # tests/ is on sys.path (the conftest's fold
 from flashgen.ptxas import parse_ptxas
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.engines import backward_of, emit
+from flashgen.engines.mma_sync import MmaSyncBackward
 from flashgen.mods.kernel_mods import prepare_mods
 from flashgen.toolchain import find_nvcc
 
@@ -38,6 +41,8 @@ _spec.loader.exec_module(EX)
 CONFIGS = {
     "mma_d128": (BackwardConfig.default("bf16", 128), "sm_80"),
     "mma_d64": (BackwardConfig.default("fp16", 64), "sm_80"),
+    # what a call runs where the shipped shape's kernel with its mods spilled (d_head 64 with softcap and a document mask)
+    "mma_d64_fallback": (MmaSyncBackward().fallback(BackwardConfig.default("fp16", 64)), "sm_80"),
     # split_scores: the mods' query index from the warp's own query columns
     "mma_split_d128": (BackwardConfig("bf16", n_warps=8, d_split=2, stages=2, split_scores=True), "sm_90a"),
     "wgmma_d128": (backward_of(BackwardConfig.wgmma("bf16", 128)).with_mods(BackwardConfig.wgmma("bf16", 128)), "sm_90a"),
@@ -59,9 +64,10 @@ SPILL_CAP = 128
 #: compiled here (the suite's time: one nvcc run each): each engine with the fused dS (softcap) and with both
 #: mods, the mma.sync default with a computed mask_mod, with a bias under the built-in causal mask and with a table
 #: bias beside a loading mask_mod (the pairs that spilled most before their indices were recomputed per step);
-#: d_head 64 with both mods, and the wgmma d_head 64 backward's 128-row blocks with a mask_mod alone (loading, computed)
+#: d_head 64 with both mods (the shipped shape with a table bias; softcap with a document mask spills 264 B there on
+#: sm_80, so such a call runs the engine's fallback, compiled here with it), and the wgmma d_head 64 backward's 128-row blocks with a mask_mod alone (loading, computed)
 CASES = [("mma_d128", "softcap"), ("mma_d128", "prefix_lm"), ("mma_d128", "alibi+causal"), ("mma_d128", "relative_bias+doc"),
-         ("mma_d128", "softcap+doc"), ("wgmma_d128", "softcap"), ("wgmma_d128", "softcap+doc"), ("mma_d64", "softcap+doc"),
+         ("mma_d128", "softcap+doc"), ("wgmma_d128", "softcap"), ("wgmma_d128", "softcap+doc"), ("mma_d64", "relative_bias+doc"), ("mma_d64_fallback", "softcap+doc"),
          ("wgmma_d64_mask", "doc"), ("wgmma_d64_mask", "prefix_lm"), ("wgmma_d128", "relative_bias+doc"),
          ("wgmma_d128", "softcap+prefix_lm"), ("mma_split_d128", "softcap+doc"), ("mma_split_d128", "alibi+causal")]
 

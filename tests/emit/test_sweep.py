@@ -246,5 +246,5 @@ def test_resolve_reads_the_backward_set_and_backward_names():
     from flashgen.dsl.sets import backward_configs
 
     assert list(resolve("backward").configs) == backward_configs()
-    (cfg,) = resolve("bwd(FP16, 64, 128, 128, 8): swizzled+causal+stages_2").configs
+    (cfg,) = resolve("bwd(FP16, 64, 128, 128, 8): swizzled+causal+d_split_2+split_scores+stages_2").configs
     assert cfg == backward_configs()[1]
