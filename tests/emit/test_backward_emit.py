@@ -22,8 +22,12 @@ B = BackwardConfig
 GXX, NVCC = shutil.which("g++"), shutil.which("nvcc")
 #: configs whose kernels must compile without spills; d_head 128 needs its dK, dV and dQ columns
 #: split over two warps (d_split=2): one warp's 16 key rows of both at full width leave too few registers
-CLEAN = [B("fp16", d_head=64, stages=2), B("bf16", mask="causal", stages=2),  # the shipped d_head 64 and 128
-         B("fp16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2),  # ... and 256
+CLEAN = [B.default("fp16", 64), B.default("bf16", 128, "causal"), B.default("bf16", 48),  # the shipped shapes
+         B.default("fp16", 256, "causal"), B.default("bf16", 192), B.default("fp16", 96, "window"),
+         B.default("bf16", 64, "causal").replace(deterministic=True), B.default("fp16", 128).replace(deterministic=True),
+         # the former shapes (a GPU with less shared memory, a call whose mods spill the shipped ones)
+         B("fp16", d_head=64, stages=2), B("bf16", mask="causal", stages=2),
+         B("fp16", d_head=256, n_warps=8, d_split=2, mask="causal", stages=2),
          # ... and between: 8 warps in fours on 64-column shares (pairs on 128 columns spill some head sizes)
          B("bf16", d_head=192, B_c=32, n_warps=8, d_split=4, mask="causal", stages=2),
          B("fp16", d_head=64, B_r=128, B_c=128, n_warps=8, mask="causal"),
