@@ -85,9 +85,17 @@ def _red_fns(copy: TiledCopy) -> str:
     part = copy.partition
     r, c = part.coord_cpp("lane", "v")
     sig = ", ".join(f"uint32_t {p}" for p in _params(copy))
+    steps = [p for p in _params(copy) if p not in ("lane", "warp")]
+    at = {"lane": "0u", "warp": "0u"}
+    step_sig = ", ".join(f"uint32_t {p}" for p in steps)
+    step_fns = [f"__host__ __device__ __forceinline__ int {copy.name}_d{s}({step_sig}) "
+                f"{{ return int({copy.name}_{s}({', '.join(at.get(p, p) for p in _params(copy))})) - "
+                f"int({copy.name}_{s}({', '.join(at.get(p, '0u') for p in _params(copy))})); }}" for s in ("row", "col")]
     return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds {part.warp_text()}\n"
             f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
-            f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}")
+            f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}\n"
+            "// the (row, column) step from a thread's value 0 at loop index 0 to its value v at the loop indices: the same\n"
+            "// in every lane and warp (the maps are layouts, linear in each coordinate)\n" + "\n".join(step_fns))
 
 
 def index_functions(plan: BackwardPlan) -> list[tuple[str, list[str]]]:
@@ -95,7 +103,9 @@ def index_functions(plan: BackwardPlan) -> list[tuple[str, list[str]]]:
     out = [(f"{t}_offset", ["row", "col"]) for t in _smem_tensors(plan)]
     for _, copy in plan.copies():
         out += [(f"{copy.name}_{s}", _params(copy)) for s in ("row", "col", "smem")]
-    return out + [(f"{plan.red_dQ.name}_{s}", _params(plan.red_dQ)) for s in ("row", "col")]
+    steps = [p for p in _params(plan.red_dQ) if p not in ("lane", "warp")]
+    return out + [(f"{plan.red_dQ.name}_{s}", _params(plan.red_dQ)) for s in ("row", "col")] + [
+        (f"{plan.red_dQ.name}_d{s}", steps) for s in ("row", "col")]
 
 
 def _index_section(plan: BackwardPlan) -> str:
@@ -285,18 +295,53 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     if plan.dq_passes > 1 and passes == 1:
         return ["// added by the dQ GEMM's passes"]
     opening, lane, warp = _lanes(plan)
-    args = dict(lane=lane, v="r", warp=warp, mi="mi", nt="nt")
     slot, n_loop = "nt", ["    for (uint32_t nt = 0; nt < DW / 8; ++nt)"]
     if passes > 1:
         slot, n_loop = "n4", [f"    for (uint32_t n4 = 0; n4 < DW / 8 / {passes}; ++n4) {{", f"        const uint32_t nt = pass * (DW / 8 / {passes}) + n4;"]
-    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
-             "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
-             f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
-             f"            const uint32_t col = {_call(copy, 'col', **args)};",
-             "            if (row < p.seq_q && col < D_HEAD)",
-             f"                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][{slot}][r], dq_acc[mi][{slot}][r + 1]);",
-             "        }"] + (["    }"] if passes > 1 else [])
+
+    def loops(add: list[str]) -> list[str]:
+        return (["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
+                 "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
+                 *["            " + l for l in add], "        }"] + (["    }"] if passes > 1 else []))
+
+    first, checked, unchecked = _dq_add_lines(plan, lane, warp, slot)
+    # one warp-uniform branch: checked adds made ptxas branch around every reduction (BSSY, BRA, BSYNC)
+    lines = first + ["if (q_row0 + int(B_r) <= p.seq_q) {  // every row of the block exists"]
+    lines += ["    " + l for l in loops(unchecked)] + ["} else {"] + ["    " + l for l in loops(checked)] + ["}"]
     return ["{"] + ["    " + l for l in opening + lines] + ["}"]
+
+
+def _dq_add_lines(plan: BackwardPlan, lane: str, warp: str, slot: str) -> tuple[list[str], list[str], list[str]]:
+    """(lines before the loops, one add at values r, r + 1 checking its row, the same add unchecked) of the dQ
+    reduction. The thread's first element is addressed once; every add is a compile-time step from it
+    (``red_dQ_drow``/``_dcol``): a reduction at an immediate offset, with no index or 64-bit address arithmetic
+    of its own (ptxas had spent about ten instructions on each)."""
+    copy = plan.red_dQ
+    rows, cols = _dq_span(plan)
+    if rows > plan.cfg.B_r:
+        raise ValueError(f"{plan.cfg.short_form()}: the dQ adds reach row {rows - 1} of a {plan.cfg.B_r}-row query block")
+    at0 = dict(lane=lane, warp=warp)
+    first = ["// this thread's first element; the others lie compile-time (row, column) steps from it",
+             f"const int row0 = q_row0 + int({_call(copy, 'row', **at0)});",
+             f"const uint32_t col0 = {_call(copy, 'col', **at0)};",
+             "float* const gdQ_t = gdQ + int64_t(row0) * D_HEAD + col0;"]
+    step = ", ".join("r" if p == "v" else p for p in _params(copy) if p not in ("lane", "warp"))
+    steps = [f"const int dr = {copy.name}_drow({step}), dc = {copy.name}_dcol({step});"]
+    col_ok = "" if cols <= plan.cfg.d_head else "col0 + dc < D_HEAD"
+    add = f"red_add_f32x2(gdQ_t + (dr * int(D_HEAD) + dc), dq_acc[mi][{slot}][r], dq_acc[mi][{slot}][r + 1]);"
+    checked = steps + [f"if (row0 + dr < p.seq_q{' && ' + col_ok if col_ok else ''})", "    " + add]
+    unchecked = steps + ([f"if ({col_ok})", "    " + add] if col_ok else [add])
+    return first, checked, unchecked
+
+
+def _dq_span(plan: BackwardPlan) -> tuple[int, int]:
+    """(1 + the largest row, 1 + the largest column) the dQ reduction adds, over every lane, warp and value."""
+    import numpy as np
+
+    part = plan.red_dQ.partition
+    warps = np.repeat(np.arange(plan.cfg.n_warps if part.uses_warp else 1), 32)
+    rows, cols = part.coords(np.tile(np.arange(32), len(warps) // 32), warps)
+    return int(rows.max()) + 1, int(cols.max()) + 1
 
 
 def _dq_passes_code(plan: BackwardPlan) -> list[str]:

@@ -62,7 +62,10 @@ def _main(plan, name):
     red = plan.red_dQ
     params = ["lane", "v", "warp"] + [l.name for l in red.partition.loops]
     loops = "".join(f"for (uint32_t {p} = 0; {p} < {n}u; ++{p}) " for p, n in zip(params, _domain(plan, red, params)))
-    body.append(f'    {loops}std::printf("%u %u\\n", {red.name}_row({", ".join(params)}), {red.name}_col({", ".join(params)}));')
+    args, first, steps = ", ".join(params), ", ".join(p if p in ("lane", "warp") else "0" for p in params), ", ".join(params[1:2] + params[3:])
+    # and as the kernel's adds address it: the thread's first element plus the compile-time step
+    body.append(f'    {loops}std::printf("%u %u %d %d\\n", {red.name}_row({args}), {red.name}_col({args}), '
+                f"int({red.name}_row({first})) + {red.name}_drow({steps}), int({red.name}_col({first})) + {red.name}_dcol({steps}));")
     return f'#include "{name}.cu"\n#include <cstdio>\nint main() {{\n    using namespace {name};\n' + "\n".join(body) + "\n    return 0;\n}\n"
 
 
@@ -82,7 +85,7 @@ def _expected(plan):
     params = ["lane", "v", "warp"] + [l.name for l in red.partition.loops]
     for idx in itertools.product(*(range(n) for n in _domain(plan, red, params))):
         kw = dict(zip(params, idx))
-        out += list(red.partition.coord(idx[0], kw["v"], kw["warp"], **{l.name: kw[l.name] for l in red.partition.loops}))
+        out += list(red.partition.coord(idx[0], kw["v"], kw["warp"], **{l.name: kw[l.name] for l in red.partition.loops})) * 2
     return np.array(out, dtype=np.int64)
 
 
@@ -229,3 +232,19 @@ def test_split_scores_score_loops_take_the_warps_query_columns():
     assert "(a[mi], sP_addr + 2u * (s2r_Pt_base" in text and "(a[mi], sdS_addr + 2u * (s2r_dSt_base" in text
     plain = emit_backward(make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=2))).text
     assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "pass" not in plain
+
+
+@pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),
+                                       (B("fp16", d_head=256, n_warps=8, d_split=4, split_scores=True, deterministic=True), False),
+                                       (B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"), True)], ids=str)
+def test_dq_adds_of_a_full_query_block_check_nothing(cfg, pads):
+    """The dQ adds address the thread's first element once; in a block whose rows all exist each add is that
+    address plus a compile-time step with no check of its own (a check made ptxas branch around every add),
+    the last block's adds check their rows, and columns past d_head (d_head 40: a 48-column dQ tile) both."""
+    text = emit_backward(make_backward_plan(cfg)).text
+    full = text.split("if (q_row0 + int(B_r) <= p.seq_q) {")[1:]
+    assert full and all(b.count("red_add_f32x2(") == 1 for b in (t.split("} else {")[0] for t in full))
+    for block in full:
+        fast, slow = block.split("} else {")[0], block.split("} else {")[1].split("\n        }")[0]
+        assert "red_dQ_row(lane" not in fast and "red_dQ_drow(r, mi, nt)" in fast
+        assert ("if (col0 + dc < D_HEAD)" in fast) == pads and "row0 + dr < p.seq_q" in slow and "row0 + dr" not in fast
