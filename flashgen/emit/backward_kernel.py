@@ -26,11 +26,11 @@ from __future__ import annotations
 import json
 
 from ..dsl.atoms.mma import accumulator_as_a_operand
-from ..dsl.backward_plan import STATS, BackwardPlan
+from ..dsl.backward_plan import STATS, STREAMED, BackwardPlan
 from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
 from ..dsl.steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait, WaitOrder
 from ..dsl.addressing import split_offsets
-from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
+from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _row_walk_step, _smem_addr, _split_tables
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, sreg, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .abi import backward_args_struct
@@ -119,19 +119,39 @@ def _index_section(plan: BackwardPlan) -> str:
 
 def _g2s_lambda(plan: BackwardPlan, name: str) -> str:
     """``copy_<name>(tile, src, ld, rows_valid)``: to the tile at shared address ``tile``; rows >=
-    rows_valid and columns >= d_head zero-filled."""
+    rows_valid and columns >= d_head zero-filled. The thread's first chunk is addressed once and the others
+    lie compile-time steps from it (one 64-bit add each where the chunks walk rows); a block whose rows all
+    exist copies without predicates (the per-chunk 64-bit address and selects had cost about ten
+    instructions a chunk, issued by every warp at once after the opening barrier)."""
     copy = plan.g2s[name]
     n = copy.partition.tv.n_values
+    split = split_offsets(copy)
+    step = _row_walk_step(split)
+    dst = _addr(copy, "tile", v="v")
+    lines = [f"const uint32_t row0 = {_call(copy, 'row', tid='tid')}, col0 = {_call(copy, 'col', tid='tid')};",
+             "const elem_t* g = src + int64_t(row0) * ld + col0;"]
+    if step is not None:  # value v is `step` rows below value v-1: one pointer walks them
+        lines += [f"const int64_t step_ld = {step} * ld;"]
+        src, row, col = "g + int64_t(v) * step_ld", f"row0 + v * {step}u", "col0"
+    else:
+        src, row, col = (f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]",
+                         f"row0 + {copy.name}_drow[v]", f"col0 + {copy.name}_dcol[v]")
+    pad = plan.cfg.d_smem > plan.cfg.d_head  # padding columns: every block checks them
+    ok = f"(int)({row}) < rows_valid" + (f" && {col} < D_HEAD" if pad else "")
+    # an invalid chunk reads nothing (src-size 0) and lands as zeros; its source address is the block's first row
+    checked = ["#pragma unroll", f"for (uint32_t v = 0; v < {n}; ++v) {{", f"    const bool ok = {ok};",
+               f"    cp_async_16_zfill({dst}, ok ? {src} : src, ok);", "}"]
+    if pad:
+        body = checked
+    else:
+        rows = plan.cfg.B_r if name in STREAMED else plan.cfg.B_c
+        body = ([f"if (rows_valid >= {rows}) {{  // every row of the block exists", "    #pragma unroll",
+                 f"    for (uint32_t v = 0; v < {n}; ++v) cp_async_16({dst}, {src});", "} else {"]
+                + ["    " + l for l in checked] + ["}"])
     return (
         f"// {copy.name}: {copy.atom.name}, {copy.src.name} -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread\n"
         f"auto copy_{name} = [&](uint32_t tile, const elem_t* src, int64_t ld, int rows_valid) {{\n"
-        f"    #pragma unroll\n"
-        f"    for (uint32_t v = 0; v < {n}; ++v) {{\n"
-        f"        const uint32_t row = {_call(copy, 'row', tid='tid', v='v')}, col = {_call(copy, 'col', tid='tid', v='v')};\n"
-        f"        const bool ok = (int)row < rows_valid && col < D_HEAD;\n"
-        f"        cp_async_16_zfill({_addr(copy, 'tile', v='v')}, ok ? src + int64_t(row) * ld + col : src, ok);\n"
-        f"    }}\n"
-        f"}};"
+        + "\n".join("    " + l for l in lines + body) + "\n};"
     )
 
 

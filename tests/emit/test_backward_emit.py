@@ -231,7 +231,7 @@ def test_split_scores_score_loops_take_the_warps_query_columns():
     assert "st_shared_b32(sdS_addr + 2u * (r2s_dS_base" in text and "pack2(dp_acc[mi][nt][2 * h], dp_acc" in text
     assert "(a[mi], sP_addr + 2u * (s2r_Pt_base" in text and "(a[mi], sdS_addr + 2u * (s2r_dSt_base" in text
     plain = emit_backward(make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=2))).text
-    assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "pass" not in plain
+    assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "for (uint32_t pass" not in plain
 
 
 @pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),
@@ -248,3 +248,19 @@ def test_dq_adds_of_a_full_query_block_check_nothing(cfg, pads):
         fast, slow = block.split("} else {")[0], block.split("} else {")[1].split("\n        }")[0]
         assert "red_dQ_row(lane" not in fast and "red_dQ_drow(r, mi, nt)" in fast
         assert ("if (col0 + dc < D_HEAD)" in fast) == pads and "row0 + dr < p.seq_q" in slow and "row0 + dr" not in fast
+
+
+@pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),
+                                       (B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"), True)], ids=str)
+def test_block_copies_of_full_blocks_have_no_predicates(cfg, pads):
+    """Each global -> shared copy addresses the thread's first chunk once and walks rows from it; a block whose
+    rows all exist copies without predicates, a tail zero-fills its missing rows; padding columns past d_head
+    (d_head 40 in 48-column tiles) are zero-filled in every block, so no block takes the unpredicated path."""
+    plan = make_backward_plan(cfg)
+    text = emit_backward(plan).text
+    for name in ("Q", "dO", "K", "V"):
+        body = text.split(f"auto copy_{name} = ")[1].split("\n    };")[0]
+        rows = cfg.B_r if name in ("Q", "dO") else cfg.B_c
+        assert f"const elem_t* g = src + int64_t(row0) * ld + col0;" in body and "cp_async_16_zfill(" in body
+        assert (f"if (rows_valid >= {rows}) {{" in body and "cp_async_16(" in body) != pads
+        assert ("col0 < D_HEAD" in body or "_dcol[v] < D_HEAD" in body) == pads
