@@ -26,11 +26,11 @@ from __future__ import annotations
 import json
 
 from ..dsl.atoms.mma import accumulator_as_a_operand
-from ..dsl.backward_plan import STATS, BackwardPlan
+from ..dsl.backward_plan import STATS, STREAMED, BackwardPlan
 from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
 from ..dsl.steps import J, Barrier, Commit, Copy, Gemm, GradScores, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait, WaitOrder
 from ..dsl.addressing import split_offsets
-from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _smem_addr, _split_tables
+from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _row_walk_step, _smem_addr, _split_tables
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, sreg, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .abi import backward_args_struct
@@ -85,9 +85,17 @@ def _red_fns(copy: TiledCopy) -> str:
     part = copy.partition
     r, c = part.coord_cpp("lane", "v")
     sig = ", ".join(f"uint32_t {p}" for p in _params(copy))
+    steps = [p for p in _params(copy) if p not in ("lane", "warp")]
+    at = {"lane": "0u", "warp": "0u"}
+    step_sig = ", ".join(f"uint32_t {p}" for p in steps)
+    step_fns = [f"__host__ __device__ __forceinline__ int {copy.name}_d{s}({step_sig}) "
+                f"{{ return int({copy.name}_{s}({', '.join(at.get(p, p) for p in _params(copy))})) - "
+                f"int({copy.name}_{s}({', '.join(at.get(p, '0u') for p in _params(copy))})); }}" for s in ("row", "col")]
     return (f"// {copy.name}: {copy.atom.name}; thread-value map {part.tv}; warp w adds {part.warp_text()}\n"
             f"__host__ __device__ __forceinline__ uint32_t {copy.name}_row({sig}) {{ return {r}; }}\n"
-            f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}")
+            f"__host__ __device__ __forceinline__ uint32_t {copy.name}_col({sig}) {{ return {c}; }}\n"
+            "// the (row, column) step from a thread's value 0 at loop index 0 to its value v at the loop indices: the same\n"
+            "// in every lane and warp (the maps are layouts, linear in each coordinate)\n" + "\n".join(step_fns))
 
 
 def index_functions(plan: BackwardPlan) -> list[tuple[str, list[str]]]:
@@ -95,7 +103,9 @@ def index_functions(plan: BackwardPlan) -> list[tuple[str, list[str]]]:
     out = [(f"{t}_offset", ["row", "col"]) for t in _smem_tensors(plan)]
     for _, copy in plan.copies():
         out += [(f"{copy.name}_{s}", _params(copy)) for s in ("row", "col", "smem")]
-    return out + [(f"{plan.red_dQ.name}_{s}", _params(plan.red_dQ)) for s in ("row", "col")]
+    steps = [p for p in _params(plan.red_dQ) if p not in ("lane", "warp")]
+    return out + [(f"{plan.red_dQ.name}_{s}", _params(plan.red_dQ)) for s in ("row", "col")] + [
+        (f"{plan.red_dQ.name}_d{s}", steps) for s in ("row", "col")]
 
 
 def _index_section(plan: BackwardPlan) -> str:
@@ -109,19 +119,39 @@ def _index_section(plan: BackwardPlan) -> str:
 
 def _g2s_lambda(plan: BackwardPlan, name: str) -> str:
     """``copy_<name>(tile, src, ld, rows_valid)``: to the tile at shared address ``tile``; rows >=
-    rows_valid and columns >= d_head zero-filled."""
+    rows_valid and columns >= d_head zero-filled. The thread's first chunk is addressed once and the others
+    lie compile-time steps from it (one 64-bit add each where the chunks walk rows); a block whose rows all
+    exist copies without predicates (the per-chunk 64-bit address and selects had cost about ten
+    instructions a chunk, issued by every warp at once after the opening barrier)."""
     copy = plan.g2s[name]
     n = copy.partition.tv.n_values
+    split = split_offsets(copy)
+    step = _row_walk_step(split)
+    dst = _addr(copy, "tile", v="v")
+    lines = [f"const uint32_t row0 = {_call(copy, 'row', tid='tid')}, col0 = {_call(copy, 'col', tid='tid')};",
+             "const elem_t* g = src + int64_t(row0) * ld + col0;"]
+    if step is not None:  # value v is `step` rows below value v-1: one pointer walks them
+        lines += [f"const int64_t step_ld = {step} * ld;"]
+        src, row, col = "g + int64_t(v) * step_ld", f"row0 + v * {step}u", "col0"
+    else:
+        src, row, col = (f"g + int64_t({copy.name}_drow[v]) * ld + {copy.name}_dcol[v]",
+                         f"row0 + {copy.name}_drow[v]", f"col0 + {copy.name}_dcol[v]")
+    pad = plan.cfg.d_smem > plan.cfg.d_head  # padding columns: every block checks them
+    ok = f"(int)({row}) < rows_valid" + (f" && {col} < D_HEAD" if pad else "")
+    # an invalid chunk reads nothing (src-size 0) and lands as zeros; its source address is the block's first row
+    checked = ["#pragma unroll", f"for (uint32_t v = 0; v < {n}; ++v) {{", f"    const bool ok = {ok};",
+               f"    cp_async_16_zfill({dst}, ok ? {src} : src, ok);", "}"]
+    if pad:
+        body = checked
+    else:
+        rows = plan.cfg.B_r if name in STREAMED else plan.cfg.B_c
+        body = ([f"if (rows_valid >= {rows}) {{  // every row of the block exists", "    #pragma unroll",
+                 f"    for (uint32_t v = 0; v < {n}; ++v) cp_async_16({dst}, {src});", "} else {"]
+                + ["    " + l for l in checked] + ["}"])
     return (
         f"// {copy.name}: {copy.atom.name}, {copy.src.name} -> {copy.dst.name} ({copy.dst.layout}), {n} x 16 B per thread\n"
         f"auto copy_{name} = [&](uint32_t tile, const elem_t* src, int64_t ld, int rows_valid) {{\n"
-        f"    #pragma unroll\n"
-        f"    for (uint32_t v = 0; v < {n}; ++v) {{\n"
-        f"        const uint32_t row = {_call(copy, 'row', tid='tid', v='v')}, col = {_call(copy, 'col', tid='tid', v='v')};\n"
-        f"        const bool ok = (int)row < rows_valid && col < D_HEAD;\n"
-        f"        cp_async_16_zfill({_addr(copy, 'tile', v='v')}, ok ? src + int64_t(row) * ld + col : src, ok);\n"
-        f"    }}\n"
-        f"}};"
+        + "\n".join("    " + l for l in lines + body) + "\n};"
     )
 
 
@@ -285,18 +315,53 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     if plan.dq_passes > 1 and passes == 1:
         return ["// added by the dQ GEMM's passes"]
     opening, lane, warp = _lanes(plan)
-    args = dict(lane=lane, v="r", warp=warp, mi="mi", nt="nt")
     slot, n_loop = "nt", ["    for (uint32_t nt = 0; nt < DW / 8; ++nt)"]
     if passes > 1:
         slot, n_loop = "n4", [f"    for (uint32_t n4 = 0; n4 < DW / 8 / {passes}; ++n4) {{", f"        const uint32_t nt = pass * (DW / 8 / {passes}) + n4;"]
-    lines = ["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
-             "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
-             f"            const int row = q_row0 + int({_call(copy, 'row', **args)});",
-             f"            const uint32_t col = {_call(copy, 'col', **args)};",
-             "            if (row < p.seq_q && col < D_HEAD)",
-             f"                red_add_f32x2(gdQ + int64_t(row) * D_HEAD + col, dq_acc[mi][{slot}][r], dq_acc[mi][{slot}][r + 1]);",
-             "        }"] + (["    }"] if passes > 1 else [])
+
+    def loops(add: list[str]) -> list[str]:
+        return (["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
+                 "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
+                 *["            " + l for l in add], "        }"] + (["    }"] if passes > 1 else []))
+
+    first, checked, unchecked = _dq_add_lines(plan, lane, warp, slot)
+    # one warp-uniform branch: checked adds made ptxas branch around every reduction (BSSY, BRA, BSYNC)
+    lines = first + ["if (q_row0 + int(B_r) <= p.seq_q) {  // every row of the block exists"]
+    lines += ["    " + l for l in loops(unchecked)] + ["} else {"] + ["    " + l for l in loops(checked)] + ["}"]
     return ["{"] + ["    " + l for l in opening + lines] + ["}"]
+
+
+def _dq_add_lines(plan: BackwardPlan, lane: str, warp: str, slot: str) -> tuple[list[str], list[str], list[str]]:
+    """(lines before the loops, one add at values r, r + 1 checking its row, the same add unchecked) of the dQ
+    reduction. The thread's first element is addressed once; every add is a compile-time step from it
+    (``red_dQ_drow``/``_dcol``): a reduction at an immediate offset, with no index or 64-bit address arithmetic
+    of its own (ptxas had spent about ten instructions on each)."""
+    copy = plan.red_dQ
+    rows, cols = _dq_span(plan)
+    if rows > plan.cfg.B_r:
+        raise ValueError(f"{plan.cfg.short_form()}: the dQ adds reach row {rows - 1} of a {plan.cfg.B_r}-row query block")
+    at0 = dict(lane=lane, warp=warp)
+    first = ["// this thread's first element; the others lie compile-time (row, column) steps from it",
+             f"const int row0 = q_row0 + int({_call(copy, 'row', **at0)});",
+             f"const uint32_t col0 = {_call(copy, 'col', **at0)};",
+             "float* const gdQ_t = gdQ + int64_t(row0) * D_HEAD + col0;"]
+    step = ", ".join("r" if p == "v" else p for p in _params(copy) if p not in ("lane", "warp"))
+    steps = [f"const int dr = {copy.name}_drow({step}), dc = {copy.name}_dcol({step});"]
+    col_ok = "" if cols <= plan.cfg.d_head else "col0 + dc < D_HEAD"
+    add = f"red_add_f32x2(gdQ_t + (dr * int(D_HEAD) + dc), dq_acc[mi][{slot}][r], dq_acc[mi][{slot}][r + 1]);"
+    checked = steps + [f"if (row0 + dr < p.seq_q{' && ' + col_ok if col_ok else ''})", "    " + add]
+    unchecked = steps + ([f"if ({col_ok})", "    " + add] if col_ok else [add])
+    return first, checked, unchecked
+
+
+def _dq_span(plan: BackwardPlan) -> tuple[int, int]:
+    """(1 + the largest row, 1 + the largest column) the dQ reduction adds, over every lane, warp and value."""
+    import numpy as np
+
+    part = plan.red_dQ.partition
+    warps = np.repeat(np.arange(plan.cfg.n_warps if part.uses_warp else 1), 32)
+    rows, cols = part.coords(np.tile(np.arange(32), len(warps) // 32), warps)
+    return int(rows.max()) + 1, int(cols.max()) + 1
 
 
 def _dq_passes_code(plan: BackwardPlan) -> list[str]:

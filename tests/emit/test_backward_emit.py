@@ -66,7 +66,10 @@ def _main(plan, name):
     red = plan.red_dQ
     params = ["lane", "v", "warp"] + [l.name for l in red.partition.loops]
     loops = "".join(f"for (uint32_t {p} = 0; {p} < {n}u; ++{p}) " for p, n in zip(params, _domain(plan, red, params)))
-    body.append(f'    {loops}std::printf("%u %u\\n", {red.name}_row({", ".join(params)}), {red.name}_col({", ".join(params)}));')
+    args, first, steps = ", ".join(params), ", ".join(p if p in ("lane", "warp") else "0" for p in params), ", ".join(params[1:2] + params[3:])
+    # and as the kernel's adds address it: the thread's first element plus the compile-time step
+    body.append(f'    {loops}std::printf("%u %u %d %d\\n", {red.name}_row({args}), {red.name}_col({args}), '
+                f"int({red.name}_row({first})) + {red.name}_drow({steps}), int({red.name}_col({first})) + {red.name}_dcol({steps}));")
     return f'#include "{name}.cu"\n#include <cstdio>\nint main() {{\n    using namespace {name};\n' + "\n".join(body) + "\n    return 0;\n}\n"
 
 
@@ -86,7 +89,7 @@ def _expected(plan):
     params = ["lane", "v", "warp"] + [l.name for l in red.partition.loops]
     for idx in itertools.product(*(range(n) for n in _domain(plan, red, params))):
         kw = dict(zip(params, idx))
-        out += list(red.partition.coord(idx[0], kw["v"], kw["warp"], **{l.name: kw[l.name] for l in red.partition.loops}))
+        out += list(red.partition.coord(idx[0], kw["v"], kw["warp"], **{l.name: kw[l.name] for l in red.partition.loops})) * 2
     return np.array(out, dtype=np.int64)
 
 
@@ -232,4 +235,36 @@ def test_split_scores_score_loops_take_the_warps_query_columns():
     assert "st_shared_b32(sdS_addr + 2u * (r2s_dS_base" in text and "pack2(dp_acc[mi][nt][2 * h], dp_acc" in text
     assert "(a[mi], sP_addr + 2u * (s2r_Pt_base" in text and "(a[mi], sdS_addr + 2u * (s2r_dSt_base" in text
     plain = emit_backward(make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=2))).text
-    assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "pass" not in plain
+    assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "for (uint32_t pass" not in plain
+
+
+@pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),
+                                       (B("fp16", d_head=256, n_warps=8, d_split=4, split_scores=True, deterministic=True), False),
+                                       (B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"), True)], ids=str)
+def test_dq_adds_of_a_full_query_block_check_nothing(cfg, pads):
+    """The dQ adds address the thread's first element once; in a block whose rows all exist each add is that
+    address plus a compile-time step with no check of its own (a check made ptxas branch around every add),
+    the last block's adds check their rows, and columns past d_head (d_head 40: a 48-column dQ tile) both."""
+    text = emit_backward(make_backward_plan(cfg)).text
+    full = text.split("if (q_row0 + int(B_r) <= p.seq_q) {")[1:]
+    assert full and all(b.count("red_add_f32x2(") == 1 for b in (t.split("} else {")[0] for t in full))
+    for block in full:
+        fast, slow = block.split("} else {")[0], block.split("} else {")[1].split("\n        }")[0]
+        assert "red_dQ_row(lane" not in fast and "red_dQ_drow(r, mi, nt)" in fast
+        assert ("if (col0 + dc < D_HEAD)" in fast) == pads and "row0 + dr < p.seq_q" in slow and "row0 + dr" not in fast
+
+
+@pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),
+                                       (B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"), True)], ids=str)
+def test_block_copies_of_full_blocks_have_no_predicates(cfg, pads):
+    """Each global -> shared copy addresses the thread's first chunk once and walks rows from it; a block whose
+    rows all exist copies without predicates, a tail zero-fills its missing rows; padding columns past d_head
+    (d_head 40 in 48-column tiles) are zero-filled in every block, so no block takes the unpredicated path."""
+    plan = make_backward_plan(cfg)
+    text = emit_backward(plan).text
+    for name in ("Q", "dO", "K", "V"):
+        body = text.split(f"auto copy_{name} = ")[1].split("\n    };")[0]
+        rows = cfg.B_r if name in ("Q", "dO") else cfg.B_c
+        assert f"const elem_t* g = src + int64_t(row0) * ld + col0;" in body and "cp_async_16_zfill(" in body
+        assert (f"if (rows_valid >= {rows}) {{" in body and "cp_async_16(" in body) != pads
+        assert ("col0 < D_HEAD" in body or "_dcol[v] < D_HEAD" in body) == pads
