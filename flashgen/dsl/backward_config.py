@@ -188,7 +188,8 @@ class BackwardConfig:
     @property
     def smem_bytes(self) -> int:
         """K, V (resident), Q, dO, lse and D (fp32) of ``stages`` query blocks, dS^T (B_c x B_r, 16 bit),
-        with ``split_scores`` P^T too (as dS^T); wgmma: two dS^T buffers, the ring's mbarriers and the slack that aligns the base to 1024 bytes."""
+        with ``split_scores`` P^T too (as dS^T); wgmma: two dS^T buffers, the ring's mbarriers and the slack
+        that aligns the base to 1024 bytes."""
         if self.engine == "wgmma":
             from .hopper_backward_smem import smem_plan
 
