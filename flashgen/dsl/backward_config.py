@@ -89,7 +89,7 @@ class BackwardConfig:
             return None
         shapes = [cls(dtype, d_head=d_head, mask=mask, **knobs) for knobs in _default_shapes(d_head)]
         for stages in (2, 1):
-            fits = [c.replace(stages=stages) for c in shapes if c.replace(stages=stages).smem_bytes <= smem_limit]
+            fits = [c for c in (s.replace(stages=stages) for s in shapes) if c.smem_bytes <= smem_limit]
             if fits:
                 return fits[0]
         return None

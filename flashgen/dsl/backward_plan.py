@@ -66,7 +66,7 @@ from .backward_config import BackwardConfig
 from .layout import Layout
 from ..attention.score_mask import ScoreMask
 from .plan import OperandLoad, Schedule, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
-from .steps import BEGIN, HAS_NEXT, J, NEXT, Barrier, Commit, Copy, Gemm, GradScores, Guard, RecomputeP, ReduceGM, SignalOrder, StoreRF, Wait, WaitOrder
+from .steps import BEGIN, HAS_NEXT, J, NEXT, Barrier, Commit, Copy, Gemm, GradScores, Guard, RecomputeP, ReduceGM, SignalOrder, Step, StoreRF, Wait, WaitOrder
 from .swizzle import ComposedLayout
 from .tensor import Tensor
 from .tiling import Loop, Partition, vector_copy_tv
@@ -269,22 +269,27 @@ def _schedule(stages: int, deterministic: bool = False, grad_with_p: bool = Fals
     if split_scores:
         return _split_schedule(stages, deterministic, grad_with_p)
     pro, head = _copy_head(stages, "1")
-    if grad_with_p:
-        scores = (Gemm("S", why="S^T = K Q_j^T"), Gemm("dP", why="dP^T = V dO_j^T"),
-                  RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse_j log2e), masked"),
-                  GradScores(why="dS^T = P^T * (dP^T - D_j) score_mod', in the same pass"), Gemm("dV", why="dV += P^T dO_j"))
-    else:
-        scores = (Gemm("S", why="S^T = K Q_j^T"), RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"),
-                  Gemm("dV", why="dV += P^T dO_j"), Gemm("dP", why="dP^T = V dO_j^T"), GradScores(why="dS^T = P^T * (dP^T - D_j)"))
     body = head + (
         Barrier(why="... and are visible to all warps"),
-        *scores,
+        *_score_steps(grad_with_p, Gemm("dV", why="dV += P^T dO_j")),
         Gemm("dK", why="dK += dS^T Q_j"),
         StoreRF("dS", why="dS^T -> shared memory for the dQ GEMM"),
         Barrier(why="dS^T visible to all warps"),
         Gemm("dQ", why="dQ_j = dS K"),
     ) + _dq_adds(deterministic)
     return Schedule(pro, tuple(s for s in body if s is not None))
+
+
+def _score_steps(grad_with_p: bool, after_p: Step, s_cols: str = "", dp_cols: str = "") -> tuple:
+    """S^T, dP^T, P^T and dS^T, with ``after_p`` (dV's GEMM, or with ``split_scores`` P^T's store) once P^T is
+    made: S^T, P^T, ``after_p``, dP^T, dS^T; ``grad_with_p`` (a score_mod whose derivative reads the score):
+    dP^T before P^T, so that dS^T is made in the same pass. ``s_cols`` / ``dp_cols``: which columns, for comments."""
+    s, dp = Gemm("S", why="S^T = K Q_j^T" + s_cols), Gemm("dP", why="dP^T = V dO_j^T" + dp_cols)
+    if grad_with_p:
+        return (s, dp, RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse_j log2e), masked"),
+                GradScores(why="dS^T = P^T * (dP^T - D_j) score_mod', in the same pass"), after_p)
+    return (s, RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"), after_p, dp,
+            GradScores(why="dS^T = P^T * (dP^T - D_j)"))
 
 
 def _stream_copies(block, guard=None, which="j") -> tuple:
@@ -330,15 +335,8 @@ def _split_schedule(stages: int, deterministic: bool, grad_with_p: bool) -> Sche
     opening = (Barrier(why="... and are visible to all warps; every warp is done with block j-1"),)
     if stages > 1:
         opening += _stream_copies(NEXT, HAS_NEXT, "j+1") + (Commit(why="(empty in the last block: the next wait counts it)"),)
-    p_store = StoreRF("P", why="this warp's columns of P^T -> shared memory for the dV GEMM")
-    if grad_with_p:
-        scores = (Gemm("S", why="S^T = K Q_j^T, this warp's query columns"), Gemm("dP", why="dP^T = V dO_j^T, the same columns"),
-                  RecomputeP(why="P^T = exp2(score_mod(S^T * scale) log2e - lse_j log2e), masked"),
-                  GradScores(why="dS^T = P^T * (dP^T - D_j) score_mod', in the same pass"), p_store)
-    else:
-        scores = (Gemm("S", why="S^T = K Q_j^T, this warp's query columns"),
-                  RecomputeP(why="P^T = exp2(S^T * scale*log2e - lse_j*log2e), masked"), p_store,
-                  Gemm("dP", why="dP^T = V dO_j^T, the same columns"), GradScores(why="dS^T = P^T * (dP^T - D_j)"))
+    scores = _score_steps(grad_with_p, StoreRF("P", why="this warp's columns of P^T -> shared memory for the dV GEMM"),
+                          ", this warp's query columns", ", the same columns")
     closing = (Barrier(why="every warp's reads of Q_j and dO_j done before block j+1's copies overwrite them"),
                ) if stages == 1 and not deterministic else ()
     # the turn of the ordered adds is waited for before the dQ GEMM: its passes add as they go (dq_passes)
