@@ -84,12 +84,31 @@ class RowDot:
         return f"""// D = rowsum(dO * O) (flashgen.attention.backward.RowDot): {self.lanes} lanes per row, {self.vec}-element chunks
 constexpr int ROWDOT_LANES = {self.lanes};
 constexpr int ROWDOT_VEC = {self.vec};
+// the n <= ROWDOT_VEC elements of a chunk at p; a whole chunk of 16 bytes in one load on the device (rows are
+// 16-byte aligned, the launcher ABI's rule: element by element they were 8 loads a lane)
+template <class T>
+__host__ __device__ __forceinline__ void rowdot_chunk(T (&x)[ROWDOT_VEC], const T* p, int n) {{
+#ifdef __CUDA_ARCH__
+    if constexpr (sizeof(x) == 16) {{
+        if (n == ROWDOT_VEC) {{
+            *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(p);
+            return;
+        }}
+    }}
+#endif
+    for (int e = 0; e < n; ++e) x[e] = p[e];
+}}
 // lane `lane`'s share of one row of d elements: chunks lane, lane + ROWDOT_LANES, ..., fmaf in order
 template <class T>
 __host__ __device__ __forceinline__ float rowdot_partial(const T* dO, const T* O, int lane, int d) {{
     float acc = 0.f;
-    for (int c0 = lane * ROWDOT_VEC; c0 < d; c0 += ROWDOT_LANES * ROWDOT_VEC)
-        for (int e = 0; e < ROWDOT_VEC && c0 + e < d; ++e) acc = fmaf(float(dO[c0 + e]), float(O[c0 + e]), acc);
+    for (int c0 = lane * ROWDOT_VEC; c0 < d; c0 += ROWDOT_LANES * ROWDOT_VEC) {{
+        const int n = d - c0 < ROWDOT_VEC ? d - c0 : ROWDOT_VEC;
+        T a[ROWDOT_VEC], b[ROWDOT_VEC];
+        rowdot_chunk(a, dO + c0, n);
+        rowdot_chunk(b, O + c0, n);
+        for (int e = 0; e < n; ++e) acc = fmaf(float(a[e]), float(b[e]), acc);
+    }}
     return acc;
 }}
 #ifdef __CUDACC__

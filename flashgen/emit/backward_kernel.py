@@ -2,14 +2,15 @@
 
 Three kernels and one launcher:
 
-* ``preprocess``: ``D = rowsum(dO * O)`` per query row (the plan's :class:`RowDot` rule);
+* ``preprocess``: ``D = rowsum(dO * O)`` per query row (the plan's :class:`RowDot` rule), and the dQ buffer zeroed
+  (:mod:`flashgen.emit.backward_aux`, which both engines share);
 * ``kernel``: one CTA per (key block, kv head, batch entry) walking the plan's schedule over the
   query blocks of its group's heads (:class:`QueryBlocks`); dQ added into an fp32 buffer;
 * ``convert_dq``: dQ = the buffer times the softmax scale, in the inputs' dtype;
 * ``<name>_launch``: the three in order; the buffer and D live in the launch's workspace
-  (``<name>_workspace``: its first part, the dQ buffer, zero at launch).
+  (``<name>_workspace``).
 
-``deterministic``: the zeroed part also holds one turn counter per (batch, query head, query block);
+``deterministic``: the workspace's zeroed part holds one turn counter per (batch, query head, query block);
 the CTA of key block ``kb`` adds its dQ of a query block when the counter equals its rank among the
 key blocks that visit the block (:meth:`QueryBlocks.key_rank`) and then increments it, so every dQ
 element is summed in ascending key blocks. Deadlock freedom: a CTA waits only for CTAs of the same
@@ -34,6 +35,7 @@ from .kernel import TARGET, _base_decl, _offset_fn, _partition_fns, _row_walk_st
 from .ptx import cp_async, ldmatrix, math as ptx_math, mma as ptx_mma, red, sreg, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .abi import backward_args_struct
+from .backward_aux import aux_kernels, convert_grid
 from .source import KernelSource, kernel_meta
 from .template import CodeTemplate, compose
 
@@ -550,7 +552,7 @@ struct Params {
     const float* lse;  // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
     const float* dlse; // the gradient of the returned lse, the same shape, or nullptr
     float* delta;      // D = rowsum(dO * O) - dlse, (batch, heads, seq_q): the workspace's
-    float* dq_accum;   // fp32 dQ sums, (batch, heads, seq_q, D_HEAD): the workspace's, zero at launch
+    float* dq_accum;   // fp32 dQ sums, (batch, heads, seq_q, D_HEAD): the workspace's, zeroed by the preprocess
     int* dq_turns;     // deterministic: key blocks done adding dQ, (batch, heads, query blocks), zero at launch; else nullptr
     int64_t q_batch, q_head, q_ld, k_batch, k_head, k_ld, v_batch, v_head, v_ld;
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
@@ -561,58 +563,6 @@ struct Params {
     $mod_params
 };"""
 )
-
-#: The preprocess (D) and the dQ conversion; ``$stats``: where the preprocess puts D (see aux_kernels).
-_AUX_KERNELS = CodeTemplate(
-    r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil($rows * ROWDOT_LANES / 128), heads, batch)
-__global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params p) {
-    const int row = int((blockIdx.x * 128 + threadIdx.x) / ROWDOT_LANES);
-    const int lane = int(threadIdx.x % ROWDOT_LANES);
-    const bool ok = row < p.seq_q;
-    const int r = ok ? row : 0;
-    const elem_t* dO = p.dout + blockIdx.z * p.do_batch + blockIdx.y * p.do_head + int64_t(r) * p.do_ld;
-    const elem_t* O = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + int64_t(r) * p.o_ld;
-    const float d = rowdot_reduce(ok ? rowdot_partial(dO, O, lane, int(D_HEAD)) : 0.f);
-    // lse's gradient g adds scale * P * g to the scores' (d lse / dS = scale * P): the same as D - g
-    const int64_t at = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q + row;
-    $stats
-}
-
-// dQ = dq_accum * scale in the inputs' dtype; one thread per element; grid (ceil(seq_q * D_HEAD / 256), heads, batch)
-__global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
-    const int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x;
-    if (i >= int64_t(p.seq_q) * D_HEAD) return;
-    const int row = int(i / D_HEAD), col = int(i % D_HEAD);
-    const float acc = p.dq_accum[$dq_at];
-    p.dq[blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head + int64_t(row) * p.dq_ld + col] = elem_t(bwd_grad_scaled(acc, p.scale));
-}"""
-)
-
-#: D per query row (the mma.sync kernel reads it with the rows' lse)
-_STATS = ["if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;"]
-#: D and lse * log2(e) per row of whole query blocks (``stat_len`` rows): what the wgmma kernel's bulk copies load
-_PADDED_STATS = [
-    "if (lane == 0 && row < p.stat_len) {  // rows past seq_q: D 0 and lse_log2 +inf, so their P is 0",
-    "    const int64_t padded = (int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.stat_len + row;",
-    "    p.delta[padded] = !ok ? 0.f : p.dlse != nullptr ? d - p.dlse[at] : d;",
-    "    p.lse_log2[padded] = ok ? bwd_lse_log2(p.lse[at]) : INFINITY;",
-    "}",
-]
-
-
-#: the wgmma kernel's dQ buffer: per (batch, head, query block) a chunk of B_r x D_HEAD values in the
-#: order its bulk reductions add them (``dq_chunk_index``)
-_CHUNK_AT = ("((int64_t(blockIdx.z) * p.heads + blockIdx.y) * (p.stat_len / int(B_r)) + row / int(B_r)) * (B_r * D_HEAD)"
-             " + dq_chunk_index(uint32_t(row) % B_r, uint32_t(col))")
-
-
-def aux_kernels(padded: bool = False) -> str:
-    """The preprocess and the dQ conversion of a backward file (inside its namespace, after ``Params``);
-    ``padded``: the wgmma kernel's: the preprocess writes D and lse * log2(e) for ``p.stat_len`` rows
-    (whole query blocks) and dQ's buffer is in chunks of whole query blocks (``dq_chunk_index``)."""
-    return _AUX_KERNELS.substitute(rows="stat_len" if padded else "seq_q", stats=_PADDED_STATS if padded else _STATS,
-                                   dq_at=_CHUNK_AT if padded else "((int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q) * D_HEAD + i")
-
 
 #: The main kernel: one key block of one kv head, over the query blocks of its group's heads.
 _KERNEL = CodeTemplate(
@@ -686,11 +636,11 @@ inline size_t dq_turn_count(const ${name}_args* a) {
 }
 }  // namespace $name
 
-// The dQ fp32 buffer and the turn counters (zeroed), then D.
+// The turn counters (zeroed), then the dQ fp32 buffer (the preprocess zeroes it) and D.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     const size_t rows = size_t(a->batch) * a->heads * a->seq_q;
-    *zeroed = rows * $d_head * sizeof(float) + $name::dq_turn_count(a) * sizeof(int);
-    *bytes = *zeroed + rows * sizeof(float);
+    *zeroed = $name::dq_turn_count(a) * sizeof(int);
+    *bytes = *zeroed + rows * ($d_head + 1) * sizeof(float);
     return 0;
 }
 
@@ -698,10 +648,10 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     using namespace $name;
     if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace)
         return (int)cudaErrorInvalidValue;
-    float* dq_accum = (float*)a->workspace;
-    int* turns = (int*)(dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head);
+    int* turns = (int*)a->workspace;
     int* dq_turns = dq_turn_count(a) ? turns : nullptr;
-    float* delta = (float*)(turns + dq_turn_count(a));
+    float* dq_accum = (float*)(turns + dq_turn_count(a));
+    float* delta = dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head;
     Params p{(const elem_t*)a->q, (const elem_t*)a->k, (const elem_t*)a->v, (const elem_t*)a->o, (const elem_t*)a->dout,
              (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, a->dlse, delta, dq_accum, dq_turns,
              a->q_stride[0], a->q_stride[1], a->q_stride[2], a->k_stride[0], a->k_stride[1], a->k_stride[2],
@@ -721,7 +671,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
         attr_set = true;
     }
     kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
-    convert_dq<<<dim3((a->seq_q * $d_head + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
+    convert_dq<<<$convert_grid, 256, 0, s>>>(p);
     return (int)cudaGetLastError();
 }
 $mask_blocks
@@ -776,7 +726,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"], stats_bytes=f"{plan.stage_bytes['LSE']}u", stages=cfg.stages,
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
-        log2e=f"{LOG2E!r}f", bases=_bases(plan), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), convert_grid=convert_grid(), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
         if cfg.deterministic else "0", args_struct=backward_args_struct(name),
         block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],

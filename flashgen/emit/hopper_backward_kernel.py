@@ -19,7 +19,8 @@ from ..dsl.hopper_backward_plan import HopperBackwardPlan
 from ..dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
                          WaitOrder, WgmmaWait)
 from .abi import backward_args_struct
-from .backward_kernel import aux_kernels, mask_blocks_lines
+from .backward_aux import aux_kernels, convert_grid
+from .backward_kernel import mask_blocks_lines
 from .hopper_kernel import TARGET, TENSOR_MAPS
 from .ptx import hopper as ptx_hopper, math as ptx_math, red, stmatrix as ptx_stmatrix, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
@@ -325,7 +326,7 @@ struct Params {
     float* delta;       // D = rowsum(dO * O) - dlse, (batch, heads, stat_len): the workspace's, padded
     float* lse_log2;    // lse * log2(e), (batch, heads, stat_len): the workspace's, padded with +inf
     int* dq_turns;      // deterministic: key blocks done adding dQ, (batch, heads, query blocks, consumers), zero at launch; else nullptr
-    float* dq_accum;    // fp32 dQ sums, (batch, heads, stat_len / B_r) chunks of B_r x D_HEAD in fragment order (dq_chunk_index): the workspace's, zero at launch
+    float* dq_accum;    // fp32 dQ sums, (batch, heads, stat_len / B_r) chunks of B_r x D_HEAD in fragment order (dq_chunk_index): the workspace's, zeroed by the preprocess
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
     int64_t dq_batch, dq_head, dq_ld, dk_batch, dk_head, dk_ld, dv_batch, dv_head, dv_ld;
     int heads, seq_q, seq_k, kv_group, stat_len;  // stat_len: seq_q rounded up to whole query blocks
@@ -420,11 +421,12 @@ inline size_t dq_turn_count(const ${name}_args* a) {
 }
 }  // namespace $name
 
-// The dQ fp32 buffer and the turn counters (zeroed), then D and lse * log2(e); all padded to whole query blocks.
+// The turn counters (zeroed), then the dQ fp32 buffer (the preprocess zeroes it), D and lse * log2(e); all padded
+// to whole query blocks.
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     const size_t padded = size_t(a->batch) * a->heads * ((a->seq_q + $B_r - 1) / $B_r * $B_r);
-    *zeroed = padded * $d_head * sizeof(float) + $name::dq_turn_count(a) * sizeof(int);
-    *bytes = *zeroed + 2 * padded * sizeof(float);
+    *zeroed = $name::dq_turn_count(a) * sizeof(int);
+    *bytes = *zeroed + padded * ($d_head + 2) * sizeof(float);
     return 0;
 }
 
@@ -437,15 +439,10 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
     static Params p;  // large (4 tensor maps): built in static storage, passed by value to the launches
     p = Params{};
-    if (!make_map(&p.tm_q, a->q, a->seq_q, a->heads, a->batch, a->q_stride, B_r) ||
-        !make_map(&p.tm_do, a->dout, a->seq_q, a->heads, a->batch, a->do_stride, B_r) ||
-        !make_map(&p.tm_k, a->k, a->seq_k, a->kv_heads, a->batch, a->k_stride, B_c) ||
-        !make_map(&p.tm_v, a->v, a->seq_k, a->kv_heads, a->batch, a->v_stride, B_c))
-        return (int)cudaErrorInvalidValue;
     const int stat_len = (a->seq_q + int(B_r) - 1) / int(B_r) * int(B_r);
-    float* dq_accum = (float*)a->workspace;
-    int* turns = (int*)(dq_accum + size_t(a->batch) * a->heads * stat_len * D_HEAD);
-    float* delta = (float*)(turns + dq_turn_count(a));
+    int* turns = (int*)a->workspace;
+    float* dq_accum = (float*)(turns + dq_turn_count(a));
+    float* delta = dq_accum + size_t(a->batch) * a->heads * stat_len * D_HEAD;
     float* lse_log2 = delta + size_t(a->batch) * a->heads * stat_len;
     p.o = (const elem_t*)a->o; p.dout = (const elem_t*)a->dout; p.dq = (elem_t*)a->dq; p.dk = (elem_t*)a->dk; p.dv = (elem_t*)a->dv;
     p.lse = a->lse; p.dlse = a->dlse; p.delta = delta; p.lse_log2 = lse_log2; p.dq_accum = dq_accum;
@@ -460,11 +457,18 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
     $mod_fill
     cudaStream_t s = (cudaStream_t)stream;
-    preprocess<<<dim3((stat_len * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
+    preprocess<<<dim3((stat_len * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);  // reads no map
+    // after a launch: cuTensorMapEncodeTiled is a driver call and needs a current context, which a thread of its own
+    // (autograd's backward thread) has only once the runtime bound one (compute-sanitizer: invalid device context)
+    if (!make_map(&p.tm_q, a->q, a->seq_q, a->heads, a->batch, a->q_stride, B_r) ||
+        !make_map(&p.tm_do, a->dout, a->seq_q, a->heads, a->batch, a->do_stride, B_r) ||
+        !make_map(&p.tm_k, a->k, a->seq_k, a->kv_heads, a->batch, a->k_stride, B_c) ||
+        !make_map(&p.tm_v, a->v, a->seq_k, a->kv_heads, a->batch, a->v_stride, B_c))
+        return (int)cudaErrorInvalidValue;
     constexpr int smem = $smem_bytes;
     $smem_attribute
     kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
-    convert_dq<<<dim3((a->seq_q * D_HEAD + 255) / 256, a->heads, a->batch), 256, 0, s>>>(p);
+    convert_dq<<<$convert_grid, 256, 0, s>>>(p);
     return (int)cudaGetLastError();
 }
 $mask_blocks"""
@@ -505,7 +509,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
         dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,
-        ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(padded=True), smem_decls=_smem_decls(plan),
+        ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(plan.dq_stage), convert_grid=convert_grid(plan.dq_stage), smem_decls=_smem_decls(plan),
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],
         producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, producer=_producer(plan),

@@ -57,7 +57,7 @@ def _run(cfg, tmp_path, q, k, v, do, mask):
     lib, name = _library(cfg, tmp_path)
     o, lse = reference.attention(q, k, v, return_lse=True, **mask)
     o, lse = o.to(q.dtype), lse.to(torch.float32).contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))  # poisoned: every element must be written
     Sq, Sk = q.shape[1], k.shape[1]
     left, right = (-1, 0) if mask.get("causal") else mask.get("window", (-1, -1))
     a = _Args(*(t.data_ptr() for t in (q, k, v, o, do, dq, dk, dv, lse)), None, *(_strides(t) for t in (q, k, v, o, do, dq, dk, dv)),
@@ -65,7 +65,9 @@ def _run(cfg, tmp_path, q, k, v, do, mask):
               Sk - Sq if mask.get("align") == "bottom_right" else 0, left, right, None)
     size, zeroed = ctypes.c_size_t(), ctypes.c_size_t()
     assert getattr(lib, f"{name}_workspace")(ctypes.byref(a), ctypes.byref(size), ctypes.byref(zeroed)) == 0
-    ws = torch.zeros(size.value // 4, dtype=torch.float32, device=q.device)
+    # poisoned but for the part the launch asks to be zero: the kernels zero the dQ buffer themselves
+    ws = torch.full((size.value // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    ws[:zeroed.value // 4] = 0
     a.workspace = ws.data_ptr()
     assert getattr(lib, f"{name}_launch")(ctypes.byref(a), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
     torch.cuda.synchronize()

@@ -1,0 +1,140 @@
+"""The backward's two memory-bound kernels around its main kernel, shared by both engines.
+
+* ``preprocess``: ``D = rowsum(dO * O) - dlse`` per query row (the plan's :class:`~flashgen.attention.backward.RowDot`,
+  16-byte loads: rows are 16-byte aligned by the launcher ABI), and zero of the fp32 dQ buffer the main kernel adds
+  into (each CTA its rows' share; a separate fill of the buffer cost a launch and a pass over it);
+* ``convert_dq``: dQ = the buffer times the softmax scale, in the inputs' dtype, 8 columns per thread and one
+  16-byte store each. The mma.sync backward's buffer is row-major, read straight with 16-byte loads; the wgmma
+  backward's holds each query block as one chunk in fragment order
+  (:meth:`~flashgen.dsl.hopper_backward_smem.DqStage.index_cpp`), which a CTA stages in shared memory with 16-byte
+  loads in the chunk's own order before it gathers rows from it (gathering from global memory read one scattered
+  4-byte word per element: 2.5x the time of the other backwards' conversions on an H200).
+
+Both are bound by memory: on an H200 at 16k tokens, 16 heads of 128 they move 268 and 201 MB.
+"""
+from __future__ import annotations
+
+from ..dsl.hopper_backward_smem import DqStage
+from .template import CodeTemplate
+
+#: rows of a CTA of the preprocess: ROWDOT_LANES threads a row, 128 threads
+_PREPROCESS = CodeTemplate(
+    r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil($rows * ROWDOT_LANES / 128), heads, batch).
+// Also zeroes the CTA's rows' share of the head's fp32 dQ buffer ($rows x D_HEAD floats a head, in any order).
+__global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params p) {
+    constexpr int CTA_ROWS = 128 / ROWDOT_LANES;
+    static_assert(D_HEAD % 8 == 0, "16-byte chunks of rows and of the dQ buffer");
+    const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
+    {
+        float4* acc = reinterpret_cast<float4*>(p.dq_accum + head * $rows * D_HEAD);
+        const int64_t first = int64_t(blockIdx.x) * (CTA_ROWS * D_HEAD / 4);
+        const int64_t end = min(first + CTA_ROWS * D_HEAD / 4, int64_t($rows) * (D_HEAD / 4));
+        for (int64_t i = first + threadIdx.x; i < end; i += 128) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const int row = int((blockIdx.x * 128 + threadIdx.x) / ROWDOT_LANES);
+    const int lane = int(threadIdx.x % ROWDOT_LANES);
+    const bool ok = row < p.seq_q;
+    const int r = ok ? row : 0;
+    const elem_t* dO = p.dout + blockIdx.z * p.do_batch + blockIdx.y * p.do_head + int64_t(r) * p.do_ld;
+    const elem_t* O = p.o + blockIdx.z * p.o_batch + blockIdx.y * p.o_head + int64_t(r) * p.o_ld;
+    const float d = rowdot_reduce(ok ? rowdot_partial(dO, O, lane, int(D_HEAD)) : 0.f);
+    // lse's gradient g adds scale * P * g to the scores' (d lse / dS = scale * P): the same as D - g
+    const int64_t at = head * p.seq_q + row;
+    $stats
+}"""
+)
+
+#: D per query row (the mma.sync kernel reads it with the rows' lse)
+_STATS = ["if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;"]
+#: D and lse * log2(e) per row of whole query blocks (``stat_len`` rows): what the wgmma kernel's bulk copies load
+_PADDED_STATS = [
+    "if (lane == 0 && row < p.stat_len) {  // rows past seq_q: D 0 and lse_log2 +inf, so their P is 0",
+    "    const int64_t padded = head * p.stat_len + row;",
+    "    p.delta[padded] = !ok ? 0.f : p.dlse != nullptr ? d - p.dlse[at] : d;",
+    "    p.lse_log2[padded] = ok ? bwd_lse_log2(p.lse[at]) : INFINITY;",
+    "}",
+]
+
+#: eight fp32 dQ sums -> eight scaled 16-bit values in one 16-byte store (``dst`` 16-byte aligned: the ABI's rows)
+_STORE8 = r"""// eight dQ sums times the scale, in elem_t, as one 16-byte store (st_global_v4: nvcc split a plain 16-byte store of a
+// 16-bit type's row in four)
+__device__ __forceinline__ uint32_t dq_pair(float lo, float hi, float scale) {
+    const elem_t a = elem_t(bwd_grad_scaled(lo, scale)), b = elem_t(bwd_grad_scaled(hi, scale));
+    uint16_t ua, ub;
+    memcpy(&ua, &a, 2);
+    memcpy(&ub, &b, 2);
+    return uint32_t(ua) | uint32_t(ub) << 16;
+}
+__device__ __forceinline__ void store_dq8(elem_t* dst, const float (&v)[8], float scale) {
+    st_global_v4(dst, make_uint4(dq_pair(v[0], v[1], scale), dq_pair(v[2], v[3], scale), dq_pair(v[4], v[5], scale),
+                                 dq_pair(v[6], v[7], scale)));
+}"""
+
+_CONVERT_ROWMAJOR = CodeTemplate(
+    r"""$store8
+
+// dQ = dq_accum * scale (the buffer row-major, (batch, heads, seq_q, D_HEAD)); a thread 8 columns of a row;
+// grid (ceil(seq_q * D_HEAD / 8 / 256), heads, batch)
+__global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
+    const int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x;  // the row's 8-column group
+    if (i >= int64_t(p.seq_q) * (D_HEAD / 8)) return;
+    const int row = int(i / (D_HEAD / 8)), col = int(i % (D_HEAD / 8)) * 8;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + ((int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q) * D_HEAD) + 2 * i;
+    const float4 a = src[0], b = src[1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    store_dq8(p.dq + blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head + int64_t(row) * p.dq_ld + col, v, p.scale);
+}"""
+)
+
+_CONVERT_CHUNKED = CodeTemplate(
+    r"""$store8
+
+// dQ = dq_accum * scale (the buffer in chunks of whole query blocks, dq_chunk_index's order); one CTA a query block:
+// its chunk staged in shared memory with 16-byte loads, then a thread 8 columns of a row, two threads a 32-byte
+// sector, rows next fastest (fragment order puts a row's column groups in one bank, consecutive rows in different
+// ones); grid (stat_len / B_r, heads, batch)
+__global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
+    static_assert(B_r * D_HEAD * 4 <= 48 * 1024, "a query block's chunk fits static shared memory");
+    __shared__ __align__(16) float chunk[B_r * D_HEAD];
+    const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + (head * (p.stat_len / int(B_r)) + blockIdx.x) * (B_r * D_HEAD));
+    for (uint32_t i = threadIdx.x; i < B_r * D_HEAD / 4; i += 256) reinterpret_cast<float4*>(chunk)[i] = src[i];
+    __syncthreads();
+    const int row0 = int(blockIdx.x * B_r), rows = min(int(B_r), p.seq_q - row0);
+    elem_t* dq = p.dq + blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head;
+    static_assert(B_r % 2 == 0 && D_HEAD % 16 == 0, "pairs of 8-column groups");
+    for (uint32_t i = threadIdx.x; i < B_r * (D_HEAD / 8); i += 256) {
+        const uint32_t r = i / 2 % B_r, c = (i / (2 * B_r) * 2 + i % 2) * 8;
+        if (int(r) >= rows) continue;  // the last block's padding rows
+        float v[8];
+        $gather
+        store_dq8(dq + int64_t(row0 + int(r)) * p.dq_ld + c, v, p.scale);
+    }
+}"""
+)
+
+#: the eight values of row r from column c (c % 8 == 0) out of the staged chunk: two 16-byte reads where a row's
+#: 8-column runs are contiguous in fragment order (dQ tiles), else one read each (dQ^T tiles: consecutive rows adjoin)
+_GATHER_RUNS = ["const float4 a = *reinterpret_cast<const float4*>(chunk + dq_chunk_index(r, c)), b = *reinterpret_cast<const float4*>(chunk + dq_chunk_index(r, c) + 4);",
+                "v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;"]
+_GATHER_EACH = ["#pragma unroll", "for (uint32_t e = 0; e < 8; ++e) v[e] = chunk[dq_chunk_index(r, c + e)];"]
+
+
+def aux_kernels(chunks: DqStage | None = None) -> str:
+    """The preprocess and the dQ conversion of a backward file (inside its namespace, after ``Params``).
+
+    ``chunks``: the wgmma backward's dQ staging (its buffer in chunks of whole query blocks, ``dq_chunk_index``):
+    the preprocess then writes D and lse * log2(e) for ``p.stat_len`` rows (whole query blocks) and zeroes the
+    padded buffer; ``None``: the mma.sync backward's row-major buffer of ``seq_q`` rows."""
+    if chunks is None:
+        return "\n\n".join([_PREPROCESS.substitute(rows="p.seq_q", stats=_STATS), _CONVERT_ROWMAJOR.substitute(store8=_STORE8)])
+    gather = _GATHER_EACH if chunks.transposed else _GATHER_RUNS
+    return "\n\n".join([_PREPROCESS.substitute(rows="p.stat_len", stats=_PADDED_STATS),
+                        _CONVERT_CHUNKED.substitute(store8=_STORE8, gather=gather)])
+
+
+def convert_grid(chunks: DqStage | None = None) -> str:
+    """The launch grid of ``convert_dq`` (C++, from the launcher's ``a`` and the wgmma launcher's ``stat_len``)."""
+    if chunks is None:
+        return "dim3(unsigned((int64_t(a->seq_q) * (D_HEAD / 8) + 255) / 256), a->heads, a->batch)"
+    return "dim3(stat_len / B_r, a->heads, a->batch)"
