@@ -22,14 +22,12 @@ _PREPROCESS = CodeTemplate(
     r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil($rows * ROWDOT_LANES / 128), heads, batch).
 // Also zeroes the CTA's rows' share of the head's fp32 dQ buffer ($rows x D_HEAD floats a head, in any order).
 __global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params p) {
-    constexpr int CTA_ROWS = 128 / ROWDOT_LANES;
     static_assert(D_HEAD % 8 == 0, "16-byte chunks of rows and of the dQ buffer");
     const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
     {
         float4* acc = reinterpret_cast<float4*>(p.dq_accum + head * $rows * D_HEAD);
-        const int64_t first = int64_t(blockIdx.x) * (CTA_ROWS * D_HEAD / 4);
-        const int64_t end = min(first + CTA_ROWS * D_HEAD / 4, int64_t($rows) * (D_HEAD / 4));
-        for (int64_t i = first + threadIdx.x; i < end; i += 128) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        const int64_t end = dq_zero_end(blockIdx.x, $rows);
+        for (int64_t i = dq_zero_first(blockIdx.x) + threadIdx.x; i < end; i += 128) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     const int row = int((blockIdx.x * 128 + threadIdx.x) / ROWDOT_LANES);
     const int lane = int(threadIdx.x % ROWDOT_LANES);
@@ -43,6 +41,21 @@ __global__ void __launch_bounds__(128) preprocess(const __grid_constant__ Params
     $stats
 }"""
 )
+
+#: Which part of the work a block or thread of the two kernels takes (host and device: tests run them on the host)
+SLOTS = r"""// the preprocess block `block`'s share of a head's dQ buffer of `rows` rows (128 / ROWDOT_LANES rows' floats): the
+// float4s [dq_zero_first(block), dq_zero_end(block, rows)); the blocks of a launch cover the buffer once
+__host__ __device__ __forceinline__ int64_t dq_zero_first(int64_t block) { return block * (128 / ROWDOT_LANES * int64_t(D_HEAD) / 4); }
+__host__ __device__ __forceinline__ int64_t dq_zero_end(int64_t block, int64_t rows) {
+    const int64_t end = dq_zero_first(block + 1), all = rows * (int64_t(D_HEAD) / 4);
+    return end < all ? end : all;
+}"""
+
+#: the chunked conversion's thread slots (after :data:`SLOTS`; needs ``B_r``)
+CHUNK_SLOTS = r"""// slot i of a query block's conversion: row convert_row(i), columns [convert_col(i), + 8); slots 2k and 2k + 1 one
+// 32-byte sector of a row, rows next fastest
+__host__ __device__ __forceinline__ uint32_t convert_row(uint32_t i) { return i / 2 % B_r; }
+__host__ __device__ __forceinline__ uint32_t convert_col(uint32_t i) { return (i / (2 * B_r) * 2 + i % 2) * 8; }"""
 
 #: D per query row (the mma.sync kernel reads it with the rows' lse)
 _STATS = ["if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;"]
@@ -104,7 +117,7 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
     elem_t* dq = p.dq + blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head;
     static_assert(B_r % 2 == 0 && D_HEAD % 16 == 0, "pairs of 8-column groups");
     for (uint32_t i = threadIdx.x; i < B_r * (D_HEAD / 8); i += 256) {
-        const uint32_t r = i / 2 % B_r, c = (i / (2 * B_r) * 2 + i % 2) * 8;
+        const uint32_t r = convert_row(i), c = convert_col(i);
         if (int(r) >= rows) continue;  // the last block's padding rows
         float v[8];
         $gather
@@ -127,9 +140,9 @@ def aux_kernels(chunks: DqStage | None = None) -> str:
     the preprocess then writes D and lse * log2(e) for ``p.stat_len`` rows (whole query blocks) and zeroes the
     padded buffer; ``None``: the mma.sync backward's row-major buffer of ``seq_q`` rows."""
     if chunks is None:
-        return "\n\n".join([_PREPROCESS.substitute(rows="p.seq_q", stats=_STATS), _CONVERT_ROWMAJOR.substitute(store8=_STORE8)])
+        return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="p.seq_q", stats=_STATS), _CONVERT_ROWMAJOR.substitute(store8=_STORE8)])
     gather = _GATHER_EACH if chunks.transposed else _GATHER_RUNS
-    return "\n\n".join([_PREPROCESS.substitute(rows="p.stat_len", stats=_PADDED_STATS),
+    return "\n\n".join([SLOTS, CHUNK_SLOTS, _PREPROCESS.substitute(rows="p.stat_len", stats=_PADDED_STATS),
                         _CONVERT_CHUNKED.substitute(store8=_STORE8, gather=gather)])
 
 
