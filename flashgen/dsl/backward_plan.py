@@ -47,6 +47,7 @@ from typing import Any
 import attrs
 
 from ..attention.backward import Recompute, RowDot, ScoreGrad
+from ..attention.backward_grid import BackwardGrid
 from ..attention.query_blocks import QueryBlocks
 from .atoms.copy import (
     CopyAtom,
@@ -115,6 +116,8 @@ class BackwardPlan:
     #: the emitted GEMM adds each slice as soon as it is made, so only a slice's accumulators live; the sums
     #: (each element's k steps in order) and the shared-memory reads are those of one pass
     dq_passes: int = 1
+    #: which block of the grid computes which key block (key blocks slowest: a causal mask's longest CTAs first)
+    grid: BackwardGrid = BackwardGrid()
 
     @property
     def mma(self) -> MMA_16x8x16:

@@ -58,6 +58,7 @@ from typing import Any
 import attrs
 
 from ..attention.backward import Recompute, RowDot, ScoreGrad
+from ..attention.backward_grid import BackwardGrid
 from ..attention.pipeline import MbarrierRing
 from ..attention.query_blocks import QueryBlocks
 from ..attention.score_mask import ScoreMask
@@ -101,6 +102,8 @@ class HopperBackwardPlan(WarpSpecialized):
     producer_regs: int
     consumer_regs: int
     smem_bytes: int
+    #: which block of the grid computes which key block (key blocks slowest: a causal mask's longest CTAs first)
+    grid: BackwardGrid = BackwardGrid()
 
     @property
     def rotates_items(self) -> bool:

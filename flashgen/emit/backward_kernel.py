@@ -4,8 +4,9 @@ Three kernels and one launcher:
 
 * ``preprocess``: ``D = rowsum(dO * O)`` per query row (the plan's :class:`RowDot` rule), and the dQ buffer zeroed
   (:mod:`flashgen.emit.backward_aux`, which both engines share);
-* ``kernel``: one CTA per (key block, kv head, batch entry) walking the plan's schedule over the
-  query blocks of its group's heads (:class:`QueryBlocks`); dQ added into an fp32 buffer;
+* ``kernel``: one CTA per (key block, kv head, batch entry), key blocks slowest in the grid
+  (:class:`BackwardGrid`), walking the plan's schedule over the query blocks of its group's heads
+  (:class:`QueryBlocks`); dQ added into an fp32 buffer;
 * ``convert_dq``: dQ = the buffer times the softmax scale, in the inputs' dtype;
 * ``<name>_launch``: the three in order; the buffer and D live in the launch's workspace
   (``<name>_workspace``).
@@ -14,7 +15,7 @@ Three kernels and one launcher:
 the CTA of key block ``kb`` adds its dQ of a query block when the counter equals its rank among the
 key blocks that visit the block (:meth:`QueryBlocks.key_rank`) and then increments it, so every dQ
 element is summed in ascending key blocks. Deadlock freedom: a CTA waits only for CTAs of the same
-(kv head, batch) and lower key blocks, i.e. lower ``blockIdx.x`` and so lower linear block index;
+(kv head, batch) and lower key blocks, which have lower linear block indices (:class:`BackwardGrid`);
 it relies on the hardware dispatching CTAs in linear block order (a CTA is resident no later than
 those after it), so the lowest unfinished key block always runs and never waits.
 
@@ -389,8 +390,7 @@ _DQ_TURN = "p.dq_turns + (batch64 * p.heads + head) * ((p.seq_q + int(B_r) - 1) 
 def _wait_order_code(plan: BackwardPlan, step: Step) -> list[str]:
     """One thread spins until the key blocks below this one that visit the query block have added,
     then a barrier holds the CTA's adds behind it."""
-    return ["// deadlock-free only because a CTA of lower blockIdx.x (key block) is dispatched no later than this one:",
-            "// the key blocks waited for are lower ones of the same (kv head, batch), and the lowest never waits",
+    return [*plan.grid.WAIT_NOTE,
             "if (tid == 0) turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
             "__syncthreads();"]
 
@@ -492,7 +492,7 @@ _HEADER = CodeTemplate(
 //
 // $short_form
 // knobs: $knobs_json
-// grid: (ceil(seq_k / $B_c), kv_heads, batch), block: $threads threads, dynamic shared memory: $smem_bytes bytes
+// grid: $grid, block: $threads threads, dynamic shared memory: $smem_bytes bytes
 // schedule per query block: $schedule
 #include <stdint.h>
 #ifdef FLASHGEN_INDEX_ONLY
@@ -526,6 +526,9 @@ $index_fns
 // ---- the score mask, and the mask seen from a key block ----
 $mask_fns
 $query_block_fns
+
+// ---- the grid: which block computes which key block ----
+$grid_fns
 
 // ---- the backward's rules ----
 $rule_fns
@@ -573,10 +576,10 @@ _KERNEL = CodeTemplate(
     const uint32_t sdS_t_addr = sdS_addr, sdK_addr = sK_addr, sdV_addr = sV_addr;  // the same memory, other coordinates
     const uint32_t sLSE_stage0 = smem + $sLSE_offset, sD_stage0 = smem + $sD_offset;
     const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
-    // the batch index for 64-bit address math, widened from the unsigned blockIdx.z: known non-negative, so
+    $cta
+    // the batch index for 64-bit address math, widened from the unsigned cta.batch: known non-negative, so
     // no sign word lives in a register across the query-block loop (with it the score_mod kernels spilled)
-    const int64_t batch64 = blockIdx.z;
+    const int64_t batch64 = cta.batch;
     const elem_t* gK = p.k + batch64 * p.k_batch + kv_head * p.k_head + int64_t(kb) * B_c * p.k_ld;
     const elem_t* gV = p.v + batch64 * p.v_batch + kv_head * p.v_head + int64_t(kb) * B_c * p.v_ld;
     elem_t* gdK = p.dk + batch64 * p.dk_batch + kv_head * p.dk_head + int64_t(kb) * B_c * p.dk_ld;
@@ -646,7 +649,9 @@ extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* z
 
 extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     using namespace $name;
-    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace)
+    uint32_t grid[3];  // the main kernel's
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace
+        || $grid_check)
         return (int)cudaErrorInvalidValue;
     int* turns = (int*)a->workspace;
     int* dq_turns = dq_turn_count(a) ? turns : nullptr;
@@ -670,7 +675,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
         if (e != cudaSuccess) return (int)e;
         attr_set = true;
     }
-    kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
+    kernel<<<$grid_dims, THREADS, smem, s>>>(p);
     convert_dq<<<$convert_grid, 256, 0, s>>>(p);
     return (int)cudaGetLastError();
 }
@@ -717,6 +722,8 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
         d_cols=8 * plan.gemms["dV"].n_tiles,
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
+        grid_fns=plan.grid.to_cpp(), grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(),
+        grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.LAUNCH_DIMS,
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
         mod_params=plan.score_mask.params_cpp(backward=True), mod_fill=plan.score_mask.fill_cpp(backward=True),
@@ -731,6 +738,6 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
     ))
-    meta = {**kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", kind="backward"),
+    meta = {**kernel_meta(cfg, name, cfg.threads, cfg.smem_bytes, grid=plan.grid.described(cfg.B_c), kind="backward"),
             "arguments": f"{name}_args", "workspace": f"{name}_workspace"}
     return KernelSource(name, insert_used(text, helpers), meta)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ..attention.backward_grid import BackwardGrid
 from ..dsl.atoms.copy import RF2GM_red
 from ..dsl.config import LOG2E
 from ..dsl.config import WARPGROUP
@@ -205,8 +206,7 @@ def _release(plan: HopperBackwardPlan, step: Step) -> list[str]:
     return [f"mbar_arrive(bar_{step.arg.lower()}_empty + 8 * st);  // every thread: each read the stage's lse or D"]
 
 
-_WAIT_ORDER = ["// deadlock-free only because a CTA of lower blockIdx.x (key block) is dispatched no later than this one:",
-               "// the key blocks waited for are lower ones of the same (kv head, batch), and the lowest never waits",
+_WAIT_ORDER = [*BackwardGrid.WAIT_NOTE,
                "if (wtid == 0) {",
                "    turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
                "    fence_proxy_async_global();  // the bulk reduction (async proxy) comes after the turn",
@@ -284,7 +284,7 @@ _HEADER = CodeTemplate(
 //
 // $short_form
 // knobs: $knobs_json
-// grid: (ceil(seq_k / $B_c), kv_heads, batch), block: $threads threads (warpgroup 0: TMA producer, warpgroups
+// grid: $grid, block: $threads threads (warpgroup 0: TMA producer, warpgroups
 // 1..$consumers: consumers of 64 key rows each), dynamic shared memory: $smem_bytes bytes
 // build: $gencode
 // schedule per query block: $schedule
@@ -307,6 +307,9 @@ constexpr uint32_t DQ_COLS = $dq_cols;  // columns of dQ per consumer
 // ---- the score mask, and the mask seen from a key block ----
 $mask_fns
 $query_block_fns
+
+// ---- the grid: which block computes which key block ----
+$grid_fns
 
 // ---- the backward's rules ----
 $rule_fns
@@ -343,7 +346,7 @@ _KERNEL = CodeTemplate(
 
 $aux_code
 
-// One key block of one kv head (blockIdx.x, .y, .z = key block, kv head, batch) over the query blocks of its
+// One key block of one kv head of one batch entry (the grid's decode: bwd_cta) over the query blocks of its
 // group's heads.
 __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
     extern __shared__ unsigned char smem_raw[];
@@ -351,7 +354,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)), smem = (raw + 1023u) & ~1023u;
     $smem_decls
     const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128;
-    const int kb = int(blockIdx.x), kv_head = int(blockIdx.y), batch = int(blockIdx.z);
+    $cta
     int qb_begin, qb_end;  // query blocks holding kept scores of this key block
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
     $block_mask_clip
@@ -434,7 +437,9 @@ extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* z
 // describe (multiples of 16 bytes); cudaErrorNotSupported when the driver has no cuTensorMapEncodeTiled.
 extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     using namespace $name;
-    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace)
+    uint32_t grid[3];  // the main kernel's
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace
+        || $grid_check)
         return (int)cudaErrorInvalidValue;
     if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
     static Params p;  // large (4 tensor maps): built in static storage, passed by value to the launches
@@ -467,7 +472,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
         return (int)cudaErrorInvalidValue;
     constexpr int smem = $smem_bytes;
     $smem_attribute
-    kernel<<<dim3((a->seq_k + B_c - 1) / B_c, a->kv_heads, a->batch), THREADS, smem, s>>>(p);
+    kernel<<<$grid_dims, THREADS, smem, s>>>(p);
     convert_dq<<<$convert_grid, 256, 0, s>>>(p);
     return (int)cudaGetLastError();
 }
@@ -507,6 +512,8 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
         dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(backward=True),
         mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
+        grid_fns=plan.grid.to_cpp(), grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(),
+        grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.LAUNCH_DIMS,
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
         dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(plan.dq_stage), convert_grid=convert_grid(plan.dq_stage), smem_decls=_smem_decls(plan),
@@ -522,7 +529,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
     )
     text = compose(_PARTS, env)
-    meta = {**kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=f"(ceil(seq_k / {cfg.B_c}), kv_heads, batch)", arch=TARGET.name,
+    meta = {**kernel_meta(cfg, name, plan.threads, plan.smem_bytes, grid=plan.grid.described(cfg.B_c), arch=TARGET.name,
                           kind="backward", strides="multiples of 8 elements (16 bytes)"),
             "arguments": f"{name}_args", "workspace": f"{name}_workspace"}
     return KernelSource(name, insert_used(text, helpers), meta)

@@ -1,6 +1,7 @@
 """The backward's grid (flashgen.attention.backward_grid): every CTA launched once, key blocks slowest (a
 causal mask's longest CTAs first), lower key blocks of a (kv head, batch) pair started first (what keeps
-the ordered dQ adds free of deadlock), the grid's limits, and its C++ agreeing with its Python."""
+the ordered dQ adds free of deadlock), the grid's limits, and the C++ both engines' launchers and kernels
+call agreeing with the Python the simulators run."""
 from __future__ import annotations
 
 import itertools
@@ -12,6 +13,11 @@ import pytest
 from flashgen.attention.backward_grid import MAX_X, MAX_YZ, BackwardGrid
 from flashgen.attention.query_blocks import QueryBlocks
 from flashgen.attention.score_mask import ScoreMask
+from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.backward_plan import make_backward_plan
+from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+from flashgen.emit.backward_kernel import emit_backward
+from flashgen.emit.hopper_backward_kernel import emit_hopper_backward
 
 GRID = BackwardGrid()
 #: (key blocks, kv heads, batch entries): one CTA, one of each dimension, the shapes of the estimate (16 heads x
@@ -119,3 +125,24 @@ def test_emitted_grid_and_decode_agree_with_python(tmp_path):
     grids = [[1, *g] if (g := GRID.grid(*size)) is not None else [0, 0, 0, 0] for size in SIZES + LIMITS]
     orders = [[x for c in GRID.dispatch_order(*size) for x in c] for size in SIZES]
     assert got == grids + orders
+
+
+ENGINES = [(make_backward_plan, emit_backward, BackwardConfig.default("fp16", 128, "causal").replace(deterministic=True)),
+           (make_hopper_backward_plan, emit_hopper_backward, BackwardConfig.wgmma("bf16", 128, "causal").replace(deterministic=True))]
+
+
+@pytest.mark.parametrize("make, emit, cfg", ENGINES, ids=["mma_sync", "wgmma"])
+def test_both_engines_launch_and_decode_through_the_rule(make, emit, cfg):
+    """The main kernel's block decode, the launch's size check and grid, and the ordered adds' note come from
+    the plan's BackwardGrid; no block index is read as a key block, kv head or batch entry anywhere else."""
+    plan = make(cfg)
+    src = emit(plan)
+    text = src.text
+    assert plan.grid == GRID and text.count(GRID.to_cpp()) == 1
+    assert all(text.count(line) == 1 for line in GRID.kernel_cpp())
+    assert f"|| {GRID.launch_check_cpp()})" in text and f"kernel<<<{GRID.LAUNCH_DIMS}, THREADS, smem, s>>>(p);" in text
+    assert text.count(GRID.WAIT_NOTE[0]) == text.count("turn_wait(") - text.count("void turn_wait(") >= 1
+    main = text[text.index("kernel(const __grid_constant__ Params p)"):]
+    main = main[:main.index("\n}\n")]
+    assert main.count("blockIdx") == 3 and "gridDim" not in main
+    assert src.meta["grid"] == GRID.described(cfg.B_c)
