@@ -26,11 +26,11 @@ forward simulator's :class:`~flashgen.sim.cta.HazardTracker` watching every shar
   of one (batch, kv head) in a given arrival order, each as far as its turns allow; CTAs that all
   wait for turns that never come are a hazard (the kernel would hang).
 
-:func:`simulate_backward` runs every CTA of a problem (batch, kv heads, key blocks), the
-preprocess (D from the rule, O and lse from a float64 forward of the 16-bit inputs) and the dQ
-conversion, and returns dQ, dK, dV in the inputs' 16-bit type. ``key_block_order`` permutes the
-order in which the CTAs of a (batch, kv head) arrive: without ``deterministic`` their dQ adds come in
-that order, with it always in ascending key blocks.
+:func:`simulate_backward` runs every CTA of a problem (batch, kv heads, key blocks) in the order the
+grid starts them (:meth:`BwdPass.arrivals`), the preprocess (D from the rule, O and lse from a float64
+forward of the 16-bit inputs) and the dQ conversion, and returns dQ, dK, dV in the inputs' 16-bit type.
+``key_block_order`` permutes the order in which the CTAs of a (batch, kv head) arrive: without
+``deterministic`` their dQ adds come in that order, with it always in ascending key blocks.
 """
 from __future__ import annotations
 
@@ -565,6 +565,17 @@ class BwdPass:
         """Query heads per kv head."""
         return self.bits["q"].shape[2] // self.bits["k"].shape[2]
 
+    def arrivals(self) -> dict[tuple[int, int], list[int]]:
+        """Per (batch entry, kv head), its key blocks in the order the grid starts their CTAs (the plan's
+        :class:`~flashgen.attention.backward_grid.BackwardGrid`); the pairs in the order of their first CTA.
+        The CTAs of one pair share dQ's rows and turns; those of different pairs share nothing, so running
+        pair by pair runs the grid's order."""
+        B, Sk, Hk = self.bits["k"].shape[0], self.bits["k"].shape[1], self.bits["k"].shape[2]
+        out: dict[tuple[int, int], list[int]] = {}
+        for kb, hk, b in self.plan.grid.dispatch_order(-(-Sk // self.plan.cfg.B_c), Hk, B):
+            out.setdefault((b, hk), []).append(kb)
+        return out
+
     def problem(self, kb: int, b: int = 0, hk: int = 0) -> BwdProblem:
         """What the CTA of key block ``kb`` of batch ``b``'s kv head ``hk`` sees."""
         return BwdProblem(self.bits["q"].shape[1], self.bits["k"].shape[1], kb, self.offset, self.left, self.right,
@@ -611,7 +622,7 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
     plan = cfg_or_plan if isinstance(cfg_or_plan, BackwardPlan) else make_backward_plan(cfg_or_plan)
     cfg = plan.cfg
     run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale, mod_values)
-    B, Sq, Sk, Hk = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    Sq, Sk = q.shape[1], k.shape[1]
     group = run.group
     n_kb = -(-Sk // cfg.B_c)
     if key_block_order is not None and sorted(key_block_order) != list(range(n_kb)):
@@ -619,18 +630,17 @@ def simulate_backward(cfg_or_plan: "BackwardConfig | BackwardPlan", q: np.ndarra
     traces = trace_backward(plan)
     dq_acc, dk, dv = run.buffers()
     hazards: list[str] = []
-    for b in range(B):
-        for hk in range(Hk):
-            heads = run.heads(b, hk)
-            turns = [np.zeros(-(-Sq // cfg.B_r), np.int64) for _ in range(group)]
-            order = list(range(n_kb)) if key_block_order is None else list(key_block_order)
-            ctas = [_BwdCta(plan, run.problem(kb, b, hk), traces, run.bits["k"][b, :, hk], run.bits["v"][b, :, hk],
-                            heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale, turns) for kb in order]
-            for kb, cta, (dk_blk, dv_blk) in zip(order, ctas, run_ctas(ctas)):
-                if dk_blk is not None:
-                    run.put_block(dk, b, hk, kb, dk_blk)
-                    run.put_block(dv, b, hk, kb, dv_blk)
-                hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hz.hazards]
+    for (b, hk), arrived in run.arrivals().items():
+        heads = run.heads(b, hk)
+        turns = [np.zeros(-(-Sq // cfg.B_r), np.int64) for _ in range(group)]
+        order = arrived if key_block_order is None else list(key_block_order)
+        ctas = [_BwdCta(plan, run.problem(kb, b, hk), traces, run.bits["k"][b, :, hk], run.bits["v"][b, :, hk],
+                        heads, [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale, turns) for kb in order]
+        for kb, cta, (dk_blk, dv_blk) in zip(order, ctas, run_ctas(ctas)):
+            if dk_blk is not None:
+                run.put_block(dk, b, hk, kb, dk_blk)
+                run.put_block(dv, b, hk, kb, dv_blk)
+            hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hz.hazards]
     return run.result(dq_acc, dk, dv, hazards)
 
 

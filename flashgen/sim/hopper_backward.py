@@ -1,9 +1,9 @@
 """The wgmma backward on the CPU: a whole pass, the plan's coverage and ``flashgen simulate``'s report.
 
 * :func:`simulate_hopper_backward` runs every CTA (batch, kv head, key block) of
-  :class:`~flashgen.sim.hopper_backward_cta.HopperBwdCta` with the preprocess before (the forward's
-  lse as ``lse * log2e`` and D, both padded to whole query blocks: +inf and 0) and dQ's conversion after;
-  the result is the mma.sync simulator's :class:`~flashgen.sim.backward_cta.BackwardResult`.
+  :class:`~flashgen.sim.hopper_backward_cta.HopperBwdCta` in the order the grid starts them, with the
+  preprocess before (the forward's lse as ``lse * log2e`` and D, both padded to whole query blocks: +inf
+  and 0) and dQ's conversion after; the result is the mma.sync simulator's :class:`~flashgen.sim.backward_cta.BackwardResult`.
 * :func:`hopper_backward_coverage`: each TMA load's boxes cover its tile once, where the tile's layout
   puts each element; every consumer's dS^T stores write its buffer once, each element at its layout
   offset; the shared-memory regions (tiles x stages, statistics, barriers) are aligned, disjoint and
@@ -49,21 +49,19 @@ def simulate_hopper_backward(cfg_or_plan: Any, q: np.ndarray, k: np.ndarray, v: 
     plan = cfg_or_plan if isinstance(cfg_or_plan, HopperBackwardPlan) else make_hopper_backward_plan(cfg_or_plan)
     cfg = plan.cfg
     run = BwdPass.of(plan, q, k, v, do, causal, window, align, softmax_scale, mod_values)
-    B, Sk, Hk = q.shape[0], k.shape[1], k.shape[2]
     group = run.group
     dq_acc, dk, dv = run.buffers()
     hazards: list[str] = []
-    for b in range(B):
-        for hk in range(Hk):
-            heads = run.heads(b, hk)
-            stats = [preprocess(plan, x.lse, x.delta) for x in heads]
-            for kb in range(-(-Sk // cfg.B_c)):
-                cta = HopperBwdCta(plan, run.problem(kb, b, hk), run.bits["k"][b, :, hk], run.bits["v"][b, :, hk], heads, stats,
-                                   [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale)
-                dk_blk, dv_blk = cta.run()
-                run.put_block(dk, b, hk, kb, dk_blk)
-                run.put_block(dv, b, hk, kb, dv_blk)
-                hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hazards]
+    for (b, hk), arrived in run.arrivals().items():
+        heads = run.heads(b, hk)
+        stats = [preprocess(plan, x.lse, x.delta) for x in heads]
+        for kb in arrived:
+            cta = HopperBwdCta(plan, run.problem(kb, b, hk), run.bits["k"][b, :, hk], run.bits["v"][b, :, hk], heads, stats,
+                               [dq_acc[b, h] for h in range(hk * group, (hk + 1) * group)], run.scale)
+            dk_blk, dv_blk = cta.run()
+            run.put_block(dk, b, hk, kb, dk_blk)
+            run.put_block(dv, b, hk, kb, dv_blk)
+            hazards += [f"CTA (batch {b}, kv head {hk}, key block {kb}): {x}" for x in cta.hazards]
     return run.result(dq_acc, dk, dv, hazards)
 
 

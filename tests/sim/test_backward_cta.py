@@ -8,6 +8,7 @@ import attrs
 import numpy as np
 import pytest
 
+from flashgen.attention.backward_grid import BackwardGrid
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import make_backward_plan
 from flashgen.dsl.steps import Barrier, Commit, Copy, Gemm, Wait
@@ -219,6 +220,25 @@ def test_without_the_order_dq_depends_on_the_order_the_ctas_arrive_in():
     first, last = (simulate_backward(cfg, *inputs, **mask, key_block_order=o) for o in _orders(seq_k, cfg.B_c)[:2])
     assert not np.array_equal(first.dq, last.dq)
     assert np.array_equal(first.dk, last.dk) and np.array_equal(first.dv, last.dv)
+
+
+class _HighestFirst(BackwardGrid):
+    """A grid that starts the key blocks highest first (the simulators' order comes from the plan's grid)."""
+
+    def dispatch_order(self, key_blocks, kv_heads, batch):
+        return sorted(super().dispatch_order(key_blocks, kv_heads, batch), key=lambda c: -c[0])
+
+
+def test_the_ctas_arrive_in_the_order_of_the_plans_grid():
+    """Unordered dQ adds come in the order the plan's BackwardGrid starts the CTAs: a grid starting the highest
+    key block first gives the sums of reversed arrivals."""
+    cfg, seq_q, seq_k, heads, kv_heads, mask = ORDERED[0]
+    cfg = cfg.replace(deterministic=False)
+    inputs = _inputs(0, seq_q, seq_k, heads, kv_heads, cfg.d_head)
+    plan = attrs.evolve(make_backward_plan(cfg), grid=_HighestFirst())
+    reversed_ = simulate_backward(cfg, *inputs, **mask, key_block_order=_orders(seq_k, cfg.B_c)[1])
+    assert np.array_equal(simulate_backward(plan, *inputs, **mask).dq, reversed_.dq)
+    assert not np.array_equal(simulate_backward(cfg, *inputs, **mask).dq, reversed_.dq)
 
 
 def test_a_wrong_rank_rule_hangs_the_ctas(monkeypatch):

@@ -1,7 +1,8 @@
 """The wgmma backward on the CPU (flashgen.sim.hopper_backward): dQ, dK, dV of odd shapes against the
 float64 gradients within FlashAttention's rule, with no hazard; altered plans (a descriptor offset, the
 accumulator-to-A table, the dS^T layout) give wrong gradients and fail their proofs; schedules with a
-step missing, moved or a buffer short report the hazard; coverage, proofs and ``flashgen simulate``."""
+step missing, moved or a buffer short report the hazard; the CTAs run in the plan's grid order; coverage, proofs
+and ``flashgen simulate``."""
 from __future__ import annotations
 
 import attrs
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from flashgen import engines
+from flashgen.attention.backward_grid import BackwardGrid
 from flashgen.cli import main
 from flashgen.dsl.atoms.hopper import GmmaSwizzle, kmajor_tile_layout
 from flashgen.dsl.backward_config import BackwardConfig
@@ -57,6 +59,25 @@ def _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, d):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((batch, seq_q, heads, d)), rng.standard_normal((batch, seq_k, kv_heads, d)),
             rng.standard_normal((batch, seq_k, kv_heads, d)), rng.standard_normal((batch, seq_q, heads, d)))
+
+
+class _HighestFirst(BackwardGrid):
+    """A grid that starts the key blocks highest first (the simulator's order comes from the plan's grid)."""
+
+    def dispatch_order(self, key_blocks, kv_heads, batch):
+        return sorted(super().dispatch_order(key_blocks, kv_heads, batch), key=lambda c: -c[0])
+
+
+def test_the_ctas_run_in_the_order_of_the_plans_grid():
+    """The CTAs run in the order the plan's BackwardGrid starts them: started highest key block first, the
+    unordered dQ sums round differently, and dK, dV (each one CTA's own) stay the same."""
+    cfg = _cfg()
+    inputs = _inputs(0, 1, 101, 301, 2, 1, cfg.d_head)  # three key blocks (two add in either order alike)
+    plan = make_hopper_backward_plan(cfg)
+    ascending, highest = (simulate_hopper_backward(p, *inputs) for p in (plan, attrs.evolve(plan, grid=_HighestFirst())))
+    assert ascending.ok and highest.ok
+    assert not np.array_equal(ascending.dq, highest.dq)
+    assert np.array_equal(ascending.dk, highest.dk) and np.array_equal(ascending.dv, highest.dv)
 
 
 def _errors(cfg, res, inputs, mask):
