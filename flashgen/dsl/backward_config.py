@@ -78,6 +78,10 @@ class BackwardConfig:
     stages: int = 1
     deterministic: bool = False
     split_scores: bool = False
+    #: the grid starts every (kv head, batch) pair's key block 0 before any key block 1 (a causal mask's longest
+    #: CTAs first) instead of all key blocks of a pair together (:class:`~flashgen.attention.backward_grid.BackwardGrid`);
+    #: not yet timed, so off by default and out of the tuning space
+    longest_first: bool = False
 
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
@@ -200,12 +204,13 @@ class BackwardConfig:
 
     # ---- names ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The knobs; ``split_scores`` only where on, so that the names and hashes of the configs from
-        before it are unchanged."""
+        """The knobs; ``split_scores`` and ``longest_first`` only where on, so that the names and hashes of the
+        configs from before them are unchanged."""
         d = attrs.asdict(self)
         d["dtype"] = self.dtype.value
-        if not self.split_scores:
-            del d["split_scores"]
+        for name in ("split_scores", "longest_first"):
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
@@ -222,13 +227,15 @@ class BackwardConfig:
 
     def short_form(self) -> str:
         """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
-        (``d_split_2`` among them when the warps split d, ``deterministic`` for dQ's ordered adds)."""
+        (``d_split_2`` among them when the warps split d, ``deterministic`` for dQ's ordered adds, ``longest_first``
+        for the grid's order)."""
         flags = (["wgmma"] if self.engine == "wgmma" else []) + (["swizzled"] if self.swizzled else [])
         flags += [self.mask] if self.mask != "none" else []
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
         flags += ["split_scores"] if self.split_scores else []
         flags += [f"stages_{self.stages}"] if self.stages > 1 else []
         flags += ["deterministic"] if self.deterministic else []
+        flags += ["longest_first"] if self.longest_first else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
         return head + (": " + "+".join(flags) if flags else "")
 
@@ -244,6 +251,7 @@ class BackwardConfig:
         parts += ["ss"] if self.split_scores else []
         parts += [f"s{self.stages}"] if self.stages > 1 else []
         parts += ["det"] if self.deterministic else []
+        parts += ["lf"] if self.longest_first else []
         return "_".join(["flash_bwd", *parts])
 
     def content_hash(self) -> str:
@@ -258,7 +266,7 @@ def _rule_choices(c: BackwardConfig) -> None:
         raise ConfigError(f"engine={c.engine!r}: the backward is built by {', '.join(ENGINES)} so far")
     if c.mask not in MASKS:
         raise ConfigError(f"mask={c.mask!r}: expected one of {', '.join(MASKS)}")
-    for name in ("swizzled", "deterministic", "split_scores"):
+    for name in ("swizzled", "deterministic", "split_scores", "longest_first"):
         if not isinstance(getattr(c, name), bool):
             raise ConfigError(f"{name}={getattr(c, name)!r}: expected true or false")
 

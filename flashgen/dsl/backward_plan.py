@@ -108,6 +108,8 @@ class BackwardPlan:
     recompute: Recompute
     score_grad: ScoreGrad
     row_dot: RowDot  # the preprocess kernel's rule
+    #: which block of the grid computes which key block, in what order the CTAs start (the config's ``longest_first``)
+    grid: BackwardGrid
     valid_cols: int
     #: dS^T is stored by warps ``w % ds_store_every == 0``: the first of each group, whose other warps
     #: hold the same values; every warp with ``split_scores`` (each holds its own query columns)
@@ -116,8 +118,6 @@ class BackwardPlan:
     #: the emitted GEMM adds each slice as soon as it is made, so only a slice's accumulators live; the sums
     #: (each element's k steps in order) and the shared-memory reads are those of one pass
     dq_passes: int = 1
-    #: which block of the grid computes which key block (key blocks slowest: a causal mask's longest CTAs first)
-    grid: BackwardGrid = BackwardGrid()
 
     @property
     def mma(self) -> MMA_16x8x16:
@@ -415,7 +415,7 @@ def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
         dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_cols)
     schedule = _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score, cfg.split_scores)
     return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, schedule, _row_reduce_lanes(mma.c_map), mask,
-                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), cfg.d_head, 1 if cfg.split_scores else sp,
-                        cfg.dq_passes)
+                        QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), BackwardGrid(longest_first=cfg.longest_first),
+                        cfg.d_head, 1 if cfg.split_scores else sp, cfg.dq_passes)
 
 

@@ -102,8 +102,8 @@ class HopperBackwardPlan(WarpSpecialized):
     producer_regs: int
     consumer_regs: int
     smem_bytes: int
-    #: which block of the grid computes which key block (key blocks slowest: a causal mask's longest CTAs first)
-    grid: BackwardGrid = BackwardGrid()
+    #: which block of the grid computes which key block, in what order the CTAs start (the config's ``longest_first``)
+    grid: BackwardGrid
 
     @property
     def rotates_items(self) -> bool:
@@ -253,4 +253,5 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
         schedule=_schedule(cfg.deterministic, grad_with_p, mask.derivative_reads_score),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
+        grid=BackwardGrid(longest_first=cfg.longest_first),
     )

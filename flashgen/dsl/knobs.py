@@ -301,6 +301,9 @@ BACKWARD_ONLY: tuple[Knob, ...] = (
     Knob("split_scores", bool, "backward: the warps of a d_split group split S^T and dP^T's query columns and stage P^T "
          "and dS^T in shared memory for dV and dK, instead of each computing the group's whole tiles", default=False,
          engines=(), off=False, flag=Switch("split_scores"), mangled=Switch("ss")),
+    Knob("longest_first", bool, "backward: the grid starts every (kv head, batch) pair's key block 0 before any key block 1 "
+         "(a causal mask's longest CTAs first; not yet timed) instead of all key blocks of a pair together", default=False,
+         engines=(), off=False, flag=Switch("longest_first"), mangled=Switch("lf")),
 )
 BACKWARD_FLAGS: tuple[Spelled, ...] = _groups(BACKWARD_ONLY, "flag")
 

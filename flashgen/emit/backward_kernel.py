@@ -4,9 +4,9 @@ Three kernels and one launcher:
 
 * ``preprocess``: ``D = rowsum(dO * O)`` per query row (the plan's :class:`RowDot` rule), and the dQ buffer zeroed
   (:mod:`flashgen.emit.backward_aux`, which both engines share);
-* ``kernel``: one CTA per (key block, kv head, batch entry), key blocks slowest in the grid
-  (:class:`BackwardGrid`), walking the plan's schedule over the query blocks of its group's heads
-  (:class:`QueryBlocks`); dQ added into an fp32 buffer;
+* ``kernel``: one CTA per (key block, kv head, batch entry), on the plan's :class:`BackwardGrid` (its
+  block's decode and the launch's grid), walking the plan's schedule over the query blocks of its group's
+  heads (:class:`QueryBlocks`); dQ added into an fp32 buffer;
 * ``convert_dq``: dQ = the buffer times the softmax scale, in the inputs' dtype;
 * ``<name>_launch``: the three in order; the buffer and D live in the launch's workspace
   (``<name>_workspace``).
@@ -15,7 +15,8 @@ Three kernels and one launcher:
 the CTA of key block ``kb`` adds its dQ of a query block when the counter equals its rank among the
 key blocks that visit the block (:meth:`QueryBlocks.key_rank`) and then increments it, so every dQ
 element is summed in ascending key blocks. Deadlock freedom: a CTA waits only for CTAs of the same
-(kv head, batch) and lower key blocks, which have lower linear block indices (:class:`BackwardGrid`);
+(kv head, batch) and lower key blocks, which have lower linear block indices in either grid order
+(:class:`BackwardGrid`);
 it relies on the hardware dispatching CTAs in linear block order (a CTA is resident no later than
 those after it), so the lowest unfinished key block always runs and never waits.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 
+from ..attention.backward_grid import BATCH
 from ..dsl.atoms.mma import accumulator_as_a_operand
 from ..dsl.backward_plan import STATS, STREAMED, BackwardPlan
 from ..dsl.plan import OperandLoad, TiledCopy, WarpGemm
@@ -390,7 +392,7 @@ _DQ_TURN = "p.dq_turns + (batch64 * p.heads + head) * ((p.seq_q + int(B_r) - 1) 
 def _wait_order_code(plan: BackwardPlan, step: Step) -> list[str]:
     """One thread spins until the key blocks below this one that visit the query block have added,
     then a barrier holds the CTA's adds behind it."""
-    return [*plan.grid.WAIT_NOTE,
+    return [*plan.grid.wait_note(),
             "if (tid == 0) turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
             "__syncthreads();"]
 
@@ -527,9 +529,6 @@ $index_fns
 $mask_fns
 $query_block_fns
 
-// ---- the grid: which block computes which key block ----
-$grid_fns
-
 // ---- the backward's rules ----
 $rule_fns
 
@@ -577,9 +576,9 @@ _KERNEL = CodeTemplate(
     const uint32_t sLSE_stage0 = smem + $sLSE_offset, sD_stage0 = smem + $sD_offset;
     const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     $cta
-    // the batch index for 64-bit address math, widened from the unsigned cta.batch: known non-negative, so
+    // the batch index for 64-bit address math, widened from the unsigned $batch_index: known non-negative, so
     // no sign word lives in a register across the query-block loop (with it the score_mod kernels spilled)
-    const int64_t batch64 = cta.batch;
+    const int64_t batch64 = $batch_index;
     const elem_t* gK = p.k + batch64 * p.k_batch + kv_head * p.k_head + int64_t(kb) * B_c * p.k_ld;
     const elem_t* gV = p.v + batch64 * p.v_batch + kv_head * p.v_head + int64_t(kb) * B_c * p.v_ld;
     elem_t* gdK = p.dk + batch64 * p.dk_batch + kv_head * p.dk_head + int64_t(kb) * B_c * p.dk_ld;
@@ -649,9 +648,7 @@ extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* z
 
 extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     using namespace $name;
-    uint32_t grid[3];  // the main kernel's
-    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace
-        || $grid_check)
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace$grid_check)
         return (int)cudaErrorInvalidValue;
     int* turns = (int*)a->workspace;
     int* dq_turns = dq_turn_count(a) ? turns : nullptr;
@@ -722,8 +719,8 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
         d_cols=8 * plan.gemms["dV"].n_tiles,
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
-        grid_fns=plan.grid.to_cpp(), grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(),
-        grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.LAUNCH_DIMS,
+        grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(), batch_index=plan.grid.block_index(BATCH),
+        grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
         elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
         mod_params=plan.score_mask.params_cpp(backward=True), mod_fill=plan.score_mask.fill_cpp(backward=True),

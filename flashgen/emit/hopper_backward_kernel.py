@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-from ..attention.backward_grid import BackwardGrid
 from ..dsl.atoms.copy import RF2GM_red
 from ..dsl.config import LOG2E
 from ..dsl.config import WARPGROUP
@@ -206,8 +205,7 @@ def _release(plan: HopperBackwardPlan, step: Step) -> list[str]:
     return [f"mbar_arrive(bar_{step.arg.lower()}_empty + 8 * st);  // every thread: each read the stage's lse or D"]
 
 
-_WAIT_ORDER = [*BackwardGrid.WAIT_NOTE,
-               "if (wtid == 0) {",
+_WAIT_ORDER = ["if (wtid == 0) {",
                "    turn_wait(" + _DQ_TURN + ", key_rank(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right));",
                "    fence_proxy_async_global();  // the bulk reduction (async proxy) comes after the turn",
                "}"]
@@ -230,7 +228,7 @@ _STEP_CODE = {
     Handoff: lambda plan, step, at: ["fence_proxy_async();  // wgmma (async proxy) reads what st.shared wrote",
                                      "named_bar_sync(1, 128 * CONSUMERS);"],
     ReduceGM: lambda plan, step, at: _reduce_dq(plan),
-    WaitOrder: lambda plan, step, at: _WAIT_ORDER,
+    WaitOrder: lambda plan, step, at: [*plan.grid.wait_note(), *_WAIT_ORDER],
     SignalOrder: lambda plan, step, at: _SIGNAL_ORDER,
 }
 
@@ -308,9 +306,6 @@ constexpr uint32_t DQ_COLS = $dq_cols;  // columns of dQ per consumer
 $mask_fns
 $query_block_fns
 
-// ---- the grid: which block computes which key block ----
-$grid_fns
-
 // ---- the backward's rules ----
 $rule_fns
 
@@ -346,7 +341,7 @@ _KERNEL = CodeTemplate(
 
 $aux_code
 
-// One key block of one kv head of one batch entry (the grid's decode: bwd_cta) over the query blocks of its
+// One key block of one kv head ($cta_indices) over the query blocks of its
 // group's heads.
 __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Params p) {
     extern __shared__ unsigned char smem_raw[];
@@ -437,9 +432,7 @@ extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* z
 // describe (multiples of 16 bytes); cudaErrorNotSupported when the driver has no cuTensorMapEncodeTiled.
 extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     using namespace $name;
-    uint32_t grid[3];  // the main kernel's
-    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace
-        || $grid_check)
+    if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace$grid_check)
         return (int)cudaErrorInvalidValue;
     if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
     static Params p;  // large (4 tensor maps): built in static storage, passed by value to the launches
@@ -512,8 +505,8 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
         dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(backward=True),
         mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
-        grid_fns=plan.grid.to_cpp(), grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(),
-        grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.LAUNCH_DIMS,
+        grid=plan.grid.described(cfg.B_c), cta_indices=plan.grid.indices_described(), cta=plan.grid.kernel_cpp(),
+        grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
         dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(plan.dq_stage), convert_grid=convert_grid(plan.dq_stage), smem_decls=_smem_decls(plan),

@@ -178,6 +178,32 @@ def test_split_scores_names_sizes_and_rules():
     assert B("bf16", n_warps=8, d_split=2, split_scores=True).dq_passes == 1
 
 
+def test_longest_first_names_round_trip_and_plans(tmp_path):
+    """The knob's flag, YAML key and mangled word (a kernel of its own); left out of the dict where off (the names and
+    hashes of the configs before it unchanged); both engines' plans take their grid's order from it; out of the tuning
+    space until it is timed."""
+    from flashgen.dsl import configs
+    from flashgen.dsl.backward_config import TUNING_KNOBS, tuning_space
+    from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+
+    text = "bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+causal+stages_2+longest_first"
+    cfg = configs.load(text)
+    off = B.wgmma("bf16", 128, "causal")
+    assert cfg == off.replace(longest_first=True) and cfg.short_form() == text
+    assert cfg.mangle() == off.mangle() + "_lf" == "flash_bwd_bf16_d128_br64_bc128_w12_wgmma_swz_causal_s2_lf"
+    assert cfg.to_dict()["longest_first"] is True and "longest_first" not in off.to_dict()
+    assert cfg.content_hash() != off.content_hash() and configs.from_dict(configs.to_record(cfg)) == cfg
+    (tmp_path / "lf.yaml").write_text("kind: backward\ndtype: fp16\nd_head: 64\nlongest_first: true\n")
+    mma = configs.load(str(tmp_path / "lf.yaml"))
+    assert mma == B("fp16", d_head=64, longest_first=True) and mma.mangle().endswith("_swz_lf")
+    assert configs.load(mma.short_form()) == mma and "longest_first" in mma.short_form()
+    assert [make_backward_plan(c).grid.longest_first for c in (mma.replace(longest_first=False), mma)] == [False, True]
+    assert [make_hopper_backward_plan(c).grid.longest_first for c in (off, cfg)] == [False, True]
+    with pytest.raises(ConfigError, match="longest_first=1: expected true or false"):
+        B("fp16", longest_first=1)
+    assert "longest_first" not in TUNING_KNOBS and not any(c.longest_first for c in tuning_space("fp16", 64, "causal"))
+
+
 def test_split_scores_plan_reads_p_and_ds_from_shared_memory():
     """Warp h of a group: S^T and dP^T of its B_r / d_split query columns (rows of sQ / sdO from h * B_r / d_split),
     dV and dK's A operands from sP / sdS (the group's key rows, all B_r), every warp storing its dS^T; sP after sdS."""
