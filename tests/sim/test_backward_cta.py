@@ -241,6 +241,23 @@ def test_the_ctas_arrive_in_the_order_of_the_plans_grid():
     assert not np.array_equal(simulate_backward(cfg, *inputs, **mask).dq, reversed_.dq)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_longest_first_gives_the_default_orders_gradients(deterministic):
+    """longest_first starts the pairs' CTAs interleaved, but each pair's key blocks still ascending
+    (BwdPass.arrivals alike) and CTAs of different pairs share nothing: dQ, dK and dV are the default order's
+    bit for bit, ordered adds or not, with no hazard."""
+    cfg = B("bf16", d_head=64, B_c=32, n_warps=2, mask="causal", deterministic=deterministic)
+    rng = np.random.default_rng(7)
+    inputs = tuple(rng.standard_normal((2, s, h, 64)) for s, h in ((70, 4), (113, 2), (113, 2), (70, 4)))
+    plans = [make_backward_plan(cfg.replace(longest_first=lf)) for lf in (False, True)]
+    assert [p.grid.longest_first for p in plans] == [False, True]
+    assert plans[0].grid.dispatch_order(4, 2, 2) != plans[1].grid.dispatch_order(4, 2, 2)
+    default, longest = (simulate_backward(p, *inputs, causal=True) for p in plans)
+    assert default.ok and longest.ok, longest.hazards[:3]
+    assert all(np.array_equal(getattr(default, n), getattr(longest, n)) for n in ("dq", "dk", "dv"))
+    _check(cfg, longest, inputs, {"causal": True})
+
+
 def test_a_wrong_rank_rule_hangs_the_ctas(monkeypatch):
     """Ranks counted over every key block (not only those that visit the query block): a window's later key
     blocks wait for counts that the blocks it skips never add."""

@@ -80,6 +80,21 @@ def test_the_ctas_run_in_the_order_of_the_plans_grid():
     assert np.array_equal(ascending.dk, highest.dk) and np.array_equal(ascending.dv, highest.dv)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_longest_first_gives_the_default_orders_gradients(deterministic):
+    """longest_first starts the pairs' CTAs interleaved, each pair's key blocks still ascending, and CTAs of
+    different pairs share nothing: dQ, dK and dV are the default order's bit for bit, with no hazard."""
+    cfg = _cfg(mask="causal").replace(deterministic=deterministic)
+    inputs = _inputs(3, 2, 101, 301, 4, 2, cfg.d_head)  # 2 batch entries x 2 kv heads x 3 key blocks
+    plans = [make_hopper_backward_plan(cfg.replace(longest_first=lf)) for lf in (False, True)]
+    assert [p.grid.longest_first for p in plans] == [False, True]
+    default, longest = (simulate_hopper_backward(p, *inputs, causal=True) for p in plans)
+    assert default.ok and longest.ok, longest.hazards[:3]
+    assert all(np.array_equal(getattr(default, n), getattr(longest, n)) for n in ("dq", "dk", "dv"))
+    errors = _errors(cfg, longest, inputs, {"causal": True})
+    assert all(err <= bound for err, bound in errors.values()), errors
+
+
 def _errors(cfg, res, inputs, mask):
     """(error, bound) of dq, dk, dv: FlashAttention's rule, 2x the error of the same math at the kernel's
     16-bit roundings plus a small absolute slack."""
