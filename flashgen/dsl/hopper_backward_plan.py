@@ -70,6 +70,10 @@ from .hopper_plan import BOX_COLS, SWIZZLE, OperandDesc, TmaTile, WarpgroupGemm,
 from .steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, ReduceGM, Release, SignalOrder, Step, StoreRF, WaitFull,
                     WaitOrder, WgmmaWait)
 
+#: the orders of a consumer's score steps per query block, by when it waits for dP^T and makes dS^T (:func:`_score_steps`)
+SCORE_ORDERS = ("split", "fused", "exp_first")
+
+
 @attrs.frozen
 class HopperBackwardPlan(WarpSpecialized):
     cfg: BackwardConfig
@@ -85,8 +89,8 @@ class HopperBackwardPlan(WarpSpecialized):
     gemms: dict  # S, dP, dV, dK, dQ -> WarpgroupGemm
     #: [k16 step][A reg] -> (accumulator value lo, hi): P^T -> A of dV and dS^T -> A of dK (one table)
     a_from_acc: tuple
-    #: dS^T made in the pass that recomputes P^T, after dP^T retired (:func:`_grad_with_p`)
-    grad_with_p: bool
+    #: the order of a consumer's score steps: one of :data:`SCORE_ORDERS` (:func:`_score_order`)
+    score_order: str = attrs.field(validator=attrs.validators.in_(SCORE_ORDERS))
     #: columns of dQ per consumer (consumer w: from dq_stage.col0(w), rows from dq_stage.row0(w))
     dq_cols: int
     #: where each consumer stages its dQ for the bulk reductions
@@ -104,6 +108,11 @@ class HopperBackwardPlan(WarpSpecialized):
     smem_bytes: int
     #: which block of the grid computes which key block, in what order the CTAs start (the config's ``longest_first``)
     grid: BackwardGrid
+
+    @property
+    def grad_with_p(self) -> bool:
+        """dS^T made in the pass that recomputes P^T (the ``fused`` order)."""
+        return self.score_order == "fused"
 
     @property
     def rotates_items(self) -> bool:
@@ -140,33 +149,45 @@ def _mnmajor_desc(operand: str, k_rows: int, n_cols: int, dtype, block_cols: int
                        tuple(x.start_address for x in ds), row_block_offset=block)
 
 
-def _schedule(deterministic: bool, grad_with_p: bool = False, reads_score: bool = False) -> tuple[Step, ...]:
+def _score_steps(order: str, reads_score: bool = False) -> tuple[Step, ...]:
+    """From S^T's wait to dS^T in sdS (``order``, :data:`SCORE_ORDERS`):
+
+    * ``split``: P^T, its fragments and dV's GEMM before dP^T's wait, then dS^T (64-row query blocks: the fp32
+      P^T and dP^T of 32 values each fit beside the fragments, and dV runs under the wait);
+    * ``fused``: both waited for, P^T and dS^T made in one pass, for a score_mod whose derivative reads the
+      score (``reads_score``: another pass would keep the raw score, a register per value);
+    * ``exp_first``: the exponentials under dP^T's GEMM, then dS^T, P^T's fragments (its fp32 values die before
+      dS^T's are packed), dS^T's fragments and store, and dV last (wider query blocks: with dV issued before
+      dP^T's wait the fp32 P^T, its fragments and dP^T were live beside dK and dV, and ptxas spilled 48 bytes
+      at 128 rows, 64 at 80, and serialized the wgmma; dV issued before dS^T's store serialized it too, and
+      P^T packed after the store spilled 24 bytes at 128 rows with one stage and ordered adds)."""
+    ds = (ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"), StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"))
+    p, dv = ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO")
+    plain = "P^T = exp2(S^T * scale log2e - lse log2e), the score mask where the block needs it"
+    if order == "fused":
+        score = "score_mod(S^T * scale) log2e" if reads_score else "S^T * scale log2e"
+        return (WgmmaWait("0", why="S^T and dP^T ready"),
+                RecomputeP(why=f"P^T = exp2({score} - lse log2e), the score mask where the block needs it"),
+                GradScores(why="dS^T = P^T (dP^T - D)" + (" score_mod'" if reads_score else "") + ", in the same pass"), p, dv, *ds)
+    if order == "exp_first":
+        return (WgmmaWait("1", why="S^T ready (dP^T may still run)"), RecomputeP(why=plain + ", while dP^T runs"),
+                WgmmaWait("0", why="dP^T ready"), GradScores(why="dS^T = P^T (dP^T - D)"), p, *ds, dv)
+    return (WgmmaWait("1", why="S^T ready (dP^T may still run)"), RecomputeP(why=plain), p, dv,
+            WgmmaWait("1", why="dP^T ready (dV may still run)"), GradScores(why="dS^T = P^T (dP^T - D)"), *ds)
+
+
+def _schedule(deterministic: bool, score_order: str = "split", reads_score: bool = False) -> tuple[Step, ...]:
     """A consumer's steps per query block (the ring's use ``w``, the dS buffer ``w % 2``); ``deterministic``:
-    its dQ added in its turn among the key blocks that visit the query block (ascending). ``grad_with_p``:
-    dP^T is waited for before the recompute, so that dS^T is made in the same pass as P^T, for a score_mod
-    whose derivative reads the score (``reads_score``: kept, it would cost a register per value) or where
-    the fp32 P^T, its fragments and dP^T would not fit the registers together (see :func:`_grad_with_p`)."""
+    its dQ added in its turn among the key blocks that visit the query block (ascending); the score steps in
+    ``score_order`` (:func:`_score_steps`)."""
     ordered = (WaitOrder("dQ", why="the lower key blocks' adds of this consumer's dQ columns made"),) if deterministic else ()
     signal = (SignalOrder("dQ", why="this add complete: the next key block's turn"),) if deterministic else ()
-    if grad_with_p:
-        score = "score_mod(S^T * scale) log2e" if reads_score else "S^T * scale log2e"
-        scores = (WgmmaWait("0", why="S^T and dP^T ready"),
-                  RecomputeP(why=f"P^T = exp2({score} - lse log2e), the score mask where the block needs it"),
-                  GradScores(why="dS^T = P^T (dP^T - D)" + (" score_mod'" if reads_score else "") + ", in the same pass"),
-                  ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO"))
-    else:
-        scores = (WgmmaWait("1", why="S^T ready (dP^T may still run)"),
-                  RecomputeP(why="P^T = exp2(S^T * scale log2e - lse log2e), the score mask where the block needs it"),
-                  ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO"),
-                  WgmmaWait("1", why="dP^T ready (dV may still run)"), GradScores(why="dS^T = P^T (dP^T - D)"))
     return (
         WaitFull("Q", why="Q and its lse landed"),
         Gemm("S", why="S^T = K_w Q^T"),
         WaitFull("dO", why="dO and its D landed"),
         Gemm("dP", why="dP^T = V_w dO^T, in flight with S^T"),
-        *scores,
-        ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"),
-        StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"),
+        *_score_steps(score_order, reads_score),
         *(_ordered_tail(ordered, signal) if deterministic else _overlapped_tail()),
     )
 
@@ -210,12 +231,12 @@ def _dq_gemm(dq: DqStage, atom: WGMMA_64xNx16, B_r: int, B_c: int, d: int, dt) -
                          trans_b=True, trans_a=True)
 
 
-def _grad_with_p(cfg: BackwardConfig, mask: ScoreMask) -> bool:
-    """Whether dS^T is made in the pass that recomputes P^T (``_schedule``'s ``grad_with_p``): for a score_mod
-    whose derivative reads the score, and for query blocks past one wgmma N of 64: a pass of its own would
-    keep the fp32 P^T (B_r / 2 registers) beside its 16-bit fragments, dP^T and dK, dV until dP^T retired
-    (ptxas spilled 48 bytes and serialized the wgmma at d_head 64, B_r 128)."""
-    return mask.derivative_reads_score or cfg.B_r > WGMMA_M
+def _score_order(cfg: BackwardConfig, mask: ScoreMask) -> str:
+    """``fused`` for a score_mod whose derivative reads the score, ``exp_first`` for query blocks past one wgmma M
+    of 64 rows, else ``split`` (:func:`_score_steps` says why)."""
+    if mask.derivative_reads_score:
+        return "fused"
+    return "exp_first" if cfg.B_r > WGMMA_M else "split"
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,12 +266,12 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
         "dQ": _dq_gemm(dq, atom_q, B_r, B_c, d, dt),
     }
     mask = ScoreMask(cfg.mask, B_r, B_c, mods)
-    grad_with_p = _grad_with_p(cfg, mask)
+    order = _score_order(cfg, mask)
     return HopperBackwardPlan(
         cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
-        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=dq, ds_store=layout["dS_store"], grad_with_p=grad_with_p,
-        schedule=_schedule(cfg.deterministic, grad_with_p, mask.derivative_reads_score),
+        a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=dq, ds_store=layout["dS_store"], score_order=order,
+        schedule=_schedule(cfg.deterministic, order, mask.derivative_reads_score),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
         grid=BackwardGrid(longest_first=cfg.longest_first),

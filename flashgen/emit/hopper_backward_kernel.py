@@ -118,8 +118,8 @@ _KEY, _QUERY = "kb * int(B_c) + int(64 * cw + r)", "q_row0 + int(c)"
 
 
 def _recompute(plan: HopperBackwardPlan) -> list[str]:
-    """P^T from S^T; where the plan makes dS^T in the same pass (``grad_with_p``), dS^T too (dP^T is ready: see the
-    schedule), times the score_mod's derivative at the score where it reads the score."""
+    """P^T from S^T; where the plan makes dS^T in the same pass (its ``fused`` score order), dS^T too (dP^T is ready:
+    see the schedule), times the score_mod's derivative at the score where it reads the score."""
     mask = plan.score_mask
     needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
     grad = "g" if mask.derivative_reads_score else ""
@@ -138,7 +138,7 @@ def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:
 
 def _grad_scores(plan: HopperBackwardPlan) -> list[str]:
     if plan.grad_with_p:
-        why = "the score_mod's derivative reads the score" if plan.score_mask.derivative_reads_score else "fewer registers live"
+        why = "the score_mod's derivative reads the score" if plan.score_mask.derivative_reads_score else "the fused order"
         return [f"// made with P^T ({why})"]
     return _per_value(plan, "B_r / 2", _grad_lines(plan, ""))
 

@@ -394,7 +394,7 @@ class HopperBwdCta:
 
     def recompute_p(self, c: _Consumer, j: int, where: str) -> None:
         """P^T from S^T through the plan's score rule (the score mask where the block needs it), then the
-        Recompute rule; where the plan makes dS^T in the same pass (``grad_with_p``), dS^T too (dP^T must be ready)."""
+        Recompute rule; where the plan makes dS^T in the same pass (its ``fused`` score order), dS^T too (dP^T must be ready)."""
         prob, plan = self.prob, self.plan
         fused = plan.grad_with_p
         self.touch(c, ("S", "dP") if fused else ("S",), ("S", "dP") if fused else ("S",), where)
@@ -418,7 +418,7 @@ class HopperBwdCta:
         c.holds["dP"] = ("dS", j)
 
     def grad_scores(self, c: _Consumer, j: int, where: str) -> None:
-        """dS^T, unless the RecomputeP step made it (``grad_with_p``)."""
+        """dS^T, unless the RecomputeP step made it (the ``fused`` order)."""
         if self.plan.grad_with_p:
             self.expect(c, "dP", "dS", j, where)
             return
