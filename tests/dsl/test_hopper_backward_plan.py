@@ -1,14 +1,15 @@
 """The wgmma backward's plan (flashgen.dsl.hopper_backward_plan) at both query block sizes: the GEMM shapes and
-accumulator sizes follow B_r, the dQ split follows it (columns at 64 rows, rows at 128), dS^T is made with P^T
-where the registers ask for it, and the config rules accept exactly the shapes the plan can build."""
+accumulator sizes follow B_r, the dQ split follows it (columns at 64 rows, rows at 128), the score steps run in the
+order the registers ask for, and the config rules accept exactly the shapes the plan can build."""
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from flashgen.dsl.backward_config import WGMMA_B_R, WGMMA_B_RS, BackwardConfig
 from flashgen.dsl.config import SMEM_LIMIT_BYTES, ConfigError
-from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
-from flashgen.dsl.steps import GradScores, RecomputeP
+from flashgen.dsl.hopper_backward_plan import _schedule, make_hopper_backward_plan
+from flashgen.dsl.steps import Gemm, WgmmaWait
 
 W = BackwardConfig.wgmma
 
@@ -43,13 +44,60 @@ def test_gemm_shapes_follow_the_query_block(cfg, gemms):
     assert (plan.tiles["dS"].rows, plan.tiles["dS"].cols) == ((80, 128) if cfg.B_r == 80 else (128, cfg.B_r))
 
 
-def test_ds_is_made_with_p_at_128_rows_only():
-    """At 128 rows the fp32 P^T, its fragments and dP^T would be live together (ptxas spilled): one pass makes both."""
-    wide, narrow = make_hopper_backward_plan(W("bf16", 64)), make_hopper_backward_plan(W("bf16", 64).replace(B_r=64))
-    assert wide.grad_with_p and not narrow.grad_with_p
-    ops = [type(s) for s in wide.schedule]
-    assert ops.index(GradScores) == ops.index(RecomputeP) + 1
-    assert str(wide.schedule[ops.index(RecomputeP) - 1]) == "wgmma_wait 0"
+def _in_flight(schedule, op):
+    """The GEMMs in flight when one item's ``op`` step runs (from an idle start: the previous item ends with
+    wgmma_wait 0), and the GEMMs issued before it."""
+    flight, issued = [], []
+    for s in schedule:
+        if s.op == op:
+            return tuple(flight), tuple(issued)
+        if isinstance(s, Gemm):
+            flight.append(s.arg)
+            issued.append(s.arg)
+        elif isinstance(s, WgmmaWait):
+            flight = flight[len(flight) - int(s.arg):]
+    raise AssertionError(f"no {op} step")
+
+
+#: where the exponentials, dS^T and its store run against the GEMMs, per score order: (in flight, issued) at
+#: RecomputeP, GradScores and the dS^T store
+STEPS = ("recompute_P", "grad_scores", "store_rf")
+ORDERS = {
+    # exponentials under dP^T, dS^T once it retired, dV after dS^T's store
+    "exp_first": ((("dP",), ("S", "dP")), ((), ("S", "dP")), ((), ("S", "dP"))),
+    # dV issued before dP^T's wait, dS^T under dV
+    "split": ((("dP",), ("S", "dP")), (("dV",), ("S", "dP", "dV")), (("dV",), ("S", "dP", "dV"))),
+    # one pass after both
+    "fused": (((), ("S", "dP")), ((), ("S", "dP")), (("dV",), ("S", "dP", "dV"))),
+}
+
+
+@pytest.mark.parametrize("cfg, order", [
+    (W("bf16", 64), "exp_first"), (W("fp16", 64, "causal", stages=1).replace(deterministic=True), "exp_first"),
+    (W("bf16", 128), "exp_first"), (W("fp16", 128, "window").replace(B_r=80, deterministic=True), "exp_first"),
+    (W("bf16", 64).replace(B_r=64), "split"), (W("bf16", 128, "causal"), "split"),
+    (W("fp16", 128, stages=1).replace(B_r=64, deterministic=True), "split"),
+], ids=str)
+def test_query_blocks_past_64_rows_run_the_exponentials_under_dp(cfg, order):
+    """Wider than one wgmma M, the fp32 P^T, its fragments and dP^T would not fit beside dK and dV with dV issued before
+    dP^T's wait: the exponentials run while dP^T's GEMM does, dS^T once it retired, dV after dS^T's store."""
+    plan = make_hopper_backward_plan(cfg)
+    assert plan.score_order == order and not plan.grad_with_p
+    assert tuple(_in_flight(plan.schedule, op) for op in STEPS) == ORDERS[order]
+
+
+def test_every_order_schedules_each_step_once():
+    """Each order is the same steps but its waits in another sequence (the tail from the dS handoff on unchanged)."""
+    plan = make_hopper_backward_plan(W("bf16", 64))
+    schedules = {o: _schedule(plan.cfg.deterministic, o) for o in ORDERS}
+    assert schedules["exp_first"] == plan.schedule
+    assert len({tuple(sorted(str(s) for s in sched if not isinstance(s, WgmmaWait))) for sched in schedules.values()}) == 1
+    tails = {sched[[s.op for s in sched].index("handoff"):] for sched in schedules.values()}
+    assert len(tails) == 1
+    for o, sched in schedules.items():
+        assert tuple(_in_flight(sched, op) for op in STEPS) == ORDERS[o]
+    with pytest.raises(ValueError, match="score_order"):
+        attrs.evolve(plan, score_order="p_first")
 
 
 @pytest.mark.parametrize("stages", [1, 2])

@@ -54,6 +54,8 @@ MMA = BackwardConfig("bf16", d_head=64, B_c=32, n_warps=2)
 #: split_scores: the mods see each warp's own query columns
 MMA_SPLIT = BackwardConfig("bf16", d_head=64, B_c=32, n_warps=4, d_split=2, split_scores=True)
 WGMMA = BackwardConfig("fp16", d_head=64, B_r=64, B_c=128, n_warps=12, engine="wgmma", stages=2)
+#: 128-row query blocks: the exponentials under dP^T's GEMM (exp_first), but with a score_mod whose derivative reads the score
+WGMMA_WIDE = WGMMA.replace(B_r=128)
 
 
 def _kind(mask: dict) -> str:
@@ -120,15 +122,23 @@ def test_wgmma_backward_with_mods_matches_autograd(name):
     _assert_close(WGMMA, name, simulate_hopper_backward(plan, *inputs, **CASES[name][2], mod_values=values), inputs)
 
 
+@pytest.mark.parametrize("name", ["softcap", "alibi+causal", "prefix_lm+window"])
+def test_wgmma_backward_with_mods_at_128_rows_matches_autograd(name):
+    plan, values, inputs = _setup(WGMMA_WIDE, name)
+    assert plan.score_order == ("fused" if name == "softcap" else "exp_first")
+    _assert_close(WGMMA_WIDE, name, simulate_hopper_backward(plan, *inputs, **CASES[name][2], mod_values=values), inputs)
+
+
 def test_the_score_reading_derivative_fuses_ds_into_the_recompute():
-    """softcap's derivative reads the score: both plans put GradScores right after RecomputeP
-    (``grad_with_p``); a bias (ALiBi) keeps the plain order."""
-    for cfg in (MMA, WGMMA):
+    """softcap's derivative reads the score: every plan puts GradScores right after RecomputeP (the wgmma
+    plan's ``fused`` order, at any query block); a bias (ALiBi) keeps the plain order."""
+    for cfg in (MMA, WGMMA, WGMMA_WIDE):
         for name, fused in (("softcap", True), ("alibi+causal", False)):
             plan = _setup(cfg, name)[0]
             body = plan.schedule.body if cfg is MMA else plan.schedule
             after = body[next(i for i, s in enumerate(body) if isinstance(s, RecomputeP)) + 1]
             assert isinstance(after, GradScores) == fused, (cfg.engine, name, after)
+            assert cfg is MMA or plan.grad_with_p == fused
 
 
 def _dp_after_recompute(steps):

@@ -14,7 +14,7 @@ from flashgen.attention.backward_grid import BackwardGrid
 from flashgen.cli import main
 from flashgen.dsl.atoms.hopper import GmmaSwizzle, kmajor_tile_layout
 from flashgen.dsl.backward_config import BackwardConfig
-from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+from flashgen.dsl.hopper_backward_plan import _schedule as _hopper_schedule, make_hopper_backward_plan
 from flashgen.dsl.hopper_backward_smem import DsStore
 from flashgen.dsl.steps import Handoff, Release, WaitFull, WgmmaWait
 from flashgen.sim import hardware as hw
@@ -239,6 +239,53 @@ REDUCE_DQ = next(s for s in PLAN.schedule if s.op == "reduce_gm")
 def test_a_broken_schedule_is_a_hazard(broken, words):
     res = simulate_hopper_backward(broken(), *INPUTS)
     assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+DP_READY = WgmmaWait("0", why="dP^T ready")
+
+
+def _first(op, plan, arg=None):
+    return next(s for s in plan.schedule if s.op == op and (arg is None or s.arg == arg))
+
+
+@pytest.mark.parametrize("plan, inputs", [(ROWS, INPUTS), (T80, INPUTS_128)], ids=["d64_br128", "d128_br80"])
+@pytest.mark.parametrize("broken, words", [
+    # dS^T made from dP^T's accumulators while its GEMM still writes them
+    (lambda p: _moved(_first("grad_scores", p), DP_READY, p), "touches dP while wgmma group dP[item 0] writing it is in flight"),
+    (lambda p: _without(DP_READY, p), "touches dP while wgmma group dP[item 0] writing it is in flight"),
+    # the exponentials before S^T retired
+    (lambda p: _moved(_first("recompute_P", p), S_READY, p), "touches S while wgmma group S[item 0] writing it is in flight"),
+    # dV issued before its A fragments are made (they are overwritten under it), or with none made
+    (lambda p: _moved(_first("gemm", p, "dV"), _first("convert_P", p, "P"), p), "overwrites P while wgmma group dV[item 0] reading it"),
+    (lambda p: _without(_first("convert_P", p, "P"), p), "P holds None, expected P of item 0"),
+    # dK's fragments made after the dS^T store but from dP^T's accumulators before dS^T (moved ahead of GradScores)
+    (lambda p: _moved(_first("convert_P", p, "dS"), _first("grad_scores", p), p), "dP holds ('dP', 0), expected dS of item 0"),
+])
+def test_a_broken_exp_first_schedule_is_a_hazard(plan, inputs, broken, words):
+    """The wide query blocks' order (exponentials under dP^T, dS^T after its wait, dV after its fragments): each
+    step moved ahead of what it needs is reported."""
+    assert plan.score_order == "exp_first"
+    res = simulate_hopper_backward(broken(plan), *inputs)
+    assert any(words in h for h in res.hazards), res.hazards[:3]
+
+
+@pytest.mark.parametrize("order", ["split", "fused", "exp_first"])
+def test_every_score_order_gives_the_gradients(order):
+    """The orders differ in registers only: each, in a causal plan of 128-row query blocks, is hazard-free and right."""
+    cfg, mask = _cfg("bf16", mask="causal", B_r=128), {"causal": True}
+    plan = make_hopper_backward_plan(cfg)
+    plan = attrs.evolve(plan, score_order=order, schedule=_hopper_schedule(cfg.deterministic, order))
+    inputs = _inputs(3, 1, 141, 269, 2, 1, cfg.d_head)
+    res = simulate_hopper_backward(plan, *inputs, **mask)
+    assert res.ok, res.hazards[:3]
+    for name, (err, bound) in _errors(cfg, res, inputs, mask).items():
+        assert err <= bound, f"{order} {name}: max error {err:.3g} > {bound:.3g}"
+
+
+def test_the_wide_cases_run_the_exp_first_order():
+    """The gradient cases of 80- and 128-row query blocks (odd lengths, causal, window, GQA, ordered adds) check exp_first."""
+    wide = [make_hopper_backward_plan(cfg).score_order for cfg, *_ in CASES if cfg.B_r > 64]
+    assert len(wide) == 10 and set(wide) == {"exp_first"}
 
 
 def test_one_ds_buffer_is_safe_with_one_ring_stage():
