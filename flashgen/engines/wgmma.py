@@ -65,13 +65,12 @@ class WgmmaBackward(BackwardKernels):
 
     def with_mods(self, cfg: Any, mods: Any = None) -> Any:
         """Query blocks of 64 rows, but for a mask_mod alone at d_head 64 without ordered dQ adds, which keeps 128.
-        At 128 rows (d_head 64) the recompute pass holds S^T and dP^T of 64 values each beside dK and dV, and
-        ptxas spilled 68-148 bytes (softcap, relative_bias, ALiBi with ordered dQ adds) or serialized the wgmma
-        (prefix_lm, sliding_window_sinks with ordered adds) with the mods' code there; every example mask_mod alone
-        compiles clean there without ordered adds (document, prefix LM, sliding window with sinks, block-local;
-        unmasked and causal). At 80 (d_head 128) ptxas spilled 12 bytes with softcap and serialized the wgmma with
-        ALiBi and with the sliding window with sinks. A user's mask_mod that does not fit 128 rows either falls back
-        to 64 when built (:meth:`fallback`)."""
+        At 128 rows (d_head 64) S^T and dP^T of 64 values each are live beside dK and dV, and with the mods' code
+        there ptxas spilled 80-148 bytes (softcap, relative_bias, ALiBi) or, with ordered dQ adds, 16 (prefix_lm,
+        causal); every example mask_mod alone compiles clean there without ordered adds (document, prefix LM,
+        sliding window with sinks, block-local; unmasked and causal). At 80 (d_head 128) ptxas spilled 12 bytes
+        with softcap, 124 with ALiBi and 36 with the sliding window with sinks. A user's mask_mod that does not fit
+        128 rows either falls back to 64 when built (:meth:`fallback`)."""
         mask_only = mods is not None and mods.score is None and mods.mask is not None
         if cfg.B_r > 64 and not (mask_only and cfg.d_head == 64 and not cfg.deterministic):
             return cfg.replace(B_r=64)
