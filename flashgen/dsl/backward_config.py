@@ -82,6 +82,9 @@ class BackwardConfig:
     #: CTAs first) instead of all key blocks of a pair together (:class:`~flashgen.attention.backward_grid.BackwardGrid`);
     #: not yet timed, so off by default and out of the tuning space
     longest_first: bool = False
+    #: wgmma, query blocks past 64 rows: the exponentials of P^T while dP^T's wgmma is in flight (the plan's
+    #: ``exp_first`` score order), instead of waiting for both GEMMs and making P^T and dS^T in one pass
+    exp_first: bool = False
 
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
@@ -204,11 +207,11 @@ class BackwardConfig:
 
     # ---- names ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The knobs; ``split_scores`` and ``longest_first`` only where on, so that the names and hashes of the
-        configs from before them are unchanged."""
+        """The knobs; ``split_scores``, ``longest_first`` and ``exp_first`` only where on, so that the names and
+        hashes of the configs from before them are unchanged."""
         d = attrs.asdict(self)
         d["dtype"] = self.dtype.value
-        for name in ("split_scores", "longest_first"):
+        for name in ("split_scores", "longest_first", "exp_first"):
             if not d[name]:
                 del d[name]
         return d
@@ -228,7 +231,7 @@ class BackwardConfig:
     def short_form(self) -> str:
         """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
         (``d_split_2`` among them when the warps split d, ``deterministic`` for dQ's ordered adds, ``longest_first``
-        for the grid's order)."""
+        for the grid's order, ``exp_first`` for the wgmma exponentials under dP^T's GEMM)."""
         flags = (["wgmma"] if self.engine == "wgmma" else []) + (["swizzled"] if self.swizzled else [])
         flags += [self.mask] if self.mask != "none" else []
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
@@ -236,6 +239,7 @@ class BackwardConfig:
         flags += [f"stages_{self.stages}"] if self.stages > 1 else []
         flags += ["deterministic"] if self.deterministic else []
         flags += ["longest_first"] if self.longest_first else []
+        flags += ["exp_first"] if self.exp_first else []
         head = f"bwd({self.dtype.short}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps})"
         return head + (": " + "+".join(flags) if flags else "")
 
@@ -252,6 +256,7 @@ class BackwardConfig:
         parts += [f"s{self.stages}"] if self.stages > 1 else []
         parts += ["det"] if self.deterministic else []
         parts += ["lf"] if self.longest_first else []
+        parts += ["ef"] if self.exp_first else []
         return "_".join(["flash_bwd", *parts])
 
     def content_hash(self) -> str:
@@ -353,6 +358,20 @@ def _rule_split_scores(c: BackwardConfig) -> None:
                           f"B_r must be a multiple of {MMA_K * c.d_split}")
 
 
+def _rule_exp_first(c: BackwardConfig) -> None:
+    if not isinstance(c.exp_first, bool):
+        raise ConfigError(f"exp_first={c.exp_first!r}: expected true or false")
+    if not c.exp_first:
+        return
+    if c.engine != "wgmma":
+        raise ConfigError(f"exp_first with engine={c.engine}: it runs the exponentials of P^T while dP^T's wgmma is in "
+                          "flight, an order of the wgmma backward's score steps, so it needs engine=wgmma")
+    if c.B_r <= 64:
+        raise ConfigError(f"exp_first with B_r={c.B_r}: a query block of 64 rows or fewer already waits for S^T alone "
+                          f"before its exponentials (dV issued before dP^T's wait); exp_first takes B_r > 64 (128 at "
+                          f"d_head 64, 80 at d_head 128), or leave it off")
+
+
 def acc_reg_limit(threads: int) -> int:
     """Accumulator registers a thread of a ``threads``-thread CTA may hold: its share of the register
     file (whole multiples of 8, at most 255) less the registers everything else needs."""
@@ -412,7 +431,7 @@ def _rule_wgmma(c: BackwardConfig) -> None:
                           "swizzle)")
 
 
-_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_split_scores, _rule_sizes, _rule_registers, _rule_smem)
+_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_split_scores, _rule_sizes, _rule_exp_first, _rule_registers, _rule_smem)
 
 
 # ---- the tuning space ------------------------------------------------------------------

@@ -155,12 +155,14 @@ def _score_steps(order: str, reads_score: bool = False) -> tuple[Step, ...]:
     * ``split``: P^T, its fragments and dV's GEMM before dP^T's wait, then dS^T (64-row query blocks: the fp32
       P^T and dP^T of 32 values each fit beside the fragments, and dV runs under the wait);
     * ``fused``: both waited for, P^T and dS^T made in one pass, for a score_mod whose derivative reads the
-      score (``reads_score``: another pass would keep the raw score, a register per value);
+      score (``reads_score``: another pass would keep the raw score, a register per value), and for wider query
+      blocks without ``exp_first``;
     * ``exp_first``: the exponentials under dP^T's GEMM, then dS^T, P^T's fragments (its fp32 values die before
-      dS^T's are packed), dS^T's fragments and store, and dV last (wider query blocks: with dV issued before
-      dP^T's wait the fp32 P^T, its fragments and dP^T were live beside dK and dV, and ptxas spilled 48 bytes
-      at 128 rows, 64 at 80, and serialized the wgmma; dV issued before dS^T's store serialized it too, and
-      P^T packed after the store spilled 24 bytes at 128 rows with one stage and ordered adds)."""
+      dS^T's are packed), dS^T's fragments and store, and dV last (wider query blocks, the config's ``exp_first``,
+      not yet timed on a GPU; with dV issued before dP^T's wait the fp32 P^T, its fragments and dP^T were live
+      beside dK and dV, and ptxas spilled 48 bytes at 128 rows, 64 at 80, and serialized the wgmma; dV issued
+      before dS^T's store serialized it too, and P^T packed after the store spilled 24 bytes at 128 rows with one
+      stage and ordered adds)."""
     ds = (ConvertP("dS", why="dS^T -> 16-bit A fragments of dK"), StoreRF("dS", why="dS^T -> sdS[w % 2] for every consumer's dQ"))
     p, dv = ConvertP("P", why="P^T -> 16-bit A fragments of dV"), Gemm("dV", why="dV += P^T dO")
     plain = "P^T = exp2(S^T * scale log2e - lse log2e), the score mask where the block needs it"
@@ -232,11 +234,15 @@ def _dq_gemm(dq: DqStage, atom: WGMMA_64xNx16, B_r: int, B_c: int, d: int, dt) -
 
 
 def _score_order(cfg: BackwardConfig, mask: ScoreMask) -> str:
-    """``fused`` for a score_mod whose derivative reads the score, ``exp_first`` for query blocks past one wgmma M
-    of 64 rows, else ``split`` (:func:`_score_steps` says why)."""
+    """``split`` for query blocks of one wgmma M of 64 rows; past it ``exp_first`` where the config asks for it,
+    else ``fused`` (the split order there keeps the fp32 P^T, its fragments and dP^T beside dK and dV: ptxas
+    spilled 48 bytes and serialized the wgmma at d_head 64, B_r 128); ``fused`` for a score_mod whose derivative
+    reads the score at any size (:func:`_score_steps`)."""
     if mask.derivative_reads_score:
         return "fused"
-    return "exp_first" if cfg.B_r > WGMMA_M else "split"
+    if cfg.B_r <= WGMMA_M:
+        return "split"
+    return "exp_first" if cfg.exp_first else "fused"
 
 
 @functools.lru_cache(maxsize=None)

@@ -138,7 +138,7 @@ def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:
 
 def _grad_scores(plan: HopperBackwardPlan) -> list[str]:
     if plan.grad_with_p:
-        why = "the score_mod's derivative reads the score" if plan.score_mask.derivative_reads_score else "the fused order"
+        why = "the score_mod's derivative reads the score" if plan.score_mask.derivative_reads_score else "fewer registers live"
         return [f"// made with P^T ({why})"]
     return _per_value(plan, "B_r / 2", _grad_lines(plan, ""))
 

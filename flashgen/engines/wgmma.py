@@ -64,21 +64,24 @@ class WgmmaBackward(BackwardKernels):
         return cfg if cfg is not None and cfg.smem_bytes <= limit else None
 
     def with_mods(self, cfg: Any, mods: Any = None) -> Any:
-        """Query blocks of 64 rows, but for a mask_mod alone at d_head 64 without ordered dQ adds, which keeps 128.
-        At 128 rows (d_head 64) S^T and dP^T of 64 values each are live beside dK and dV, and with the mods' code
-        there ptxas spilled 80-148 bytes (softcap, relative_bias, ALiBi) or, with ordered dQ adds, 16 (prefix_lm,
-        causal); every example mask_mod alone compiles clean there without ordered adds (document, prefix LM,
-        sliding window with sinks, block-local; unmasked and causal). At 80 (d_head 128) ptxas spilled 12 bytes
-        with softcap, 124 with ALiBi and 36 with the sliding window with sinks. A user's mask_mod that does not fit
-        128 rows either falls back to 64 when built (:meth:`fallback`)."""
+        """Query blocks of 64 rows (without ``exp_first``, which they do not take), but for a mask_mod alone at
+        d_head 64 without ordered dQ adds, which keeps 128. At 128 rows (d_head 64) the recompute pass holds S^T
+        and dP^T of 64 values each beside dK and dV, and ptxas spilled 68-148 bytes (softcap, relative_bias, ALiBi
+        with ordered dQ adds) or serialized the wgmma (prefix_lm, sliding_window_sinks with ordered adds) with the
+        mods' code there; every example mask_mod alone compiles clean there without ordered adds (document, prefix
+        LM, sliding window with sinks, block-local; unmasked and causal). At 80 (d_head 128) ptxas spilled 12 bytes
+        with softcap and serialized the wgmma with ALiBi and with the sliding window with sinks. Under ``exp_first``
+        alike: 80-148 bytes at 128 rows (softcap, relative_bias, ALiBi; 16 with ordered adds for prefix_lm, causal),
+        12-124 at 80, every mask_mod alone clean at 128 rows without ordered adds. A user's mask_mod that does not
+        fit 128 rows either falls back to 64 when built (:meth:`fallback`)."""
         mask_only = mods is not None and mods.score is None and mods.mask is not None
         if cfg.B_r > 64 and not (mask_only and cfg.d_head == 64 and not cfg.deterministic):
-            return cfg.replace(B_r=64)
+            return cfg.replace(B_r=64, exp_first=False)
         return cfg
 
     def fallback(self, cfg: Any) -> Any:
         """64-row query blocks (the fewest registers) for a kernel of more rows whose mods did not fit."""
-        return cfg.replace(B_r=64) if cfg.B_r > 64 else None
+        return cfg.replace(B_r=64, exp_first=False) if cfg.B_r > 64 else None
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
         """The shipped shape with two and one ring stages, and each with the head size's other query block size
