@@ -1,5 +1,5 @@
-"""The emitted wgmma backward (flashgen.emit.hopper_backward_kernel): its kernels compile for sm_90a
-without local memory and without wgmma serialized for want of registers, the dQ buffer's index function
+"""The emitted wgmma backward (flashgen.emit.hopper_backward_kernel): its kernels, and the shipped ones past 64 rows
+with exp_first, compile for sm_90a without local memory and without wgmma serialized for want of registers, the dQ buffer's index function
 compiled for the host inverts the slots of the plan's DqStage at every thread and value (dQ split by columns
 or by rows), and emitting is pure."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from flashgen.check import check_configs, failure_report
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
+from flashgen.dsl.sets import backward_configs
 from flashgen.emit.hopper_backward_kernel import emit_hopper_backward
 from flashgen.toolchain import find_nvcc
 
@@ -23,6 +24,8 @@ W = BackwardConfig.wgmma
 CONFIGS = [W("bf16", 128, "causal"), W("fp16", 128, "window", stages=1).replace(deterministic=True),
            W("bf16", 64, "causal"), W("fp16", 64, stages=1).replace(deterministic=True),
            W("bf16", 128).replace(B_r=80), W("fp16", 128, "causal").replace(B_r=80, deterministic=True)]
+#: the `backward` set's kernels past 64 rows with the exponentials under dP^T's GEMM (exp_first)
+CONFIGS += [c.replace(exp_first=True) for c in backward_configs() if c.engine == "wgmma" and c.B_r > 64]
 GXX = shutil.which("g++")
 
 

@@ -54,8 +54,8 @@ MMA = BackwardConfig("bf16", d_head=64, B_c=32, n_warps=2)
 #: split_scores: the mods see each warp's own query columns
 MMA_SPLIT = BackwardConfig("bf16", d_head=64, B_c=32, n_warps=4, d_split=2, split_scores=True)
 WGMMA = BackwardConfig("fp16", d_head=64, B_r=64, B_c=128, n_warps=12, engine="wgmma", stages=2)
-#: 128-row query blocks: the exponentials under dP^T's GEMM (exp_first), but with a score_mod whose derivative reads the score
-WGMMA_WIDE = WGMMA.replace(B_r=128)
+#: 128-row query blocks with exp_first: the exponentials under dP^T's GEMM, but with a score_mod whose derivative reads the score
+WGMMA_WIDE = WGMMA.replace(B_r=128, exp_first=True)
 
 
 def _kind(mask: dict) -> str:
@@ -131,7 +131,8 @@ def test_wgmma_backward_with_mods_at_128_rows_matches_autograd(name):
 
 def test_the_score_reading_derivative_fuses_ds_into_the_recompute():
     """softcap's derivative reads the score: every plan puts GradScores right after RecomputeP (the wgmma
-    plan's ``fused`` order, at any query block); a bias (ALiBi) keeps the plain order."""
+    plan's ``fused`` order, at any query block, with exp_first too); a bias (ALiBi) keeps the plain order, which at
+    128 rows is fused without exp_first."""
     for cfg in (MMA, WGMMA, WGMMA_WIDE):
         for name, fused in (("softcap", True), ("alibi+causal", False)):
             plan = _setup(cfg, name)[0]
@@ -139,6 +140,7 @@ def test_the_score_reading_derivative_fuses_ds_into_the_recompute():
             after = body[next(i for i, s in enumerate(body) if isinstance(s, RecomputeP)) + 1]
             assert isinstance(after, GradScores) == fused, (cfg.engine, name, after)
             assert cfg is MMA or plan.grad_with_p == fused
+    assert {_setup(WGMMA_WIDE.replace(exp_first=False), n)[0].score_order for n in ("softcap", "alibi+causal")} == {"fused"}
 
 
 def _dp_after_recompute(steps):

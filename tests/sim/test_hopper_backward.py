@@ -53,6 +53,8 @@ CASES = [
     (_cfg("bf16", d_head=128, mask="window", B_r=80), 1, 241, 101, 2, 1, {"window": (40, 7)}),
     (_cfg("fp16", d_head=128, mask="causal", B_r=80).replace(deterministic=True), 1, 171, 141, 4, 2, {"causal": True}),
 ]
+#: every case past 64 rows again with exp_first (the exponentials under dP^T's GEMM)
+CASES += [(cfg.replace(exp_first=True), *rest) for cfg, *rest in CASES if cfg.B_r > 64]
 
 
 def _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, d):
@@ -248,7 +250,9 @@ def _first(op, plan, arg=None):
     return next(s for s in plan.schedule if s.op == op and (arg is None or s.arg == arg))
 
 
-@pytest.mark.parametrize("plan, inputs", [(ROWS, INPUTS), (T80, INPUTS_128)], ids=["d64_br128", "d128_br80"])
+@pytest.mark.parametrize("plan, inputs", [(make_hopper_backward_plan(_cfg(B_r=128).replace(exp_first=True)), INPUTS),
+                                          (make_hopper_backward_plan(_cfg("bf16", d_head=128, B_r=80).replace(exp_first=True)),
+                                           INPUTS_128)], ids=["d64_br128", "d128_br80"])
 @pytest.mark.parametrize("broken, words", [
     # dS^T made from dP^T's accumulators while its GEMM still writes them
     (lambda p: _moved(_first("grad_scores", p), DP_READY, p), "touches dP while wgmma group dP[item 0] writing it is in flight"),
@@ -282,10 +286,11 @@ def test_every_score_order_gives_the_gradients(order):
         assert err <= bound, f"{order} {name}: max error {err:.3g} > {bound:.3g}"
 
 
-def test_the_wide_cases_run_the_exp_first_order():
-    """The gradient cases of 80- and 128-row query blocks (odd lengths, causal, window, GQA, ordered adds) check exp_first."""
+def test_the_wide_cases_run_both_orders_of_their_size():
+    """The gradient cases of 80- and 128-row query blocks (odd lengths, causal, window, GQA, ordered adds) check the
+    shipped fused order and, each again, exp_first."""
     wide = [make_hopper_backward_plan(cfg).score_order for cfg, *_ in CASES if cfg.B_r > 64]
-    assert len(wide) == 10 and set(wide) == {"exp_first"}
+    assert sorted(wide) == ["exp_first"] * 10 + ["fused"] * 10
 
 
 def test_one_ds_buffer_is_safe_with_one_ring_stage():
