@@ -85,12 +85,21 @@ class WgmmaBackward(BackwardKernels):
 
     def tuning_space(self, dtype: DType, d_head: int, mask: str = "none") -> list:
         """The shipped shape with two and one ring stages, and each with the head size's other query block size
-        (64 rows where it ships 128 at d_head 64; 80 where it ships 64 at d_head 128); the other knobs
-        are fixed by the head size."""
+        (64 rows where it ships 128 at d_head 64; 80 where it ships 64 at d_head 128), each past 64 rows followed
+        by its ``exp_first`` variant (:func:`_times_exp_first`); the other knobs are fixed by the head size."""
         from ..dsl.backward_config import WGMMA_B_RS, BackwardConfig
 
         shipped = [c for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages) for stages in (2, 1)) if c is not None]
-        return [v for c in shipped for v in [c] + [c.replace(B_r=b) for b in WGMMA_B_RS[d_head] if b != c.B_r]]
+        shapes = [v for c in shipped for v in [c] + [c.replace(B_r=b) for b in WGMMA_B_RS[d_head] if b != c.B_r]]
+        return [v for c in shapes for v in [c] + ([c.replace(exp_first=True)] if _times_exp_first(c) else [])]
+
+
+def _times_exp_first(cfg: Any) -> bool:
+    """Whether the backward tuning space times ``cfg`` with ``exp_first`` as well: past 64 rows (the knob's rule),
+    but for 128 rows with one stage."""
+    # a tuned winner runs with the call's mask and, where asked, ordered dQ adds (flashgen.policy.backward_lookup),
+    # and with one stage at 128 rows the window mask with ordered adds spilled 44-60 bytes under exp_first (sm_90a)
+    return cfg.B_r > 64 and not (cfg.B_r == 128 and cfg.stages == 1)
 
 
 class WgmmaEngine(Engine):

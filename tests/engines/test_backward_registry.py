@@ -45,15 +45,23 @@ def test_an_engine_without_a_backward_is_refused(monkeypatch):
 
 def test_the_wgmma_tuning_space_times_both_query_block_sizes_of_a_head_size():
     """Each shipped stage count with the head size's other query block size: 64 beside 128 at d_head 64, 64 beside
-    80 at d_head 128 (80 beside 64 under a causal mask); a forward with mods is differentiated in 64-row blocks either way (ptxas spilled softcap's
-    code and serialized the wgmma with ALiBi at 80 rows)."""
+    80 at d_head 128 (80 beside 64 under a causal mask), each past 64 rows also with exp_first, but for 128 rows with
+    one stage (its window kernel with ordered dQ adds spilled); a forward with mods is differentiated in 64-row blocks
+    either way (ptxas spilled softcap's code and serialized the wgmma with ALiBi at 80 rows), exp_first dropped."""
     from flashgen.dsl.dtypes import DType
 
-    for d_head, mask, rows in ((64, "none", [128, 64]), (128, "none", [80, 64]), (128, "causal", [64, 80])):
-        space = engines.ENGINES["wgmma"].backward.tuning_space(DType.BF16, d_head, mask)
-        assert [(c.B_r, c.stages) for c in space] == [(rows[0], 2), (rows[1], 2), (rows[0], 1), (rows[1], 1)]
+    ef = "exp_first"
+    for d_head, mask, space in (
+            (64, "none", [(128, 2), (128, 2, ef), (64, 2), (128, 1), (64, 1)]),
+            (128, "none", [(80, 2), (80, 2, ef), (64, 2), (80, 1), (80, 1, ef), (64, 1)]),
+            (128, "causal", [(64, 2), (80, 2), (80, 2, ef), (64, 1), (80, 1), (80, 1, ef)])):
+        cfgs = engines.ENGINES["wgmma"].backward.tuning_space(DType.BF16, d_head, mask)
+        assert [(c.B_r, c.stages) + ((ef,) if c.exp_first else ()) for c in cfgs] == space
+        assert [c for c in cfgs if not c.exp_first][0] == BackwardConfig.wgmma("bf16", d_head, mask)
     narrow = BackwardConfig.wgmma("bf16", 128)
     assert engines.backward_of(narrow).with_mods(narrow) == narrow.replace(B_r=64)
+    wide = narrow.replace(B_r=80, exp_first=True)
+    assert engines.backward_of(wide).with_mods(wide) == engines.backward_of(wide).fallback(wide) == narrow.replace(B_r=64)
 
 
 def test_a_forward_with_mods_is_differentiated_in_64_row_query_blocks(monkeypatch):
