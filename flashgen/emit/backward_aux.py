@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..dsl.hopper_backward_smem import DqStage
 from .template import CodeTemplate
 
-#: rows of a CTA of the preprocess: ROWDOT_LANES threads a row, 128 threads
+#: the preprocess; ``$rows``: the dQ buffer's rows a head (the wgmma one's padded), ``$stats``: what it writes per row
 _PREPROCESS = CodeTemplate(
     r"""// D = rowsum(dO * O) - dlse: ROWDOT_LANES threads per query row; grid (ceil($rows * ROWDOT_LANES / 128), heads, batch).
 // Also zeroes the CTA's rows' share of the head's fp32 dQ buffer ($rows x D_HEAD floats a head, in any order).
