@@ -159,7 +159,7 @@ def _score_steps(order: str, reads_score: bool = False) -> tuple[Step, ...]:
       blocks without ``exp_first``;
     * ``exp_first``: the exponentials under dP^T's GEMM, then dS^T, P^T's fragments (its fp32 values die before
       dS^T's are packed), dS^T's fragments and store, and dV last (wider query blocks, the config's ``exp_first``,
-      not yet timed on a GPU; with dV issued before dP^T's wait the fp32 P^T, its fragments and dP^T were live
+      shipped at d_head 64; with dV issued before dP^T's wait the fp32 P^T, its fragments and dP^T were live
       beside dK and dV, and ptxas spilled 48 bytes at 128 rows, 64 at 80, and serialized the wgmma; dV issued
       before dS^T's store serialized it too, and P^T packed after the store spilled 24 bytes at 128 rows with one
       stage and ordered adds)."""

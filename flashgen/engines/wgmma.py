@@ -89,7 +89,8 @@ class WgmmaBackward(BackwardKernels):
         by its ``exp_first`` variant (:func:`_times_exp_first`); the other knobs are fixed by the head size."""
         from ..dsl.backward_config import WGMMA_B_RS, BackwardConfig
 
-        shipped = [c for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages) for stages in (2, 1)) if c is not None]
+        shipped = [c.replace(exp_first=False) for c in (BackwardConfig.wgmma(dtype, d_head, mask, stages)
+                                                        for stages in (2, 1)) if c is not None]
         shapes = [v for c in shipped for v in [c] + [c.replace(B_r=b) for b in WGMMA_B_RS[d_head] if b != c.B_r]]
         return [v for c in shapes for v in [c] + ([c.replace(exp_first=True)] if _times_exp_first(c) else [])]
 

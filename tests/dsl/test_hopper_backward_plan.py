@@ -31,7 +31,7 @@ def test_the_shipped_query_blocks_follow_the_head_size_and_the_mask():
     # d_head 64, 128-row query blocks: S^T, dP^T 64 x 128 over d; dV, dK 64 x 64 over 128 query rows; dQ 64 x 64 over B_c
     (W("bf16", 64), {"S": (128, 4), "dP": (128, 4), "dV": (64, 8), "dK": (64, 8), "dQ": (64, 8)}),
     # d_head 64, 64-row query blocks: dQ's columns halved between the consumers
-    (W("bf16", 64).replace(B_r=64), {"S": (64, 4), "dP": (64, 4), "dV": (64, 4), "dK": (64, 4), "dQ": (32, 8)}),
+    (W("bf16", 64).replace(B_r=64, exp_first=False), {"S": (64, 4), "dP": (64, 4), "dV": (64, 4), "dK": (64, 4), "dQ": (32, 8)}),
     (W("fp16", 128, "causal"), {"S": (64, 8), "dP": (64, 8), "dV": (128, 4), "dK": (128, 4), "dQ": (64, 8)}),
     # d_head 128, 80-row query blocks: dQ^T = K^T dS^T, 64 columns of d_head x 80 query rows per consumer
     (W("bf16", 128).replace(B_r=80), {"S": (80, 8), "dP": (80, 8), "dV": (128, 5), "dK": (128, 5), "dQ": (80, 8)}),
@@ -74,9 +74,9 @@ ORDERS = {
 
 
 @pytest.mark.parametrize("cfg, order", [
-    (W("bf16", 64), "fused"), (W("fp16", 64, "causal", stages=1).replace(deterministic=True), "fused"),
+    (W("bf16", 64).replace(exp_first=False), "fused"), (W("fp16", 64, "causal", stages=1).replace(deterministic=True), "fused"),
     (W("bf16", 128).replace(B_r=80), "fused"), (W("fp16", 128, "window").replace(B_r=80, deterministic=True), "fused"),
-    (W("bf16", 64).replace(B_r=64), "split"), (W("bf16", 128, "causal"), "split"),
+    (W("bf16", 64).replace(B_r=64, exp_first=False), "split"), (W("bf16", 128, "causal"), "split"),
     (W("fp16", 128, stages=1).replace(B_r=64, deterministic=True), "split"),
 ], ids=str)
 def test_the_shipped_orders_wait_for_both_gemms_past_64_rows(cfg, order):
@@ -162,7 +162,7 @@ def test_exp_first_names_and_round_trips(tmp_path):
 
 @pytest.mark.parametrize("cfg, words", [
     (BackwardConfig("bf16", d_head=64, B_r=128, B_c=128, n_warps=8), ["exp_first with engine=mma_sync", "engine=wgmma"]),
-    (W("bf16", 64).replace(B_r=64), ["exp_first with B_r=64", "already waits for S^T alone", "B_r > 64"]),
+    (W("bf16", 64).replace(B_r=64, exp_first=False), ["exp_first with B_r=64", "already waits for S^T alone", "B_r > 64"]),
     (W("fp16", 128, "causal"), ["exp_first with B_r=64", "80 at d_head 128"]),
 ])
 def test_exp_first_is_refused_where_it_cannot_apply(cfg, words):

@@ -53,7 +53,7 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
-@pytest.mark.parametrize("cfg", [W("bf16", 128, "causal"), W("bf16", 64), W("bf16", 64).replace(B_r=64), W("bf16", 128).replace(B_r=80)],
+@pytest.mark.parametrize("cfg", [W("bf16", 128, "causal"), W("bf16", 64), W("bf16", 64).replace(B_r=64, exp_first=False), W("bf16", 128).replace(B_r=80)],
                          ids=BackwardConfig.mangle)
 def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, cfg):
     """Value i of consumer thread t (its accumulator map's row and column, placed at the consumer's row0 and col0)
