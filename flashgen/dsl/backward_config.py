@@ -82,11 +82,11 @@ class BackwardConfig:
     stages: int = 1
     deterministic: bool = False
     split_scores: bool = False
-    #: the grid starts every (kv head, batch) pair's key block 0 before any key block 1 (a causal mask's longest
-    #: CTAs first) instead of all key blocks of a pair together (:class:`~flashgen.attention.backward_grid.BackwardGrid`);
-    #: off by default and out of the tuning space: on an H200 (wgmma, causal, bf16, seq 2048 / 8192) it took 28-38% more
-    #: time at d_head 128 and 17-19% at 64, its resident CTAs spread over as many (head, batch) pairs and sharing
-    #: no Q, dO or dQ sums in L2
+    #: the grid's last (kv head, batch) pairs, about two waves of CTAs, start key block by key block (a causal
+    #: mask's longest CTAs of the tail first, so the launch ends on short ones) instead of each pair's key blocks
+    #: together (:class:`~flashgen.attention.backward_grid.BackwardGrid`). Off by default and out of the tuning space:
+    #: on an H200 (causal, bf16, seq 2048 / 8192) -2% to +5% on the wgmma backward, within its run-to-run spread, and
+    #: +2-3% on the mma_sync one (docs/results/backward_longest_first_h200.json)
     longest_first: bool = False
     #: wgmma, query blocks past 64 rows: the exponentials of P^T while dP^T's wgmma is in flight (the plan's
     #: ``exp_first`` score order), instead of waiting for both GEMMs and making P^T and dS^T in one pass

@@ -301,8 +301,8 @@ BACKWARD_ONLY: tuple[Knob, ...] = (
     Knob("split_scores", bool, "backward: the warps of a d_split group split S^T and dP^T's query columns and stage P^T "
          "and dS^T in shared memory for dV and dK, instead of each computing the group's whole tiles", default=False,
          engines=(), off=False, flag=Switch("split_scores"), mangled=Switch("ss")),
-    Knob("longest_first", bool, "backward: the grid starts every (kv head, batch) pair's key block 0 before any key block 1 "
-         "(a causal mask's longest CTAs first; slower on an H200: L2 locality) instead of all key blocks of a pair together", default=False,
+    Knob("longest_first", bool, "backward: the grid's last (kv head, batch) pairs, about two waves of CTAs, start key block by "
+         "key block (a causal mask's longest CTAs of the tail first) instead of each pair's key blocks together", default=False,
          engines=(), off=False, flag=Switch("longest_first"), mangled=Switch("lf")),
     Knob("exp_first", bool, "backward, wgmma, query blocks past 64 rows: the exponentials of P^T while dP^T's wgmma is "
          "in flight, then dS^T, instead of both GEMMs waited for and P^T and dS^T made in one pass", default=False,

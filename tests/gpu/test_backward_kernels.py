@@ -115,6 +115,9 @@ CASES = [
     (BackwardConfig.wgmma("bf16", 128, "causal").replace(longest_first=True, deterministic=True), 2, 333, 333, 4, 2, {"causal": True}),
     (BackwardConfig.default("bf16", 128, "causal").replace(longest_first=True), 1, 300, 520, 2, 1, {"causal": True, "align": "bottom_right"}),
     (BackwardConfig.default("fp16", 64, "causal").replace(longest_first=True, deterministic=True), 2, 1000, 777, 4, 2, {"causal": True}),
+    # more (kv head, batch) pairs than longest_first's tail (4 key blocks: 66 pairs on 132 SMs), so that both parts run
+    (BackwardConfig.wgmma("bf16", 128, "causal").replace(longest_first=True, deterministic=True), 5, 500, 500, 32, 16, {"causal": True}),
+    (BackwardConfig.default("bf16", 128, "causal").replace(longest_first=True), 5, 400, 500, 16, 16, {"causal": True, "align": "bottom_right"}),
 ]
 
 
