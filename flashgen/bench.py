@@ -140,6 +140,13 @@ def pick_fastest(fns: dict[str, Callable[[], Any]], rounds: int = 3, finalists: 
     return min(medians, key=medians.get), medians
 
 
+def ranking(medians: dict[str, float], flops: float) -> list[str]:
+    """The finalists of :func:`pick_fastest` fastest first, a line each: their TFLOP/s at ``flops`` per call and
+    the ratio to the fastest, so a close race reads as one (``flashgen tune``'s report)."""
+    best = min(medians.values())
+    return [f"  {flops / ms / 1e9:6.1f} TFLOP/s  {best / ms:6.3f}x  {name}" for name, ms in sorted(medians.items(), key=lambda kv: kv[1])]
+
+
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, d: int, causal: bool = False) -> float:
     f = 4.0 * batch * heads * seq_q * seq_k * d
     return f / 2 if causal else f

@@ -39,7 +39,7 @@ def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16, rounds: int
     causal attention and store the winners under the masked buckets."""
     import torch
 
-    from .bench import SHAPES, attention_flops, pick_fastest
+    from .bench import SHAPES, attention_flops, pick_fastest, ranking
     from .build import build_many
     from .runtime import compile as fg_compile
 
@@ -64,6 +64,8 @@ def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16, rounds: int
                 best_tf = flops / medians[name] / 1e9
                 log(f"{dtype.value} d{d_head} seq {seq}{' causal' if causal else ''}: best {best_tf:.0f} TFLOP/s of {len(fns)} (median of {rounds} rounds "
                     f"among {len(medians)} finalists): {name}")
+                for line in ranking(medians, flops):
+                    log(line)
                 entry = {"config": name, "tflops": round(best_tf, 1), "candidates": len(fns),
                          "finalists": {n: round(flops / ms / 1e9, 1) for n, ms in medians.items()}, "time": time.strftime("%Y-%m-%d")}
                 cache.setdefault(gpu, {}).setdefault(dtype.value, {}).setdefault(str(d_head), {})[bucket_key(seq, causal)] = entry

@@ -175,7 +175,7 @@ def tune_bucket(handles: dict[str, int], dtype: DType, d_head: int, seq: int, he
                 rounds: int, finalists: int, forward: Callable) -> "dict[str, Any] | None":
     """Time ``handles`` ({short form: backward kernel handle}) at one length on o and lse of ``forward`` and
     check the winner on fresh inputs: the cache entry, or None when no finalist's gradients pass."""
-    from .bench import SHAPES, attention_flops
+    from .bench import SHAPES, attention_flops, ranking
     from .bench_passes import FLOP_FACTOR
 
     batch = dict(SHAPES)[seq_bucket(seq)]
@@ -195,6 +195,8 @@ def tune_bucket(handles: dict[str, int], dtype: DType, d_head: int, seq: int, he
     flops = attention_flops(batch, heads, seq, seq, d_head, causal) * FLOP_FACTOR["bwd"]
     tflops = flops / medians[name] / 1e9
     log(f"{what}: best {tflops:.0f} TFLOP/s of {len(fns)} (median of {rounds} rounds among {len(medians)} finalists): {name}")
+    for line in ranking(medians, flops):
+        log(line)
     return {"config": name, "tflops": round(tflops, 1), "candidates": len(fns),
             "finalists": {n: round(flops / ms / 1e9, 1) for n, ms in medians.items()}, "time": time.strftime("%Y-%m-%d")}
 

@@ -136,6 +136,13 @@ def test_pick_fastest_does_not_crown_a_config_that_was_lucky_once():
         bench.pick_fastest({})
 
 
+def test_the_ranking_lists_every_finalist_fastest_first_with_its_rate_and_ratio():
+    """2e12 FLOPs a call: 2 ms is 1000 TFLOP/s; each line's ratio is the fastest's time over its own."""
+    lines = bench.ranking({"slow": 4.0, "fast": 2.0, "mid": 2.5}, 2e12)
+    assert [line.split()[-1] for line in lines] == ["fast", "mid", "slow"]
+    assert [(float(w[0]), float(w[2].rstrip("x"))) for w in (line.split() for line in lines)] == [(1000.0, 1.0), (800.0, 0.8), (500.0, 0.5)]
+
+
 def test_table_shows_the_best_config_its_ratios_and_its_round_spread():
     cfg = "(FP16, 128, 128, 128, 12): wgmma+stages_2+pingpong+intra"
     row = {"dtype": "fp16", "d_head": 128, "causal": False, "seq": 2048, "batch": 16, "best": cfg,
