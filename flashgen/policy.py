@@ -54,6 +54,16 @@ def load_cache(path: Path | None = None) -> dict:
         return {}
 
 
+def replaced_faster(old: "dict | None", new: dict) -> "str | None":
+    """A note where a tune's winner ``new`` replaces a bucket's entry ``old`` of another config that was faster
+    when it was tuned (a tune of other configs, or of another engine's, for the same bucket), else None."""
+    was, now = (old or {}).get("tflops"), new.get("tflops")
+    if was is None or now is None or old.get("config") == new.get("config") or not was > now:
+        return None
+    return (f"replaces {old.get('config')} ({was:.0f} TFLOP/s, tuned {old.get('time', 'earlier')}), faster than "
+            f"this winner's {now:.0f}: include it among the configs to keep it")
+
+
 def save_cache(data: dict, path: Path | None = None) -> None:
     """Write the tune cache atomically (a reader never sees half of it)."""
     path = path or tune_cache_path()

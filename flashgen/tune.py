@@ -17,7 +17,7 @@ from typing import Any
 from . import engines
 from .dsl.config import KernelConfig
 from .policy import (BUCKETS, HOPPER_B_C, bucket_key, hopper_default, load_cache,  # noqa: F401
-                     lookup, save_cache, seq_bucket, tune_cache_path)
+                     lookup, replaced_faster, save_cache, seq_bucket, tune_cache_path)
 from .targets import of_capability
 
 
@@ -68,7 +68,11 @@ def tune(cfgs: list[KernelConfig], seqs: list[int], heads: int = 16, rounds: int
                     log(line)
                 entry = {"config": name, "tflops": round(best_tf, 1), "candidates": len(fns),
                          "finalists": {n: round(flops / ms / 1e9, 1) for n, ms in medians.items()}, "time": time.strftime("%Y-%m-%d")}
-                cache.setdefault(gpu, {}).setdefault(dtype.value, {}).setdefault(str(d_head), {})[bucket_key(seq, causal)] = entry
+                bucket = cache.setdefault(gpu, {}).setdefault(dtype.value, {}).setdefault(str(d_head), {})
+                note = replaced_faster(bucket.get(bucket_key(seq, causal)), entry)
+                if note:
+                    log(f"{dtype.value}/d{d_head}/{bucket_key(seq, causal)}: {note}")
+                bucket[bucket_key(seq, causal)] = entry
                 found[f"{dtype.value}/d{d_head}/{bucket_key(seq, causal)}"] = entry
     save_cache(cache)
     return found

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 from . import engines
 from .dsl.backward_config import BackwardConfig
 from .dsl.dtypes import DType
-from .policy import backward_bucket_key, load_cache, save_cache, seq_bucket
+from .policy import backward_bucket_key, load_cache, replaced_faster, save_cache, seq_bucket
 from .targets import of_capability
 
 #: the (left, right) key window of the calls the tuner times: unmasked, or top-left causal (``--causal``)
@@ -204,7 +204,11 @@ def tune_bucket(handles: dict[str, int], dtype: DType, d_head: int, seq: int, he
 def store(cache: dict, gpu: str, cfg: BackwardConfig, seq: int, causal: bool, entry: dict) -> str:
     """Put a winner's ``entry`` where :func:`flashgen.policy.backward_lookup` reads it; returns its name."""
     key = backward_bucket_key(seq, causal)
-    cache.setdefault(gpu, {}).setdefault(cfg.dtype.value, {}).setdefault(str(cfg.d_head), {})[key] = entry
+    bucket = cache.setdefault(gpu, {}).setdefault(cfg.dtype.value, {}).setdefault(str(cfg.d_head), {})
+    note = replaced_faster(bucket.get(key), entry)
+    if note:
+        log(f"{cfg.dtype.value}/d{cfg.d_head}/{key}: {note}")
+    bucket[key] = entry
     return f"{cfg.dtype.value}/d{cfg.d_head}/{key}"
 
 

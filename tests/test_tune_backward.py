@@ -168,6 +168,24 @@ def test_a_stored_winner_round_trips_and_serves_its_bucket_only(tmp_path):
     assert backward_lookup(DType.BF16, 128, "causal", (9, 0), gpu=H100, seq=4096, cache=cache) == _sm90_default("bf16", 128, "causal")
 
 
+def test_replacing_a_faster_winner_of_another_config_says_so(capsys):
+    """A later tune of other configs for the same bucket replaces its winner; where the replaced one was faster
+    (another engine's, say) the tune says which and by how much; a slower one, the same config again or an
+    untimed entry pass silently."""
+    wgmma, sync = (c.short_form() for c in (_sm90_default("bf16", 128), BackwardConfig.default("bf16", 128)))
+    cache: dict = {}
+    store(cache, H100, BackwardConfig.default("bf16", 128), 2048, False, {"config": sync, "tflops": 266.0})
+    store(cache, H100, _sm90_default("bf16", 128), 2048, False, {"config": wgmma, "tflops": 470.0})
+    store(cache, H100, _sm90_default("bf16", 128), 2048, False, {"config": wgmma, "tflops": 460.0})
+    assert capsys.readouterr().err == ""
+    store(cache, H100, BackwardConfig.default("bf16", 128), 2048, False, {"config": sync, "tflops": 266.0})
+    err = capsys.readouterr().err
+    assert f"bf16/d128/bwd/2048: replaces {wgmma} (460 TFLOP/s" in err and "this winner's 266" in err
+    assert cache[H100]["bf16"]["128"]["bwd/2048"]["config"] == sync  # replaced all the same: the user asked for these
+    store(cache, H100, _sm90_default("bf16", 128), 2048, False, {"config": wgmma})
+    assert capsys.readouterr().err == ""
+
+
 def test_a_causal_winner_serves_causal_and_window_calls_with_their_mask(tmp_path):
     cfg = BackwardConfig("fp16", d_head=64, B_r=128, B_c=32, n_warps=2, mask="causal")
     cache = _tuned(tmp_path, cfg, seq=1024, causal=True)
