@@ -18,7 +18,9 @@ itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
 by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. ``split_scores`` removes that
 price: warp ``h`` computes only query columns ``[h * B_r/d_split, ...)`` of S^T and dP^T, and P^T and
 dS^T go through shared memory (``sP``, ``sdS``), from where dV and dK read their A operands. Row counts
-are whole numbers of the MMA's 16 rows, column counts of its k16.
+are whole numbers of the MMA's 16 rows, column counts of its k16. ``dq_split`` (0: off) gives dQ a warp grid of its
+own: ``dq_split`` warps across its columns (d_head's share rounded as ``dw``), ``n_warps / dq_split`` down its query
+rows (``B_r * dq_split / n_warps`` each), so that the dQ GEMM's warp tile can be squarer than dK and dV's.
 """
 from __future__ import annotations
 
