@@ -332,7 +332,7 @@ def _rule_sizes(c: BackwardConfig) -> None:
         if c.B_r <= 0 or c.B_r % (MMA_M * dq_rows):
             raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}, dq_split={c.dq_split}: each of dQ's {dq_rows} rows of "
                               f"warps owns B_r*dq_split/n_warps = B_r/{dq_rows} query rows of dQ, which must be a positive "
-                              f"multiple of the MMA's {MMA_M} rows; use a smaller dq_split")
+                              f"multiple of the MMA's {MMA_M} rows; use a larger dq_split (fewer rows of warps) or B_r")
     elif c.B_r <= 0 or c.B_r % (MMA_M * c.warp_groups):
         raise ConfigError(f"B_r={c.B_r} with {groups}: each warp group owns B_r/{c.warp_groups} query rows of dQ, "
                           f"which must be a positive multiple of the MMA's {MMA_M} rows")

@@ -284,7 +284,7 @@ D128, D64 = B.default("bf16", 128), B.default("bf16", 64)
     ({"dq_split": -1}, ["dq_split=-1", "0 (as d_split)"]),
     ({"dq_split": True}, ["dq_split=True"]),
     # 8 warps in 8 columns: one row of warps owns all 64 query rows; in 1 column: 8 rows of 8 query rows each
-    ({"dq_split": 1}, ["B_r=64", "dq_split=1", "B_r/8 query rows", "multiple of the MMA's 16 rows"]),
+    ({"dq_split": 1}, ["B_r=64", "dq_split=1", "B_r/8 query rows", "multiple of the MMA's 16 rows", "larger dq_split"]),
     # d_head 64 over 8 warps: shares of 8 columns round up to 16 (the x4.trans load's two n8 tiles), 128 columns in all
     ({"d_head": 64, "B_r": 128, "dq_split": 8}, ["dq_split=8", "d_head=64", "rounds up to 16", "128 columns", "the 64 of sK"]),
     # d_head 128 over 8 warps: 16-column shares fit; one row of warps owns all 64 query rows
