@@ -18,7 +18,9 @@ itself: ``d_split`` cuts the accumulators a thread holds for dK, dV and dQ
 by ``d_split`` at the price of S^T and dP^T computed ``d_split`` times. ``split_scores`` removes that
 price: warp ``h`` computes only query columns ``[h * B_r/d_split, ...)`` of S^T and dP^T, and P^T and
 dS^T go through shared memory (``sP``, ``sdS``), from where dV and dK read their A operands. Row counts
-are whole numbers of the MMA's 16 rows, column counts of its k16.
+are whole numbers of the MMA's 16 rows, column counts of its k16. ``dq_split`` (0: off) gives dQ a warp grid of its
+own: ``dq_split`` warps across its columns (d_head's share rounded as ``dw``), ``n_warps / dq_split`` down its query
+rows (``B_r * dq_split / n_warps`` each), so that the dQ GEMM's warp tile can be squarer than dK and dV's.
 """
 from __future__ import annotations
 
@@ -91,6 +93,11 @@ class BackwardConfig:
     #: wgmma, query blocks past 64 rows: the exponentials of P^T while dP^T's wgmma is in flight (the plan's
     #: ``exp_first`` score order), instead of waiting for both GEMMs and making P^T and dS^T in one pass
     exp_first: bool = False
+    #: mma_sync: the warps splitting dQ's columns (dQ's own warp grid: ``n_warps / dq_split`` rows of warps down the query
+    #: block, ``dq_split`` across d_head); 0: the dK/dV grid's ``d_split``. Wider than ``d_split`` makes dQ's warp tile
+    #: squarer (d_head 128, 8 warps, 64 rows: 32 x 32 instead of 16 x 64), so a warp reads fewer ldmatrix of dS and
+    #: K^T per query block (32 instead of 40)
+    dq_split: int = 0
 
     @classmethod
     def default(cls, dtype: "DType | str", d_head: int, mask: str = "none",
@@ -144,9 +151,16 @@ class BackwardConfig:
         return self.B_c // self.warp_groups
 
     @property
+    def dq_warp_cols(self) -> int:
+        """Warps across dQ's columns: ``dq_split``, or where it is 0 the dK/dV grid's ``d_split``. Warp ``w`` owns dQ's
+        query rows from ``(w // dq_warp_cols) * qr`` (:attr:`query_rows_per_warp`) and its columns from
+        ``(w % dq_warp_cols) * dqw`` (:attr:`dq_cols_per_warp`)."""
+        return self.dq_split or self.d_split
+
+    @property
     def query_rows_per_warp(self) -> int:
-        """Query rows of dQ owned by one warp (and its group)."""
-        return self.B_r // self.warp_groups
+        """Query rows of dQ owned by one warp (and the other warps of its row of dQ's warp grid)."""
+        return self.B_r // (self.n_warps // self.dq_warp_cols)
 
     @property
     def d_cols_per_warp(self) -> int:
@@ -158,6 +172,21 @@ class BackwardConfig:
         if self.d_split == 1:
             return self.d_mma
         return max(MMA_K, 1 << (-(-self.d_head // self.d_split) - 1).bit_length())
+
+    @property
+    def dq_cols_per_warp(self) -> int:
+        """Columns of dQ owned by one warp: :attr:`d_cols_per_warp`'s rule for ``dq_warp_cols`` warps (``d_mma`` for
+        one; else d_head's share rounded up to a power of two, at least the MMA's 16)."""
+        if self.dq_warp_cols == self.d_split:
+            return self.d_cols_per_warp
+        if self.dq_warp_cols == 1:
+            return self.d_mma
+        return max(MMA_K, 1 << (-(-self.d_head // self.dq_warp_cols) - 1).bit_length())
+
+    @property
+    def dq_cols(self) -> int:
+        """Columns of dQ the warps of a row of dQ's grid compute together (the columns past d_head are dropped)."""
+        return self.dq_warp_cols * self.dq_cols_per_warp
 
     @property
     def d_cols(self) -> int:
@@ -189,8 +218,8 @@ class BackwardConfig:
         2 where ``split_scores`` leaves dK, dV and a whole dQ at 192 accumulators or more (d_head 256 at
         d_split 4, 64 key rows: one pass spilled 64 bytes on sm_90a, two 32-column passes none), else 1."""
         kv = 2 * self.key_rows_per_warp * self.d_cols_per_warp // 32
-        dq = self.query_rows_per_warp * self.d_cols_per_warp // 32
-        return 2 if self.split_scores and kv + dq >= 192 and self.d_cols_per_warp >= 2 * MMA_K else 1
+        dq = self.query_rows_per_warp * self.dq_cols_per_warp // 32
+        return 2 if self.split_scores and kv + dq >= 192 and self.dq_cols_per_warp >= 2 * MMA_K else 1
 
     @property
     def acc_regs(self) -> int:
@@ -198,7 +227,7 @@ class BackwardConfig:
         formed) or dQ (while it is reduced), whichever is more."""
         kv = 2 * self.key_rows_per_warp * self.d_cols_per_warp // 32
         scores = 2 * self.key_rows_per_warp * self.score_cols_per_warp // 32
-        dq = self.query_rows_per_warp * self.d_cols_per_warp // 32 // self.dq_passes
+        dq = self.query_rows_per_warp * self.dq_cols_per_warp // 32 // self.dq_passes
         return kv + max(scores, dq)
 
     @property
@@ -216,11 +245,11 @@ class BackwardConfig:
 
     # ---- names ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The knobs; ``split_scores``, ``longest_first`` and ``exp_first`` only where on, so that the names and
-        hashes of the configs from before them are unchanged."""
+        """The knobs; ``split_scores``, ``longest_first``, ``exp_first`` and ``dq_split`` only where on, so that the
+        names and hashes of the configs from before them are unchanged."""
         d = attrs.asdict(self)
         d["dtype"] = self.dtype.value
-        for name in ("split_scores", "longest_first", "exp_first"):
+        for name in ("split_scores", "longest_first", "exp_first", "dq_split"):
             if not d[name]:
                 del d[name]
         return d
@@ -239,11 +268,12 @@ class BackwardConfig:
 
     def short_form(self) -> str:
         """``bwd(FP16, 128, 64, 64, 4): swizzled+causal`` = (dtype, d_head, B_r, B_c, n_warps): flags
-        (``d_split_2`` among them when the warps split d, ``deterministic`` for dQ's ordered adds, ``longest_first``
+        (``d_split_2`` among them when the warps split d, ``dq_split_4`` when dQ has its own warp grid, ``deterministic`` for dQ's ordered adds, ``longest_first``
         for the grid's order, ``exp_first`` for the wgmma exponentials under dP^T's GEMM)."""
         flags = (["wgmma"] if self.engine == "wgmma" else []) + (["swizzled"] if self.swizzled else [])
         flags += [self.mask] if self.mask != "none" else []
         flags += [f"d_split_{self.d_split}"] if self.d_split > 1 else []
+        flags += [f"dq_split_{self.dq_split}"] if self.dq_split else []
         flags += ["split_scores"] if self.split_scores else []
         flags += [f"stages_{self.stages}"] if self.stages > 1 else []
         flags += ["deterministic"] if self.deterministic else []
@@ -261,6 +291,7 @@ class BackwardConfig:
         parts += (["wgmma"] if self.engine == "wgmma" else []) + (["swz"] if self.swizzled else [])
         parts += [self.mask] if self.mask != "none" else []
         parts += [f"ds{self.d_split}"] if self.d_split > 1 else []
+        parts += [f"dq{self.dq_split}"] if self.dq_split else []
         parts += ["ss"] if self.split_scores else []
         parts += [f"s{self.stages}"] if self.stages > 1 else []
         parts += ["det"] if self.deterministic else []
@@ -296,7 +327,13 @@ def _rule_sizes(c: BackwardConfig) -> None:
     if c.B_c <= 0 or c.B_c % (MMA_M * c.warp_groups):
         raise ConfigError(f"B_c={c.B_c} with {groups}: each warp group owns B_c/{c.warp_groups} key rows (of dK, dV), "
                           f"which must be a positive multiple of the MMA's {MMA_M} rows")
-    if c.B_r <= 0 or c.B_r % (MMA_M * c.warp_groups):
+    if c.dq_split:
+        dq_rows = c.n_warps // c.dq_split
+        if c.B_r <= 0 or c.B_r % (MMA_M * dq_rows):
+            raise ConfigError(f"B_r={c.B_r} with n_warps={c.n_warps}, dq_split={c.dq_split}: each of dQ's {dq_rows} rows of "
+                              f"warps owns B_r*dq_split/n_warps = B_r/{dq_rows} query rows of dQ, which must be a positive "
+                              f"multiple of the MMA's {MMA_M} rows; use a larger dq_split (fewer rows of warps) or B_r")
+    elif c.B_r <= 0 or c.B_r % (MMA_M * c.warp_groups):
         raise ConfigError(f"B_r={c.B_r} with {groups}: each warp group owns B_r/{c.warp_groups} query rows of dQ, "
                           f"which must be a positive multiple of the MMA's {MMA_M} rows")
     if c.B_r % SWIZZLE_TILE_COLS:
@@ -314,7 +351,7 @@ def lightest_default(cfg: BackwardConfig) -> "BackwardConfig | None":
     example mods compiled free of local memory) with ``cfg``'s other knobs, or None where ``cfg`` has that
     shape: where a user's mods do not fit ``cfg``'s registers."""
     shape = BackwardConfig(cfg.dtype, d_head=cfg.d_head, **_default_shapes(cfg.d_head)[-1])
-    knobs = {k: getattr(shape, k) for k in ("B_r", "B_c", "n_warps", "d_split", "split_scores")}
+    knobs = {k: getattr(shape, k) for k in ("B_r", "B_c", "n_warps", "d_split", "split_scores", "dq_split")}
     lighter = cfg.replace(**knobs)
     return None if lighter == cfg else lighter
 
@@ -353,6 +390,27 @@ def _rule_d_split(c: BackwardConfig) -> None:
                           f"{c.d_cols_per_warp} columns (a power of two, at least the MMA's {MMA_K}), and {c.d_split} shares "
                           f"make {c.d_cols} columns of dK and dV, more than the {c.d_smem} of the shared tiles they are staged in; "
                           "use a smaller d_split")
+
+
+def _rule_dq_split(c: BackwardConfig) -> None:
+    """dQ's own warp grid: ``n_warps / dq_split`` rows of warps (their query rows are checked by :func:`_rule_sizes`)
+    by ``dq_split`` columns, each d_head's share rounded up to a power of two (as ``d_split``'s)."""
+    if not isinstance(c.dq_split, int) or isinstance(c.dq_split, bool) or c.dq_split < 0:
+        raise ConfigError(f"dq_split={c.dq_split!r}: the warps splitting dQ's columns, 0 (as d_split) or a power of two "
+                          "dividing n_warps")
+    if not c.dq_split:
+        return
+    if c.engine != "mma_sync":
+        raise ConfigError(f"dq_split={c.dq_split} with engine={c.engine}: it gives the mma_sync backward's dQ GEMM a warp grid "
+                          "of its own; the wgmma backward's consumers make dQ in their own way; leave it 0")
+    if c.dq_split & (c.dq_split - 1) or c.n_warps % c.dq_split:
+        raise ConfigError(f"dq_split={c.dq_split} with n_warps={c.n_warps}: must be a power of two dividing n_warps (the warps "
+                          "splitting dQ's columns; n_warps/dq_split rows of warps down the query block)")
+    if c.dq_cols > c.d_smem:
+        raise ConfigError(f"dq_split={c.dq_split}, d_head={c.d_head}: each warp's share of dQ's columns rounds up to "
+                          f"{c.dq_cols_per_warp} (a power of two, at least the MMA's {MMA_K}, the two n8 tiles of one "
+                          f"ldmatrix.x4.trans of K^T), and {c.dq_split} shares make {c.dq_cols} columns, more than the {c.d_smem} "
+                          "of sK that dQ's B operand reads; use a smaller dq_split")
 
 
 def _rule_split_scores(c: BackwardConfig) -> None:
@@ -440,7 +498,7 @@ def _rule_wgmma(c: BackwardConfig) -> None:
                           "swizzle)")
 
 
-_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_split_scores, _rule_sizes, _rule_exp_first, _rule_registers, _rule_smem)
+_RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_dq_split, _rule_split_scores, _rule_sizes, _rule_exp_first, _rule_registers, _rule_smem)
 
 
 # ---- the tuning space ------------------------------------------------------------------

@@ -9,7 +9,10 @@ Warp ``w`` is warp ``h = w % d_split`` of group ``g = w // d_split``; the group 
 ``h`` of them the ``dw`` columns from ``h*dw`` of dK, dV and dQ (every warp's partitions carry that
 grid: ``warp_cols = d_split``); ``dw`` is d_head's share rounded up to a power of two
 (:attr:`BackwardConfig.d_cols_per_warp`), so the shares may cover more than ``d_mma``, never more
-than the ``d_smem`` columns of the shared tiles, which are zero-filled past d_head. Per query block
+than the ``d_smem`` columns of the shared tiles, which are zero-filled past d_head. ``dq_split`` gives dQ
+a warp grid of its own: ``qs = dq_split`` warps across its columns (``qw`` each, rounded as ``dw``) and
+``n_warps / qs`` down its rows (``qr = B_r * qs / n_warps`` each), warp ``w`` at ``(w // qs, w % qs)``;
+the dQ GEMM's loads and adds carry that grid (the table's ``qr x dw`` is then ``qr x qw``). Per query block
 (``B_r`` rows of Q, dO, lse and D copied to shared memory):
 
 ==========  ============================  =======================  ==================================
@@ -223,6 +226,7 @@ def _b_load_trans(name: str, tile: Tensor, n: int, k: int, split: int, dt) -> Op
 def _gemms(cfg: BackwardConfig, t: dict[str, Tensor], mma: MMA_16x8x16) -> dict[str, WarpGemm]:
     dt, DM, DW, BR, BC, sp = cfg.dtype, cfg.d_mma, cfg.d_cols_per_warp, cfg.B_r, cfg.B_c, cfg.d_split
     kr, qr, nw = cfg.key_rows_per_warp, cfg.query_rows_per_warp, cfg.score_cols_per_warp
+    qs, QW = cfg.dq_warp_cols, cfg.dq_cols_per_warp  # dQ's warp grid: qs warps across its columns, QW each
     mk, mq = kr // 16, qr // 16
     ss = sp if cfg.split_scores else 1  # warps splitting the query columns of S^T and dP^T
     p_a, ds_a = ((_a_load("Pt", t["sP"], mk, BR, kr, sp, dt), _a_load("dSt", t["sdS"], mk, BR, kr, sp, dt))
@@ -232,8 +236,8 @@ def _gemms(cfg: BackwardConfig, t: dict[str, Tensor], mma: MMA_16x8x16) -> dict[
         "dP": WarpGemm("dP", mma, mk, nw // 8, DM, _a_load("V", t["sV"], mk, DM, kr, sp, dt), _b_load("dO", t["sdO"], nw, DM, dt, ss)),
         "dV": WarpGemm("dV", mma, mk, DW // 8, BR, p_a, _b_load_trans("dOt", t["sdO"], DW, BR, sp, dt)),
         "dK": WarpGemm("dK", mma, mk, DW // 8, BR, ds_a, _b_load_trans("Qt", t["sQ"], DW, BR, sp, dt)),
-        "dQ": WarpGemm("dQ", mma, mq, DW // 8, BC, _a_load_trans("dS", t["sdS_t"], mq, BC, qr, sp, dt),
-                       _b_load_trans("Kt", t["sK"], DW, BC, sp, dt)),
+        "dQ": WarpGemm("dQ", mma, mq, QW // 8, BC, _a_load_trans("dS", t["sdS_t"], mq, BC, qr, qs, dt),
+                       _b_load_trans("Kt", t["sK"], QW, BC, qs, dt)),
     }
 
 
@@ -409,10 +413,11 @@ def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
                            Partition(vector_copy_tv(f"s2g_{name}", kr, s2g_cols, 32), (), kr, own, sp), "warp")
            for name in ("dK", "dV")}
     gdq = Tensor("gdQaccum", "GM", dt, Layout((cfg.B_r, D), (D, 1)))
-    red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, nd, qr, mma, dt, sp, own)
+    qs, qw = cfg.dq_warp_cols, cfg.dq_cols_per_warp  # dQ's warp grid (the dK/dV one's unless dq_split)
+    red = _acc_copy("red_dQ", RF2GM_red(), "rdQ", gdq, qr // 16, qw // 8, qr, mma, dt, qs, qw if qs > 1 else 0)
     mask = ScoreMask(cfg.mask, cfg.B_r, cfg.B_c, mods)
     if cfg.deterministic:
-        dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.d_cols)
+        dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.dq_cols)
     schedule = _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score, cfg.split_scores)
     return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, schedule, _row_reduce_lanes(mma.c_map), mask,
                         QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), BackwardGrid(longest_first=cfg.longest_first),

@@ -296,6 +296,9 @@ ENGINE_FLAG = next(g for g in FLAGS if ENGINE_KNOB in g.knobs)
 BACKWARD_ONLY: tuple[Knob, ...] = (
     Knob("d_split", int, "backward: warps per group that split dK, dV and dQ's columns", default=1, engines=(), off=1,
          flag=Pattern("d_split_{}", "d_split_N", (1,)), mangled=Pattern("ds{}")),
+    Knob("dq_split", int, "backward, mma_sync: warps splitting dQ's columns (dQ's own warp grid: n_warps/dq_split rows of "
+         "warps down the query block); 0: as d_split", default=0, engines=(), off=0,
+         flag=Pattern("dq_split_{}", "dq_split_N", (0,)), mangled=Pattern("dq{}")),
     Knob("deterministic", bool, "backward: dQ's adds from the key blocks in a fixed order, so gradients are "
          "bit-identical run to run", default=False, engines=(), off=False, flag=Switch("deterministic"), mangled=Switch("det")),
     Knob("split_scores", bool, "backward: the warps of a d_split group split S^T and dP^T's query columns and stage P^T "

@@ -320,9 +320,11 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     if plan.dq_passes > 1 and passes == 1:
         return ["// added by the dQ GEMM's passes"]
     opening, lane, warp = _lanes(plan)
-    slot, n_loop = "nt", ["    for (uint32_t nt = 0; nt < DW / 8; ++nt)"]
+    cols = _dq_cols_name(plan)
+    slot, n_loop = "nt", [f"    for (uint32_t nt = 0; nt < {cols} / 8; ++nt)"]
     if passes > 1:
-        slot, n_loop = "n4", [f"    for (uint32_t n4 = 0; n4 < DW / 8 / {passes}; ++n4) {{", f"        const uint32_t nt = pass * (DW / 8 / {passes}) + n4;"]
+        slot, n_loop = "n4", [f"    for (uint32_t n4 = 0; n4 < {cols} / 8 / {passes}; ++n4) {{",
+                              f"        const uint32_t nt = pass * ({cols} / 8 / {passes}) + n4;"]
 
     def loops(add: list[str]) -> list[str]:
         return (["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
@@ -334,6 +336,21 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     lines = first + ["if (q_row0 + int(B_r) <= p.seq_q) {  // every row of the block exists"]
     lines += ["    " + l for l in loops(unchecked)] + ["} else {"] + ["    " + l for l in loops(checked)] + ["}"]
     return ["{"] + ["    " + l for l in opening + lines] + ["}"]
+
+
+def _dq_cols_name(plan: BackwardPlan) -> str:
+    """The constant naming dQ's columns per warp: ``DW`` where dQ's warp grid is dK and dV's, else ``DQW``
+    (``dq_split``: :func:`_col_constants`)."""
+    return "DW" if plan.gemms["dQ"].n_tiles == plan.gemms["dV"].n_tiles else "DQW"
+
+
+def _col_constants(plan: BackwardPlan) -> list[str]:
+    """The kernel's constants of the columns per warp, from the dV and dQ GEMMs' n8 tiles."""
+    dw, qw = 8 * plan.gemms["dV"].n_tiles, 8 * plan.gemms["dQ"].n_tiles
+    if _dq_cols_name(plan) == "DW":
+        return [f"constexpr uint32_t DW = {dw};  // columns of dK, dV and dQ per warp (of D_MMA)"]
+    return [f"constexpr uint32_t DW = {dw};  // columns of dK and dV per warp (of D_MMA)",
+            f"constexpr uint32_t DQW = {qw};  // columns of dQ per warp (dQ's own warp grid: dq_split {plan.cfg.dq_split})"]
 
 
 def _dq_add_lines(plan: BackwardPlan, lane: str, warp: str, slot: str) -> tuple[list[str], list[str], list[str]]:
@@ -520,7 +537,7 @@ constexpr uint32_t D_HEAD = $d_head, D_MMA = $d_mma, D_SMEM = $d_smem;  // data,
 static_assert(D_HEAD <= D_MMA && D_MMA <= D_SMEM && D_SMEM % 64 == 0, "tile widths");
 constexpr uint32_t KR = $key_rows, MK = KR / 16;  // key rows (of dK, dV, S^T) per warp, their 16-row MMA tiles
 constexpr uint32_t QR = $query_rows, MQ = QR / 16;  // query rows of dQ per warp
-constexpr uint32_t DW = $d_cols;  // columns of dK, dV and dQ per warp (of D_MMA)
+$col_constants
 
 // ---- index functions: every shared-memory address of the kernel comes from these ----
 $index_fns
@@ -717,7 +734,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         schedule=" | ".join(str(s) for s in plan.schedule.body),
         B_r=cfg.B_r, B_c=cfg.B_c, n_warps=cfg.n_warps, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
-        d_cols=8 * plan.gemms["dV"].n_tiles,
+        col_constants=_col_constants(plan),
         index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(), batch_index=plan.grid.block_index(BATCH),
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),

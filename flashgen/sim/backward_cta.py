@@ -179,7 +179,7 @@ class _BwdCta:
         self.dv = np.zeros((W, mk, nd, 32, 4), _F32)
         self.s = np.zeros((W, mk, nq, 32, 4), _F32)  # S^T, then P^T (fp32)
         self.dp = np.zeros((W, mk, nq, 32, 4), _F32)  # dP^T, then dS^T
-        self.dq = np.zeros((W, plan.gemms["dQ"].m_tiles, nd, 32, 4), _F32)
+        self.dq = np.zeros((W, plan.gemms["dQ"].m_tiles, plan.gemms["dQ"].n_tiles, 32, 4), _F32)
         self.where = ""
 
     def tile(self, name: str, j: int) -> str:
@@ -654,11 +654,14 @@ def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = 
     cfg = plan.cfg
     traces = trace_backward(plan) if traces is None else traces
     kr, qr, dw, sp = cfg.key_rows_per_warp, cfg.query_rows_per_warp, cfg.d_cols_per_warp, cfg.d_split
-    # warp w = place h of group g: the group's rows, the place's columns (of d) -- from the config alone
+    # warp w = place h of group g: the group's rows, the place's columns (of d) -- from the config alone;
+    # for dQ (dS, K^T) place w % qs of dQ's grid row w // qs (qs = d_split unless dq_split)
     group, place = [w // sp for w in range(cfg.n_warps)], [w % sp for w in range(cfg.n_warps)]
+    qs, qw = cfg.dq_warp_cols, cfg.dq_cols_per_warp
     keys = [(g * kr, 0) for g in group]
-    own_d = {n: [(0, h * dw) for h in place] for n in ("s2r_dOt", "s2r_Qt", "s2r_Kt")}
-    own_a = {"s2r_K": (kr, keys), "s2r_V": (kr, keys), "s2r_dS": (qr, [(g * qr, 0) for g in group]),
+    own_d = {n: [(0, h * dw) for h in place] for n in ("s2r_dOt", "s2r_Qt")}
+    own_d["s2r_Kt"] = [(0, (w % qs) * qw) for w in range(cfg.n_warps)]
+    own_a = {"s2r_K": (kr, keys), "s2r_V": (kr, keys), "s2r_dS": (qr, [(w // qs * qr, 0) for w in range(cfg.n_warps)]),
              "s2r_Pt": (kr, keys), "s2r_dSt": (kr, keys)}
     need_k = {"s2r_dS": cfg.B_c, "s2r_Pt": cfg.B_r, "s2r_dSt": cfg.B_r}
     nw = cfg.score_cols_per_warp  # split_scores: warp h's query columns of S^T and dP^T, rows of sQ / sdO
@@ -671,7 +674,7 @@ def backward_coverage(plan: BackwardPlan, traces: dict[str, CopyTrace] | None = 
         if kind == "g2s":
             out[copy.name] = cp.check_g2s(tr)
         elif kind == "s2r":
-            need = need_k.get(copy.name, dw if copy.name in own_d else cfg.d_mma)
+            need = need_k.get(copy.name, (qw if copy.name == "s2r_Kt" else dw) if copy.name in own_d else cfg.d_mma)
             rows, origins = own_a.get(copy.name, (None, own_d.get(copy.name)))
             out[copy.name] = cp.check_ldmatrix(tr, rows, need, origins)
         elif copy.name in ("r2s_dS", "r2s_P"):

@@ -271,3 +271,109 @@ def test_the_default_splits_the_scores_and_falls_back_where_shared_memory_is_sho
         cfg = B.default("bf16", d, "causal", smem_limit=small)
         assert (cfg.stages, cfg.n_warps, cfg.split_scores) == (stages, 4, False) and cfg.smem_bytes <= small
         assert B.default("bf16", d, "causal", smem_limit=big).smem_bytes > small
+
+
+# ---- dq_split: dQ's own warp grid ------------------------------------------------------------------------------------
+
+D128, D64 = B.default("bf16", 128), B.default("bf16", 64)
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"dq_split": 3}, ["dq_split=3", "power of two dividing n_warps"]),
+    ({"dq_split": 16}, ["dq_split=16", "n_warps=8", "power of two dividing n_warps"]),
+    ({"dq_split": -1}, ["dq_split=-1", "0 (as d_split)"]),
+    ({"dq_split": True}, ["dq_split=True"]),
+    # 8 warps in 8 columns: one row of warps owns all 64 query rows; in 1 column: 8 rows of 8 query rows each
+    ({"dq_split": 1}, ["B_r=64", "dq_split=1", "B_r/8 query rows", "multiple of the MMA's 16 rows", "larger dq_split"]),
+    # d_head 64 over 8 warps: shares of 8 columns round up to 16 (the x4.trans load's two n8 tiles), 128 columns in all
+    ({"d_head": 64, "B_r": 128, "dq_split": 8}, ["dq_split=8", "d_head=64", "rounds up to 16", "128 columns", "the 64 of sK"]),
+    # d_head 128 over 8 warps: 16-column shares fit; one row of warps owns all 64 query rows
+    ({"dq_split": 8, "split_scores": True}, []),
+])
+def test_dq_split_refuses_grids_that_do_not_tile_and_names_the_rule(knobs, words):
+    knobs = {"n_warps": 8, "d_split": 2, "B_c": 128, **knobs}
+    if not words:  # the control: this one tiles
+        assert B("bf16", **knobs).dq_cols_per_warp == 16
+        return
+    with pytest.raises(ConfigError) as e:
+        B("bf16", **knobs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_dq_split_refuses_the_wgmma_engine_and_shares_past_the_shared_tiles():
+    with pytest.raises(ConfigError, match="dq_split=4 with engine=wgmma"):
+        B.wgmma("bf16", 128).replace(dq_split=4)
+    # d_head 24 over 8 warps: 16-column shares (at least the MMA's 16), 128 columns, past the 64 of sK
+    with pytest.raises(ConfigError) as e:
+        B("bf16", d_head=24, B_r=128, n_warps=8, dq_split=8)
+    assert all(w in str(e.value) for w in ("dq_split=8", "d_head=24", "16", "128 columns", "the 64 of sK")), str(e.value)
+
+
+def test_dq_split_names_round_trip_and_leave_the_other_configs_alone():
+    from flashgen.dsl import configs
+
+    on = D128.replace(dq_split=4)
+    assert on.short_form() == "bwd(BF16, 128, 64, 128, 8): swizzled+d_split_2+dq_split_4+split_scores+stages_2"
+    assert on.mangle() == "flash_bwd_bf16_d128_br64_bc128_w8_swz_ds2_dq4_ss_s2"
+    assert configs.load(on.short_form()) == on and configs.from_dict(configs.to_record(on)) == on
+    assert "dq_split" not in D128.to_dict() and on.to_dict()["dq_split"] == 4 and on.content_hash() != D128.content_hash()
+    assert configs.load(D128.short_form()).dq_split == 0
+
+
+@pytest.mark.parametrize("base", [D128, D64, B("fp16", d_head=96, n_warps=8, d_split=2)], ids=str)
+def test_dq_split_gives_dq_its_own_grid_and_leaves_dk_and_dv_theirs(base):
+    """Warp w of dQ's grid: query rows from (w // dq_split) * qr, columns from (w % dq_split) * qw, for the GEMM's A
+    (dS) and B (K^T) loads and for the adds; dK's and dV's copies are the default's."""
+    on = base.replace(dq_split=4)
+    plan, off = make_backward_plan(on), make_backward_plan(base)
+    qr, qw = on.query_rows_per_warp, on.dq_cols_per_warp
+    assert qr == base.B_r * 4 // base.n_warps and qw == max(16, 1 << (-(-base.d_head // 4) - 1).bit_length())
+    g = plan.gemms["dQ"]
+    assert (g.m_tiles, g.n_tiles) == (qr // 16, qw // 8)
+    for w in range(on.n_warps):
+        assert g.a.copy.partition.warp_offset(w) == (w // 4 * qr, 0)
+        assert g.b.copy.partition.warp_offset(w) == (0, w % 4 * qw)
+        assert plan.red_dQ.partition.warp_offset(w) == (w // 4 * qr, w % 4 * qw)
+    assert plan.gemms["dV"] == off.gemms["dV"] and plan.gemms["dK"] == off.gemms["dK"] and plan.r2s == off.r2s
+    bad = {name: c.detail for name, c in backward_coverage(plan).items() if not c.ok}
+    assert not bad
+
+
+def _dq_ldmatrix_per_warp(cfg) -> int:
+    """ldmatrix a warp issues for dQ per query block (dS and K^T), as `flashgen simulate` counts them."""
+    traces = trace_backward(make_backward_plan(cfg))
+    return traces["s2r_dS"].n_instr + traces["s2r_Kt"].n_instr
+
+
+def test_dq_split_4_cuts_the_d128_dq_loads_from_40_to_32_a_warp():
+    """d_head 128, 8 warps, 64 query rows: 16 x 64 warp tiles read 8 x4 of dS and 32 of K^T; 32 x 32 ones 16 and 16.
+    (d_head 64's default, 128 rows, already has 32 x 32 tiles: dq_split 4 makes them 64 x 16, 32 + 8.)"""
+    assert _dq_ldmatrix_per_warp(D128) == 40 and _dq_ldmatrix_per_warp(D128.replace(dq_split=4)) == 32
+    assert _dq_ldmatrix_per_warp(D64) == 32 and _dq_ldmatrix_per_warp(D64.replace(dq_split=4)) == 40
+
+
+@pytest.mark.parametrize("cfg", [D128.replace(dq_split=4, deterministic=True), D64.replace(dq_split=4, deterministic=True),
+                                 B("fp16", d_head=96, n_warps=8, d_split=2, dq_split=8, B_r=128, deterministic=True)], ids=str)
+def test_dq_split_adds_each_dq_element_once(cfg):
+    plan = make_backward_plan(cfg)  # checks it (dq_adds_once)
+    dq_adds_once(plan.red_dQ, cfg.n_warps, cfg.B_r, cfg.dq_cols)
+    assert cfg.dq_cols >= cfg.d_head
+
+
+def test_dq_split_conflict_free_and_address_splits_hold():
+    from flashgen.dsl.addressing import split_offsets, split_problems
+
+    for cfg in (D128.replace(dq_split=4), D64.replace(dq_split=4), B("fp16", n_warps=8, d_split=2, dq_split=4)):
+        plan = make_backward_plan(cfg)
+        traces = trace_backward(plan)
+        assert all(wavefronts(traces[n])[0].sum() == wavefronts(traces[n])[1].sum() for n in ("s2r_dS", "s2r_Kt")), cfg
+        assert not [p for _, copy in plan.copies() for p in split_problems(copy, split_offsets(copy), cfg.n_warps)]
+
+
+def test_a_coverage_check_catches_dq_loads_on_the_dk_grid():
+    """dQ's K^T load left on the dK/dV grid (2 columns of 64) while dS and the adds take dq_split 4: caught."""
+    plan = make_backward_plan(D128.replace(dq_split=4))
+    wrong = make_backward_plan(D128.replace(dq_split=4).replace(dq_split=0)).gemms["dQ"].b
+    g = plan.gemms["dQ"]
+    plan = attrs.evolve(plan, gemms={**plan.gemms, "dQ": attrs.evolve(g, b=wrong)})
+    assert backward_coverage(plan)["s2r_Kt"].ok is False

@@ -40,7 +40,9 @@ CLEAN = [B.default("fp16", 64), B.default("bf16", 128, "causal"), B.default("bf1
          B("bf16", d_head=256, n_warps=8, d_split=4, mask="causal", stages=2, split_scores=True),
          B("fp16", d_head=256, n_warps=8, d_split=4, split_scores=True, deterministic=True),
          B("bf16", n_warps=8, d_split=2, mask="causal", stages=2, split_scores=True),
-         B("fp16", d_head=64, n_warps=8, d_split=4, stages=2, split_scores=True)]
+         B("fp16", d_head=64, n_warps=8, d_split=4, stages=2, split_scores=True),
+         # dq_split: dQ on a warp grid of its own (d_head 128: 32 x 32 warp tiles; 64: 64 x 16), the ordered adds too
+         B.default("bf16", 128).replace(dq_split=4), B.default("fp16", 64, "causal").replace(dq_split=4, deterministic=True)]
 
 
 def _domain(plan, copy, params):

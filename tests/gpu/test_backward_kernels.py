@@ -118,6 +118,12 @@ CASES = [
     # more (kv head, batch) pairs than longest_first's tail (4 key blocks: 66 pairs on 132 SMs), so that both parts run
     (BackwardConfig.wgmma("bf16", 128, "causal").replace(longest_first=True, deterministic=True), 5, 500, 500, 32, 16, {"causal": True}),
     (BackwardConfig.default("bf16", 128, "causal").replace(longest_first=True), 5, 400, 500, 16, 16, {"causal": True, "align": "bottom_right"}),
+    # dq_split: dQ on a warp grid of its own (d_head 128: 32 x 32 warp tiles instead of 16 x 64; d_head 64: 64 x 16),
+    # odd lengths, GQA, the ordered adds
+    (BackwardConfig.default("bf16", 128).replace(dq_split=4), 2, 1000, 777, 4, 2, {}),
+    (BackwardConfig.default("bf16", 128, "causal").replace(dq_split=4, deterministic=True), 1, 300, 520, 2, 1,
+     {"causal": True, "align": "bottom_right"}),
+    (BackwardConfig.default("fp16", 64, "causal").replace(dq_split=4), 2, 333, 333, 4, 2, {"causal": True}),
 ]
 
 

@@ -343,3 +343,55 @@ def test_split_scores_query_columns_of_the_wrong_warp_give_wrong_gradients():
     res = simulate_backward(attrs.evolve(plan, gemms=gemms), *inputs)
     with pytest.raises(AssertionError):
         _check(SPLIT, res, inputs, {})
+
+
+# ---- dq_split: dQ's own warp grid ------------------------------------------------------------------------------------
+
+D128, D64 = B.default("bf16", 128), B.default("bf16", 64)
+#: (config, seq_q, seq_k, heads, kv_heads, mask arguments): the shipped d_head 128 and 64 shapes with dQ on 4 warps'
+#: columns (d_head 128: 32 x 32 warp tiles; 64: 64 x 16), odd lengths, causal, GQA, and dQ's ordered adds
+DQ_SPLIT = [
+    (D128.replace(dq_split=4), 101, 269, 2, 1, {}),
+    (B.default("bf16", 128, "causal").replace(dq_split=4), 113, 70, 4, 2, {"causal": True, "align": "bottom_right"}),
+    (D64.replace(dq_split=4), 165, 33, 2, 1, {}),
+    (B.default("fp16", 64, "causal").replace(dq_split=4, deterministic=True), 200, 130, 2, 2, {"causal": True}),
+    (B("fp16", d_head=96, n_warps=8, d_split=2, dq_split=8, B_r=128, mask="window"), 70, 113, 2, 1, {"window": (20, 3)}),
+    # d_head 256 in fours, dQ over all 8 warps' columns (64 x 32 tiles) in two passes of 16 columns
+    (B.default("bf16", 256).replace(dq_split=8, deterministic=True), 70, 100, 2, 1, {}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DQ_SPLIT)))
+def test_dq_split_gradients_match_the_reference_and_the_default_grids_dq(case):
+    """dQ on its own warp grid: the reference's gradients, and the default grid's dQ bit for bit (each element's sum
+    runs over the same k steps in the same order, only another warp makes it)."""
+    cfg, seq_q, seq_k, heads, kv_heads, mask = DQ_SPLIT[case]
+    inputs = _inputs(case, seq_q, seq_k, heads, kv_heads, cfg.d_head)
+    res = simulate_backward(cfg, *inputs, **mask)
+    assert res.ok, res.hazards[:3]
+    _check(cfg, res, inputs, mask)
+    default = simulate_backward(cfg.replace(dq_split=0), *inputs, **mask)
+    for name in ("dq", "dk", "dv"):
+        assert np.array_equal(getattr(res, name), getattr(default, name)), name
+
+
+def test_dq_split_ordered_adds_are_the_same_whatever_order_the_ctas_arrive_in():
+    cfg, mask = D128.replace(dq_split=4, deterministic=True, mask="causal"), {"causal": True, "align": "bottom_right"}
+    inputs = _inputs(7, 70, 300, 2, 1, cfg.d_head)
+    results = [simulate_backward(cfg, *inputs, **mask, key_block_order=o) for o in _orders(300, cfg.B_c)]
+    for res in results:
+        assert res.ok, res.hazards[:3]
+        assert np.array_equal(res.dq, results[0].dq)
+    _check(cfg, results[0], inputs, mask)
+
+
+def test_dq_split_loads_on_the_dk_grid_give_wrong_gradients():
+    """The K^T load placed on a grid 2 warps wide (dK and dV's) under dq_split 4's adds (4 warps of 32 columns): warps
+    2 and 3 of each row multiply the columns of warps 0 and 1, and dQ is wrong."""
+    plan = make_backward_plan(D128.replace(dq_split=4))
+    g = plan.gemms["dQ"]
+    wrong = attrs.evolve(g.b.copy, partition=attrs.evolve(g.b.copy.partition, warp_cols=2))
+    broken = attrs.evolve(plan, gemms={**plan.gemms, "dQ": attrs.evolve(g, b=attrs.evolve(g.b, copy=wrong))})
+    inputs = _inputs(0, 64, 128, 1, 1, 128)
+    res, want = simulate_backward(broken, *inputs), simulate_backward(plan, *inputs)
+    assert np.array_equal(res.dk, want.dk) and not np.array_equal(res.dq, want.dq)
