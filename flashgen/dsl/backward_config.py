@@ -169,19 +169,18 @@ class BackwardConfig:
         columns start at ``h * dw``: the emitted addresses are one per-thread base xor/plus constants
         read off warp 0 (:mod:`flashgen.dsl.addressing`), which holds for every warp only where the
         warp's offset sets swizzle bits that the steps within its share never carry into."""
-        if self.d_split == 1:
-            return self.d_mma
-        return max(MMA_K, 1 << (-(-self.d_head // self.d_split) - 1).bit_length())
+        return self._share_cols(self.d_split)
+
+    def _share_cols(self, warps: int) -> int:
+        """Columns per warp where ``warps`` warps split d_head: ``d_mma`` for one, else the share rounded up to a
+        power of two, at least the MMA's 16 (:attr:`d_cols_per_warp`'s rule)."""
+        return self.d_mma if warps == 1 else max(MMA_K, 1 << (-(-self.d_head // warps) - 1).bit_length())
 
     @property
     def dq_cols_per_warp(self) -> int:
         """Columns of dQ owned by one warp: :attr:`d_cols_per_warp`'s rule for ``dq_warp_cols`` warps (``d_mma`` for
         one; else d_head's share rounded up to a power of two, at least the MMA's 16)."""
-        if self.dq_warp_cols == self.d_split:
-            return self.d_cols_per_warp
-        if self.dq_warp_cols == 1:
-            return self.d_mma
-        return max(MMA_K, 1 << (-(-self.d_head // self.dq_warp_cols) - 1).bit_length())
+        return self._share_cols(self.dq_warp_cols)
 
     @property
     def dq_cols(self) -> int:
