@@ -31,9 +31,12 @@ def test_the_space_is_every_valid_combination_of_the_knobs(dtype, d_head, mask):
     assert space and len(set(space)) == len(space)
     assert BackwardConfig.default(dtype, d_head, mask) in space
     assert {(c.dtype, c.d_head, c.mask) for c in space} == {(DType.parse(dtype), d_head, mask)}
-    # what the space leaves out, the config's own rules refuse
+    # what the space leaves out, the config's own rules refuse, but for dQ grids no wider than dK's and dV's
     for values in itertools.product(*TUNING_KNOBS.values()):
         knobs = dict(zip(TUNING_KNOBS, values))
+        if 0 < knobs["dq_split"] <= knobs["d_split"]:
+            assert not any(c.dq_split and c.dq_split <= c.d_split for c in space)
+            continue
         if not any(all(getattr(c, k) == v for k, v in knobs.items()) for c in space):
             with pytest.raises(ConfigError):
                 BackwardConfig(dtype, d_head=d_head, mask=mask, **knobs)

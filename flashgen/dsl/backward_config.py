@@ -365,7 +365,9 @@ def _default_shapes(d_head: int) -> list[dict]:
       column (d_head 64: 6-10% faster than the 8 warps alone, 13-21% than 4 warps on 64 x 64); where it would pad
       (d_head 48: to 64 columns) the 8 warps alone, each holding all of d_head's accumulators (4% faster).
     * Up to 128: 8 warps in pairs on 128 key rows with split scores, 1.05-1.16x the speed of 4 warps on 64 x 64
-      (d_head 96 and 128), which hold every accumulator.
+      (d_head 96 and 128), which hold every accumulator. At d_head 128 dQ on a grid of its own, four warps across
+      its columns (``dq_split``: 32 x 32 warp tiles, 32 ldmatrix per warp and query block instead of 40), 1.5-2.4%
+      faster on an H200 (`docs/results/backward_dq_split_h200.json`).
     * Past 128, 4 warps cannot hold the accumulators: 8 warps in fours on 64 key rows with split scores, each
       64 columns (:attr:`BackwardConfig.d_cols_per_warp`: d_head's share rounded up to a power of two), 1.2x
       (d_head 256) to 2.2x (192) the speed of the shapes without split scores that follow."""
@@ -374,7 +376,7 @@ def _default_shapes(d_head: int) -> list[dict]:
         no_pad = BackwardConfig("fp16", d_head=d_head, **pairs).d_cols == mma_cols(d_head)
         return [pairs] * no_pad + [dict(B_r=128, B_c=128, n_warps=8), dict()]
     if d_head <= 128:
-        return [dict(B_c=128, n_warps=8, d_split=2, split_scores=True), dict()]
+        return [dict(B_c=128, n_warps=8, d_split=2, split_scores=True, dq_split=4 if d_head == 128 else 0), dict()]
     old = dict(n_warps=8, d_split=2) if d_head == 256 else dict(B_c=32, n_warps=8, d_split=4)
     return [dict(n_warps=8, d_split=4, split_scores=True), old]
 
@@ -503,7 +505,8 @@ _RULES = (_rule_choices, _rule_stages, _rule_d_split, _rule_dq_split, _rule_spli
 # ---- the tuning space ------------------------------------------------------------------
 
 #: What ``flashgen tune --passes bwd`` varies: query and key block rows, warps, the warps' split of
-#: d_head's columns, the swizzle and the query-block stages; the rules above decide which combinations exist.
+#: d_head's columns (dK/dV's, and dQ's where wider), the swizzle and the query-block stages; the rules above decide
+#: which combinations exist.
 TUNING_KNOBS: dict[str, tuple] = {
     "B_r": (64, 128),
     "B_c": (16, 32, 64, 128),
@@ -512,6 +515,7 @@ TUNING_KNOBS: dict[str, tuple] = {
     "swizzled": (True, False),
     "stages": (1, 2),
     "split_scores": (False, True),
+    "dq_split": (0, 4),
 }
 def tuning_space(dtype: "DType | str", d_head: int, mask: str = "none") -> list[BackwardConfig]:
     """Every valid config of :data:`TUNING_KNOBS`'s product for a dtype, head size and mask, in the product's
@@ -520,6 +524,8 @@ def tuning_space(dtype: "DType | str", d_head: int, mask: str = "none") -> list[
     out = []
     for values in itertools.product(*TUNING_KNOBS.values()):
         knobs = dict(zip(TUNING_KNOBS, values))
+        if 0 < knobs["dq_split"] <= knobs["d_split"]:
+            continue  # as d_split's grid (equal) or narrower than it: nothing to gain
         try:
             out.append(BackwardConfig(dtype, d_head=d_head, mask=mask, **knobs))
         except ConfigError:
