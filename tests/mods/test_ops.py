@@ -22,6 +22,9 @@ SHIFT = torch.tensor(0.75)  # a captured 0-d tensor: a run-time scalar too
 TABLE = torch.arange(3 * 9, dtype=torch.float32).reshape(9, 3).t() * 0.5 - 4  # (3, 9), strides (1, 3)
 LUT = torch.tensor([4, -2, 7, 0, 1, -5, 3, 3, 9, 2, -1], dtype=torch.int64)
 TRANSCENDENTAL = ("exp", "log", "tanh")
+#: torch's vectorized CPU sqrt (AVX-512 builds) may miss correct rounding by one ulp; the evaluator's and the
+#: kernels' are correctly rounded (test_ops_host_cpp_equals_evaluate holds them to the same bits)
+TORCH_SQRT = ("sqrt", "int_sqrt")
 
 OPS = {
     "add": lambda s, b, h, q, k: s + q,
@@ -109,6 +112,8 @@ def test_op_traces_to_what_torch_computes(name):
     want = want.to(torch.float32).expand(SHAPE).numpy()
     if name in TRANSCENDENTAL:
         assert ulps(got, want).max() <= 2
+    elif name in TORCH_SQRT:
+        assert ulps(got, want).max() <= 1
     else:
         assert np.array_equal(got.view(np.int32), want.view(np.int32)) or np.array_equal(got, want, equal_nan=True)
 
