@@ -94,3 +94,22 @@ def cubin_build(folder: Path, key: str, text: str, arch: str, nvcc: str) -> Call
     (sub / "k.cu").write_text(text)
     argv = compile_command(nvcc, sub / "k.cu", arch, sub / "k.cubin", device_only=True)
     return functools.partial(subprocess.run, argv, capture_output=True, text=True)
+
+
+def config_checks(configs, archs) -> Callable[[Path], dict]:
+    """A module's ``background_builds`` (assign it at module level): ``flashgen check`` of each config alone for
+    ``archs``, uncached, keyed by the config's mangled name; no builds without nvcc. :func:`check_results` reads them."""
+    def background_builds(folder: Path) -> dict:
+        from flashgen.check import check_configs
+        from flashgen.toolchain import find_nvcc
+
+        if find_nvcc() is None:
+            return {}
+        return {cfg.mangle(): functools.partial(check_configs, [cfg], tuple(archs), jobs=1, workdir=folder, use_cache=False)
+                for cfg in configs}
+    return background_builds
+
+
+def check_results(background: "Background", module: Any, configs) -> dict:
+    """{(config, arch): its :class:`flashgen.check.CheckResult`} of the builds of :func:`config_checks`."""
+    return {(r.cfg, r.arch): r for cfg in configs for r in background.result(module, cfg.mangle())}

@@ -12,14 +12,14 @@ into a fresh work folder, so nothing comes from an earlier run's cache; see test
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 
-from flashgen.check import DEFAULT_ARCHS, check_configs, failure_report
+from flashgen.check import DEFAULT_ARCHS, failure_report
 from flashgen.dsl.config import KernelConfig, default_configs, kernel_progression, tuning_space
-from flashgen.toolchain import find_nvcc
+
+from background import check_results, config_checks  # tests/ is on sys.path (the conftest's folder)
 
 pytestmark = pytest.mark.nvcc
 
@@ -39,17 +39,13 @@ def tuning_sample() -> list[KernelConfig]:
 CONFIGS = list(dict.fromkeys(default_configs() + kernel_progression() + tuning_sample()))
 
 
-def background_builds(folder):
-    """One build per config: its host code with its first arch, device code alone for the others."""
-    if find_nvcc() is None:
-        return {}
-    return {cfg.mangle(): functools.partial(check_configs, [cfg], DEFAULT_ARCHS, jobs=1, workdir=folder, use_cache=False)
-            for cfg in CONFIGS}
+# one build per config: its host code with its first arch, device code alone for the others
+background_builds = config_checks(CONFIGS, DEFAULT_ARCHS)
 
 
 @pytest.fixture(scope="module")
 def results(background, request, nvcc):
-    return {(r.cfg, r.arch): r for cfg in CONFIGS for r in background.result(request.module, cfg.mangle())}
+    return check_results(background, request.module, CONFIGS)
 
 
 @pytest.mark.parametrize("arch", DEFAULT_ARCHS)

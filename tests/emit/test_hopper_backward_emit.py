@@ -4,18 +4,18 @@ compiled for the host inverts the slots of the plan's DqStage at every thread an
 or by rows), and emitting is pure."""
 from __future__ import annotations
 
-import functools
 import shutil
 import subprocess
 
 import pytest
 
-from flashgen.check import check_configs, failure_report
+from flashgen.check import failure_report
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
 from flashgen.dsl.sets import backward_configs
 from flashgen.emit.hopper_backward_kernel import emit_hopper_backward
-from flashgen.toolchain import find_nvcc
+
+from background import check_results, config_checks  # tests/ is on sys.path (the conftest's folder)
 
 W = BackwardConfig.wgmma
 #: the shipped d_head 128 (the register-heaviest dK and dV), both masks, one and two ring stages, the ordered dQ adds;
@@ -29,16 +29,12 @@ CONFIGS += [c.replace(exp_first=True) for c in backward_configs() if c.engine ==
 GXX = shutil.which("g++")
 
 
-def background_builds(folder):
-    if find_nvcc() is None:
-        return {}
-    return {cfg.mangle(): functools.partial(check_configs, [cfg], ("sm_80", "sm_90a"), jobs=1, workdir=folder, use_cache=False)
-            for cfg in CONFIGS}
+background_builds = config_checks(CONFIGS, ("sm_80", "sm_90a"))
 
 
 @pytest.fixture(scope="module")
 def results(background, request, nvcc):
-    return {(r.cfg, r.arch): r for cfg in CONFIGS for r in background.result(request.module, cfg.mangle())}
+    return check_results(background, request.module, CONFIGS)
 
 
 @pytest.mark.nvcc

@@ -6,7 +6,6 @@ instructions the plan asks for (wgmma, TMA, mbarrier, setmaxnreg, named barriers
 """
 from __future__ import annotations
 
-import functools
 import re
 import shutil
 import subprocess
@@ -14,13 +13,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from flashgen.check import check_configs, failure_report, ptx_command
+from flashgen.check import failure_report, ptx_command
 from flashgen.dsl.config import KernelConfig, default_configs
 from flashgen.dsl.dtypes import DType
 from flashgen.dsl.hopper_plan import make_hopper_plan
 from flashgen.engines import emit
 from flashgen.tune import HOPPER_B_C, hopper_default, lookup
-from flashgen.toolchain import find_nvcc
+
+from background import check_results, config_checks  # tests/ is on sys.path (the conftest's folder)
 
 CONFIGS = [
     KernelConfig.wgmma("fp16"),
@@ -34,17 +34,13 @@ CONFIGS = [
 ]
 
 
-def background_builds(folder):
-    # sm_80 is asked for too: wgmma kernels must be skipped there, not fail
-    if find_nvcc() is None:
-        return {}
-    return {cfg.mangle(): functools.partial(check_configs, [cfg], ("sm_80", "sm_90a"), jobs=1, workdir=folder, use_cache=False)
-            for cfg in CONFIGS}
+# sm_80 is asked for too: wgmma kernels must be skipped there, not fail
+background_builds = config_checks(CONFIGS, ("sm_80", "sm_90a"))
 
 
 @pytest.fixture(scope="module")
 def results(background, request, nvcc):
-    return {(r.cfg, r.arch): r for cfg in CONFIGS for r in background.result(request.module, cfg.mangle())}
+    return check_results(background, request.module, CONFIGS)
 
 
 @pytest.mark.nvcc
