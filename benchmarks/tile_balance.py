@@ -27,19 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOKENS, HEADS, D_HEAD = 16384, 16, 128
 
 
+def key_spans(plan, seq: int) -> list[tuple[int, int]]:
+    """Per query block, the key blocks ``[begin, end)`` of the built-in mask (the kernels' ``kv_block_range``)."""
+    sched = plan.scheduler
+    return [plan.score_mask.block_range(qb * sched.B_r, seq, seq) for qb in range(sched.n_q_blocks(seq))]
+
+
 def tile_work(plan, block_mask, batch: int, heads: int, seq: int, partial: float) -> np.ndarray:
     """Work of every tile in the scheduler's order (tile t: :meth:`TileScheduler.coords`): its visited key blocks,
     a partial one counting ``partial``."""
     from flashgen.sim import block_mask as bm
 
-    sched, sm = plan.scheduler, plan.score_mask
-    n_q = sched.n_q_blocks(seq)
-    out = np.zeros(n_q * heads * batch)
+    sched, spans = plan.scheduler, key_spans(plan, seq)
+    out = np.zeros(len(spans) * heads * batch)
     for t in range(len(out)):
-        qb, h, b = sched.coords(t, n_q, heads)
-        row = bm.row(sm, block_mask, b, h, qb)
-        begin, end = sm.block_range(qb * sched.B_r, seq, seq)
-        blocks = bm.walk(row, begin, end)
+        qb, h, b = sched.coords(t, len(spans), heads)
+        row = bm.row(plan.score_mask, block_mask, b, h, qb)
+        blocks = bm.walk(row, *spans[qb])
         out[t] = sum(partial if row is None or row[2 + j] != bm.FULL else 1.0 for j in blocks)
     return out
 
@@ -60,7 +64,7 @@ def greedy_balance(work, sms: int) -> float:
     return max(free) / (sum(work) / sms)
 
 
-def balance(name: str, mask_mod, seq: int, sms: int, partial: float) -> dict:
+def balance(mask_mod, seq: int, sms: int, partial: float) -> dict:
     from flashgen.dsl.dtypes import DType
     from flashgen.engines import make_plan
     from flashgen.mods.kernel_mods import prepare_mods
@@ -76,11 +80,9 @@ def balance(name: str, mask_mod, seq: int, sms: int, partial: float) -> dict:
     plan = make_plan(cfg, mods)
     blocks = block_mask(plan.score_mask, mask_args.values(), batch, HEADS, seq, seq) if mods is not None else None
     work = tile_work(plan, blocks, batch, HEADS, seq, partial)
-    sched, n_q = plan.scheduler, plan.scheduler.n_q_blocks(seq)
-    spans = [plan.score_mask.block_range(qb * sched.B_r, seq, seq) for qb in range(n_q)]  # the launcher's tile_blocks
-    lengths = [e - b for b, e in spans]
-    static, ctas = static_balance(sched, work, sms, min(lengths), n_q, min(lengths) == max(lengths))
-    return {"mask": name, "seq": seq, "config": cfg.short_form(), "tiles": len(work), "ctas": ctas, "static": static,
+    lengths = [e - b for b, e in key_spans(plan, seq)]  # the launcher's tile_blocks: shortest and longest tile
+    static, ctas = static_balance(plan.scheduler, work, sms, min(lengths), len(lengths), min(lengths) == max(lengths))
+    return {"config": cfg.short_form(), "tiles": len(work), "ctas": ctas, "static": static,
             "greedy": greedy_balance(work, sms), "greedy_heaviest_first": greedy_balance(sorted(work, reverse=True), sms)}
 
 
@@ -97,9 +99,9 @@ def main(argv=None) -> int:
         for name, (score_mod, mask_mod) in cases(seq, HEADS, "cpu").items():
             if mask_mod is None or score_mod is not None:
                 continue
-            r = balance(name, mask_mod, seq, args.sms, args.partial)
+            r = balance(mask_mod, seq, args.sms, args.partial)
             print(f"{name:12s} {seq:5d} {r['tiles']:6d} {r['ctas']:5d} {r['static']:7.3f} {r['greedy']:7.3f} "
-                  f"{r['greedy_heaviest_first']:15.3f}")
+                  f"{r['greedy_heaviest_first']:15.3f}  {r['config']}")
     return 0
 
 
