@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (default: 132, an H100 SXM or H200)")
     p.add_argument("--partial", type=float, default=2.0, help="work of a key block kept in part, a full one 1 (default: 2)")
     args = p.parse_args(argv)
+    if args.sms < 1 or min(args.seqs) < 1 or args.partial <= 0:
+        p.error(f"--sms ({args.sms}) and --seqs ({min(args.seqs)} at the least) must be positive, and --partial "
+                f"({args.partial}) above 0")
     from mods_bench import cases
 
     print(f"{'mask':12s} {'seq':>5s} {'tiles':>6s} {'CTAs':>5s} {'static':>7s} {'greedy':>7s} {'heaviest first':>15s}  (busiest / mean)")

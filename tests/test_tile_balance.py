@@ -55,3 +55,10 @@ def test_even_work_is_balanced_and_one_heavy_tile_is_not():
     # greedy list scheduling: the heavy tile first keeps the others off its SM
     assert tb.greedy_balance(sorted(heavy, reverse=True), 132) == pytest.approx(40 / (heavy.sum() / 132))
     assert tb.greedy_balance([10, 1, 1, 1], 2) == pytest.approx(10 / 6.5)
+
+
+@pytest.mark.parametrize("argv", [["--sms", "0"], ["--seqs", "0"], ["--partial", "0"]])
+def test_sizes_that_make_no_launch_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tb.main(argv)
+    assert exc.value.code == 2 and "must be positive" in capsys.readouterr().err
