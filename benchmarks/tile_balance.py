@@ -9,8 +9,10 @@ the plan's own tile scheduler (:class:`flashgen.attention.scheduler.TileSchedule
 sizes and the tiles each CTA takes round by round. A tile's work counts a full key block 1 and a partial one
 ``--partial`` (2: on an H100 a key block the mask_mod keeps in part cost about twice a full one). Printed per
 mask: the busiest CTA's work over the mean (1.00: perfect balance; the launch lasts as long as its busiest
-CTA), and the same for one CTA per tile taken greedily by whichever SM frees first, in the scheduler's order
-and heaviest first. A model of load balance only: no memory system, every SM equally fast.
+CTA) in the persistent rounds as launched (with the tile order the block mask holds,
+:meth:`~flashgen.attention.scheduler.TileScheduler.order`) and in the scheduler's own order, and the same for
+one CTA per tile taken greedily by whichever SM frees first, in the scheduler's order and heaviest first. A
+model of load balance only: no memory system, every SM equally fast.
 """
 from __future__ import annotations
 
@@ -48,11 +50,13 @@ def tile_work(plan, block_mask, batch: int, heads: int, seq: int, partial: float
     return out
 
 
-def static_balance(sched, work: np.ndarray, sms: int, lo: int, n_q: int, equal: bool) -> tuple[float, int]:
+def static_balance(sched, work: np.ndarray, sms: int, lo: int, n_q: int, equal: bool, order=None) -> tuple[float, int]:
     """(busiest CTA's work / the mean over the SMs, CTAs) of the persistent rounds the launcher sizes (a grid of
-    fewer CTAs than SMs, as sized for round pairs, leaves the others idle)."""
-    ctas, parts = sched.grid(len(work), sms, lo, n_q, equal)
-    loads = [sum(work[t] / (parts if p >= 0 else 1) for t, p in sched.work(c, ctas, len(work), parts)) for c in range(ctas)]
+    fewer CTAs than SMs, as sized for round pairs, leaves the others idle); ``order``: a function of the CTAs giving
+    the block mask's tile order (position -> tile), or None: the scheduler's own."""
+    ctas, parts = sched.grid(len(work), sms, lo, n_q, equal, ordered=order is not None)
+    at = order(ctas) if order is not None else range(len(work))
+    loads = [sum(work[at[t]] / (parts if p >= 0 else 1) for t, p in sched.work(c, ctas, len(work), parts)) for c in range(ctas)]
     return max(loads) / (work.sum() / min(sms, len(work))), ctas
 
 
@@ -69,6 +73,7 @@ def balance(mask_mod, seq: int, sms: int, partial: float) -> dict:
     from flashgen.engines import make_plan
     from flashgen.mods.kernel_mods import prepare_mods
     from flashgen.policy import lookup
+    from flashgen.sim import block_mask as bm
     from flashgen.sim.block_mask import block_mask
 
     batch = TOKENS // seq
@@ -81,8 +86,13 @@ def balance(mask_mod, seq: int, sms: int, partial: float) -> dict:
     blocks = block_mask(plan.score_mask, mask_args.values(), batch, HEADS, seq, seq) if mods is not None else None
     work = tile_work(plan, blocks, batch, HEADS, seq, partial)
     lengths = [e - b for b, e in key_spans(plan, seq)]  # the launcher's tile_blocks: shortest and longest tile
-    static, ctas = static_balance(plan.scheduler, work, sms, min(lengths), len(lengths), min(lengths) == max(lengths))
-    return {"config": cfg.short_form(), "tiles": len(work), "ctas": ctas, "static": static,
+    grid = (plan.scheduler, work, sms, min(lengths), len(lengths), min(lengths) == max(lengths))
+    unordered, _ = static_balance(*grid)
+    order = None
+    if plan.scheduler.ordered and blocks is not None:  # the block mask's order, as the kernels make it
+        order = lambda ctas: bm.tile_order(plan.scheduler, plan.score_mask, blocks, batch, HEADS, seq, ctas)
+    static, ctas = static_balance(*grid, order=order)
+    return {"config": cfg.short_form(), "tiles": len(work), "ctas": ctas, "static": static, "unordered": unordered,
             "greedy": greedy_balance(work, sms), "greedy_heaviest_first": greedy_balance(sorted(work, reverse=True), sms)}
 
 
@@ -97,13 +107,14 @@ def main(argv=None) -> int:
                 f"({args.partial}) above 0")
     from mods_bench import cases
 
-    print(f"{'mask':12s} {'seq':>5s} {'tiles':>6s} {'CTAs':>5s} {'static':>7s} {'greedy':>7s} {'heaviest first':>15s}  (busiest / mean)")
+    print(f"{'mask':12s} {'seq':>5s} {'tiles':>6s} {'CTAs':>5s} {'rounds':>7s} {'unordered':>10s} {'greedy':>7s} "
+          f"{'heaviest first':>15s}  (busiest / mean)")
     for seq in args.seqs:
         for name, (score_mod, mask_mod) in cases(seq, HEADS, "cpu").items():
             if mask_mod is None or score_mod is not None:
                 continue
             r = balance(mask_mod, seq, args.sms, args.partial)
-            print(f"{name:12s} {seq:5d} {r['tiles']:6d} {r['ctas']:5d} {r['static']:7.3f} {r['greedy']:7.3f} "
+            print(f"{name:12s} {seq:5d} {r['tiles']:6d} {r['ctas']:5d} {r['static']:7.3f} {r['unordered']:10.3f} {r['greedy']:7.3f} "
                   f"{r['greedy_heaviest_first']:15.3f}  {r['config']}")
     return 0
 

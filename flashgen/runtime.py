@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import autograd, cache, launcher, tracing
+from .attention.scheduler import orders_tiles
 from .mods.cache import current
 from .mods.call_values import CallValues
 from .mods.copies import stable_copy
@@ -384,7 +385,8 @@ class Attention:
         if len(self._block_masks) >= _MAX_BLOCK_MASKS:
             self._block_masks.clear()
         cfg = self.cfg if backward is None else self._backward_cfgs[backward]
-        shape = mods.block_mask_shape(q_shape[0], q_shape[2], q_shape[1], k_shape[1], cfg.B_r, cfg.B_c, transposed=backward is not None)
+        shape = mods.block_mask_shape(q_shape[0], q_shape[2], q_shape[1], k_shape[1], cfg.B_r, cfg.B_c, transposed=backward is not None,
+                                      tile_order=backward is None and orders_tiles(cfg.persistent, True))
         made = _mask_blocks(q, k, self._handle if backward is None else backward, list(shape), words, tensors)
         self._block_masks[key] = (made, [weakref.ref(t) for t in mask_tensors])
         return made

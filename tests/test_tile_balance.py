@@ -62,3 +62,17 @@ def test_sizes_that_make_no_launch_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         tb.main(argv)
     assert exc.value.code == 2 and "must be positive" in capsys.readouterr().err
+
+
+def test_the_block_mask_order_decides_which_cta_takes_which_tile():
+    """Two rounds of tiles costing their index on 132 CTAs: the snake pairs tile c with tile 263 - c (even); an
+    order that reverses the second round pairs c with 132 + c instead."""
+    from flashgen.attention.scheduler import TileScheduler
+    from flashgen.dsl.tail_split import TailSplit
+
+    sched = TileScheduler(128, True, False, TailSplit(2, 10**6, 2, 128), ordered=True)
+    work = np.arange(264.0)
+    assert tb.static_balance(sched, work, 132, 1, 8, False) == (1.0, 132)
+    reversed_second = lambda ctas: list(range(ctas)) + list(range(2 * ctas - 1, ctas - 1, -1))
+    static, _ = tb.static_balance(sched, work, 132, 1, 8, False, order=reversed_second)
+    assert static == pytest.approx((131 + 263) / (work.sum() / 132))

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+#: A tile's cost in the block mask's tile order (:meth:`flashgen.attention.scheduler.TileScheduler.order`): per key
+#: block it keeps, 1 if full and this if partial (the mask_mod's arithmetic: on an H100 about twice a full block).
+PARTIAL_BLOCK_COST = 2
+
 
 def _row_cpp(mods: Any, block: str, n_blocks: str) -> str:
     """The index of a block mask row: batch and head only where the mask_mod reads them."""
@@ -19,21 +23,37 @@ def _row_cpp(mods: Any, block: str, n_blocks: str) -> str:
     return f"(({b}) * {extent} + {h}) * {n_blocks} + {block}"
 
 
-def reading_cpp(mods: Any, backward: bool = False) -> str:
-    """The forward's reading functions (``block_mask_row``, ``_clip``, ``_next``, ``_partial``) or, ``backward``,
-    the transposed mask's (``bwd_block_mask_row``, ``_clip``, ``_partial``)."""
+def reading_cpp(mods: Any, backward: bool = False, ordered: bool = False) -> str:
+    """The forward's reading functions (``block_mask_row``, ``_clip``, ``_next``, ``_partial``; ``ordered``: and
+    ``block_mask_order``, where its tile order starts) or, ``backward``, the transposed mask's
+    (``bwd_block_mask_row``, ``_clip``, ``_partial``)."""
     if not backward:
-        return _BLOCK_MASK_FNS.replace("$ROW", _row_cpp(mods, "qb", "n_qb"))
+        fns = _BLOCK_MASK_FNS + (_TILE_ORDER_FNS if ordered else "")
+        return fns.replace("$ROW", _row_cpp(mods, "qb", "n_qb")).replace("$CLASSES", _classes_cpp(mods))
     return _BWD_BLOCK_MASK_FNS.replace("$ROW", _row_cpp(mods, "kb", "n_kb")).replace("$GROUP", "group" if mods.uses("h") else "1")
 
 
-def kernels_cpp(mods: Any, name: str, transposed: bool = False) -> str:
+def _classes_cpp(mods: Any) -> str:
+    """The int32 count of a forward block mask's rows (before its tile order), of ``batch``, ``heads``, ``n_qb`` and
+    ``n_kb``."""
+    nb, nh = ("batch" if mods.uses("b") else "1"), ("heads" if mods.uses("h") else "1")
+    return f"int64_t({nb}) * {nh} * n_qb * (2 + n_kb)"
+
+
+def kernels_cpp(mods: Any, name: str, transposed: bool = False, ordered: bool = False) -> str:
     """The block mask's kernels, ``<name>_block_mask_numel(args)`` and ``<name>_mask_blocks(args, out, stream)``
-    (``args`` the TU's own argument struct). ``transposed``: the backward's."""
+    (``args`` the TU's own argument struct). ``transposed``: the backward's; ``ordered`` (a forward whose scheduler
+    takes one, :mod:`flashgen.attention.scheduler`): the rows are followed by the tile order, made by a third
+    kernel (``sched_order``)."""
     fill = "\n".join("    " + l for l in mods.fill_cpp(p="m", scales=False))
     fields = " ".join(f.split("//")[0].strip() for f in mods.params_cpp())
     rows, classes, what = ("kb", "qb", "query") if transposed else ("qb", "kb", "key")
-    return _MASK_BLOCKS.replace("$NAME", name).replace("$FILL", fill).replace("$FIELDS", fields).replace(
+    order_kernel, order_launch, order_numel = ("", "", "")
+    if ordered:
+        order_kernel = _ORDER_KERNEL.replace("$COST", str(PARTIAL_BLOCK_COST))
+        order_launch, order_numel = _ORDER_LAUNCH, " + n_qb * a->heads * a->batch"
+    return _MASK_BLOCKS.replace("$ORDER_KERNEL", order_kernel).replace("$ORDER_LAUNCH", order_launch).replace(
+        "$ORDER_NUMEL", order_numel).replace("$NAME", name).replace("$FILL", fill).replace("$FIELDS", fields).replace(
         "$NH", "a->heads" if mods.uses("h") else "1").replace("$NB", "a->batch" if mods.uses("b") else "1").replace(
         "$RB", rows).replace("$CB", classes).replace("$CWHAT", what)
 
@@ -64,6 +84,15 @@ __host__ __device__ __forceinline__ int block_mask_next(const int* r, int j, int
     return j;
 }
 __host__ __device__ __forceinline__ bool block_mask_partial(const int* r, int kb) { return r == nullptr || r[2 + kb] != 2; }"""
+
+#: Reading a forward block mask's tile order (after its rows; ``$CLASSES`` counts them).
+_TILE_ORDER_FNS = """
+// The block mask's tile order (sched_order): after its rows, the tile at each position of a launch (sched_work's tile)
+__host__ __device__ __forceinline__ const int* block_mask_order(const int* bm, int batch, int heads, int seq_q, int seq_k) {
+    (void)batch; (void)heads;
+    const int n_qb = (seq_q + int(B_r) - 1) / int(B_r), n_kb = (seq_k + int(B_c) - 1) / int(B_c);
+    return bm + $CLASSES;
+}"""
 
 #: Reading the backward's (transposed) block mask: ``$ROW`` indexes its rows, ``$GROUP`` counts the rows a CTA's
 #: kv head reads (its group's query heads where the mask_mod reads h, else its one row).
@@ -129,7 +158,7 @@ __global__ void mask_ranges_kernel(int rows, int n_$CB, int* out) {
         if (r[2 + $CB] != 0) { lo = $CB < lo ? $CB : lo; hi = $CB + 1; }
     r[0] = lo < hi ? lo : 0;
     r[1] = hi;
-}
+}$ORDER_KERNEL
 }  // namespace $NAME
 
 // The int32 count of the block mask of a call with these sizes (KernelMods.block_mask_shape); 0 for invalid sizes.
@@ -137,7 +166,7 @@ extern "C" int64_t $NAME_block_mask_numel(const $NAME_args* a) {
     using namespace $NAME;
     if (a->batch <= 0 || a->heads <= 0 || a->seq_q <= 0 || a->seq_k <= 0) return 0;
     const int64_t nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
-    return nb * nh * n_$RB * (2 + n_$CB);
+    return nb * nh * n_$RB * (2 + n_$CB)$ORDER_NUMEL;
 }
 
 // The block mask of a call with these arguments into `out` (int32, KernelMods.block_mask_shape), on `stream`.
@@ -149,6 +178,42 @@ $FILL
     const int nb = $NB, nh = $NH, n_qb = (a->seq_q + int(B_r) - 1) / int(B_r), n_kb = (a->seq_k + int(B_c) - 1) / int(B_c);
     mask_blocks_kernel<<<dim3(n_kb, n_qb, nb * nh), 128, 0, (cudaStream_t)stream>>>(m.mask_args, a->seq_q, a->seq_k, nh, n_qb, n_kb, out);
     const int rows = nb * nh * n_$RB;
-    mask_ranges_kernel<<<(rows + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, n_$CB, out);
+    mask_ranges_kernel<<<(rows + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, n_$CB, out);$ORDER_LAUNCH
     return (int)cudaGetLastError();
 }"""
+
+#: The tile order's kernel (in the block mask's namespace): one CTA runs sched_order over the tiles' costs.
+_ORDER_KERNEL = """
+// one CTA: the tile order after the rows (sched_order) of a launch on `ctas` CTAs; a tile's cost: per key block of
+// its row's [lo, hi), 1 if full and $COST if partial
+__global__ void __launch_bounds__(SCHED_ORDER_MAX_CTAS) mask_order_kernel(int* bm, int batch, int heads, int seq_q, int seq_k, int ctas) {
+    __shared__ int w[SCHED_ORDER_ROUNDS * SCHED_ORDER_MAX_CTAS], ranked[SCHED_ORDER_ROUNDS * SCHED_ORDER_MAX_CTAS];
+    __shared__ int load[SCHED_ORDER_MAX_CTAS], turn[SCHED_ORDER_MAX_CTAS];
+    const int n_qb = (seq_q + int(B_r) - 1) / int(B_r);
+    const auto cost = [&](int tile) {
+        int qb, h, b;
+        sched_coords(tile, n_qb, heads, &qb, &h, &b);
+        const int* r = block_mask_row(bm, b, h, qb, heads, seq_q, seq_k);
+        int c = 0;
+        for (int kb = r[0]; kb < r[1]; ++kb) c += r[2 + kb] == 2 ? 1 : r[2 + kb] == 1 ? $COST : 0;
+        return c;
+    };
+    int* order = const_cast<int*>(block_mask_order(bm, batch, heads, seq_q, seq_k));
+    const int tiles = n_qb * heads * batch;
+    if (ctas > SCHED_ORDER_MAX_CTAS) {  // more SMs than one CTA deals to: the scheduler's own order
+        for (int t = threadIdx.x; t < tiles; t += blockDim.x) order[t] = t;
+        return;
+    }
+    sched_order(tiles, ctas, int(threadIdx.x), int(blockDim.x), cost, w, ranked, load, turn, order);
+}"""
+
+#: Launching it, in ``<name>_mask_blocks``: the grid's CTAs as the launcher sizes them for an ordered launch (one
+#: per SM, at most one per tile).
+_ORDER_LAUNCH = """
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return (int)cudaGetLastError();
+    const int64_t tiles = int64_t(n_qb) * a->heads * a->batch;
+    const int ctas = int(tiles < sms ? tiles : sms);
+    mask_order_kernel<<<1, SCHED_ORDER_MAX_CTAS, 0, (cudaStream_t)stream>>>(out, a->batch, a->heads, a->seq_q, a->seq_k,
+                                                                           ctas);"""

@@ -17,6 +17,12 @@ A tile is ``B_r`` query rows of one head of one batch entry; a launch has
   with ``slot = c`` in even rounds and ``ctas - 1 - c`` in odd ones (a "snake": a CTA given a long
   tile in one round gets a short one in the next, tiles shrinking along the order). In a partial
   last round that is split, CTA slot ``s`` takes part ``s % parts`` of tile ``first + s / parts``.
+* **Block-mask order** (``ordered``, :meth:`TileScheduler.order`): a persistent kernel with a mask_mod takes
+  position ``r * ctas + slot`` of an order its block mask gives (made with the block mask, on the GPU). Its
+  tiles differ by the blocks the mask keeps, unlike the built-in masks' in a pattern the round pairs could
+  balance: per section of ``ORDER_ROUNDS`` rounds (a few rounds, so the tiles running at once still share K/V
+  in L2) the tiles are ranked heaviest first and dealt round by round, each to the CTA with the least work so
+  far. No round pairs then: the grid is one CTA per SM.
 
 The same rule renders as C++ (:meth:`TileScheduler.to_cpp`: ``sched_coords``, ``sched_grid``,
 ``sched_work``, all callable on the host), which the emitted launcher and kernel call; tests
@@ -28,17 +34,37 @@ import attrs
 
 from ..dsl.tail_split import TailSplit
 
+#: Rounds per section of a block mask's order: its tiles are ranked heaviest first within it. Enough rounds to
+#: deal each CTA long and short tiles; few enough that the tiles running at once are near each other in the
+#: scheduler's order (its K/V in L2). A CPU model (benchmarks/tile_balance.py) has 4 rounds within 3% of even.
+ORDER_ROUNDS = 4
+#: The most CTAs (SMs) the block mask's order is made for: one thread of the CTA that makes it per CTA.
+ORDER_MAX_CTAS = 1024
+
+
+def orders_tiles(persistent: bool, mask_mod: bool) -> bool:
+    """Whether a forward kernel takes its tiles in the order its block mask holds (:attr:`TileScheduler.ordered`):
+    a persistent one with a mask_mod."""
+    return persistent and mask_mod
+
 
 @attrs.frozen
 class TileScheduler:
     """The tile rule of one kernel: ``B_r`` query rows per tile; ``persistent``: about one CTA per SM
     looping over rounds (else one CTA per tile); ``masked``: tiles differ in length; ``tail``: the
-    wave-tail split."""
+    wave-tail split; ``ordered``: a launch with a block mask takes the tiles in the order it holds
+    (:meth:`order`; persistent only)."""
 
     B_r: int
     persistent: bool
     masked: bool
     tail: TailSplit
+    ordered: bool = attrs.field(default=False)
+
+    @ordered.validator
+    def _persistent_only(self, _, ordered):
+        if ordered and not self.persistent:
+            raise ValueError("a block-mask tile order is for persistent schedulers (a grid has no rounds to deal)")
 
     @property
     def kind(self) -> str:
@@ -47,7 +73,8 @@ class TileScheduler:
 
     @property
     def rounds_pair(self) -> bool:
-        """Whether the grid is sized so round pairs balance (persistent grids of unequal tiles)."""
+        """Whether the grid is sized so round pairs balance (persistent grids of unequal tiles; not a launch
+        that takes a block mask's order: that is balanced already)."""
         return self.persistent and self.masked
 
     # ---- the rule in Python (the simulator's and the tests') ----------------------------------
@@ -60,11 +87,12 @@ class TileScheduler:
         hb = tile // n_q
         return n_q - 1 - tile % n_q, hb % heads, hb // heads
 
-    def grid(self, tiles: int, sms: int, lo: int, n_q: int, equal: bool) -> tuple[int, int]:
+    def grid(self, tiles: int, sms: int, lo: int, n_q: int, equal: bool, ordered: bool = False) -> tuple[int, int]:
         """(CTAs, parts of a split tail tile) of a launch of ``tiles`` tiles on ``sms`` SMs; ``lo``: key
-        blocks of the shortest tile, ``equal``: every tile has the same key blocks, ``n_q``: query blocks."""
+        blocks of the shortest tile, ``equal``: every tile has the same key blocks, ``n_q``: query blocks,
+        ``ordered``: the launch has a block mask (and so, if this scheduler is ``ordered``, its order)."""
         ctas = min(tiles, sms) if self.persistent else tiles
-        if self.rounds_pair:
+        if self.rounds_pair and not (ordered and self.ordered):
             half = n_q if n_q % 2 else n_q // 2
             if tiles > sms and not equal and sms // half * half >= sms - sms // 10:
                 ctas = sms // half * half
@@ -90,6 +118,28 @@ class TileScheduler:
                 return out
             r += 1
 
+    def order(self, work, ctas: int) -> list[int]:
+        """The block mask's order of a launch of ``len(work)`` tiles on ``ctas`` CTAs (``work[t]``: tile ``t``'s
+        cost): position ``r * ctas + slot`` (round ``r``, :meth:`work`'s slot) -> the tile taken there. Per
+        section of ``ORDER_ROUNDS`` rounds, the tiles heaviest first (ties in the scheduler's order). A partial
+        last round takes the lightest, in rank order, and counts to the CTAs whose slots take them; then each full
+        round's go to the CTAs least loaded so far, the heaviest to the least (ties: the lower CTA)."""
+        tiles, per = len(work), ORDER_ROUNDS * ctas
+        out, load = list(range(tiles)), [0] * ctas
+        slot = lambda r, c: ctas - 1 - c if r & 1 else c  # its own inverse
+        for s0 in range(0, tiles, per):
+            ranked = sorted(range(s0, min(tiles, s0 + per)), key=lambda t: (-work[t], t))
+            full = len(ranked) // ctas * ctas
+            for k, t in enumerate(ranked[full:]):
+                out[s0 + full + k] = t
+                load[slot((s0 + full) // ctas, k)] += work[t]
+            for c0 in range(0, full, ctas):
+                r = (s0 + c0) // ctas
+                for k, c in enumerate(sorted(range(ctas), key=lambda c: (load[c], c))):
+                    load[c] += work[ranked[c0 + k]]
+                    out[s0 + c0 + slot(r, c)] = ranked[c0 + k]
+        return out
+
     # ---- the rule in C++ ----------------------------------------------------------------------
 
     def to_cpp(self) -> str:
@@ -98,9 +148,11 @@ class TileScheduler:
         ``B_r`` is the kernel's own constant: the functions take query blocks, not rows."""
         persistent = "true" if self.persistent else "false"
         pair = "true" if self.rounds_pair else "false"
+        ordered = "true" if self.ordered else "false"
         return f"""// tile scheduler (flashgen.attention.scheduler): tile order, grid size, persistent rounds
 constexpr bool SCHED_PERSISTENT = {persistent};  // about one CTA per SM looping over rounds; else one CTA per tile
 constexpr bool SCHED_ROUND_PAIRS = {pair};  // unequal tiles: size the grid so odd rounds mirror even ones
+constexpr bool SCHED_ORDERED = {ordered};  // a launch with a block mask takes the tiles in its order (no round pairs)
 // tile -> (query block, head, batch): the last query block first, query blocks fastest, then heads, then batch
 __host__ __device__ __forceinline__ void sched_coords(int tile, int n_q, int heads, int* q_block, int* head, int* batch) {{
     const int hb = tile / n_q;
@@ -109,10 +161,11 @@ __host__ __device__ __forceinline__ void sched_coords(int tile, int n_q, int hea
     *batch = hb / heads;
 }}
 // CTAs of a launch of `tiles` tiles on `sms` SMs and the parts of a split tail tile; lo: key blocks of the
-// shortest tile, equal: every tile has the same key blocks, n_q: query blocks per head (the launcher's)
-static inline void sched_grid(int64_t tiles, int sms, int lo, int n_q, bool equal, int* ctas, int* parts) {{
+// shortest tile, equal: every tile has the same key blocks, n_q: query blocks per head, ordered: the launch has
+// a block mask (the launcher's)
+static inline void sched_grid(int64_t tiles, int sms, int lo, int n_q, bool equal, bool ordered, int* ctas, int* parts) {{
     *ctas = SCHED_PERSISTENT ? int(tiles < sms ? tiles : sms) : int(tiles);
-    if (SCHED_ROUND_PAIRS) {{
+    if (SCHED_ROUND_PAIRS && !(ordered && SCHED_ORDERED)) {{
         const int half = n_q % 2 ? n_q : n_q / 2;
         if (tiles > sms && !equal && sms / half * half >= sms - sms / 10) *ctas = sms / half * half;
     }}
@@ -133,4 +186,59 @@ __host__ __device__ __forceinline__ bool sched_work(int r, int cta, int ctas, in
     *tile = first + slot;
     *part = -1;
     return *tile < tiles;
+}}""" + (_ORDER_CPP if self.ordered else "")
+
+
+#: The block mask's order in C++ (TileScheduler.order), run by the one CTA that makes it; ``sched_sync`` a barrier of
+#: that CTA (nothing on the host, where one thread runs it all: the tests').
+_ORDER_CPP = f"""
+constexpr int SCHED_ORDER_ROUNDS = {ORDER_ROUNDS}, SCHED_ORDER_MAX_CTAS = {ORDER_MAX_CTAS};
+__host__ __device__ __forceinline__ void sched_sync() {{
+#ifdef __CUDA_ARCH__
+    __syncthreads();
+#endif
+}}
+// The tile order of a launch of `tiles` tiles on `ctas` CTAs: order[r * ctas + slot] (round r, sched_work's slot) = the
+// tile taken there; work(t): tile t's cost. Per section of SCHED_ORDER_ROUNDS rounds its tiles heaviest first: a partial
+// last round's the lightest (counted to the CTAs that take them), each full round's dealt to the CTAs least loaded so
+// far (the heaviest to the least).
+// Run by threads tid of nthreads of one CTA; scratch: w and ranked SCHED_ORDER_ROUNDS * ctas ints, load and turn ctas.
+template <class Work>
+__host__ __device__ void sched_order(int tiles, int ctas, int tid, int nthreads, const Work& work, int* w, int* ranked,
+                                     int* load, int* turn, int* order) {{
+    const int per = SCHED_ORDER_ROUNDS * ctas;
+    for (int c = tid; c < ctas; c += nthreads) load[c] = 0;
+    for (int s0 = 0; s0 < tiles; s0 += per) {{
+        const int n = tiles - s0 < per ? tiles - s0 : per;
+        for (int i = tid; i < n; i += nthreads) w[i] = work(s0 + i);
+        sched_sync();
+        for (int i = tid; i < n; i += nthreads) {{  // the section's rank of tile s0 + i: heaviest first, ties in order
+            int k = 0;
+            for (int j = 0; j < n; ++j) k += w[j] > w[i] || (w[j] == w[i] && j < i);
+            ranked[k] = i;
+        }}
+        sched_sync();
+        const int full = n / ctas * ctas, r_last = (s0 + full) / ctas;
+        for (int k = tid; k < n - full; k += nthreads) {{  // a partial last round: the lightest, counted to their CTAs
+            const int i = ranked[full + k];
+            order[s0 + full + k] = s0 + i;
+            load[(r_last & 1) ? ctas - 1 - k : k] += w[i];
+        }}
+        sched_sync();
+        for (int c0 = 0; c0 < full; c0 += ctas) {{
+            const int r = (s0 + c0) / ctas;
+            for (int c = tid; c < ctas; c += nthreads) {{  // CTA c's turn: its rank by work so far, least first
+                int k = 0;
+                for (int j = 0; j < ctas; ++j) k += load[j] < load[c] || (load[j] == load[c] && j < c);
+                turn[c] = k;
+            }}
+            sched_sync();
+            for (int c = tid; c < ctas; c += nthreads) {{
+                const int i = ranked[c0 + turn[c]];
+                load[c] += w[i];
+                order[s0 + c0 + ((r & 1) ? ctas - 1 - c : c)] = s0 + i;
+            }}
+            sched_sync();
+        }}
+    }}
 }}"""

@@ -139,9 +139,10 @@ class ScoreMask:
         """The condition, after ``block_needs_mask(...)``, that sends block ``j`` down the masked path."""
         return "" if self.mask_mod is None else f" || block_mask_partial({row}, {j})"
 
-    def mask_blocks_cpp(self, name: str, transposed: bool = False) -> str:
-        """The block mask's kernels and entry points (a mask_mod only): :func:`block_mask_cpp.kernels_cpp`."""
-        return "" if self.mask_mod is None else block_mask_cpp.kernels_cpp(self.mods, name, transposed)
+    def mask_blocks_cpp(self, name: str, transposed: bool = False, tile_order: bool = False) -> str:
+        """The block mask's kernels and entry points (a mask_mod only): :func:`block_mask_cpp.kernels_cpp`;
+        ``tile_order`` as in :meth:`to_cpp`."""
+        return "" if self.mask_mod is None else block_mask_cpp.kernels_cpp(self.mods, name, transposed, tile_order)
 
     def kernel_name(self, base: str) -> str:
         """A kernel's name: ``base`` (the config's), tagged with the mods' structure where built with them."""
@@ -411,9 +412,10 @@ class ScoreMask:
         backward then makes dS in the pass that recomputes P (:meth:`recompute_cpp`'s ``grad``)."""
         return self.mods is not None and self.mods.derivative_kind == "score"
 
-    def to_cpp(self, backward: bool = False) -> str:
+    def to_cpp(self, backward: bool = False, tile_order: bool = False) -> str:
         """The three functions above as C++ (floor division where operands may be negative); ``backward``: with
-        the score_mod's derivative (a backward kernel's)."""
+        the score_mod's derivative (a backward kernel's); ``tile_order``: a mask_mod's block mask holds a tile
+        order (a persistent forward's, :attr:`flashgen.attention.scheduler.TileScheduler.ordered`)."""
         kind = self.kind
         row = ["int l = 0, h = seq_k;"]
         if kind == "causal":
@@ -455,11 +457,11 @@ class ScoreMask:
             f"__host__ __device__ __forceinline__ bool block_needs_mask(int jb, int q_row0, {sig}) {{\n"
             f"    (void)offset; (void)left; (void)right; (void)seq_q;\n{ind(need)}\n}}"
         ) + (f"\n// ---- score_mod / mask_mod: {self.mods.describe()}\n{self.mods.to_cpp(backward)}" if self.mods is not None else "") + (
-            self.block_mask_fns_cpp(backward) if self.mask_mod is not None else "")
+            self.block_mask_fns_cpp(backward, tile_order) if self.mask_mod is not None else "")
 
-    def block_mask_fns_cpp(self, backward: bool = False) -> str:
+    def block_mask_fns_cpp(self, backward: bool = False, tile_order: bool = False) -> str:
         """The functions reading the block mask (a mask_mod only): :func:`block_mask_cpp.reading_cpp`."""
-        return block_mask_cpp.reading_cpp(self.mods, backward)
+        return block_mask_cpp.reading_cpp(self.mods, backward, tile_order)
 
 
 def _block(head: str, body: Sequence[str]) -> list[str]:

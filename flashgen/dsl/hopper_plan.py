@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ..attention.pipeline import MbarrierRing
-from ..attention.scheduler import TileScheduler
+from ..attention.scheduler import TileScheduler, orders_tiles
 from .atoms.hopper import (
     GmmaSwizzle,
     Mbarrier,
@@ -370,6 +370,7 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
     o = SmemTile("sO", B_r, d, o_stage, o_offset, 1, q_bytes)
     stores = {"O": TmaTile(o, TmaStore(WGMMA_M, BOX_COLS, cfg.dtype, SWIZZLE), "q")}
     prologue, body, epilogue = _schedule(cfg)
+    score_mask = ScoreMask(cfg.mask, B_r, B_c, mods)
     return HopperPlan(
         cfg=cfg,
         tiles={"Q": q, "K": k, "V": v, "O": o},
@@ -384,9 +385,11 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
         o_stage=o_stage,
         # persistent and unmasked: every partial last round; masked or one CTA per tile: only a launch
         # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
+        # and a mask_mod's persistent kernel takes its tiles in the order its block mask holds
         scheduler=TileScheduler(B_r, cfg.persistent, cfg.mask != "none",
-                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none")),
-        score_mask=ScoreMask(cfg.mask, B_r, B_c, mods),
+                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none"),
+                                ordered=orders_tiles(cfg.persistent, score_mask.mask_mod is not None)),
+        score_mask=score_mask,
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         tile_start=(WaitFull("Q", J, why="this tile's Q landed"),),
         prologue=prologue,

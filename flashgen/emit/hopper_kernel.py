@@ -201,6 +201,7 @@ _TYPES = CodeTemplate(
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
     $mod_params
+    $tile_order_param
     $tail_params
 };
 
@@ -209,10 +210,11 @@ struct Tile {
     int q_row0, head, batch, kv_head, j_begin, j_end;
     int unit, tail_tile, part;  // a part of a split tail tile: its workspace slot, tile and part; unit -1: a whole tile
 };
-// Tile `tile` in the scheduler's order (sched_coords)
+// Tile `tile` in the scheduler's order (sched_coords): at position `tile` of a launch, with a block mask's order its tile
 __device__ __forceinline__ Tile tile_at(const Params& p, int tile, int n_q_blocks) {
     Tile t;
     int q_block;
+    $tile_order
     sched_coords(tile, n_q_blocks, p.heads, &q_block, &t.head, &t.batch);
     t.q_row0 = q_block * int(B_r);
     t.kv_head = t.head / p.kv_group;
@@ -432,7 +434,7 @@ static int grid_ctas(const ${name}_args* a, int64_t tiles, int* out, int* parts)
     int sms = 0, lo = 0, hi = 0;  // SMs; key blocks of the shortest and longest tile
     if (const int e = sm_count(&sms)) return e;
     tile_blocks(a, &lo, &hi);
-    sched_grid(tiles, sms, lo, (a->seq_q + int(B_r) - 1) / int(B_r), lo == hi, out, parts);
+    sched_grid(tiles, sms, lo, (a->seq_q + int(B_r) - 1) / int(B_r), lo == hi, $ordered_launch, out, parts);
     return 0;
 }
 
@@ -471,6 +473,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;
     $mod_fill
+    $tile_order_fill
     constexpr int smem = $smem_bytes;
     $smem_attribute
     const int64_t tiles = int64_t((a->seq_q + B_r - 1) / B_r) * a->heads * a->batch;
@@ -777,7 +780,10 @@ def _header_env(plan: HopperPlan) -> dict:
     return dict(name=plan.score_mask.kernel_name(cfg.mangle()), short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), plan_lines=_plan_lines(plan),
                 B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages, consumers=cfg.consumers, threads=plan.threads,
                 smem_bytes=plan.smem_bytes, q_bytes=f"{plan.loads['Q'].bytes}u", kv_bytes=f"{plan.loads['K'].bytes}u",
-                mask_fns=plan.score_mask.to_cpp(), mod_params=plan.score_mask.params_cpp(),
+                mask_fns=plan.score_mask.to_cpp(tile_order=plan.scheduler.ordered), mod_params=plan.score_mask.params_cpp(),
+                tile_order=["if (p.tile_order != nullptr) tile = p.tile_order[tile];  // the block mask's order"] if plan.scheduler.ordered else [],
+                tile_order_param=["const int* tile_order;  // the block mask's tile order (block_mask_order), or nullptr"]
+                if plan.scheduler.ordered else [],
                 block_mask_tile=plan.score_mask.tile_cpp("bm_row", "t.batch", "t.head", "q_block", "p.heads", "t.j_begin", "t.j_end"),
                 elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, gencode=TARGET.gencode,
                 softmax_fns=[online_softmax(plan).to_cpp(), epilogue(plan).to_cpp()],
@@ -861,7 +867,10 @@ def _host_env(plan: HopperPlan) -> dict:
         tile_blocks_body = ["*lo = *hi = (a->seq_k + int(B_c) - 1) / int(B_c);  // no mask: every tile takes every key block"]
     tma_dtype = {"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value]
     name = plan.score_mask.kernel_name(cfg.mangle())
-    return dict(args_struct=args_struct(name), mod_fill=plan.score_mask.fill_cpp(), mask_blocks=plan.score_mask.mask_blocks_cpp(name), o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,
+    return dict(args_struct=args_struct(name), mod_fill=plan.score_mask.fill_cpp(), mask_blocks=plan.score_mask.mask_blocks_cpp(name, tile_order=plan.scheduler.ordered),
+                ordered_launch="a->block_mask != nullptr" if plan.scheduler.ordered else "false",
+                tile_order_fill=["p.tile_order = a->block_mask != nullptr ? block_mask_order(a->block_mask, a->batch, a->heads, a->seq_q, a->seq_k) : nullptr;"]
+                if plan.scheduler.ordered else [], o_box_rows=plan.stores["O"].tma.box_rows, box_cols=plan.loads["Q"].tma.box_cols,
                 tma_dtype=tma_dtype, tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, log2e=f"{LOG2E!r}f",
                 tile_blocks_body=tile_blocks_body, smem_attribute=SMEM_ATTRIBUTE)
 

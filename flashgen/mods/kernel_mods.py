@@ -78,14 +78,19 @@ class KernelMods:
         return self.mask is not None and arg in self.mask.arguments_read
 
     def block_mask_shape(self, batch: int, heads: int, seq_q: int, seq_k: int, B_r: int, B_c: int,
-                         transposed: bool = False) -> tuple[int, ...]:
+                         transposed: bool = False, tile_order: bool = False) -> tuple[int, ...]:
         """The int32 block mask of a call: per (batch, head, query block) the kept key-block range [lo, hi)
         and a class per key block (0 empty, 1 partial, 2 full); batch/heads 1 where the mask_mod ignores them.
         ``transposed`` (a backward kernel's): per (batch, head, key block) the query-block range, then a class
-        per query block."""
+        per query block. ``tile_order`` (a forward kernel that takes one,
+        :func:`flashgen.attention.scheduler.orders_tiles`): those rows flattened, then the launch's tile order
+        (a tile per query block, head and batch entry)."""
         n_qb, n_kb = -(-seq_q // B_r), -(-seq_k // B_c)
         rows, classes = (n_kb, n_qb) if transposed else (n_qb, n_kb)
-        return (batch if self.uses("b") else 1, heads if self.uses("h") else 1, rows, 2 + classes)
+        shape = (batch if self.uses("b") else 1, heads if self.uses("h") else 1, rows, 2 + classes)
+        if tile_order and not transposed:
+            return (shape[0] * shape[1] * rows * (2 + classes) + n_qb * heads * batch,)
+        return shape
 
     def describe(self) -> str:
         return " + ".join(m.description for m in self.mods)

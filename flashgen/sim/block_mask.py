@@ -6,7 +6,8 @@ then one class per key block: 0 empty, 1 partial, 2 full, over the scores with `
 ``j < seq_k`` (the key tail is the kernels' own rule). Batch and head extents are 1 where the
 mask_mod ignores them. :func:`row` picks a tile's row as ``block_mask_row`` does, :func:`clip`
 narrows a tile's key blocks as ``block_mask_clip`` does, :func:`walk` lists the blocks a tile visits
-(``block_mask_next`` steps over the empty ones); the simulators use them all.
+(``block_mask_next`` steps over the empty ones); the simulators use them all. :func:`tile_order` is the
+tile order a persistent forward's block mask holds after its rows (``mask_order_kernel``).
 
 The backward's block mask (``transposed=True``, made by a backward kernel's ``<name>_mask_blocks`` with its own
 B_r and B_c) holds the same classes per (key block, query block), a row per key block: ``[lo, hi)`` the query
@@ -21,6 +22,7 @@ import attrs
 import numpy as np
 
 if TYPE_CHECKING:
+    from ..attention.scheduler import TileScheduler
     from ..attention.score_mask import ScoreMask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -107,6 +109,30 @@ def walk(r: "np.ndarray | None", begin: int, end: int) -> list[int]:
         out.append(j)
         j = next_block(r, j, end)
     return out
+
+
+def tile_costs(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.ndarray, batch: int, heads: int,
+               seq_q: int) -> list[int]:
+    """Each tile's cost in the tile order (``mask_order_kernel``'s): per key block of its row's ``[lo, hi)``, 1 if
+    full and :data:`~flashgen.attention.block_mask_cpp.PARTIAL_BLOCK_COST` if partial; tiles in the scheduler's
+    order (:meth:`~flashgen.attention.scheduler.TileScheduler.coords`)."""
+    from ..attention.block_mask_cpp import PARTIAL_BLOCK_COST
+
+    n_q = scheduler.n_q_blocks(seq_q)
+    out = []
+    for t in range(n_q * heads * batch):
+        qb, h, b = scheduler.coords(t, n_q, heads)
+        r = row(score_mask, mask, b, h, qb)
+        kept = r[2 + r[0]:2 + r[1]]
+        out.append(int(np.sum(kept == FULL) + PARTIAL_BLOCK_COST * np.sum(kept == PARTIAL)))
+    return out
+
+
+def tile_order(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.ndarray, batch: int, heads: int,
+               seq_q: int, ctas: int) -> list[int]:
+    """The tile order after a forward block mask's rows (``mask`` as :func:`block_mask` makes it) for a launch on
+    ``ctas`` CTAs: :meth:`~flashgen.attention.scheduler.TileScheduler.order` of :func:`tile_costs`."""
+    return scheduler.order(tile_costs(scheduler, score_mask, mask, batch, heads, seq_q), ctas)
 
 
 @attrs.frozen

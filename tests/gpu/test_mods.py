@@ -8,6 +8,7 @@ mask_mods (causal, sliding window, a band) run as the built-in masks: bit for bi
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,12 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen import mods as fg_mods  # noqa: E402
+from flashgen.attention.scheduler import orders_tiles  # noqa: E402
 from flashgen.attention.score_mask import ScoreMask  # noqa: E402
-from flashgen.engines import engine_of  # noqa: E402
+from flashgen.engines import engine_of, make_plan  # noqa: E402
 from flashgen.reference import check_attention, check_gradients  # noqa: E402
 from flashgen.runtime import InputError  # noqa: E402
-from flashgen.sim.block_mask import block_mask  # noqa: E402
+from flashgen.sim.block_mask import block_mask, tile_order  # noqa: E402
 from flashgen.targets import of_capability  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -200,7 +202,7 @@ def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
     mods, (_, mask_args) = fg_mods.prepare_mods(mask_mod=fn)
     variant = attn._with_mods(mods)
     words, tensors = mods.pack(None, mask_args)
-    got = variant._block_mask(mods, q, k, words, tensors).cpu()
+    got = _block_mask_rows(attn, mods, variant._block_mask(mods, q, k, words, tensors).cpu(), shape)
     B_r, B_c = attn.cfg.B_r, attn.cfg.B_c
     i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
     keep = fn(0, 0, i.cuda(), j.cuda()).cpu().expand(sq, sk)
@@ -219,6 +221,37 @@ def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
     before = dict(variant._block_masks)
     variant._block_mask(mods, q, k, words, tensors)
     assert variant._block_masks == before, "a repeated call made its block mask again"
+
+
+def _block_mask_rows(attn, mods, made: torch.Tensor, shape) -> torch.Tensor:
+    """The rows of a forward block mask (the kernel's ``made``); where the kernel takes a tile order (persistent
+    wgmma kernels), checked first to be the scheduler's for this GPU, against the numpy twin."""
+    b, sq, sk, hq, _ = shape
+    rows = mods.block_mask_shape(b, hq, sq, sk, attn.cfg.B_r, attn.cfg.B_c)
+    if not orders_tiles(attn.cfg.persistent, True):
+        return made
+    tiles = -(-sq // attn.cfg.B_r) * hq * b
+    assert made.shape == (math.prod(rows) + tiles,)
+    got, order = made[:-tiles].view(rows), made[-tiles:]
+    plan = make_plan(attn.cfg, mods)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert order.tolist() == tile_order(plan.scheduler, plan.score_mask, got.numpy(), b, hq, sq, min(tiles, sms))
+    return got
+
+
+@pytest.mark.parametrize("shape", [(4, 1999, 1999, 16, 4), (1, 300, 4000, 2, 2)])
+def test_the_tile_order_deals_the_tiles_as_the_scheduler_does(attn, shape):
+    """A persistent kernel's block mask ends with the tile order (several sections of rounds, a partial last
+    round): the GPU's is the scheduler's rule on the same block mask, and the kernel's output is still right."""
+    if not orders_tiles(attn.cfg.persistent, True):
+        pytest.skip(f"{attn.cfg.short_form()} takes its tiles in the scheduler's order")
+    _, fn = _factory("document_mask", shape, "cuda")
+    q, k, v = _inputs(attn, shape, seed=5)
+    mods, (_, mask_args) = fg_mods.prepare_mods(mask_mod=fn)
+    variant = attn._with_mods(mods)
+    words, tensors = mods.pack(None, mask_args)
+    _block_mask_rows(attn, mods, variant._block_mask(mods, q, k, words, tensors).cpu(), shape)
+    check_attention(attn(q, k, v, mask_mod=fn), q, k, v, mask_mod=fn)
 
 
 def test_a_block_mask_of_another_size_is_refused_before_any_kernel_runs(attn):
