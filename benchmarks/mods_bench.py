@@ -34,13 +34,16 @@ _spec.loader.exec_module(examples)
 
 
 def cases(seq: int, heads: int, device: str) -> dict:
-    """name -> (score_mod, mask_mod): softcap, ALiBi, document, causal and prefix-LM masks, and two combinations."""
+    """name -> (score_mod, mask_mod): softcap, ALiBi, document, causal and prefix-LM masks, and three combinations
+    (packed documents under a causal mask: a causal LM's training batch)."""
     off = min(37, seq // 8)  # three packed documents, not aligned to blocks
     doc_lengths = [seq // 4 - off, seq // 4 + off, seq - 2 * (seq // 4)]
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(doc_lengths)).to(device)  # each token's document
     return {
         "softcap": (examples.softcap(30.0), None),
         "alibi": (examples.alibi(heads, device=device), None),
         "document": (None, examples.document_mask(doc_lengths, device=device)),
+        "causal_document": (None, lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])),
         "causal_mod": (None, examples.causal()),
         "prefix_lm": (None, examples.prefix_lm(seq // 4)),
         "causal+softcap": (examples.softcap(30.0), examples.causal()),

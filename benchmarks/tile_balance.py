@@ -90,7 +90,7 @@ def balance(mask_mod, seq: int, sms: int, partial: float) -> dict:
     unordered, _ = static_balance(*grid)
     order = None
     if plan.scheduler.ordered and blocks is not None:  # the block mask's order, as the kernels make it
-        order = lambda ctas: bm.tile_order(plan.scheduler, plan.score_mask, blocks, batch, HEADS, seq, ctas)
+        order = lambda ctas: bm.tile_order(plan.scheduler, plan.score_mask, blocks, batch, HEADS, seq, seq, ctas)
     static, ctas = static_balance(*grid, order=order)
     return {"config": cfg.short_form(), "tiles": len(work), "ctas": ctas, "static": static, "unordered": unordered,
             "greedy": greedy_balance(work, sms), "greedy_heaviest_first": greedy_balance(sorted(work, reverse=True), sms)}
@@ -107,14 +107,14 @@ def main(argv=None) -> int:
                 f"({args.partial}) above 0")
     from mods_bench import cases
 
-    print(f"{'mask':12s} {'seq':>5s} {'tiles':>6s} {'CTAs':>5s} {'rounds':>7s} {'unordered':>10s} {'greedy':>7s} "
+    print(f"{'mask':15s} {'seq':>5s} {'tiles':>6s} {'CTAs':>5s} {'rounds':>7s} {'unordered':>10s} {'greedy':>7s} "
           f"{'heaviest first':>15s}  (busiest / mean)")
     for seq in args.seqs:
         for name, (score_mod, mask_mod) in cases(seq, HEADS, "cpu").items():
             if mask_mod is None or score_mod is not None:
                 continue
             r = balance(mask_mod, seq, args.sms, args.partial)
-            print(f"{name:12s} {seq:5d} {r['tiles']:6d} {r['ctas']:5d} {r['static']:7.3f} {r['unordered']:10.3f} {r['greedy']:7.3f} "
+            print(f"{name:15s} {seq:5d} {r['tiles']:6d} {r['ctas']:5d} {r['static']:7.3f} {r['unordered']:10.3f} {r['greedy']:7.3f} "
                   f"{r['greedy_heaviest_first']:15.3f}  {r['config']}")
     return 0
 

@@ -46,11 +46,12 @@ ATTENTION_OUT_SCHEMA = ("attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) 
 ATTENTION_MODS_SCHEMA = ("attention_mods(Tensor q, Tensor k, Tensor v, int kernel, float softmax_scale, int mask_offset, "
                          "int window_left, int window_right, bool return_lse, int[] mod_words, Tensor[] mod_tensors, "
                          "Tensor? block_mask) -> (Tensor, Tensor)")
-#: ``mask_blocks(q, k, kernel, shape, mod_words, mod_tensors) -> block_mask``: a mask_mod's block mask (int32 of
-#: ``shape``, :meth:`flashgen.mods.KernelMods.block_mask_shape`; transposed where ``kernel`` is a backward kernel)
-#: for calls of q's and k's sizes.
-MASK_BLOCKS_SCHEMA = ("mask_blocks(Tensor q, Tensor k, int kernel, int[] shape, int[] mod_words, Tensor[] mod_tensors) "
-                      "-> Tensor")
+#: ``mask_blocks(q, k, kernel, shape, mod_words, mod_tensors, mask_offset, window_left, window_right) -> block_mask``:
+#: a mask_mod's block mask (int32 of ``shape``, :meth:`flashgen.mods.KernelMods.block_mask_shape`; transposed where
+#: ``kernel`` is a backward kernel) for calls of q's and k's sizes; the built-in mask's diagonal and window (as
+#: ``attention_mods`` takes them) weigh the tiles of a forward block mask's tile order, and nothing else.
+MASK_BLOCKS_SCHEMA = ("mask_blocks(Tensor q, Tensor k, int kernel, int[] shape, int[] mod_words, Tensor[] mod_tensors, "
+                      "int mask_offset, int window_left, int window_right) -> Tensor")
 #: ``attention_backward(dout, q, k, v, out, lse, dlse, kernel, ...) -> (dq, dk, dv)`` through a backward kernel;
 #: ``dlse`` (optional) is the gradient of the forward's returned lse.
 ATTENTION_BACKWARD_SCHEMA = ("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
@@ -97,7 +98,7 @@ def _attention_mods_fake(q, k, v, kernel, softmax_scale, mask_offset, window_lef
 
 
 @torch.library.register_fake("flashgen::mask_blocks")
-def _mask_blocks_fake(q, k, kernel, shape, mod_words, mod_tensors):
+def _mask_blocks_fake(q, k, kernel, shape, mod_words, mod_tensors, mask_offset, window_left, window_right):
     return q.new_empty(shape, dtype=torch.int32)
 
 

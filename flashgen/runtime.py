@@ -293,8 +293,9 @@ class Attention:
         tensors = [stable_copy(t, t.dtype, q.device) for t in tensors]  # on q's device: copied once per version
         scale = _softmax_scale(attn._scale, softmax_scale)
         try:  # the operator checks every input in C++
-            block_mask = attn._block_mask(mods, q, k, words, tensors) if mods.mask is not None else None
-            o, lse = _attention_mods(q, k, v, attn._handle, scale, _mask_offset(align, q, k), left, right,
+            offset = _mask_offset(align, q, k)
+            block_mask = attn._block_mask(mods, q, k, words, tensors, (offset, left, right)) if mods.mask is not None else None
+            o, lse = _attention_mods(q, k, v, attn._handle, scale, offset, left, right,
                                      return_lse or differentiate, words, tensors, block_mask)
         except (RuntimeError, ValueError, TypeError):
             attn.check(q, k, v)  # raises the InputError that explains a refused input
@@ -347,11 +348,11 @@ class Attention:
         try:
             block_mask = None
             if reader.mods.mask is not None:  # the last call's, for the same values and sizes
-                state = (reader.epoch, q.shape, k.shape[1], device)
+                state = (reader.epoch, q.shape, k.shape[1], device, align, left, right)
                 if last is not None and last[0] == state:
                     block_mask = last[1]
                 else:
-                    block_mask = attn._block_mask(reader.mods, q, k, words, tensors)
+                    block_mask = attn._block_mask(reader.mods, q, k, words, tensors, (_mask_offset(align, q, k), left, right))
                     entry[2] = (state, block_mask)
             reader.publish(device, q, k, words, block_mask)  # the launcher's reader serves the next such call
             return self._native.call_mods(q, k, v, attn._handle, softmax_scale, left, right, align, return_lse, words,
@@ -364,17 +365,22 @@ class Attention:
         call with these sizes and the forward's values (:meth:`_block_mask`'s cache)."""
         return self._block_mask(self.built.mods, q, k, words, tensors, backward=handle)
 
-    def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list, backward: "int | None" = None):
+    def _block_mask(self, mods: KernelMods, q, k, words: list, tensors: list, built_in: tuple = (0, -1, -1),
+                    backward: "int | None" = None):
         """The mask_mod's block mask for this call's sizes and values, made on the GPU once per (kernel, sizes,
-        values, captured tensors' addresses and versions) and kept (a few dozen of them at most); ``backward``:
-        the transposed one of that backward kernel (a handle of :meth:`_load_backward`), with its block sizes."""
+        values, captured tensors' addresses and versions, the built-in mask's ``built_in`` = (diagonal offset,
+        window left, right): they weigh the tiles of its tile order) and kept (a few dozen of them at most);
+        ``backward``: the transposed one of that backward kernel (a handle of :meth:`_load_backward`), with its
+        block sizes (whatever the built-in mask)."""
         # only the mask_mod's own values matter (KernelMods.pack: scalars score then mask, tensors likewise); a
         # tensor is named by identity (checked through a weak reference: a new tensor that the allocator places at
         # a dead one's address, of the same version, is another tensor), version and address
         mask = mods.mask
         first = len(mods.score.scalars) if mods.score is not None else 0
         q_shape, k_shape = q.shape, k.shape
-        key = [backward, mask.key, q_shape, k_shape[1], q.device, *words[first:first + len(mask.scalars)]]
+        if backward is not None:
+            built_in = (0, -1, -1)
+        key = [backward, mask.key, q_shape, k_shape[1], q.device, built_in, *words[first:first + len(mask.scalars)]]
         mask_tensors = tensors[len(tensors) - len(mask.tensors):] if mask.tensors else ()
         for t in mask_tensors:
             key += (id(t), t._version, t.data_ptr())
@@ -387,7 +393,7 @@ class Attention:
         cfg = self.cfg if backward is None else self._backward_cfgs[backward]
         shape = mods.block_mask_shape(q_shape[0], q_shape[2], q_shape[1], k_shape[1], cfg.B_r, cfg.B_c, transposed=backward is not None,
                                       tile_order=backward is None and orders_tiles(cfg.persistent, True))
-        made = _mask_blocks(q, k, self._handle if backward is None else backward, list(shape), words, tensors)
+        made = _mask_blocks(q, k, self._handle if backward is None else backward, list(shape), words, tensors, *built_in)
         self._block_masks[key] = (made, [weakref.ref(t) for t in mask_tensors])
         return made
 

@@ -133,7 +133,7 @@ class Launcher:
         self.operator.append((handle, list(words), list(tensors), offset, left, right))
         return q + handle, q.new_empty((0,), dtype=torch.float32)
 
-    def mask_blocks(self, q, k, handle, shape, words, tensors):
+    def mask_blocks(self, q, k, handle, shape, words, tensors, offset, left, right):
         self.block_masks.append((list(words), [t.clone() for t in tensors]))
         return torch.full(shape, len(self.block_masks), dtype=torch.int32)
 

@@ -184,9 +184,10 @@ $FILL
 
 #: The tile order's kernel (in the block mask's namespace): one CTA runs sched_order over the tiles' costs.
 _ORDER_KERNEL = """
-// one CTA: the tile order after the rows (sched_order) of a launch on `ctas` CTAs; a tile's cost: per key block of
-// its row's [lo, hi), 1 if full and $COST if partial
-__global__ void __launch_bounds__(SCHED_ORDER_MAX_CTAS) mask_order_kernel(int* bm, int batch, int heads, int seq_q, int seq_k, int ctas) {
+// one CTA: the tile order after the rows (sched_order) of a launch on `ctas` CTAs; a tile's cost: per key block it
+// walks (its row's [lo, hi) within the built-in mask's kv_block_range), 1 if full and $COST if partial
+__global__ void __launch_bounds__(SCHED_ORDER_MAX_CTAS) mask_order_kernel(int* bm, int batch, int heads, int seq_q, int seq_k,
+                                                                          int mask_offset, int window_left, int window_right, int ctas) {
     __shared__ int w[SCHED_ORDER_ROUNDS * SCHED_ORDER_MAX_CTAS], ranked[SCHED_ORDER_ROUNDS * SCHED_ORDER_MAX_CTAS];
     __shared__ int load[SCHED_ORDER_MAX_CTAS], turn[SCHED_ORDER_MAX_CTAS];
     const int n_qb = (seq_q + int(B_r) - 1) / int(B_r);
@@ -194,8 +195,9 @@ __global__ void __launch_bounds__(SCHED_ORDER_MAX_CTAS) mask_order_kernel(int* b
         int qb, h, b;
         sched_coords(tile, n_qb, heads, &qb, &h, &b);
         const int* r = block_mask_row(bm, b, h, qb, heads, seq_q, seq_k);
-        int c = 0;
-        for (int kb = r[0]; kb < r[1]; ++kb) c += r[2 + kb] == 2 ? 1 : r[2 + kb] == 1 ? $COST : 0;
+        int lo, hi, c = 0;
+        kv_block_range(qb * int(B_r), seq_q, seq_k, mask_offset, window_left, window_right, &lo, &hi);
+        for (int kb = lo > r[0] ? lo : r[0]; kb < (hi < r[1] ? hi : r[1]); ++kb) c += r[2 + kb] == 2 ? 1 : r[2 + kb] == 1 ? $COST : 0;
         return c;
     };
     int* order = const_cast<int*>(block_mask_order(bm, batch, heads, seq_q, seq_k));
@@ -216,4 +218,4 @@ _ORDER_LAUNCH = """
     const int64_t tiles = int64_t(n_qb) * a->heads * a->batch;
     const int ctas = int(tiles < sms ? tiles : sms);
     mask_order_kernel<<<1, SCHED_ORDER_MAX_CTAS, 0, (cudaStream_t)stream>>>(out, a->batch, a->heads, a->seq_q, a->seq_k,
-                                                                           ctas);"""
+                                                                           a->mask_offset, a->window_left, a->window_right, ctas);"""

@@ -355,16 +355,19 @@ std::tuple<at::Tensor, at::Tensor> attention_mods(const at::Tensor& q, const at:
 }
 
 template <class Args>
-int mask_blocks_as(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const std::vector<int64_t>& words, int* out,
-                   void* stream) {
-    const Args a = sizes_of<Args>(q, k, &words);
+int mask_blocks_as(const Kernel& kn, const at::Tensor& q, const at::Tensor& k, const std::vector<int64_t>& words,
+                   int64_t mask_offset, int64_t window_left, int64_t window_right, int* out, void* stream) {
+    Args a = sizes_of<Args>(q, k, &words);
+    a.mask_offset = int(mask_offset); a.window_left = int(window_left); a.window_right = int(window_right);
     return reinterpret_cast<int (*)(const Args*, int*, void*)>(kn.mask_blocks)(&a, out, stream);
 }
 
 // The block mask (int32, `shape`: flashgen.mods.KernelMods.block_mask_shape, transposed for a backward kernel) of a
-// kernel built with a mask_mod, forward or backward, for calls with q's and k's sizes and these mod values.
+// kernel built with a mask_mod, forward or backward, for calls with q's and k's sizes and these mod values; the call's
+// built-in mask (mask_offset, window) weighs the tiles of a forward's tile order.
 at::Tensor mask_blocks(const at::Tensor& q, const at::Tensor& k, int64_t kernel, c10::IntArrayRef shape,
-                       c10::IntArrayRef mod_words, at::TensorList mod_tensors) {
+                       c10::IntArrayRef mod_words, at::TensorList mod_tensors, int64_t mask_offset, int64_t window_left,
+                       int64_t window_right) {
     const Kernel& kn = kernel_at(kernel);
     FG_REQUIRE(kn.mask_blocks != nullptr, "flashgen: kernel ", kn.short_form, " has no mask_mod (no block mask)");
     FG_REQUIRE(q.is_cuda() && q.dim() == 4 && k.dim() == 4, "mask_blocks: q and k must be 4-D CUDA tensors");
@@ -375,8 +378,8 @@ at::Tensor mask_blocks(const at::Tensor& q, const at::Tensor& k, int64_t kernel,
     const c10::DeviceGuard guard(q.device());
     at::Tensor out = at::empty(shape, q.options().dtype(at::kInt));
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(q.device().type())->getStream(q.device());
-    const int err = kn.backward ? mask_blocks_as<flashgen_bwd_args>(kn, q, k, words, out.data_ptr<int>(), stream.native_handle())
-                                : mask_blocks_as<flashgen_args>(kn, q, k, words, out.data_ptr<int>(), stream.native_handle());
+    const auto make = kn.backward ? &mask_blocks_as<flashgen_bwd_args> : &mask_blocks_as<flashgen_args>;
+    const int err = make(kn, q, k, words, mask_offset, window_left, window_right, out.data_ptr<int>(), stream.native_handle());
     FG_CHECK(err == 0, kn.name, ": the block mask failed with cudaError_t ", err);
     return out;
 }

@@ -112,27 +112,29 @@ def walk(r: "np.ndarray | None", begin: int, end: int) -> list[int]:
 
 
 def tile_costs(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.ndarray, batch: int, heads: int,
-               seq_q: int) -> list[int]:
-    """Each tile's cost in the tile order (``mask_order_kernel``'s): per key block of its row's ``[lo, hi)``, 1 if
-    full and :data:`~flashgen.attention.block_mask_cpp.PARTIAL_BLOCK_COST` if partial; tiles in the scheduler's
-    order (:meth:`~flashgen.attention.scheduler.TileScheduler.coords`)."""
+               seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> list[int]:
+    """Each tile's cost in the tile order (``mask_order_kernel``'s): per key block of its row's ``[lo, hi)`` within the
+    built-in mask's range (:meth:`~flashgen.attention.score_mask.ScoreMask.block_range` with the call's diagonal
+    ``offset`` and window), 1 if full and :data:`~flashgen.attention.block_mask_cpp.PARTIAL_BLOCK_COST` if partial;
+    tiles in the scheduler's order (:meth:`~flashgen.attention.scheduler.TileScheduler.coords`)."""
     from ..attention.block_mask_cpp import PARTIAL_BLOCK_COST
 
     n_q = scheduler.n_q_blocks(seq_q)
+    spans = [score_mask.block_range(qb * scheduler.B_r, seq_q, seq_k, offset, left, right) for qb in range(n_q)]
     out = []
     for t in range(n_q * heads * batch):
         qb, h, b = scheduler.coords(t, n_q, heads)
         r = row(score_mask, mask, b, h, qb)
-        kept = r[2 + r[0]:2 + r[1]]
+        kept = r[2 + max(r[0], spans[qb][0]):2 + min(r[1], spans[qb][1])]
         out.append(int(np.sum(kept == FULL) + PARTIAL_BLOCK_COST * np.sum(kept == PARTIAL)))
     return out
 
 
 def tile_order(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.ndarray, batch: int, heads: int,
-               seq_q: int, ctas: int) -> list[int]:
+               seq_q: int, seq_k: int, ctas: int, offset: int = 0, left: int = -1, right: int = -1) -> list[int]:
     """The tile order after a forward block mask's rows (``mask`` as :func:`block_mask` makes it) for a launch on
     ``ctas`` CTAs: :meth:`~flashgen.attention.scheduler.TileScheduler.order` of :func:`tile_costs`."""
-    return scheduler.order(tile_costs(scheduler, score_mask, mask, batch, heads, seq_q), ctas)
+    return scheduler.order(tile_costs(scheduler, score_mask, mask, batch, heads, seq_q, seq_k, offset, left, right), ctas)
 
 
 @attrs.frozen

@@ -171,14 +171,14 @@ def test_the_block_mask_order_balances_what_the_rounds_do_not():
     plan = make_hopper_plan(W("bf16", persistent=True), mods)
     s, ctas, batch, heads, seq = plan.scheduler, 132, 8, 16, 2048
     mask = block_mask.block_mask(plan.score_mask, mask_args.values(), batch, heads, seq, seq)
-    costs = block_mask.tile_costs(s, plan.score_mask, mask, batch, heads, seq)
+    costs = block_mask.tile_costs(s, plan.score_mask, mask, batch, heads, seq, seq)
 
     def busiest(order):
         loads = [sum(costs[order[t]] for t, _ in s.work(c, ctas, len(costs), 1)) for c in range(ctas)]
         return max(loads) / (sum(costs) / ctas)
 
     assert busiest(list(range(len(costs)))) > 1.25
-    assert busiest(block_mask.tile_order(s, plan.score_mask, mask, batch, heads, seq, ctas)) < 1.05
+    assert busiest(block_mask.tile_order(s, plan.score_mask, mask, batch, heads, seq, seq, ctas)) < 1.05
 
 
 @needs_gxx

@@ -128,7 +128,7 @@ def test_backward_with_its_block_mask_matches_the_reference(kernels, engine, nam
         q, k, v, do = random_qkv_do(shape, seed=n)
         o, lse = fwd(q, k, v, return_lse=True, score_mod=score_mod, mask_mod=fn)
         bm_shape = mods.block_mask_shape(b, hq, sq, sk, cfg.B_r, cfg.B_c, transposed=True)
-        bm = torch.ops.flashgen.mask_blocks(q, k, handle, list(bm_shape), words, tensors)
+        bm = torch.ops.flashgen.mask_blocks(q, k, handle, list(bm_shape), words, tensors, 0, -1, -1)
         want_bm = numpy_block_mask(ScoreMask("none", cfg.B_r, cfg.B_c, mods), mask_args.values(), b, hq, sq, sk, transposed=True)
         assert bm.cpu().tolist() == want_bm.tolist(), f"{engine} {name} {shape}: the GPU's transposed block mask"
         skipped += int((want_bm[..., 2:] == 0).sum())

@@ -223,9 +223,10 @@ def test_block_mask_classes_and_ranges_are_the_mask_mods(attn, name):
     assert variant._block_masks == before, "a repeated call made its block mask again"
 
 
-def _block_mask_rows(attn, mods, made: torch.Tensor, shape) -> torch.Tensor:
+def _block_mask_rows(attn, mods, made: torch.Tensor, shape, built_in=(0, -1, -1)) -> torch.Tensor:
     """The rows of a forward block mask (the kernel's ``made``); where the kernel takes a tile order (persistent
-    wgmma kernels), checked first to be the scheduler's for this GPU, against the numpy twin."""
+    wgmma kernels), checked first to be the scheduler's for this GPU and the call's built-in mask ``built_in``
+    (offset, window left, right), against the numpy twin."""
     b, sq, sk, hq, _ = shape
     rows = mods.block_mask_shape(b, hq, sq, sk, attn.cfg.B_r, attn.cfg.B_c)
     if not orders_tiles(attn.cfg.persistent, True):
@@ -235,23 +236,28 @@ def _block_mask_rows(attn, mods, made: torch.Tensor, shape) -> torch.Tensor:
     got, order = made[:-tiles].view(rows), made[-tiles:]
     plan = make_plan(attn.cfg, mods)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert order.tolist() == tile_order(plan.scheduler, plan.score_mask, got.numpy(), b, hq, sq, min(tiles, sms))
+    want = tile_order(plan.scheduler, plan.score_mask, got.numpy(), b, hq, sq, sk, min(tiles, sms), *built_in)
+    assert order.tolist() == want
     return got
 
 
-@pytest.mark.parametrize("shape", [(4, 1999, 1999, 16, 4), (1, 300, 4000, 2, 2)])
-def test_the_tile_order_deals_the_tiles_as_the_scheduler_does(attn, shape):
+@pytest.mark.parametrize("shape, causal", [((4, 1999, 1999, 16, 4), False), ((1, 300, 4000, 2, 2), False),
+                                           ((3, 1500, 1700, 16, 8), True)])
+def test_the_tile_order_deals_the_tiles_as_the_scheduler_does(attn, shape, causal):
     """A persistent kernel's block mask ends with the tile order (several sections of rounds, a partial last
-    round): the GPU's is the scheduler's rule on the same block mask, and the kernel's output is still right."""
+    round; with the built-in causal mask, bottom-right, its tiles weighed by the key blocks they walk): the GPU's
+    is the scheduler's rule on the same block mask, and the kernel's output is still right."""
     if not orders_tiles(attn.cfg.persistent, True):
         pytest.skip(f"{attn.cfg.short_form()} takes its tiles in the scheduler's order")
     _, fn = _factory("document_mask", shape, "cuda")
     q, k, v = _inputs(attn, shape, seed=5)
     mods, (_, mask_args) = fg_mods.prepare_mods(mask_mod=fn)
-    variant = attn._with_mods(mods)
+    variant = (attn._variant("causal") if causal else attn)._with_mods(mods)
     words, tensors = mods.pack(None, mask_args)
-    _block_mask_rows(attn, mods, variant._block_mask(mods, q, k, words, tensors).cpu(), shape)
-    check_attention(attn(q, k, v, mask_mod=fn), q, k, v, mask_mod=fn)
+    built_in = (shape[2] - shape[1], -1, -1) if causal else (0, -1, -1)
+    _block_mask_rows(variant, mods, variant._block_mask(mods, q, k, words, tensors, built_in).cpu(), shape, built_in)
+    align = "bottom_right" if causal else "top_left"
+    check_attention(attn(q, k, v, mask_mod=fn, causal=causal, align=align), q, k, v, mask_mod=fn, causal=causal, align=align)
 
 
 def test_a_block_mask_of_another_size_is_refused_before_any_kernel_runs(attn):
@@ -268,7 +274,7 @@ def test_a_block_mask_of_another_size_is_refused_before_any_kernel_runs(attn):
     with pytest.raises(ValueError, match="block_mask has .* elements"):
         torch.ops.flashgen.attention_mods(q, k, v, variant._handle, scale, 0, -1, -1, False, words, tensors, good[..., :-1].contiguous())
     with pytest.raises(ValueError, match="mask_blocks: shape"):
-        torch.ops.flashgen.mask_blocks(q, k, variant._handle, [1, 1, 1, 2], words, tensors)
+        torch.ops.flashgen.mask_blocks(q, k, variant._handle, [1, 1, 1, 2], words, tensors, 0, -1, -1)
     o, _ = torch.ops.flashgen.attention_mods(q, k, v, variant._handle, scale, 0, -1, -1, False, words, tensors, good)
     assert torch.isfinite(o).all()
 
@@ -299,10 +305,11 @@ def test_sink_window_walks_past_empty_blocks(attn, window, sinks, shape):
     assert (lse[kept] - ref_lse[kept]).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]])
-def test_memcheck_clean_with_mods(cfg):
-    """A score_mod and a mask_mod reading a captured tensor, odd lengths (seq_q 37, seq_k 91), GQA: the
-    kernel, its block mask's two kernels and the mods' loads stay in bounds."""
+@pytest.mark.parametrize("cfg, seq_q, seq_k", [(CONFIGS[0], 37, 91), (CONFIGS[2], 37, 91), (CONFIGS[2], 3001, 2999)])
+def test_memcheck_clean_with_mods(cfg, seq_q, seq_k):
+    """A score_mod and a mask_mod reading a captured tensor, odd lengths, GQA: the kernel, its block mask's
+    kernels and the mods' loads stay in bounds (at 3001 x 2999 the persistent kernel walks two rounds of its
+    block mask's tile order, the second partial)."""
     import shutil
     import subprocess
     import sys
@@ -312,7 +319,7 @@ def test_memcheck_clean_with_mods(cfg):
         pytest.skip("compute-sanitizer not on PATH")
     repo = Path(__file__).parents[2]
     res = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
-                          str(repo / "tests/gpu/run_mods.py"), cfg, "37", "91"],
+                          str(repo / "tests/gpu/run_mods.py"), cfg, str(seq_q), str(seq_k)],
                          capture_output=True, text=True, cwd=repo, timeout=600)
     text = res.stdout + res.stderr
     assert res.returncode == 0 and "ERROR SUMMARY: 0 errors" in text, text[-6000:]
