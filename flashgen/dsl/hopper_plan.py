@@ -317,6 +317,15 @@ def _q_in_registers(cfg: KernelConfig, mods: "KernelMods | None") -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _scheduler(cfg: KernelConfig, score_mask: ScoreMask) -> TileScheduler:
+    """The tile scheduler. The wave-tail split: persistent and unmasked, every partial last round; masked or one CTA
+    per tile, only a launch of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds
+    to fill). A mask_mod's persistent kernel takes its tiles in the order its block mask holds."""
+    tail = TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, cfg.d_head, full_rounds=cfg.persistent and cfg.mask == "none")
+    return TileScheduler(cfg.B_r, cfg.persistent, cfg.mask != "none", tail,
+                         ordered=orders_tiles(cfg.persistent, score_mask.mask_mod is not None))
+
+
 def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> HopperPlan:
     """The DSL objects of one wgmma config; ``mods``: the user's score_mod / mask_mod (:class:`flashgen.mods.KernelMods`)."""
     if cfg.engine != "wgmma":
@@ -383,12 +392,7 @@ def make_hopper_plan(cfg: KernelConfig, mods: "KernelMods | None" = None) -> Hop
         q_load=q_load,
         p_from_s=_p_from_s(atom_s, atom_o, B_c // 16),
         o_stage=o_stage,
-        # persistent and unmasked: every partial last round; masked or one CTA per tile: only a launch
-        # of fewer tiles than SMs (masked rounds pair long and short tiles; a grid has no rounds to fill)
-        # and a mask_mod's persistent kernel takes its tiles in the order its block mask holds
-        scheduler=TileScheduler(B_r, cfg.persistent, cfg.mask != "none",
-                                TailSplit(TAIL_MAX_PARTS, 2, cfg.consumers, d, full_rounds=cfg.persistent and cfg.mask == "none"),
-                                ordered=orders_tiles(cfg.persistent, score_mask.mask_mod is not None)),
+        scheduler=_scheduler(cfg, score_mask),
         score_mask=score_mask,
         row_reduce_lanes=_row_reduce_lanes(_warp_c_map(atom_s)),
         tile_start=(WaitFull("Q", J, why="this tile's Q landed"),),
