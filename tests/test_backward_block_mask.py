@@ -38,7 +38,7 @@ class Kernels:
         b, sq, h, _ = q.shape
         return q * 2, torch.zeros((b, h, sq) if return_lse else (0,), dtype=torch.float32)
 
-    def mask_blocks_op(self, q, k, kernel, shape, words, tensors):
+    def mask_blocks_op(self, q, k, kernel, shape, words, tensors, offset, left, right):
         self.mask_blocks.append((kernel, tuple(shape), list(words)))
         return torch.full(shape, len(self.mask_blocks), dtype=torch.int32)
 

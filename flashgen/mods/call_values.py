@@ -39,10 +39,12 @@ _I32 = struct.Struct("<i")
 
 
 def _place(source, fn: Callable) -> tuple:
-    """Where ``source``'s value of ``fn`` lives: ``(cell, None, None)`` or ``(None, globals, key)``."""
+    """Where ``source``'s value of ``fn`` lives: ``(cell, None, None)`` or ``(None, globals, key)`` (of the function
+    its path leads to: the functions on the way are compiled in, so the place stays while the trace holds)."""
+    holder = source.holder(fn)
     if source.kind == "cell":
-        return fn.__closure__[source.key], None, None
-    return None, fn.__globals__, source.key
+        return holder.__closure__[source.key], None, None
+    return None, holder.__globals__, source.key
 
 
 def _reader(place: tuple) -> Callable[[], Any]:
@@ -74,6 +76,8 @@ def _native_spec(mods: KernelMods, score_fn, mask_fn, statics: list, scalars: li
             return None
     if any(a.from_tensor or a.dtype not in (FLOAT, INT) for _, a in scalars):
         return None
+    if any(table is not None and type(table) is not dict for (_, table, _), _ in (*statics, *scalars, *tensors)):
+        return None  # a function the mod calls reads a globals mapping that is not a plain dict
     fns = tuple((weakref.ref(fn), fn.__code__) if fn is not None else None for fn in (score_fn, mask_fn))
     return (fns, statics, [(place, a.dtype == FLOAT) for place, a in scalars], [(place, a.rank) for place, a in tensors],
             mask_words.start, mask_words.stop - mask_words.start, mods.mask is not None)

@@ -25,7 +25,10 @@ TO_DTYPE = {torch.float32: FLOAT, torch.float64: FLOAT, torch.int32: INT, torch.
 TORCH_DTYPE = {FLOAT: torch.float32, INT: torch.int32, BOOL: torch.bool}
 SUPPORTED = ("+ - * / // % unary- abs & | ^ ~ < <= > >= == != torch.where torch.exp torch.log torch.tanh "
              "torch.sqrt torch.abs torch.minimum torch.maximum torch.clamp torch.logical_and/or/xor/not "
-             ".float() .int() .long() .bool() .to(dtype), captured_tensor[index expressions]")
+             ".float() .int() .long() .bool() .to(dtype), x.new_ones(()) / .new_zeros(()) / .new_full((), v), "
+             "captured_tensor[index expressions]")
+#: ``x.new_ones(())`` and friends: a 0-d constant (FlexAttention's ``and_masks`` / ``or_masks`` start from one)
+NEW_CONSTANT = {"new_ones": 1, "new_zeros": 0, "new_full": None}
 
 
 def kernel_dtype(dtype: torch.dtype, what: str) -> str:
@@ -78,6 +81,8 @@ def _apply(tracer, name: str, args: tuple, kwargs: dict, shown: str):
         return cast(lift(args[0]), CASTS[name])
     if name == "to":
         return _to(lift, args, kwargs)
+    if name in NEW_CONSTANT:
+        return _new_constant(lift, name, args, kwargs)
     raise OpError(f"{shown}, which flashgen cannot compile; supported: {SUPPORTED}")
 
 
@@ -99,6 +104,23 @@ def _to(lift, args: tuple, kwargs: dict):
         raise OpError(f".to({dtype!r}); flashgen casts to torch.float32/float64 (computed in fp32), "
                       "torch.int32/int64 (int32) and torch.bool")
     return cast(lift(args[0]), TO_DTYPE[dtype])
+
+
+def _new_constant(lift, name: str, args: tuple, kwargs: dict):
+    """``x.new_ones(())`` / ``.new_zeros(())`` / ``.new_full((), value)``: the constant, of ``dtype`` (default x's)."""
+    size = args[1] if len(args) > 1 else kwargs.get("size")
+    value = NEW_CONSTANT[name]
+    if value is None:
+        value = args[2] if len(args) > 2 else kwargs.get("fill_value")
+    if size not in ((), [], torch.Size([])) or not isinstance(value, (bool, int, float)):
+        raise OpError(f"Tensor.{name}({size!r}, ...): flashgen makes 0-d constants (size ()) of a Python number")
+    dtype = kwargs.get("dtype")
+    out = lift(value)
+    if dtype is None:
+        return cast(out, lift(args[0]).dtype)
+    if dtype not in TO_DTYPE:
+        raise OpError(f"Tensor.{name}(..., dtype={dtype!r}); flashgen makes float32/float64, int32/int64 and bool constants")
+    return cast(out, TO_DTYPE[dtype])
 
 
 def call(tracer, func, args: tuple, kwargs: dict):

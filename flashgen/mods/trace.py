@@ -151,10 +151,12 @@ def _check_callable(fn, kind: str) -> None:
 
 def _compiled_in(value, made_static: bool) -> bool:
     """Whether a captured value is part of the trace as a Python value (a flag, a string, a tuple of
-    sizes, a number the code needed as a Python number), so that a new value must retrace."""
+    sizes or of functions, a function it calls, a number the code needed as a Python number), so that a
+    new value must retrace."""
     if is_number(value):
         return made_static
-    return isinstance(value, (bool, str, tuple, type(None)))
+    # a function the mod calls (a helper, a composed mask's part): the trace followed its code and captures
+    return isinstance(value, (bool, str, tuple, type(None), types.FunctionType))
 
 
 def trace(fn, kind: str) -> TracedMod:

@@ -397,3 +397,14 @@ def test_compile_auto_runs_a_sliding_window_mask_mod_as_its_window_kernel():
             got = attn(q, k, v, mask_mod=mask_mod, **kw)
             assert torch.equal(got, want), f"{(b, sq, sk, hq, hk)} {kw}"
             check_attention(got, q, k, v, f"auto sliding window {(b, sq, sk, hq, hk)} {kw}", mask_mod=mask_mod, **kw)
+
+
+def test_flex_attentions_own_combinators_compile(attn):
+    """FlexAttention's ``and_masks`` / ``or_masks`` of the examples (their parts' captured tensors and numbers read
+    where the parts hold them): against the reference with the same functions."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    shape = SHAPES[2]
+    _, document = _factory("document_mask", shape, "cuda")
+    for fn in (flex.and_masks(examples.causal(), document), flex.or_masks(examples.prefix_lm(40), document)):
+        q, k, v = _inputs(attn, shape, seed=9)
+        check_attention(attn(q, k, v, mask_mod=fn), q, k, v, f"{attn.cfg.short_form()} {fn.__name__}", mask_mod=fn)
