@@ -401,10 +401,14 @@ def test_compile_auto_runs_a_sliding_window_mask_mod_as_its_window_kernel():
 
 def test_flex_attentions_own_combinators_compile(attn):
     """FlexAttention's ``and_masks`` / ``or_masks`` of the examples (their parts' captured tensors and numbers read
-    where the parts hold them): against the reference with the same functions."""
+    where the parts hold them): the output and the gradients against the reference with the same functions."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     shape = SHAPES[2]
     _, document = _factory("document_mask", shape, "cuda")
     for fn in (flex.and_masks(examples.causal(), document), flex.or_masks(examples.prefix_lm(40), document)):
         q, k, v = _inputs(attn, shape, seed=9)
-        check_attention(attn(q, k, v, mask_mod=fn), q, k, v, f"{attn.cfg.short_form()} {fn.__name__}", mask_mod=fn)
+        do = torch.randn_like(q)
+        what = f"{attn.cfg.short_form()} {fn.__name__}"
+        got = _run(attn, q, k, v, do, mask_mod=fn)
+        check_attention(got[0], q, k, v, what, mask_mod=fn)
+        check_gradients(got[2:], q, k, v, do, what, mask_mod=fn)
