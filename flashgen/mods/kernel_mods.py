@@ -22,7 +22,7 @@ import attrs
 
 from .bias import bias_over_scale
 from .cpp import CPP_TYPE, function_cpp, struct_cpp
-from .expr import FLOAT
+from .expr import BOOL, FLOAT, const
 from .grad import derivative, is_one, reads_score
 from .ops import HELPERS
 from .ranges import INDEX_LIMIT, has_split_casts
@@ -227,7 +227,8 @@ def prepare_mods(score_mod: Any = None, mask_mod: Any = None, diagonal: bool = F
     """The KernelMods of a call's functions (each traced once, :func:`flashgen.mods.prepare`) and this call's
     values ``(score ModArgs, mask ModArgs)``; (None, (None, None)) without either function. ``diagonal``: the call
     runs the mask_mod's diagonal conjuncts as the built-in causal / window rule (:attr:`TracedMod.diagonal`), so
-    its kernel holds the rest of the mask_mod alone (none where nothing else is left)."""
+    its kernel holds the rest of the mask_mod alone (none where nothing else is left, or where the mask_mod keeps
+    every score)."""
     from .cache import prepare
 
     if score_mod is None and mask_mod is None:
@@ -240,8 +241,10 @@ def prepare_mods(score_mod: Any = None, mask_mod: Any = None, diagonal: bool = F
     if diagonal and mask is not None and mask.diagonal is not None:
         mask = mask.diagonal[1]
         mask_args = mask.bind(mask_mod) if mask is not None else None
-        if score is None and mask is None:
-            return None, (None, None)
+    if diagonal and mask is not None and mask.expr == const(True, BOOL):  # keeps every score (FlexAttention's noop_mask)
+        mask = mask_args = None
+    if score is None and mask is None:
+        return None, (None, None)
     return KernelMods(score, mask), (score_args, mask_args)
 
 

@@ -42,7 +42,9 @@ class Proxy:
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        if name in ("shape", "ndim", "size", "numel", "dim", "device", "data", "item", "tolist"):
+        if name == "device":  # a constant's device (FlexAttention's noop_mask: new_ones(..., device=b.device))
+            return None
+        if name in ("shape", "ndim", "size", "numel", "dim", "data", "item", "tolist"):
             self.tracer.fail(f"uses Tensor.{name}: the mod sees one score and one index at a time, "
                              "with no shape or storage")
         return lambda *args, **kwargs: self.tracer.wrap(torch_table.call_method(self.tracer, name, self, args, kwargs))
@@ -88,9 +90,12 @@ class Proxy:
         self.tracer.fail("indexing a mod argument (index captured tensors with the arguments instead)")
 
     def __pow__(self, other):
-        self.tracer.fail("the ** operator")
+        if isinstance(other, Proxy):
+            self.tracer.fail("x ** y of a traced exponent (exp(y * log(x)) compiles)")
+        return self.tracer.wrap(self.tracer.checked(torch_table.power, self.expr, other))
 
-    __rpow__ = __pow__
+    def __rpow__(self, other):
+        self.tracer.fail("a ** x of a traced exponent (exp(x * log(a)) compiles)")
 
 
 def _flat(args, kwargs):

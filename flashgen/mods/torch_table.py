@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .expr import BOOL, FLOAT, INT, OpError, binary, cast, unary, where
+from .expr import BOOL, FLOAT, INT, OpError, binary, cast, const, unary, where
 
 BINARY = {"add": "add", "sub": "sub", "subtract": "sub", "mul": "mul", "multiply": "mul", "div": "truediv",
           "divide": "truediv", "true_divide": "truediv", "truediv": "truediv", "floor_divide": "floordiv",
@@ -23,10 +23,17 @@ CASTS = {"float": FLOAT, "double": FLOAT, "int": INT, "long": INT, "bool": BOOL}
 #: torch dtypes a mod may cast to, as the kernel computes them (fp64 math runs in fp32 there)
 TO_DTYPE = {torch.float32: FLOAT, torch.float64: FLOAT, torch.int32: INT, torch.int64: INT, torch.bool: BOOL}
 TORCH_DTYPE = {FLOAT: torch.float32, INT: torch.int32, BOOL: torch.bool}
-SUPPORTED = ("+ - * / // % unary- abs & | ^ ~ < <= > >= == != torch.where torch.exp torch.log torch.tanh "
-             "torch.sqrt torch.abs torch.minimum torch.maximum torch.clamp torch.logical_and/or/xor/not "
-             ".float() .int() .long() .bool() .to(dtype), x.new_ones(()) / .new_zeros(()) / .new_full((), v), "
+SUPPORTED = ("+ - * / // % unary- abs & | ^ ~ < <= > >= == != ** (integer powers 0-4, 0.5) torch.where torch.exp "
+             "torch.log torch.tanh torch.sqrt torch.abs torch.sign torch.square torch.minimum/maximum (torch.min/max of "
+             "two values) torch.clamp torch.logical_and/or/xor/not .float() .int() .long() .bool() .to(dtype), "
+             "x.new_ones(()) / .new_zeros(()) / .new_full((), v), torch.zeros_like / ones_like / full_like, "
              "captured_tensor[index expressions]")
+#: torch.min / torch.max of two values (a reduction over a dim otherwise) are the elementwise minimum / maximum
+TWO_VALUE = {"min": "minimum", "max": "maximum"}
+#: x ** e for these Python exponents: products of x (torch computes x * x for 2), or sqrt for 0.5
+POWERS = (0, 1, 2, 3, 4, 0.5)
+#: torch.zeros_like(x) and friends: the constant, of x's dtype (the mod sees one value at a time)
+LIKE_CONSTANT = {"zeros_like": 0, "ones_like": 1, "full_like": None}
 #: ``x.new_ones(())`` and friends: a 0-d constant (FlexAttention's ``and_masks`` / ``or_masks`` start from one)
 NEW_CONSTANT = {"new_ones": 1, "new_zeros": 0, "new_full": None}
 
@@ -83,6 +90,17 @@ def _apply(tracer, name: str, args: tuple, kwargs: dict, shown: str):
         return _to(lift, args, kwargs)
     if name in NEW_CONSTANT:
         return _new_constant(lift, name, args, kwargs)
+    if name in LIKE_CONSTANT:
+        return _like_constant(lift, name, args, kwargs)
+    if name in TWO_VALUE and len(args) == 2 and not kwargs and not isinstance(args[1], (int, float)):
+        return binary(TWO_VALUE[name], lift(args[0]), lift(args[1]))
+    if name in TWO_VALUE:
+        raise OpError(f"torch.{name}(x, ...) as a reduction (over a dim); the mod sees one value at a time: "
+                      f"torch.{TWO_VALUE[name]}(a, b) or torch.clamp take two values")
+    if name in ("pow", "square") and not kwargs:
+        return power(lift(args[0]), 2 if name == "square" else args[1])
+    if name == "sign" and len(args) == 1 and not kwargs:
+        return _sign(lift(args[0]))
     raise OpError(f"{shown}, which flashgen cannot compile; supported: {SUPPORTED}")
 
 
@@ -121,6 +139,40 @@ def _new_constant(lift, name: str, args: tuple, kwargs: dict):
     if dtype not in TO_DTYPE:
         raise OpError(f"Tensor.{name}(..., dtype={dtype!r}); flashgen makes float32/float64, int32/int64 and bool constants")
     return cast(out, TO_DTYPE[dtype])
+
+
+def power(x, e):
+    """``x ** e`` for a Python exponent of :data:`POWERS`: x multiplied by itself (1 for 0, of x's dtype), or sqrt."""
+    if isinstance(e, bool) or not isinstance(e, (int, float)) or e not in POWERS:
+        raise OpError(f"x ** {e!r}; flashgen compiles the powers {', '.join(map(str, POWERS))} of a value "
+                      "(exp(e * log(x)) for others)")
+    if e == 0.5:
+        return unary("sqrt", x)
+    if e == 0:
+        return cast(const(1, INT), x.dtype)
+    out = x
+    for _ in range(int(e) - 1):
+        out = binary("mul", out, x)
+    return out
+
+
+def _sign(x):
+    """torch.sign: 1, -1 or 0 (as x's dtype; 0 for 0 and for a float NaN's comparisons)."""
+    one, zero = cast(const(1, INT), x.dtype), cast(const(0, INT), x.dtype)
+    return where(binary("gt", x, zero), one, where(binary("lt", x, zero), unary("neg", one), zero))
+
+
+def _like_constant(lift, name: str, args: tuple, kwargs: dict):
+    """``torch.zeros_like(x)`` / ``ones_like(x)`` / ``full_like(x, v)``: the constant, of ``dtype`` (default x's)."""
+    value = LIKE_CONSTANT[name]
+    if value is None:
+        value = args[1] if len(args) > 1 else kwargs.get("fill_value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OpError(f"torch.{name}(x, {value!r}): flashgen fills with a Python number")
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype not in TO_DTYPE:
+        raise OpError(f"torch.{name}(..., dtype={dtype!r}); flashgen makes float32/float64, int32/int64 and bool constants")
+    return cast(lift(value), lift(args[0]).dtype if dtype is None else TO_DTYPE[dtype])
 
 
 def call(tracer, func, args: tuple, kwargs: dict):

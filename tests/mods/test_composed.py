@@ -140,3 +140,12 @@ def test_call_values_read_a_parts_captures_where_they_live():
 def test_a_constant_of_another_size_or_dtype_is_refused_by_name(call, match):
     with pytest.raises(ModError, match=match):
         prepare_mods(None, lambda b, h, q_idx, kv_idx: call(b) & (q_idx >= kv_idx))
+
+
+def test_flex_noop_mask_keeps_every_score_and_calls_run_without_a_mask():
+    """FlexAttention's default mask_mod (``b.new_ones((), dtype=bool, device=b.device)``) traces to a constant; a
+    call with it runs as a call without one."""
+    assert _evaluated(flex.noop_mask).all()
+    assert prepare_mods(None, flex.noop_mask, diagonal=True) == (None, (None, None))
+    mods, _ = prepare_mods(lambda s, b, h, q_idx, kv_idx: s * 2, flex.noop_mask, diagonal=True)
+    assert mods.mask is None and mods.score is not None

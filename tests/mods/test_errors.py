@@ -41,8 +41,14 @@ def test_unsupported_torch_function_names_the_function_and_line():
 def test_unsupported_method_and_operator():
     with pytest.raises(ModError, match=r"uses Tensor\.sigmoid"):
         trace(lambda s, b, h, q, k: s.sigmoid(), "score")
-    with pytest.raises(ModError, match=r"the \*\* operator"):
-        trace(lambda s, b, h, q, k: s ** 2, "score")
+    with pytest.raises(ModError, match=r"x \*\* 1\.5; flashgen compiles the powers 0, 1, 2, 3, 4, 0\.5"):
+        trace(lambda s, b, h, q, k: s ** 1.5, "score")
+    with pytest.raises(ModError, match=r"x \*\* y of a traced exponent"):
+        trace(lambda s, b, h, q, k: s ** (q - k), "score")
+    with pytest.raises(ModError, match=r"a \*\* x of a traced exponent"):
+        trace(lambda s, b, h, q, k: 2 ** s, "score")
+    with pytest.raises(ModError, match=r"torch\.min\(x, \.\.\.\) as a reduction"):
+        trace(lambda b, h, q, k: torch.min(q, 0) > 2, "mask")
 
 
 def test_data_dependent_control_flow():

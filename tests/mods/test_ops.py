@@ -24,7 +24,7 @@ LUT = torch.tensor([4, -2, 7, 0, 1, -5, 3, 3, 9, 2, -1], dtype=torch.int64)
 TRANSCENDENTAL = ("exp", "log", "tanh")
 #: torch's vectorized CPU sqrt (AVX-512 builds) may miss correct rounding by one ulp; the evaluator's and the
 #: kernels' are correctly rounded (test_ops_host_cpp_equals_evaluate holds them to the same bits)
-TORCH_SQRT = ("sqrt", "int_sqrt")
+TORCH_SQRT = ("sqrt", "int_sqrt", "pow_half")
 
 OPS = {
     "add": lambda s, b, h, q, k: s + q,
@@ -78,6 +78,19 @@ OPS = {
     "load_2d_strided": lambda s, b, h, q, k: s + TABLE[h, q],
     "load_int": lambda s, b, h, q, k: LUT[k] * q,
     "load_in_load": lambda s, b, h, q, k: TABLE[h, torch.remainder(LUT[k], 9)],
+    "torch_min_of_two": lambda s, b, h, q, k: torch.min(q, k),
+    "torch_max_of_two": lambda s, b, h, q, k: torch.max(s, s * 0.5),
+    "pow_2": lambda s, b, h, q, k: s ** 2,
+    "pow_0": lambda s, b, h, q, k: s ** 0,
+    "int_pow_3": lambda s, b, h, q, k: (q - k) ** 3,
+    "int_pow_4": lambda s, b, h, q, k: torch.pow(q - k, 4),
+    "int_square": lambda s, b, h, q, k: torch.square(q - k),
+    "sign": lambda s, b, h, q, k: torch.sign(s),
+    "int_sign": lambda s, b, h, q, k: torch.sign(q - k),
+    "zeros_like": lambda s, b, h, q, k: s + torch.zeros_like(s),
+    "int_ones_like": lambda s, b, h, q, k: q * torch.ones_like(q),
+    "full_like": lambda s, b, h, q, k: torch.full_like(s, 2.5) * s,
+    "pow_half": lambda s, b, h, q, k: torch.abs(s) ** 0.5,
 }
 
 
