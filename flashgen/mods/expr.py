@@ -163,7 +163,7 @@ COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 BITWISE = ("and", "or", "xor")  # logical on bool, bitwise on int32 (torch's & | ^)
 MINMAX = ("minimum", "maximum")
 BINARY_OPS = ARITH + ("truediv",) + INT_ONLY + COMPARE + BITWISE + MINMAX
-FLOAT_FUNCS = ("exp", "log", "tanh", "sqrt")
+FLOAT_FUNCS = ("exp", "exp2", "log", "tanh", "sqrt")
 UNARY_OPS = ("neg", "not", "abs") + FLOAT_FUNCS
 
 

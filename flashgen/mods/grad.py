@@ -16,6 +16,8 @@ the simplified expression; :func:`reads_score` says whether it still depends on 
 """
 from __future__ import annotations
 
+import math
+
 from .expr import FLOAT, Arg, Binary, Cast, Const, Expr, Unary, Where, binary, const, postorder, unary, where
 
 _ZERO, _ONE, _HALF = const(0.0, FLOAT), const(1.0, FLOAT), const(0.5, FLOAT)
@@ -61,6 +63,8 @@ def _unary(node: Unary, dx):
         return _mul(sign, dx)
     if node.op == "exp":
         return _mul(node, dx)
+    if node.op == "exp2":  # 2^x ln 2
+        return _mul(_mul(node, const(math.log(2.0), FLOAT)), dx)
     if node.op == "log":
         return _div(dx, x)
     if node.op == "tanh":

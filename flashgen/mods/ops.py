@@ -38,11 +38,13 @@ __host__ __device__ __forceinline__ float fg_fmul(float a, float b) { return a *
 // rescales tiny divisors with one more (predicated) multiply per score
 __host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { float r; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b)); return a * r; }
 __host__ __device__ __forceinline__ float fg_exp(float x) { return __expf(x); }
+__host__ __device__ __forceinline__ float fg_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __host__ __device__ __forceinline__ float fg_log(float x) { return __logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 #else
 __host__ __device__ __forceinline__ float fg_fdiv(float a, float b) { return a / b; }
 __host__ __device__ __forceinline__ float fg_exp(float x) { return expf(x); }
+__host__ __device__ __forceinline__ float fg_exp2(float x) { return exp2f(x); }
 __host__ __device__ __forceinline__ float fg_log(float x) { return logf(x); }
 __host__ __device__ __forceinline__ float fg_tanh(float x) { return tanhf(x); }
 #endif
@@ -98,7 +100,7 @@ def binary_cpp(op: str, operand_dtype: str, a: str, b: str) -> str:
 
 
 def unary_cpp(op: str, dtype: str, x: str) -> str:
-    if op in ("exp", "log", "tanh"):
+    if op in ("exp", "exp2", "log", "tanh"):
         return f"fg_{op}({x})"
     if op == "sqrt":
         return f"sqrtf({x})"
@@ -135,7 +137,8 @@ def binary_np(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def unary_np(op: str, x: np.ndarray) -> np.ndarray:
     if op == "not":
         return np.logical_not(x) if x.dtype == np.bool_ else np.invert(x)
-    fn = {"neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt}[op]
+    fn = {"neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "tanh": np.tanh,
+          "sqrt": np.sqrt}[op]
     return fn(x)
 
 

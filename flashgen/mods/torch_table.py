@@ -17,14 +17,14 @@ BINARY = {"add": "add", "sub": "sub", "subtract": "sub", "mul": "mul", "multiply
           "ne": "ne", "not_equal": "ne", "bitwise_and": "and", "and": "and", "bitwise_or": "or", "or": "or",
           "bitwise_xor": "xor", "xor": "xor", "minimum": "minimum", "maximum": "maximum"}
 LOGICAL = {"logical_and": "and", "logical_or": "or", "logical_xor": "xor"}
-UNARY = {"neg": "neg", "negative": "neg", "abs": "abs", "absolute": "abs", "exp": "exp", "log": "log",
+UNARY = {"neg": "neg", "negative": "neg", "abs": "abs", "absolute": "abs", "exp": "exp", "exp2": "exp2", "log": "log",
          "tanh": "tanh", "sqrt": "sqrt", "bitwise_not": "not", "invert": "not"}
 CASTS = {"float": FLOAT, "double": FLOAT, "int": INT, "long": INT, "bool": BOOL}
 #: torch dtypes a mod may cast to, as the kernel computes them (fp64 math runs in fp32 there)
 TO_DTYPE = {torch.float32: FLOAT, torch.float64: FLOAT, torch.int32: INT, torch.int64: INT, torch.bool: BOOL}
 TORCH_DTYPE = {FLOAT: torch.float32, INT: torch.int32, BOOL: torch.bool}
 SUPPORTED = ("+ - * / // % unary- abs & | ^ ~ < <= > >= == != ** (integer powers 0-4, 0.5) torch.where torch.exp "
-             "torch.log torch.tanh torch.sqrt torch.abs torch.sign torch.square torch.minimum/maximum (torch.min/max of "
+             "torch.exp2 torch.log torch.tanh torch.sqrt torch.abs torch.sign torch.square torch.minimum/maximum (torch.min/max of "
              "two values) torch.clamp torch.logical_and/or/xor/not .float() .int() .long() .bool() .to(dtype), "
              "x.new_ones(()) / .new_zeros(()) / .new_full((), v), torch.zeros_like / ones_like / full_like, "
              "captured_tensor[index expressions]")

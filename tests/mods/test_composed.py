@@ -149,3 +149,23 @@ def test_flex_noop_mask_keeps_every_score_and_calls_run_without_a_mask():
     assert prepare_mods(None, flex.noop_mask, diagonal=True) == (None, (None, None))
     mods, _ = prepare_mods(lambda s, b, h, q_idx, kv_idx: s * 2, flex.noop_mask, diagonal=True)
     assert mods.mask is None and mods.score is not None
+
+
+def test_attention_gyms_alibi_traces_as_a_bias():
+    """ALiBi written with the slope computed inside the mod, ``exp2(-(h + 1) * 8 / H)``: the score plus a bias (the
+    kernels add it before the S GEMM), equal to torch's evaluation."""
+    from flashgen.mods.bias import bias_over_scale
+
+    heads = 4
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx) * torch.exp2(-((h + 1) * 8.0 / heads))
+
+    mods, (score_args, _) = prepare_mods(alibi, None)
+    assert bias_over_scale(mods.score.expr) is not None
+    s = np.random.default_rng(0).normal(size=(1, heads, N, N)).astype(np.float32)
+    b, h, i, j = (np.arange(n).reshape(shape) for n, shape in ((1, (1, 1, 1, 1)), (heads, (1, heads, 1, 1)),
+                                                                (N, (1, 1, N, 1)), (N, (1, 1, 1, N))))
+    got = np.broadcast_to(mods.score.evaluate(s, b, h, i, j, args=score_args.values()), s.shape)
+    want = alibi(torch.from_numpy(s), *(torch.from_numpy(x.astype(np.int32)) for x in (b, h, i, j))).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

@@ -60,6 +60,7 @@ FUNCTIONS = {
     "maximum": lambda s, b, h, q, k: torch.maximum(s, (q - k) * 1.0) + torch.minimum(s * 0.5, 1.0 + h),
     "index_only": lambda s, b, h, q, k: (q - k) * 0.5 + s * 0.0 + h,
     "table": lambda s, b, h, q, k: s * _TABLE[(q + k) % 7],
+    "exp2_powers": lambda s, b, h, q, k: torch.exp2(s * 0.2) + s ** 3 * 0.01 + torch.sign(s) * s ** 2,
 }
 _TABLE = _table()
 

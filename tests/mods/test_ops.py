@@ -21,7 +21,7 @@ STEP = 3  # a captured int
 SHIFT = torch.tensor(0.75)  # a captured 0-d tensor: a run-time scalar too
 TABLE = torch.arange(3 * 9, dtype=torch.float32).reshape(9, 3).t() * 0.5 - 4  # (3, 9), strides (1, 3)
 LUT = torch.tensor([4, -2, 7, 0, 1, -5, 3, 3, 9, 2, -1], dtype=torch.int64)
-TRANSCENDENTAL = ("exp", "log", "tanh")
+TRANSCENDENTAL = ("exp", "exp2", "log", "tanh")
 #: torch's vectorized CPU sqrt (AVX-512 builds) may miss correct rounding by one ulp; the evaluator's and the
 #: kernels' are correctly rounded (test_ops_host_cpp_equals_evaluate holds them to the same bits)
 TORCH_SQRT = ("sqrt", "int_sqrt", "pow_half")
@@ -61,6 +61,7 @@ OPS = {
     "where": lambda s, b, h, q, k: torch.where(q <= k, s, -float("inf")),
     "where_mixed": lambda s, b, h, q, k: torch.where(s > 0, q, 0.25),
     "exp": lambda s, b, h, q, k: torch.exp(s),
+    "exp2": lambda s, b, h, q, k: torch.exp2(s),
     "log": lambda s, b, h, q, k: torch.log(s),
     "tanh": lambda s, b, h, q, k: s.tanh(),
     "sqrt": lambda s, b, h, q, k: torch.sqrt(s),
