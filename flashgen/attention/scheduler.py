@@ -36,7 +36,8 @@ from ..dsl.tail_split import TailSplit
 
 #: Rounds per section of a block mask's order: its tiles are ranked heaviest first within it. Enough rounds to
 #: deal each CTA long and short tiles; few enough that the tiles running at once are near each other in the
-#: scheduler's order (its K/V in L2). A CPU model (benchmarks/tile_balance.py) has 4 rounds within 3% of even.
+#: scheduler's order (its K/V in L2). The CPU model (benchmarks/tile_balance.py) puts 4 rounds within 5% of even
+#: for the benchmark's masks (odd counts and 1 round: 7-14% off).
 ORDER_ROUNDS = 4
 #: The most CTAs (SMs) the block mask's order is made for: one thread of the CTA that makes it per CTA.
 ORDER_MAX_CTAS = 1024
