@@ -371,15 +371,13 @@ class Attention:
         values, captured tensors' addresses and versions, the built-in mask's ``built_in`` = (diagonal offset,
         window left, right): they weigh the tiles of its tile order) and kept (a few dozen of them at most);
         ``backward``: the transposed one of that backward kernel (a handle of :meth:`_load_backward`), with its
-        block sizes (whatever the built-in mask)."""
+        block sizes (its callers pass no ``built_in``: the transposed mask has no tile order)."""
         # only the mask_mod's own values matter (KernelMods.pack: scalars score then mask, tensors likewise); a
         # tensor is named by identity (checked through a weak reference: a new tensor that the allocator places at
         # a dead one's address, of the same version, is another tensor), version and address
         mask = mods.mask
         first = len(mods.score.scalars) if mods.score is not None else 0
         q_shape, k_shape = q.shape, k.shape
-        if backward is not None:
-            built_in = (0, -1, -1)
         key = [backward, mask.key, q_shape, k_shape[1], q.device, built_in, *words[first:first + len(mask.scalars)]]
         mask_tensors = tensors[len(tensors) - len(mask.tensors):] if mask.tensors else ()
         for t in mask_tensors:

@@ -195,9 +195,10 @@ __global__ void __launch_bounds__(SCHED_ORDER_MAX_CTAS) mask_order_kernel(int* b
         int qb, h, b;
         sched_coords(tile, n_qb, heads, &qb, &h, &b);
         const int* r = block_mask_row(bm, b, h, qb, heads, seq_q, seq_k);
-        int lo, hi, c = 0;
+        int lo, hi, c = 0;  // the key blocks the tile walks, as tile_at clips them
         kv_block_range(qb * int(B_r), seq_q, seq_k, mask_offset, window_left, window_right, &lo, &hi);
-        for (int kb = lo > r[0] ? lo : r[0]; kb < (hi < r[1] ? hi : r[1]); ++kb) c += r[2 + kb] == 2 ? 1 : r[2 + kb] == 1 ? $COST : 0;
+        block_mask_clip(r, &lo, &hi);
+        for (int kb = lo; kb < hi; ++kb) c += r[2 + kb] == 2 ? 1 : r[2 + kb] == 1 ? $COST : 0;
         return c;
     };
     int* order = const_cast<int*>(block_mask_order(bm, batch, heads, seq_q, seq_k));
@@ -209,12 +210,11 @@ __global__ void __launch_bounds__(SCHED_ORDER_MAX_CTAS) mask_order_kernel(int* b
     sched_order(tiles, ctas, int(threadIdx.x), int(blockDim.x), cost, w, ranked, load, turn, order);
 }"""
 
-#: Launching it, in ``<name>_mask_blocks``: the grid's CTAs as the launcher sizes them for an ordered launch (one
-#: per SM, at most one per tile).
+#: Launching it, in ``<name>_mask_blocks``: the width of a round of an ordered launch (one CTA per SM, the launcher's
+#: ``sm_count``, at most one per tile).
 _ORDER_LAUNCH = """
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        return (int)cudaGetLastError();
+    int sms = 0;
+    if (const int e = sm_count(&sms)) return e;
     const int64_t tiles = int64_t(n_qb) * a->heads * a->batch;
     const int ctas = int(tiles < sms ? tiles : sms);
     mask_order_kernel<<<1, SCHED_ORDER_MAX_CTAS, 0, (cudaStream_t)stream>>>(out, a->batch, a->heads, a->seq_q, a->seq_k,

@@ -114,7 +114,7 @@ def walk(r: "np.ndarray | None", begin: int, end: int) -> list[int]:
 def tile_costs(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.ndarray, batch: int, heads: int,
                seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> list[int]:
     """Each tile's cost in the tile order (``mask_order_kernel``'s): per key block of its row's ``[lo, hi)`` within the
-    built-in mask's range (:meth:`~flashgen.attention.score_mask.ScoreMask.block_range` with the call's diagonal
+    built-in mask's range (:func:`clip` of :meth:`~flashgen.attention.score_mask.ScoreMask.block_range` with the call's diagonal
     ``offset`` and window), 1 if full and :data:`~flashgen.attention.block_mask_cpp.PARTIAL_BLOCK_COST` if partial;
     tiles in the scheduler's order (:meth:`~flashgen.attention.scheduler.TileScheduler.coords`)."""
     from ..attention.block_mask_cpp import PARTIAL_BLOCK_COST
@@ -125,7 +125,8 @@ def tile_costs(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.nda
     for t in range(n_q * heads * batch):
         qb, h, b = scheduler.coords(t, n_q, heads)
         r = row(score_mask, mask, b, h, qb)
-        kept = r[2 + max(r[0], spans[qb][0]):2 + min(r[1], spans[qb][1])]
+        begin, end = clip(r, *spans[qb])  # the key blocks the tile walks
+        kept = r[2 + begin:2 + end]
         out.append(int(np.sum(kept == FULL) + PARTIAL_BLOCK_COST * np.sum(kept == PARTIAL)))
     return out
 
