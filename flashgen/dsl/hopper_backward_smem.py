@@ -21,9 +21,9 @@ STAT = 4
 
 @attrs.frozen
 class DqStage:
-    """How a consumer's dQ of a query block reaches the fp32 buffer, in fragment order: the 32-bit values
-    ``2p`` and ``2p+1`` of thread ``t`` at 8-byte slot ``128 p + t`` of the consumer's region of the chunk
-    for (batch, head, query block), so that each warp's 8 bytes a thread cover 256 contiguous bytes.
+    """How a consumer's dQ of a query block reaches the fp32 buffer, in fragment order: the ``vec`` 32-bit
+    values from ``vec p`` of thread ``t`` at slot ``128 p + t`` (of ``4 vec`` bytes) of the consumer's region
+    of the chunk for (batch, head, query block), so that each warp's access covers ``128 vec`` contiguous bytes.
 
     A consumer's dQ is one ``rows x cols`` wgmma tile (``rows`` = 64, its M) of the ``B_r x d_head`` block:
     split by columns (``by_rows`` false: a 64-row query block, consumer ``w`` makes every row of columns
@@ -32,10 +32,11 @@ class DqStage:
     tile is dQ^T, 64 columns of d_head x 80 query rows, consumer ``w`` makes columns ``[64 w, 64 w + 64)`` of
     every row). Each way consumer ``w``'s region is the ``w``-th of the chunk.
 
-    Unordered adds go straight from the accumulators with ``red.global.add.v2.f32`` (no shared memory,
-    no barrier: on an H100 8-10% less backward time at d_head 64 and 0.5-2.5% at 128 than staging them).
-    Ordered adds (``staged``, the deterministic backward) stage the region in shared memory at ``offset``
-    with the same slots (conflict-free 8-byte stores) and add it with one ``cp.reduce.async.bulk``, whose
+    Unordered adds go straight from the accumulators with ``red.global.add.v4.f32`` (no shared memory,
+    no barrier: on an H100 8-10% less backward time at d_head 64 and 0.5-2.5% at 128 than staging them),
+    ``vec`` 4: an 8-column group's two columns of two rows. Ordered adds (``staged``, the deterministic
+    backward) stage the region in shared memory at ``offset`` in 8-byte slots (``vec`` 2: conflict-free
+    stores; 16-byte ones spilled at d_head 128 with a window) and add it with one ``cp.reduce.async.bulk``, whose
     completion a consumer can wait for before passing its turn. The buffer is flashgen's own workspace;
     the dQ conversion finds element (row, col) of a query block with :meth:`index_cpp`, the inverse of
     the accumulator map."""
@@ -49,6 +50,11 @@ class DqStage:
     #: the consumer's tile is dQ^T (``rows`` columns of d_head x ``cols`` query rows: dQ^T = K^T dS^T, for query blocks
     #: that are no multiple of a wgmma's M); consumer ``w`` makes columns ``[w rows, (w + 1) rows)`` of every query row
     transposed: bool = False
+
+    @property
+    def vec(self) -> int:
+        """Accumulator values in one slot: one 16-byte reduction (4) or 8-byte shared-memory store (2, ``staged``)."""
+        return 2 if self.staged else 4
 
     @property
     def region_bytes(self) -> int:
@@ -72,11 +78,11 @@ class DqStage:
 
     def slot(self, thread: int, value: int) -> int:
         """The fp32 index, in a consumer's region, of accumulator value ``value`` of thread ``thread``."""
-        return 2 * (128 * (value // 2) + thread) + value % 2
+        return self.vec * (128 * (value // self.vec) + thread) + value % self.vec
 
     def slot_cpp(self, thread: str, value: str) -> str:
-        """:meth:`slot` in C++ for an even ``value`` (the first of the pair an 8-byte access moves)."""
-        return f"2u * (128u * ({value} / 2u) + {thread})"
+        """:meth:`slot` in C++ for a ``value`` divisible by :attr:`vec` (the first of those one access moves)."""
+        return f"{self.vec}u * (128u * ({value} / {self.vec}u) + {thread})"
 
     def index_cpp(self) -> str:
         """``dq_chunk_index(r, c)``: the fp32 index of dQ element (row ``r`` of the query block, column ``c``)
@@ -95,7 +101,7 @@ __host__ __device__ __forceinline__ uint32_t dq_chunk_index(uint32_t r, uint32_t
     {place}
     const uint32_t thread = 32u * ({r} / 16u) + 4u * ({r} % 8u) + (cc % 8u) / 2u;
     const uint32_t value = 4u * (cc / 8u) + 2u * (({r} % 16u) / 8u) + cc % 2u;
-    return consumer * {self.rows * self.cols}u + 2u * (128u * (value / 2u) + thread) + value % 2u;
+    return consumer * {self.rows * self.cols}u + {self.vec}u * (128u * (value / {self.vec}u) + thread) + value % {self.vec}u;
 }}"""
 
 

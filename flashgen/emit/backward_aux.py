@@ -126,10 +126,12 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
 }"""
 )
 
-#: the eight values of row r from column c (c % 8 == 0) out of the staged chunk: two 16-byte reads where a row's
-#: 8-column runs are contiguous in fragment order (dQ tiles), else one read each (dQ^T tiles: consecutive rows adjoin)
-_GATHER_RUNS = ["const float4 a = *reinterpret_cast<const float4*>(chunk + dq_chunk_index(r, c)), b = *reinterpret_cast<const float4*>(chunk + dq_chunk_index(r, c) + 4);",
-                "v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;"]
+#: the eight values of row r from column c (c % 8 == 0) out of the staged chunk: four 8-byte reads where a row's
+#: column pairs are contiguous in fragment order (dQ tiles: a thread's 16-byte slot holds two columns of two rows),
+#: else one read each (dQ^T tiles: consecutive rows adjoin)
+_GATHER_PAIRS = ["#pragma unroll", "for (uint32_t e = 0; e < 8; e += 2) {",
+                "    const float2 pair = *reinterpret_cast<const float2*>(chunk + dq_chunk_index(r, c + e));",
+                "    v[e] = pair.x; v[e + 1] = pair.y;", "}"]
 _GATHER_EACH = ["#pragma unroll", "for (uint32_t e = 0; e < 8; ++e) v[e] = chunk[dq_chunk_index(r, c + e)];"]
 
 
@@ -141,7 +143,7 @@ def aux_kernels(chunks: DqStage | None = None) -> str:
     padded buffer; ``None``: the mma.sync backward's row-major buffer of ``seq_q`` rows."""
     if chunks is None:
         return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="p.seq_q", stats=_STATS), _CONVERT_ROWMAJOR.substitute(store8=_STORE8)])
-    gather = _GATHER_EACH if chunks.transposed else _GATHER_RUNS
+    gather = _GATHER_EACH if chunks.transposed else _GATHER_PAIRS
     return "\n\n".join([SLOTS, CHUNK_SLOTS, _PREPROCESS.substitute(rows="p.stat_len", stats=_PADDED_STATS),
                         _CONVERT_CHUNKED.substitute(store8=_STORE8, gather=gather)])
 

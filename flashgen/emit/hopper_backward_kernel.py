@@ -168,7 +168,7 @@ def _store_ds(plan: HopperBackwardPlan) -> list[str]:
 
 def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
     """dQ into this consumer's region of the block's chunk of the fp32 buffer, in fragment order (DqStage):
-    unordered, one 8-byte reduction per pair of values straight from the accumulators; ordered (staged), through
+    unordered, one 16-byte reduction per four values straight from the accumulators; ordered (staged), through
     this consumer's staging region (once the previous block's reduction read it) and one bulk reduction."""
     st = plan.dq_stage
     chunk = f"((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
@@ -176,15 +176,15 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
         return [
             f"float* gdQ = p.dq_accum + {chunk};",
             "#pragma unroll",
-            "for (uint32_t i = 0; i < DQ_COLS / 2; i += 2)  // values i, i + 1: each warp's adds cover 256 contiguous bytes",
-            f"    red_add_f32x2(gdQ + {st.slot_cpp('wtid', 'i')}, dq_acc[i], dq_acc[i + 1]);",
+            f"for (uint32_t i = 0; i < DQ_COLS / 2; i += {st.vec})  // values i to i + 3: each warp's adds cover 512 contiguous bytes",
+            f"    red_add_f32x4(gdQ + {st.slot_cpp('wtid', 'i')}, dq_acc[i], dq_acc[i + 1], dq_acc[i + 2], dq_acc[i + 3]);",
         ]
     return [
         "const uint32_t sdQ = smem + " + f"{st.offset}u + cw * {st.region_bytes}u;",
         "if (wtid == 0) bulk_wait_group_read<0>();  // the previous block's reduction has read the region",
         "named_bar_sync(2 + cw, 128);",
         "#pragma unroll",
-        "for (uint32_t i = 0; i < DQ_COLS / 2; i += 2)  // values i, i + 1: conflict-free 8-byte slots",
+        f"for (uint32_t i = 0; i < DQ_COLS / 2; i += {st.vec})  // values i, i + 1: conflict-free 8-byte slots",
         f"    st_shared_v2_f32(sdQ + 4u * ({st.slot_cpp('wtid', 'i')}), dq_acc[i], dq_acc[i + 1]);",
         "fence_proxy_async();  // the bulk reduction (async proxy) reads what st.shared wrote",
         "named_bar_sync(2 + cw, 128);",

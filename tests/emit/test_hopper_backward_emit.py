@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from flashgen.check import failure_report
@@ -49,24 +50,32 @@ def test_compiles_for_sm90a_without_local_memory(cfg, results):
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not found on PATH")
-@pytest.mark.parametrize("cfg", [W("bf16", 128, "causal"), W("bf16", 64), W("bf16", 64).replace(B_r=64, exp_first=False), W("bf16", 128).replace(B_r=80)],
+@pytest.mark.parametrize("cfg", [W("bf16", 128, "causal"), W("bf16", 64), W("bf16", 64).replace(B_r=64, exp_first=False), W("bf16", 128).replace(B_r=80),
+                                 W("bf16", 128, "causal").replace(deterministic=True)],
                          ids=BackwardConfig.mangle)
 def test_the_dq_index_inverts_the_slots_the_adds_write(tmp_path, cfg):
     """Value i of consumer thread t (its accumulator map's row and column, placed at the consumer's row0 and col0)
-    goes to DqStage.slot(t, i) of the consumer's region, through the kernels' C++ rule (slot_cpp, for the pair i,
-    i + 1); dq_chunk_index must find it there for the dQ conversion, at every element of the B_r x d_head block."""
+    goes to DqStage.slot(t, i) of the consumer's region, through the kernels' C++ rule (slot_cpp, for the values i
+    to i + vec - 1 of one access); dq_chunk_index must find it there for the dQ conversion, at every element of
+    the B_r x d_head block. Each warp's add of a value group covers one aligned run of 32 x vec floats."""
     plan = make_hopper_backward_plan(cfg)
     st, height, width = plan.dq_stage, cfg.B_r, cfg.d_head
     src = tmp_path / "index.cpp"
     src.write_text("#include <cstdint>\n#include <cstdio>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
                    + st.index_cpp() + f"\nint main() {{ for (uint32_t r = 0; r < {height}u; ++r) for (uint32_t c = 0; c < "
                    f"{width}u; ++c) std::printf(\"%u\\n\", dq_chunk_index(r, c));\n"
-                   f"for (uint32_t wtid = 0; wtid < 128u; ++wtid) for (uint32_t i = 0; i < {st.cols // 2}u; i += 2) "
+                   f"for (uint32_t wtid = 0; wtid < 128u; ++wtid) for (uint32_t i = 0; i < {st.cols // 2}u; i += {st.vec}u) "
                    f"std::printf(\"%u\\n\", {st.slot_cpp('wtid', 'i')}); return 0; }}\n")
     subprocess.run([GXX, "-O1", "-o", str(tmp_path / "index"), str(src)], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "index")], capture_output=True, text=True, check=True).stdout.split()]
     index, slots = got[:height * width], got[height * width:]
-    assert slots == [st.slot(t, i) for t in range(128) for i in range(0, st.cols // 2, 2)]
+    assert slots == [st.slot(t, i) for t in range(128) for i in range(0, st.cols // 2, st.vec)]
+    vec, groups = st.vec, np.array(slots).reshape(4, 32, -1)  # [warp][lane][value group]
+    for w in range(4):
+        for g in range(groups.shape[2]):
+            run = groups[w, :, g]
+            assert run[0] % (32 * vec) == 0 and list(run) == list(range(run[0], run[0] + 32 * vec, vec))
+            assert all(st.slot(32 * w + lane, vec * g + e) == run[lane] + e for lane in range(32) for e in range(vec))
     rows, cols = plan.gemms["dQ"].atom.c_map.tables()
     placed = {}
     for w in range(st.consumers):
