@@ -174,10 +174,11 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
     chunk = f"((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
     if not st.staged:
         return [
-            f"float* gdQ = p.dq_accum + {chunk};",
+            "// the thread's slots from one pointer (slot(t, v) = slot(t, 0) + slot(0, v)): constant offsets, no 64-bit add each",
+            f"float* gdQ = p.dq_accum + {chunk} + {st.slot_cpp('wtid', '0u')};",
             "#pragma unroll",
             f"for (uint32_t i = 0; i < DQ_COLS / 2; i += {st.vec})  // values i to i + 3: each warp's adds cover 512 contiguous bytes",
-            f"    red_add_f32x4(gdQ + {st.slot_cpp('wtid', 'i')}, dq_acc[i], dq_acc[i + 1], dq_acc[i + 2], dq_acc[i + 3]);",
+            f"    red_add_f32x4(gdQ + int({st.slot_cpp('0u', 'i')}), dq_acc[i], dq_acc[i + 1], dq_acc[i + 2], dq_acc[i + 3]);",
         ]
     return [
         "const uint32_t sdQ = smem + " + f"{st.offset}u + cw * {st.region_bytes}u;",
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     // the 128B swizzle repeats every 1024 bytes of absolute address: align the base (slack is in the size)
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)), smem = (raw + 1023u) & ~1023u;
     $smem_decls
-    const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128;
+    const uint32_t wg = $warpgroup, wtid = threadIdx.x % 128;
     $cta
     int qb_begin, qb_end;  // query blocks holding kept scores of this key block
     q_block_range(kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right, &qb_begin, &qb_end);
@@ -506,6 +507,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(backward=True),
         mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         grid=plan.grid.described(cfg.B_c), cta_indices=plan.grid.indices_described(), cta=plan.grid.kernel_cpp(),
+        warpgroup="warpgroup_index()" if plan.uniform_warpgroup else "threadIdx.x / 128",
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
         dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,

@@ -231,7 +231,7 @@ _KERNEL = CodeTemplate(
     // the 128B swizzle repeats every 1024 bytes of absolute address: align the base (slack is in the size)
     const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
     $smem_decls
-    const uint32_t wg = threadIdx.x / 128, wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
+    const uint32_t wg = warpgroup_index(), wtid = threadIdx.x % 128, lane = threadIdx.x % 32;
     // tiles = (query block, head, batch) in tile_at's order; $tile_loop_doc
     const int n_q_blocks = (p.seq_q + int(B_r) - 1) / int(B_r), n_tiles = n_q_blocks * p.heads * p.batch;
     // round r of this CTA (sched_work): its tile, or part of a split tail tile; false once it has no work left

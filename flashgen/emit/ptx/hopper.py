@@ -276,9 +276,20 @@ __device__ __forceinline__ void {wgmma_rs_helper_name(atom, trans_b)}(float (&d)
 }}'''
 
 
+def warpgroup_index() -> str:
+    """The thread's warpgroup, as a value the compiler knows is the same across the warp (``shfl.sync`` from lane 0)."""
+    return r'''// The thread's warpgroup, broadcast from lane 0: the compiler then knows it is warp-uniform, so the shared-memory
+// descriptors made from it stay in uniform registers (threadIdx.x / 128 put them in per-thread ones, two R2UR and a
+// 64-bit add before every wgmma)
+__device__ __forceinline__ uint32_t warpgroup_index() {
+    return __shfl_sync(0xffffffffu, threadIdx.x / 128u, 0);
+}'''
+
+
 def helpers(atoms: tuple[WGMMA_64xNx16, ...] = ()) -> str:
     """All Hopper helpers in a fixed order, then one wgmma helper per atom (K-major B)."""
     parts = [mbarrier_init(), mbarrier_arrive_expect_tx(), mbarrier_wait(), tma_load_2d(), tma_load_4d(), bulk_load(), bulk_reduce_add(), tma_store_4d(),
-             fence_mbarrier_init(), named_barrier(), smem_descriptor(), fence_proxy_async(), wgmma_sync(), setmaxnreg()]
+             fence_mbarrier_init(), named_barrier(), smem_descriptor(), fence_proxy_async(), wgmma_sync(), setmaxnreg(),
+             warpgroup_index()]
     parts += [wgmma(a) for a in atoms]
     return "\n".join(parts)
