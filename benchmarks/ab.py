@@ -44,7 +44,7 @@ for r in rows:
     dtype = getattr(torch, r["dtype"])
     attn = auto.pick(torch.device("cuda", 0), dtype, r["d_head"], r["seq"], "causal" if r["causal"] else "none")
     row = {"library": str(attn.built.library), "name": attn.built.name, "config": attn.cfg.short_form()}
-    if r.get("pass") == "bwd":  # the backward kernel that differentiates it, for this key length
+    if r["pass"] == "bwd":  # the backward kernel that differentiates it, for this key length
         from flashgen.build import build
         built = build(attn.backward_config(r["seq"]), attn.built.capability)
         row = {"library": str(built.library), "name": built.name, "config": built.cfg.short_form(), "forward": row}
@@ -103,11 +103,11 @@ def shape_rows(seqs, dtypes, masks=("none", "causal"), d_heads=(128,), pass_: st
             for d in d_heads for seq, batch in SHAPES if seq in seqs for dtype in dtypes for mask in masks]
 
 
-def _load(row: dict, kernel: dict, dtype) -> int:
+def _load(kernel: dict, dtype, d_head: int, backward: bool) -> int:
+    """The launcher's handle of one picked kernel (a backward kernel's where ``backward``)."""
     from flashgen import launcher
 
-    return launcher.load_kernel(Path(kernel["library"]), kernel["name"], kernel["config"], dtype, row["d_head"],
-                                backward=row["pass"] == "bwd")
+    return launcher.load_kernel(Path(kernel["library"]), kernel["name"], kernel["config"], dtype, d_head, backward=backward)
 
 
 def _forward_calls(row: dict, kernels: dict, q, k, v, left: int, right: int) -> tuple[dict, dict]:
@@ -119,7 +119,7 @@ def _forward_calls(row: dict, kernels: dict, q, k, v, left: int, right: int) -> 
     native = launcher.native()
     fns = {}
     for side, kernel in kernels.items():
-        handle = _load(row, kernel, q.dtype)
+        handle = _load(kernel, q.dtype, row["d_head"], backward=False)
         native.allow_device(handle, torch.cuda.current_device())
         fns[side] = (lambda h: lambda: native.call(q, k, v, None, h, None, left, right, "top_left", False))(handle)
     scale = 1 / math.sqrt(row["d_head"])
@@ -131,17 +131,15 @@ def _backward_calls(row: dict, kernels: dict, q, k, v, left: int, right: int) ->
     its gradients' errors ({"dq" | "dk" | "dv": (error, 16-bit reference's error)})."""
     import torch
 
-    from flashgen import launcher
     from flashgen.bench_passes import gradient_errors
 
     dout = torch.randn_like(q)
     scale = 1 / math.sqrt(row["d_head"])
-    forward = kernels["after"]["forward"]
-    forward_handle = launcher.load_kernel(Path(forward["library"]), forward["name"], forward["config"], q.dtype, row["d_head"])
-    out, lse = torch.ops.flashgen.attention(q, k, v, forward_handle, scale, 0, left, right, True)
+    forward = _load(kernels["after"]["forward"], q.dtype, row["d_head"], backward=False)
+    out, lse = torch.ops.flashgen.attention(q, k, v, forward, scale, 0, left, right, True)
     op = torch.ops.flashgen.attention_backward
-    fns = {side: (lambda h: lambda: op(dout, q, k, v, out, lse, None, h, scale, 0, left, right))(_load(row, kernel, q.dtype))
-           for side, kernel in kernels.items()}
+    fns = {side: (lambda h: lambda: op(dout, q, k, v, out, lse, None, h, scale, 0, left, right))(
+        _load(kernel, q.dtype, row["d_head"], backward=True)) for side, kernel in kernels.items()}
     return fns, {side: gradient_errors(fn(), q, k, v, dout, causal=row["causal"], softmax_scale=scale)
                  for side, fn in fns.items()}
 
