@@ -74,9 +74,11 @@ def head_gradients(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, 
                    score: "ScoreFn | None" = None) -> HeadGradients:
     """The backward of one head: ``q``, ``do`` ``[seq_q, d]``, ``k``, ``v`` ``[seq_k, d]``; ``keep``
     ``[seq_q, seq_k]`` (None: every score). ``round16``: the kernel's precision, applied where a flash
-    backward rounds to 16 bits (P before dV, dS before dK and dQ, the three gradients); the
-    baseline of the simulator's tolerance. ``score``: a score_mod and its derivative (a modded score
-    of -inf counts as masked)."""
+    backward rounds to 16 bits (the forward's output O, which D reads; P before dV, dS before dK and
+    dQ; the three gradients); the baseline of the simulator's and the GPU checks' tolerance (with D
+    from the exact O instead, a backward at exactly that precision erred by up to 2.8x the baseline's
+    dQ error at seq 1024). ``score``: a score_mod and its derivative (a modded score of -inf counts
+    as masked)."""
     r = (lambda x: x) if round16 is None else round16
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
     s = scale * (q @ k.T)
@@ -87,7 +89,7 @@ def head_gradients(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, 
         s = np.where(keep, s, -np.inf)
     p, lse = softmax(s)
     o = p @ v
-    delta = (do * o).sum(axis=1)
+    delta = (do * r(o)).sum(axis=1)
     ds = np.where(p != 0, p * (do @ v.T - delta[:, None]) * grad, 0.0)
     return HeadGradients(o, lse, delta, r(scale * (r(ds) @ k)), r(scale * (r(ds).T @ q)), r(r(p).T @ do))
 

@@ -42,6 +42,27 @@ def test_head_forward_results_equal_the_reference_attention():
     np.testing.assert_allclose(g.delta, (do * g.o).sum(axis=1))
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).to(torch.float64).numpy()
+
+
+def test_the_16_bit_baseline_reads_d_from_the_16_bit_output():
+    """A flash backward's D = rowsum(dO * O) reads the forward's 16-bit O. A dQ made at exactly the baseline's
+    other roundings but with that D must pass FlashAttention's rule against the baseline: with D from the
+    exact O the baseline erred less than half as much as such a dQ on these inputs (causal, seq 1024)."""
+    rng = np.random.default_rng(83)
+    q, k, v, do = (_bf16(rng.standard_normal((1024, 64))) for _ in range(4))
+    keep, scale = np.tril(np.ones((1024, 1024), bool)), 0.125
+    exact, base = head_gradients(q, k, v, do, scale, keep), head_gradients(q, k, v, do, scale, keep, round16=_bf16)
+    np.testing.assert_allclose(base.delta, (do * _bf16(exact.o)).sum(axis=1))
+    s = np.where(keep, scale * (q @ k.T), -np.inf)
+    p = np.exp(s - exact.lse[:, None])
+    d16 = (do * _bf16(p @ v)).sum(axis=1)
+    dq = _bf16(scale * (_bf16(p * (do @ v.T - d16[:, None])) @ k))
+    err = np.abs(dq - exact.dq).max()
+    assert err <= reference.tolerance(np.abs(base.dq - exact.dq).max())
+
+
 def test_numpy_gradients_with_mods_equal_autograd():
     """``head_mods``: a mask_mod's keep and a score_mod with its derivative per (batch, query head), GQA."""
     rng = np.random.default_rng(11)
