@@ -1,0 +1,201 @@
+"""Where a flashgen kernel's warps stall, per step of its schedule: Nsight Compute's warp-state samples of
+each SASS instruction, attributed through the kernel's line table to the step markers of its .cu.
+
+On the GPU machine, profile one launch and export the source page as CSV:
+
+    ncu --set full --kernel-name-base demangled --kernel-name regex:'flash_bwd.*::kernel' --launch-count 1 \\
+        -o prof python my_script.py
+    ncu -i prof.ncu-rep --page source --csv --print-source sass > sass.csv
+
+then, wherever nvcc and nvdisasm are, with the .cu of the same config (``flashgen emit CFG -o kernels_out/``):
+
+    python benchmarks/ncu_steps.py sass.csv kernels_out/flash_bwd_bf16_d128_br80_bc128_w12_wgmma_swz_s2.cu
+
+The .cu is compiled as flashgen builds it (``-lineinfo``) for ``--arch`` and disassembled with its line
+table. Its instructions must be the profiled kernel's, one for one (else the tool stops: another config,
+flashgen version or compiler). An instruction counts at the line of its outermost call site in the kernel
+(an inlined helper's at the line that calls it), a line at the schedule step whose marker (``// [step]`` or
+``// ---- section ----``) comes last above it. Prints each step's share of all samples and its commonest
+stall reasons, in the order the steps first appear; ``--top N`` adds the N instructions with the most samples.
+Warps that wait count as much as warps that work: a producer spinning on a barrier shows, so read a step's
+share next to what its warps had to do.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: ncu's column of every warp-state sample at an instruction, and the prefix of its per-reason columns
+ALL_SAMPLES, STALL = "Warp Stall Sampling (All Samples)", "stall_"
+_MARKER = re.compile(r"\s*// (?:\[([^\]]+)\]|---- (.+?) ----)")
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*(?:/\*.*)?$")
+_KERNEL = re.compile(r"__global__ .*?(\w+)\(const")
+
+
+@attrs.frozen
+class Sample:
+    """One SASS instruction's warp-state samples: all of them, and per stall reason."""
+
+    sass: str
+    samples: int
+    stalls: dict
+
+
+@attrs.define
+class StepShare:
+    """A step's samples, all and per stall reason."""
+
+    step: str
+    samples: int = 0
+    stalls: collections.Counter = attrs.Factory(collections.Counter)
+
+
+def read_samples(text: str) -> tuple[str, list[Sample]]:
+    """(the kernel's name, its instructions' samples in address order) from ncu's source page as CSV
+    (``--page source --csv --print-source sass``)."""
+    rows = list(csv.reader(io.StringIO(text)))
+    name = rows[0][1] if rows and rows[0] and rows[0][0] == "Kernel Name" else ""
+    at = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if at is None or ALL_SAMPLES not in rows[at]:
+        raise SystemExit("no SASS source page with warp-state samples in the CSV: export it with "
+                         "`ncu -i REPORT --page source --csv --print-source sass` of a report with SourceCounters")
+    head = rows[at]
+    reasons = [c for c in head if c.startswith(STALL) and "Not Issued" not in c]
+    out = []
+    for r in rows[at + 1:]:
+        if len(r) != len(head):
+            continue
+        d = dict(zip(head, r))
+        out.append(Sample(d["Source"].strip(), int(d[ALL_SAMPLES] or 0),
+                          {c[len(STALL):]: int(d[c] or 0) for c in reasons}))
+    return name, out
+
+
+def section_of(kernel_name: str) -> str:
+    """The ``.text`` section nvdisasm names a ``namespace::function(...)`` kernel's code by (its mangled name's
+    start; every flashgen kernel is a function of one namespace)."""
+    m = re.match(r"(?:void )?(\w+)::(\w+)\(", kernel_name)
+    if not m:
+        raise SystemExit(f"{kernel_name!r}: not a flashgen kernel's name (namespace::function(...))")
+    ns, fn = m.groups()
+    return f".text._ZN{len(ns)}{ns}{len(fn)}{fn}E"
+
+
+def line_table(listing: str, section: str) -> list[tuple[str, int | None]]:
+    """(SASS, source line of the outermost call site) of each instruction of ``section`` in an nvdisasm listing
+    made with ``--print-line-info-inline``."""
+    start = next((m.end() for m in re.finditer(re.escape(section) + r"\w*:", listing)), None)
+    if start is None:
+        raise SystemExit(f"the disassembly has no section {section}...: another kernel than the profiled one")
+    end = listing.find("//------", start)
+    line, out = None, []
+    for text in listing[start:end if end >= 0 else None].splitlines():
+        if "//##" in text:
+            found = re.findall(r"line (\d+)", text)
+            line = int(found[-1]) if found else line
+        elif m := _INSTRUCTION.match(text):
+            out.append((m.group(1), line))
+    return out
+
+
+def steps_by_line(source: str) -> dict[int, str]:
+    """Each line of a kernel's .cu and the schedule step (or section) whose marker comes last above it; a
+    kernel's lines before its first marker (per-thread addresses, which the compiler may recompute in a loop)
+    are its setup."""
+    step, out = "(before the first marker)", {}
+    for n, text in enumerate(source.splitlines(), 1):
+        if m := _MARKER.match(text):
+            step = m.group(1) or m.group(2)
+        elif m := _KERNEL.match(text):
+            step = f"{m.group(1)}: setup"
+        out[n] = step
+    return out
+
+
+def _opcode(sass: str) -> str:
+    words = [w for w in sass.split() if not w.startswith("@")]
+    return words[0].rstrip(";").split(".")[0] if words else ""
+
+
+def attribute(samples: list[Sample], lines: list[tuple[str, int | None]], steps: dict[int, str]) -> list[StepShare]:
+    """Samples per step, in the order the steps first appear in the code; the profiled instructions and the
+    disassembly's must agree one for one."""
+    if len(samples) != len(lines):
+        raise SystemExit(f"the profiled kernel has {len(samples)} instructions, the compiled .cu {len(lines)}: "
+                         "emit the .cu with the flashgen version (and nvcc) that built the profiled kernel")
+    for i, (s, (sass, _)) in enumerate(zip(samples, lines)):
+        if _opcode(s.sass) != _opcode(sass):
+            raise SystemExit(f"instruction {i} differs: profiled {s.sass!r}, compiled {sass!r}")
+    shares: dict[str, StepShare] = {}
+    for s, (_, line) in zip(samples, lines):
+        step = steps.get(line, "(no line)") if line else "(no line)"
+        share = shares.setdefault(step, StepShare(step))
+        share.samples += s.samples
+        share.stalls.update(s.stalls)
+    return list(shares.values())
+
+
+def disassemble(cu: Path, arch: str) -> str:
+    """nvdisasm's listing, with inlined line info, of ``cu`` compiled as flashgen builds kernels."""
+    from flashgen.build import BUILD_FLAGS
+    from flashgen.targets import TARGETS
+    from flashgen.toolchain import find_nvcc
+
+    nvcc = find_nvcc()
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or (
+        str(Path(nvcc).parent / "nvdisasm") if nvcc and (Path(nvcc).parent / "nvdisasm").exists() else None)
+    if not nvcc or not nvdisasm:
+        raise SystemExit("needs nvcc and nvdisasm (CUDA's toolkit, or the pip wheel nvidia-cuda-nvdisasm with "
+                         "NVDISASM naming its binary)")
+    if arch not in TARGETS:
+        raise SystemExit(f"--arch {arch}: expected one of {', '.join(sorted(TARGETS))}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        subprocess.run([nvcc, *BUILD_FLAGS, TARGETS[arch].gencode, "-cubin", "-o", str(cubin), str(cu)], check=True,
+                       capture_output=True)
+        return subprocess.run([nvdisasm, "--print-line-info-inline", "-c", str(cubin)], check=True,
+                              capture_output=True, text=True).stdout
+
+
+def report(shares: list[StepShare], samples: list[Sample], top: int) -> str:
+    total = sum(s.samples for s in samples) or 1
+    out = [f"{'share':>6}  {'step':42s} stall reasons (their share of the step's samples)"]
+    for sh in shares:
+        why = ", ".join(f"{k} {100 * v / (sh.samples or 1):.0f}%" for k, v in sh.stalls.most_common(3) if v)
+        out.append(f"{100 * sh.samples / total:5.1f}%  {sh.step[:42]:42s} {why}")
+    for s in sorted(samples, key=lambda s: -s.samples)[:top]:
+        reason = max(s.stalls, key=s.stalls.get) if s.stalls else ""
+        out.append(f"{100 * s.samples / total:5.2f}%  {reason:16s} {s.sass}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("csv", type=Path, help="ncu's source page of one kernel, SASS, as CSV")
+    p.add_argument("cu", type=Path, help="the kernel's .cu (flashgen emit), the same config and flashgen version")
+    p.add_argument("--arch", default="sm_90a", help="the profiled GPU's target (default: sm_90a)")
+    p.add_argument("--top", type=int, default=0, help="also list the N instructions with the most samples")
+    args = p.parse_args(argv)
+    name, samples = read_samples(args.csv.read_text())
+    lines = line_table(disassemble(args.cu, args.arch), section_of(name))
+    shares = attribute(samples, lines, steps_by_line(args.cu.read_text()))
+    print(f"{name}: {sum(s.samples for s in samples)} samples")
+    print(report(shares, samples, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""benchmarks/ncu_steps.py: ncu's per-instruction samples attributed to a kernel's schedule steps."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import ncu_steps  # noqa: E402
+
+KERNEL = "fg_demo::kernel(fg_demo::Params)"
+
+SOURCE = """\
+// ---- PTX helpers ----
+__device__ __forceinline__ void mma(float* d) {
+    asm volatile("...");
+}
+__global__ void __launch_bounds__(256) kernel(const __grid_constant__ Params p) {
+    const uint32_t tid = threadIdx.x;
+    for (int w = 0; w < work; ++w) {
+        // [gemm S] S = Q K^T
+        mma(s);
+        // [reduce_gm dQ] dQ added
+        red(dq);
+    }
+    // ---- epilogue ----
+    store(o);
+}
+"""
+
+#: nvdisasm --print-line-info-inline: an inlined helper's line comes with the kernel line that calls it
+LISTING = """\
+//--------------------- .text._ZN7fg_demo7preprocessENS_6ParamsE --------------------------
+.text._ZN7fg_demo7preprocessENS_6ParamsE:
+        /*0000*/                   EXIT ;
+//--------------------- .text._ZN7fg_demo6kernelENS_6ParamsE --------------------------
+.text._ZN7fg_demo6kernelENS_6ParamsE:
+	//## File "/tmp/k.cu", line 6
+        /*0000*/                   S2R R0, SR_TID.X ;
+	//## File "/tmp/k.cu", line 3 inlined at "/tmp/k.cu", line 9
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0020*/              @P0  HMMA.16816.F32.BF16 R4, R8, R14, R4 ;
+	//## File "/tmp/k.cu", line 11
+        /*0030*/                   REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU desc[UR4][R2.64], R4 ;
+.L_x_1:
+	//## File "/tmp/k.cu", line 14
+        /*0040*/                   STG.E desc[UR4][R2.64], R4 ;
+        /*0050*/                   EXIT ;
+//--------------------- .nv.shared --------------------------
+"""
+
+
+def _csv(rows: list[tuple[str, int, dict]], kernel: str = KERNEL) -> str:
+    """ncu's source page as CSV (`--page source --csv --print-source sass`), the columns the tool reads."""
+    reasons = ["stall_barrier", "stall_long_sb", "stall_math", "stall_lg"]
+    out = io.StringIO()
+    w = csv.writer(out, quoting=csv.QUOTE_ALL)
+    w.writerow(["Kernel Name", kernel])
+    w.writerow(["Address", "Source", ncu_steps.ALL_SAMPLES, "# Samples", *reasons,
+                *(f"{r} (Not Issued)" for r in reasons)])
+    for i, (sass, n, why) in enumerate(rows):
+        w.writerow([hex(0x7f0000 + 16 * i), f"      {sass}", n, n, *(why.get(r[6:], 0) for r in reasons), *([0] * 4)])
+    return out.getvalue()
+
+
+PROFILE = [("S2R R0, SR_TID.X", 1, {}),
+           ("HMMA.16816.F32.BF16 R4, R8, R12, R4", 10, {"math": 7, "barrier": 3}),
+           ("@P0   HMMA.16816.F32.BF16 R4, R8, R14, R4", 20, {"math": 20}),
+           ("REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU desc[UR4][R2.64], R4", 30, {"lg": 30}),
+           ("STG.E desc[UR4][R2.64], R4", 39, {"long_sb": 39}),
+           ("EXIT", 0, {})]
+
+
+def test_samples_go_to_the_step_of_the_kernel_line_that_issued_them():
+    name, samples = ncu_steps.read_samples(_csv(PROFILE))
+    lines = ncu_steps.line_table(LISTING, ncu_steps.section_of(name))
+    assert [line for _, line in lines] == [6, 9, 9, 11, 14, 14]  # the inlined HMMAs at their call site
+    shares = {s.step: s for s in ncu_steps.attribute(samples, lines, ncu_steps.steps_by_line(SOURCE))}
+    assert {k: v.samples for k, v in shares.items()} == {"kernel: setup": 1, "gemm S": 30, "reduce_gm dQ": 30,
+                                                          "epilogue": 39}
+    assert shares["gemm S"].stalls["math"] == 27 and shares["gemm S"].stalls["barrier"] == 3
+    text = ncu_steps.report(list(shares.values()), samples, top=1)
+    assert "39.0%  epilogue" in text and text.splitlines()[-1].split()[:2] == ["39.00%", "long_sb"]
+
+
+def test_a_different_kernel_is_refused():
+    name, samples = ncu_steps.read_samples(_csv(PROFILE))
+    lines = ncu_steps.line_table(LISTING, ncu_steps.section_of(name))
+    steps = ncu_steps.steps_by_line(SOURCE)
+    with pytest.raises(SystemExit, match="6 instructions, the compiled .cu 5"):
+        ncu_steps.attribute(samples, lines[:-1], steps)
+    other = PROFILE[:3] + [("RED.E.ADD.F32 [R2.64], R4", 30, {})] + PROFILE[4:]
+    with pytest.raises(SystemExit, match="instruction 3 differs"):
+        ncu_steps.attribute(ncu_steps.read_samples(_csv(other))[1], lines, steps)
+    with pytest.raises(SystemExit, match="no section"):
+        ncu_steps.line_table(LISTING, ncu_steps.section_of("fg_other::kernel(fg_other::Params)"))
+    with pytest.raises(SystemExit, match="not a flashgen kernel"):
+        ncu_steps.section_of("void cutlass::device_kernel<Op>(Op::Params)")
+
+
+def test_a_csv_without_samples_is_explained():
+    with pytest.raises(SystemExit, match="--page source --csv --print-source sass"):
+        ncu_steps.read_samples('"ID","Kernel Name","Metric Name"\n"0","k","dram__bytes"\n')
+
+
+def _nvdisasm() -> str | None:
+    return os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or _nvdisasm() is None, reason="needs nvcc and nvdisasm")
+def test_an_emitted_kernel_maps_onto_its_schedule_steps(tmp_path):
+    """The real chain: an emitted backward kernel compiled as flashgen builds it; every instruction's line
+    lies in the kernel, and its dQ adds are found at the reduce_gm step."""
+    from flashgen.cli import main as cli
+
+    assert cli(["emit", "bwd(BF16, 64, 64, 64, 4): swizzled", "-o", str(tmp_path)]) == 0
+    cu = next(tmp_path.glob("flash_bwd_*.cu"))
+    listing = ncu_steps.disassemble(cu, "sm_80")
+    name = f"{cu.stem}::kernel({cu.stem}::Params)"
+    lines = ncu_steps.line_table(listing, ncu_steps.section_of(name))
+    steps = ncu_steps.steps_by_line(cu.read_text())
+    profile = [(sass, 1 if sass.startswith("RED") else 0, {}) for sass, _ in lines]
+    shares = ncu_steps.attribute(ncu_steps.read_samples(_csv(profile, name))[1], lines, steps)
+    assert {s.step for s in shares if s.samples} == {"reduce_gm dQ"}
+    assert {s.step for s in shares} >= {"gemm S", "gemm dV", "gemm dK", "gemm dQ", "epilogue"}
