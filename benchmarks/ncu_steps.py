@@ -18,7 +18,8 @@ flashgen version or compiler). An instruction counts at the line of its outermos
 ``// ---- section ----``) comes last above it. Prints each step's share of all samples and its commonest
 stall reasons, in the order the steps first appear; ``--top N`` adds the N instructions with the most samples.
 Warps that wait count as much as warps that work: a producer spinning on a barrier shows, so read a step's
-share next to what its warps had to do.
+share next to what its warps had to do. A stall counts at the instruction waiting to issue: a barrier's wait
+shows at the first instruction after it, often the next step's.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse
 import collections
 import csv
 import io
+import json
 import os
 import re
 import shutil
@@ -188,12 +190,16 @@ def main(argv=None) -> int:
     p.add_argument("cu", type=Path, help="the kernel's .cu (flashgen emit), the same config and flashgen version")
     p.add_argument("--arch", default="sm_90a", help="the profiled GPU's target (default: sm_90a)")
     p.add_argument("--top", type=int, default=0, help="also list the N instructions with the most samples")
+    p.add_argument("--json", type=Path, default=None, help="also write the steps' samples and stall reasons here")
     args = p.parse_args(argv)
     name, samples = read_samples(args.csv.read_text())
     lines = line_table(disassemble(args.cu, args.arch), section_of(name))
     shares = attribute(samples, lines, steps_by_line(args.cu.read_text()))
     print(f"{name}: {sum(s.samples for s in samples)} samples")
     print(report(shares, samples, args.top))
+    if args.json:
+        args.json.write_text(json.dumps({"kernel": name, "samples": sum(s.samples for s in samples), "steps": [
+            {"step": sh.step, "samples": sh.samples, "stalls": dict(sh.stalls.most_common())} for sh in shares]}, indent=1))
     return 0
 
 
