@@ -195,10 +195,11 @@ def main(argv=None) -> int:
     name, samples = read_samples(args.csv.read_text())
     lines = line_table(disassemble(args.cu, args.arch), section_of(name))
     shares = attribute(samples, lines, steps_by_line(args.cu.read_text()))
-    print(f"{name}: {sum(s.samples for s in samples)} samples")
+    total = sum(s.samples for s in samples)
+    print(f"{name}: {total} samples")
     print(report(shares, samples, args.top))
     if args.json:
-        args.json.write_text(json.dumps({"kernel": name, "samples": sum(s.samples for s in samples), "steps": [
+        args.json.write_text(json.dumps({"kernel": name, "samples": total, "steps": [
             {"step": sh.step, "samples": sh.samples, "stalls": dict(sh.stalls.most_common())} for sh in shares]}, indent=1))
     return 0
 

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen import reference  # noqa: E402
+from flashgen.sim import hardware as hw  # noqa: E402
 from flashgen.sim.grad_reference import gradients, head_gradients  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def test_head_forward_results_equal_the_reference_attention():
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).to(torch.float64).numpy()
+    return hw.decode(hw.encode(x, hw.BF16), hw.BF16).astype(np.float64)
 
 
 def test_the_16_bit_baseline_reads_d_from_the_16_bit_output():
