@@ -185,11 +185,13 @@ def report(shares: list[StepShare], samples: list[Sample], top: int) -> str:
 
 
 def main(argv=None) -> int:
+    from flashgen.options import positive_int
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", type=Path, help="ncu's source page of one kernel, SASS, as CSV")
     p.add_argument("cu", type=Path, help="the kernel's .cu (flashgen emit), the same config and flashgen version")
     p.add_argument("--arch", default="sm_90a", help="the profiled GPU's target (default: sm_90a)")
-    p.add_argument("--top", type=int, default=0, help="also list the N instructions with the most samples")
+    p.add_argument("--top", type=positive_int, default=0, help="also list the N instructions with the most samples")
     p.add_argument("--json", type=Path, default=None, help="also write the steps' samples and stall reasons here")
     args = p.parse_args(argv)
     name, samples = read_samples(args.csv.read_text())
