@@ -116,9 +116,19 @@ class CheckResult:
         return self.cfg.smem_bytes
 
     @property
+    def main_static_smem(self) -> int:
+        """ptxas's static shared memory of the entry that is launched with the dynamic bytes (the file's ``kernel``),
+        not of a backward's preprocess or dQ conversion, which launch with none; every entry's most where no entry
+        has that name."""
+        main = [e for e in self.entries if _is_main_kernel(e.function)]
+        return main[0].static_smem if main else (self.stats.static_smem if self.stats else 0)
+
+    @property
     def smem_bytes(self) -> int:
-        """Static (ptxas) + dynamic (the config's Q, K, V blocks) shared memory per CTA."""
-        return self.dynamic_smem + (self.stats.static_smem if self.stats else 0)
+        """Shared memory per CTA of the main kernel, static (ptxas) + dynamic (the config's tiles), or of another
+        entry of the file (its static bytes alone) where that is more."""
+        others = [e.static_smem for e in self.entries if not _is_main_kernel(e.function)]
+        return max([self.dynamic_smem + self.main_static_smem, *others])
 
     @property
     def smem_limit(self) -> int:
@@ -150,7 +160,7 @@ class CheckResult:
                 spill_stores=self.stats.spill_stores,
                 spill_loads=self.stats.spill_loads,
                 stack_frame=self.stats.stack_frame,
-                static_smem_bytes=self.stats.static_smem,
+                static_smem_bytes=self.main_static_smem,
                 smem_bytes=self.smem_bytes,
                 barriers=self.stats.barriers,
                 wgmma_serialized=self.stats.serialized,
@@ -345,8 +355,23 @@ def format_table(results: Sequence[CheckResult]) -> str:
     return "\n".join(lines)
 
 
+def _is_main_kernel(function: str) -> bool:
+    """Whether an entry is an emitted file's main kernel, ``<kernel name>::kernel``: the last name of its mangled
+    nested name (``_ZN`` then length-prefixed names) is ``kernel``."""
+    if not function.startswith("_ZN"):
+        return function == "kernel"
+    names, i = [], 3
+    while i < len(function) and function[i].isdigit():
+        j = i
+        while function[j].isdigit():
+            j += 1
+        names.append(function[j:j + int(function[i:j])])
+        i = j + int(function[i:j])
+    return names[-1:] == ["kernel"]
+
+
 def _smem(r: CheckResult) -> str:
-    static = r.stats.static_smem if r.stats else 0
+    static = r.main_static_smem
     return f"{r.smem_bytes}" if not static else f"{r.smem_bytes} ({static} static)"
 
 

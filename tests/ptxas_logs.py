@@ -29,3 +29,16 @@ ptxas info    : Function properties for _ZN3bwd10convert_dqENS_6ParamsE
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 16 registers, used 0 barriers
 """
+
+#: a backward's translation unit: the main kernel (launched with the dynamic shared memory) has no static shared
+#: memory, the dQ conversion (launched with none) 40960 bytes of its own
+LOG_BACKWARD_STATIC = """\
+ptxas info    : Compiling entry function '_ZN3bwd6kernelENS_6ParamsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN3bwd6kernelENS_6ParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+ptxas info    : Compiling entry function '_ZN3bwd10convert_dqENS_6ParamsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN3bwd10convert_dqENS_6ParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 1 barriers, 40960 bytes smem
+"""

@@ -17,7 +17,7 @@ from flashgen import check
 from flashgen.check import CheckError, check_configs, format_table
 from flashgen.ptxas import parse_ptxas
 
-from ptxas_logs import LOG_SERIALIZED, LOG_SM80, LOG_SM90  # tests/ is on sys.path (pytest's prepend mode)
+from ptxas_logs import LOG_BACKWARD_STATIC, LOG_SERIALIZED, LOG_SM80, LOG_SM90  # tests/ is on sys.path (pytest's prepend mode)
 from flashgen.dsl.notation import parse_config
 
 CFG = parse_config("(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles")
@@ -49,6 +49,28 @@ def test_parse_ptxas_marks_the_entry_whose_wgmma_ptxas_serialized():
     res = CheckResult(CFG, "sm_90a", True, combined([kernel, convert]), Path("k.cu"), "nvcc", LOG_SERIALIZED, 0.0)
     assert "WGMMA SERIALIZED" in format_table([res]) and res.to_dict()["wgmma_serialized"] is True
     assert not parse_ptxas(LOG_SM90)[0].serialized
+
+
+def test_the_shared_memory_per_block_is_the_main_kernels_not_the_sum_with_another_entrys_static_bytes():
+    """A backward's dQ conversion keeps 40960 static bytes and launches without dynamic shared memory: a main
+    kernel near the limit (the deterministic d_head 128 backward, whose dQ is staged) still fits, where the table
+    showed it 40960 bytes over, and the table names no static bytes the main kernel does not have. Static bytes of
+    the main kernel itself do count."""
+    from flashgen.check import CheckResult
+    from flashgen.ptxas import combined
+    from flashgen.dsl.backward_config import BackwardConfig
+
+    cfg = BackwardConfig.wgmma("bf16", 128).replace(deterministic=True)
+    assert cfg.smem_bytes + 40960 > 232448 >= cfg.smem_bytes, "the config fills most of an sm_90a block"
+    entries = parse_ptxas(LOG_BACKWARD_STATIC)
+    res = CheckResult(cfg, "sm_90a", True, combined(entries), Path("k.cu"), "nvcc", LOG_BACKWARD_STATIC, 0.0, entries=tuple(entries))
+    assert (res.smem_bytes, res.main_static_smem, res.fits_smem) == (cfg.smem_bytes, 0, True)
+    row = format_table([res])
+    assert "SMEM >" not in row and "static" not in row
+    main_static = LOG_BACKWARD_STATIC.replace("used 16 barriers", "used 16 barriers, 1024 bytes smem")
+    entries = parse_ptxas(main_static)
+    res = CheckResult(cfg, "sm_90a", True, combined(entries), Path("k.cu"), "nvcc", main_static, 0.0, entries=tuple(entries))
+    assert (res.smem_bytes, res.main_static_smem) == (cfg.smem_bytes + 1024, 1024)
 
 
 def test_parse_ptxas_nothing():
