@@ -120,15 +120,14 @@ class CheckResult:
         """ptxas's static shared memory of the entry that is launched with the dynamic bytes (the file's ``kernel``),
         not of a backward's preprocess or dQ conversion, which launch with none; every entry's most where no entry
         has that name."""
-        main = [e for e in self.entries if _is_main_kernel(e.function)]
-        return main[0].static_smem if main else (self.stats.static_smem if self.stats else 0)
+        main = [e.static_smem for e in self.entries if _is_main_kernel(e.function)]
+        return main[0] if main else (self.stats.static_smem if self.stats else 0)
 
     @property
     def smem_bytes(self) -> int:
         """Shared memory per CTA of the main kernel, static (ptxas) + dynamic (the config's tiles), or of another
         entry of the file (its static bytes alone) where that is more."""
-        others = [e.static_smem for e in self.entries if not _is_main_kernel(e.function)]
-        return max([self.dynamic_smem + self.main_static_smem, *others])
+        return max([self.dynamic_smem + self.main_static_smem, *(e.static_smem for e in self.entries)])
 
     @property
     def smem_limit(self) -> int:
