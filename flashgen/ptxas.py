@@ -21,7 +21,8 @@ class PtxasStats:
     stack_frame: int  # bytes
     static_smem: int  # bytes
     barriers: int = 0
-    #: ptxas's remark C7512: wgmma.mma_async serialized for want of registers (each waits for the previous one)
+    #: ptxas's remark that it serialized the wgmma.mma_async (each waits for the previous one): C7512 for want of
+    #: registers, C7514 for other instructions touching an in-flight accumulator, or any other reason it gives
     serialized: bool = False
 
     @property
@@ -42,7 +43,7 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _BARRIERS = re.compile(r"used (\d+) barriers")
-_SERIALIZED = re.compile(r"\(C7512\).*wgmma.* for the function '([^']+)'")
+_SERIALIZED = re.compile(r"\(C75\d\d\).*wgmma\S* instructions are serialized.* (?:for|in) the function '([^']+)'")
 
 
 def parse_ptxas(log: str) -> list[PtxasStats]:
@@ -51,8 +52,7 @@ def parse_ptxas(log: str) -> list[PtxasStats]:
     ptxas prints, per entry: ``Compiling entry function 'F'``, ``Function properties
     for F`` followed by ``N bytes stack frame, N bytes spill stores, N bytes spill
     loads``, and ``Used N registers, [used N barriers,] [N bytes smem,] ...``; before the entry, sm_90a's
-    ``(C7512) ... wgmma.mma_async instructions are serialized ... for the function 'F'`` where it had too
-    few registers. Properties of non-entry (device) functions are ignored.
+    ``(C75xx) ... wgmma.mma_async instructions are serialized due to <reason> for (or in) the function 'F'``. Properties of non-entry (device) functions are ignored.
     """
     serialized = set(_SERIALIZED.findall(log))
     entries: dict[str, dict] = {}

@@ -34,3 +34,11 @@ ptxas info    : Used 16 registers, used 0 barriers
 #: 40960 static bytes of its own; the main kernel (launched with the dynamic bytes) has none
 LOG_BACKWARD_STATIC = LOG_SERIALIZED.split("\n", 1)[1].replace(
     "Used 16 registers, used 0 barriers", "Used 32 registers, used 1 barriers, 40960 bytes smem")
+
+#: the remark for an instruction that reads an accumulator of a wgmma still in flight (it names the function
+#: "in", not "for"); the line before it is an injected wait, which serializes nothing
+LOG_SERIALIZED_READ = LOG_SERIALIZED.replace(
+    "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function",
+    "ptxas info    : (C7517) warpgroup.wait is injected in around line 4524 by compiler to allow use of registers defined by GMMA in function '_ZN3bwd6kernelENS_6ParamsE'\n"
+    "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading "
+    "accumulator registers of  a wgmma between start and end of the pipeline stage in the function")

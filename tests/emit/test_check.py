@@ -17,7 +17,7 @@ from flashgen import check
 from flashgen.check import CheckError, check_configs, format_table
 from flashgen.ptxas import parse_ptxas
 
-from ptxas_logs import LOG_BACKWARD_STATIC, LOG_SERIALIZED, LOG_SM80, LOG_SM90  # tests/ is on sys.path (pytest's prepend mode)
+from ptxas_logs import LOG_BACKWARD_STATIC, LOG_SERIALIZED, LOG_SERIALIZED_READ, LOG_SM80, LOG_SM90  # tests/ is on sys.path (pytest's prepend mode)
 from flashgen.dsl.notation import parse_config
 
 CFG = parse_config("(FP16, 128, 64, 64, 4): async+load_0_0_0_tiles")
@@ -49,6 +49,15 @@ def test_parse_ptxas_marks_the_entry_whose_wgmma_ptxas_serialized():
     res = CheckResult(CFG, "sm_90a", True, combined([kernel, convert]), Path("k.cu"), "nvcc", LOG_SERIALIZED, 0.0)
     assert "WGMMA SERIALIZED" in format_table([res]) and res.to_dict()["wgmma_serialized"] is True
     assert not parse_ptxas(LOG_SM90)[0].serialized
+
+
+def test_parse_ptxas_marks_wgmma_serialized_for_any_reason_ptxas_gives():
+    """C7514 (an instruction reading an in-flight accumulator) serializes the wgmma as C7512 does; an injected wait
+    (C7517) alone does not, and an entry the remark does not name stays unmarked."""
+    kernel, convert = parse_ptxas(LOG_SERIALIZED_READ)
+    assert "C7514" in LOG_SERIALIZED_READ and kernel.serialized and not convert.serialized
+    only_wait = "\n".join(line for line in LOG_SERIALIZED_READ.splitlines() if "C7514" not in line)
+    assert not any(s.serialized for s in parse_ptxas(only_wait))
 
 
 def test_the_shared_memory_per_block_is_the_main_kernels_not_the_sum_with_another_entrys_static_bytes():
