@@ -386,6 +386,11 @@ class ScoreMask:
         dropped = [f"{s} = -INFINITY;"] + ([f"{grad} = 0.f;"] if self.derivative_reads_score else [])
         return out + _block("if (keep) {", self._score_mod_cpp(s, i, j, b, h, grad))[:-1] + _block("} else {", dropped)
 
+    def recompute_reads_indices(self, masked: "bool | None" = None) -> bool:
+        """Whether :meth:`recompute_cpp` with this ``masked`` reads the score's indices (a loop of items where nothing
+        is masked, without a score_mod, reads none)."""
+        return masked is not False or self.score_mod is not None
+
     def _score_mod_cpp(self, s: str, i: str, j: str, b: str, h: str, grad: str) -> list[str]:
         """:meth:`recompute_cpp`'s score_mod (and its derivative, where dS needs it from the score) on a kept score."""
         args = f"{b}, {h}, {i}, {j}, p.score_args"

@@ -593,6 +593,7 @@ _KERNEL = CodeTemplate(
     const uint32_t sLSE_stage0 = smem + $sLSE_offset, sD_stage0 = smem + $sD_offset;
     const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     $cta
+    (void)batch;  // read where a score_mod, a mask_mod or the ordered dQ adds are
     // the batch index for 64-bit address math, widened from the unsigned $batch_index: known non-negative, so
     // no sign word lives in a register across the query-block loop (with it the score_mod kernels spilled)
     const int64_t batch64 = $batch_index;

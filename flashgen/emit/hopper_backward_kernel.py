@@ -125,7 +125,8 @@ def _recompute(plan: HopperBackwardPlan) -> list[str]:
     grad = "g" if mask.derivative_reads_score else ""
     return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + mask.backward_items_cpp(
         lambda lines: _per_value(plan, "B_r / 2", lines), lambda masked: [
-            "float s = s_acc[i];", f"const int key = {_KEY};", *(["float g;  // d score_mod / d score"] if grad else []),
+            "float s = s_acc[i];", *([f"const int key = {_KEY};"] if mask.recompute_reads_indices(masked) else []),
+            *(["float g;  // d score_mod / d score"] if grad else []),
             *mask.recompute_cpp("s", _QUERY, "key", "batch", "head", "g", masked),
             "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
         ] + (_grad_lines(plan, grad) if plan.grad_with_p else []))
