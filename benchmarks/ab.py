@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 #: Run by each version in its own process: the kernel its compile("auto") picks per row.
 _PICK = r"""
 import json, sys, torch, flashgen
+from flashgen.attention.score_mask import key_window
 from flashgen.emit.abi import args_struct
 rows = json.loads(sys.argv[1])
 auto = flashgen.compile("auto")
@@ -158,7 +159,7 @@ def time_row(row: dict, kernels: dict, rounds: int) -> dict:
     dtype = getattr(torch, row["dtype"])
     q, k, v = (torch.randn(row["batch"], row["seq"], row["heads"], row["d_head"], device="cuda", dtype=dtype)
                for _ in range(3))
-    left, right = (-1, 0) if row["causal"] else (-1, -1)
+    left, right = key_window(row["causal"], None)
     calls = _backward_calls if row["pass"] == "bwd" else _forward_calls
     fns, errors = calls(row, kernels, q, k, v, left, right)
     times = bench.interleaved(fns, rounds)

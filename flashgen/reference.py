@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from .attention.score_mask import key_window
+
 #: Absolute slack of :func:`check_close`. It matters only where the 16-bit reference happens to
 #: be exact (rows that keep no key, an output of zeros), where the rule would otherwise demand
 #: a bit-exact result; 1e-5 is below half an fp16 ulp (bf16: far below) of outputs of size
@@ -200,9 +202,7 @@ def _window_keep(q_idx: torch.Tensor, kv_idx: torch.Tensor, causal: bool, window
     """(1, 1, Sq, Sk) bool: the keys the causal / window rule keeps (all of them with neither)."""
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align={align!r}: expected 'top_left' or 'bottom_right'")
-    if causal and window is not None:
-        raise ValueError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
-    left, right = (-1, 0) if causal else ((-1, -1) if window is None else (int(x) for x in window))
+    left, right = key_window(causal, window)
     diag = q_idx + (seq_diff if align == "bottom_right" else 0)  # the key each query is aligned with
     keep = torch.ones(1, 1, q_idx.shape[2], kv_idx.shape[3], dtype=torch.bool, device=q_idx.device)
     if left >= 0:

@@ -20,6 +20,7 @@ import torch
 
 from . import autograd, cache, launcher, tracing
 from .attention.scheduler import orders_tiles
+from .attention.score_mask import key_window
 from .mods.cache import current
 from .mods.call_values import CallValues
 from .mods.copies import stable_copy
@@ -62,12 +63,11 @@ _MASK_CODES = {"none": 0, "causal": 1, "window": 2}
 
 def _score_mask(causal: bool, window: "tuple[int, int] | None") -> tuple[str, int, int]:
     """The kernel's score mask and its (left, right) window for a call's ``causal`` / ``window``."""
-    if window is None:
-        return ("causal", -1, 0) if causal else ("none", -1, -1)
-    if causal:
-        raise InputError("pass either causal=True or window=(left, right) (causal is window=(-1, 0))")
-    left, right = (int(x) for x in window)
-    return "window", left, right
+    try:
+        left, right = key_window(causal, window)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return ("causal" if causal else "none" if window is None else "window"), left, right
 
 
 def _load(built: Built, verbose: bool) -> int:

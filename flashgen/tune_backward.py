@@ -30,13 +30,12 @@ import time
 from typing import Any, Callable, Sequence
 
 from . import engines
+from .attention.score_mask import key_window
 from .dsl.backward_config import BackwardConfig
 from .dsl.dtypes import DType
 from .policy import backward_bucket_key, load_cache, replaced_faster, save_cache, seq_bucket
 from .targets import of_capability
 
-#: the (left, right) key window of the calls the tuner times: unmasked, or top-left causal (``--causal``)
-_WINDOW = {False: (-1, -1), True: (-1, 0)}
 
 
 def log(msg: str) -> None:
@@ -150,7 +149,7 @@ class Bucket:
         """The timed call: dq, dk, dv through backward kernel ``handle`` (no lse gradient, as ``o.backward``)."""
         import torch
 
-        op, (left, right) = torch.ops.flashgen.attention_backward, _WINDOW[self.causal]
+        op, (left, right) = torch.ops.flashgen.attention_backward, key_window(self.causal, None)  # none or top-left causal
         args = (self.dout, self.q, self.k, self.v, self.out, self.lse, None, handle, self.scale, 0, left, right)
         return lambda: op(*args)
 

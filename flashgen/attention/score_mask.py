@@ -18,6 +18,23 @@ if TYPE_CHECKING:
     from ..mods.kernel_mods import KernelMods
 
 
+#: the key window that causal is: every key up to the query's own (left unbounded, nothing to the right)
+CAUSAL_WINDOW = (-1, 0)
+
+
+def key_window(causal: bool, window: "Sequence[int] | None") -> tuple[int, int]:
+    """A call's ``(left, right)`` key window from its ``causal`` and ``window`` (-1: unbounded on that side); both
+    given is a ValueError."""
+    if causal and window is not None:
+        raise ValueError(f"pass either causal=True or window=(left, right) (causal is window={CAUSAL_WINDOW})")
+    if causal:
+        return CAUSAL_WINDOW
+    if window is None:
+        return (-1, -1)
+    left, right = (int(x) for x in window)
+    return left, right
+
+
 @attrs.frozen
 class ScoreMask:
     """Which scores S[i, j] (global query row i, key column j) survive; the others become -inf.

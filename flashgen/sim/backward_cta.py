@@ -37,6 +37,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from flashgen.attention.score_mask import key_window
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.backward_plan import STATS, STREAMED, BackwardPlan, make_backward_plan
 from flashgen.dsl.plan import OperandLoad, WarpGemm
@@ -555,7 +556,7 @@ class BwdPass:
         scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
         bits = {n: hw.encode(x, cfg.dtype) for n, x in (("q", q), ("k", k), ("v", v), ("do", do))}
         val = {n: hw.decode(x, cfg.dtype).astype(np.float64) for n, x in bits.items()}
-        left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
+        left, right = key_window(causal, window)
         offset = Sk - Sq if align == "bottom_right" else 0
         return cls(plan, bits, val, keep_mask(Sq, Sk, causal, window, align), scale, offset, left, right,
                    tuple({} if x is None else x for x in mod_values))

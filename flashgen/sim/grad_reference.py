@@ -20,13 +20,13 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from flashgen.attention.score_mask import key_window
+
 
 def keep_mask(seq_q: int, seq_k: int, causal: bool = False, window: "tuple[int, int] | None" = None,
               align: str = "top_left") -> np.ndarray:
     """``[seq_q, seq_k]`` bool: the scores the causal / window rule keeps."""
-    if causal and window is not None:
-        raise ValueError("pass either causal=True or window=(left, right)")
-    left, right = (-1, 0) if causal else ((-1, -1) if window is None else window)
+    left, right = key_window(causal, window)
     diag = np.arange(seq_q)[:, None] + (seq_k - seq_q if align == "bottom_right" else 0)
     j = np.arange(seq_k)[None, :]
     keep = np.ones((seq_q, seq_k), dtype=bool)

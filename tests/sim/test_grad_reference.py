@@ -85,3 +85,22 @@ def test_numpy_gradients_with_mods_equal_autograd():
                                score_mod=score_mod, mask_mod=mask_mod)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_causal_is_the_key_window_both_references_and_the_runtime_share():
+    """One rule turns a call's causal / window into the kernels' (left, right): causal keeps what window (-1, 0)
+    keeps in the numpy and the torch reference alike, and asking for both is refused everywhere."""
+    from flashgen.attention.score_mask import CAUSAL_WINDOW, key_window
+    from flashgen.sim.grad_reference import keep_mask
+
+    assert key_window(True, None) == CAUSAL_WINDOW == (-1, 0) and key_window(False, None) == (-1, -1)
+    assert key_window(False, (np.int64(5), 3)) == (5, 3) and all(type(x) is int for x in key_window(False, (np.int64(5), 3)))
+    for align in ("top_left", "bottom_right"):
+        np.testing.assert_array_equal(keep_mask(7, 11, causal=True, align=align), keep_mask(7, 11, window=CAUSAL_WINDOW, align=align))
+    q = torch.randn(1, 7, 1, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 11, 1, 8, dtype=torch.float64), torch.randn(1, 11, 1, 8, dtype=torch.float64)
+    torch.testing.assert_close(reference.attention(q, k, v, causal=True), reference.attention(q, k, v, window=CAUSAL_WINDOW))
+    for refuse in (lambda: key_window(True, (1, 1)), lambda: keep_mask(3, 3, causal=True, window=(1, 1)),
+                   lambda: reference.attention(q, k, v, causal=True, window=(1, 1))):
+        with pytest.raises(ValueError, match="either causal=True or window"):
+            refuse()
