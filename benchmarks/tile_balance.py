@@ -37,17 +37,15 @@ def key_spans(plan, seq: int) -> list[tuple[int, int]]:
 
 def tile_work(plan, block_mask, batch: int, heads: int, seq: int, partial: float) -> np.ndarray:
     """Work of every tile in the scheduler's order (tile t: :meth:`TileScheduler.coords`): its visited key blocks,
-    a partial one counting ``partial``."""
+    a partial one counting ``partial`` (the kernels' tile costs with that weight); without a block mask, every key
+    block of the built-in mask's span alike."""
     from flashgen.sim import block_mask as bm
 
-    sched, spans = plan.scheduler, key_spans(plan, seq)
-    out = np.zeros(len(spans) * heads * batch)
-    for t in range(len(out)):
-        qb, h, b = sched.coords(t, len(spans), heads)
-        row = bm.row(plan.score_mask, block_mask, b, h, qb)
-        blocks = bm.walk(row, *spans[qb])
-        out[t] = sum(partial if row is None or row[2 + j] != bm.FULL else 1.0 for j in blocks)
-    return out
+    sched = plan.scheduler
+    if block_mask is not None:
+        return np.asarray(bm.tile_costs(sched, plan.score_mask, block_mask, batch, heads, seq, seq, partial=partial), float)
+    spans = key_spans(plan, seq)
+    return np.array([partial * len(range(*spans[sched.coords(t, len(spans), heads)[0]])) for t in range(len(spans) * heads * batch)])
 
 
 def static_balance(sched, work: np.ndarray, sms: int, lo: int, n_q: int, equal: bool, order=None) -> tuple[float, int]:

@@ -112,13 +112,15 @@ def walk(r: "np.ndarray | None", begin: int, end: int) -> list[int]:
 
 
 def tile_costs(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.ndarray, batch: int, heads: int,
-               seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1) -> list[int]:
+               seq_q: int, seq_k: int, offset: int = 0, left: int = -1, right: int = -1, partial: "float | None" = None) -> list:
     """Each tile's cost in the tile order (``mask_order_kernel``'s): per key block of its row's ``[lo, hi)`` within the
     built-in mask's range (:func:`clip` of :meth:`~flashgen.attention.score_mask.ScoreMask.block_range` with the call's diagonal
-    ``offset`` and window), 1 if full and :data:`~flashgen.attention.block_mask_cpp.PARTIAL_BLOCK_COST` if partial;
-    tiles in the scheduler's order (:meth:`~flashgen.attention.scheduler.TileScheduler.coords`)."""
+    ``offset`` and window), 1 if full and ``partial`` if partial (the kernels' integer
+    :data:`~flashgen.attention.block_mask_cpp.PARTIAL_BLOCK_COST` unless given); tiles in the scheduler's order
+    (:meth:`~flashgen.attention.scheduler.TileScheduler.coords`)."""
     from ..attention.block_mask_cpp import PARTIAL_BLOCK_COST
 
+    weight = PARTIAL_BLOCK_COST if partial is None else partial
     n_q = scheduler.n_q_blocks(seq_q)
     spans = [score_mask.block_range(qb * scheduler.B_r, seq_q, seq_k, offset, left, right) for qb in range(n_q)]
     out = []
@@ -127,7 +129,8 @@ def tile_costs(scheduler: "TileScheduler", score_mask: "ScoreMask", mask: np.nda
         r = row(score_mask, mask, b, h, qb)
         begin, end = clip(r, *spans[qb])  # the key blocks the tile walks
         kept = r[2 + begin:2 + end]
-        out.append(int(np.sum(kept == FULL) + PARTIAL_BLOCK_COST * np.sum(kept == PARTIAL)))
+        cost = np.sum(kept == FULL) + weight * np.sum(kept == PARTIAL)
+        out.append(int(cost) if partial is None else float(cost))
     return out
 
 
