@@ -52,7 +52,8 @@ def parse_ptxas(log: str) -> list[PtxasStats]:
     ptxas prints, per entry: ``Compiling entry function 'F'``, ``Function properties
     for F`` followed by ``N bytes stack frame, N bytes spill stores, N bytes spill
     loads``, and ``Used N registers, [used N barriers,] [N bytes smem,] ...``; before the entry, sm_90a's
-    ``(C75xx) ... wgmma.mma_async instructions are serialized due to <reason> for (or in) the function 'F'``. Properties of non-entry (device) functions are ignored.
+    ``(C75xx) ... wgmma.mma_async instructions are serialized due to <reason> for (or in) the function 'F'``.
+    Properties of non-entry (device) functions are ignored.
     """
     serialized = set(_SERIALIZED.findall(log))
     entries: dict[str, dict] = {}

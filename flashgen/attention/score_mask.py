@@ -31,6 +31,8 @@ def key_window(causal: bool, window: "Sequence[int] | None") -> tuple[int, int]:
         return CAUSAL_WINDOW
     if window is None:
         return (-1, -1)
+    if len(window) != 2:
+        raise ValueError(f"window={tuple(window)!r}: expected (left, right), two key counts (-1: unbounded)")
     left, right = (int(x) for x in window)
     return left, right
 

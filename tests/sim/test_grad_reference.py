@@ -100,6 +100,8 @@ def test_causal_is_the_key_window_both_references_and_the_runtime_share():
     q = torch.randn(1, 7, 1, 8, dtype=torch.float64)
     k, v = torch.randn(1, 11, 1, 8, dtype=torch.float64), torch.randn(1, 11, 1, 8, dtype=torch.float64)
     torch.testing.assert_close(reference.attention(q, k, v, causal=True), reference.attention(q, k, v, window=CAUSAL_WINDOW))
+    with pytest.raises(ValueError, match="expected \\(left, right\\)"):
+        key_window(False, (1, 2, 3))
     for refuse in (lambda: key_window(True, (1, 1)), lambda: keep_mask(3, 3, causal=True, window=(1, 1)),
                    lambda: reference.attention(q, k, v, causal=True, window=(1, 1))):
         with pytest.raises(ValueError, match="either causal=True or window"):
