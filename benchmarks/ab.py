@@ -41,7 +41,6 @@ sys.path.insert(0, str(REPO))
 #: Run by each version in its own process: the kernel its compile("auto") picks per row.
 _PICK = r"""
 import json, sys, torch, flashgen
-from flashgen.attention.score_mask import key_window
 from flashgen.emit.abi import args_struct
 rows = json.loads(sys.argv[1])
 auto = flashgen.compile("auto")
@@ -155,6 +154,7 @@ def time_row(row: dict, kernels: dict, rounds: int) -> dict:
     import torch
 
     from flashgen import bench
+    from flashgen.attention.score_mask import key_window
 
     dtype = getattr(torch, row["dtype"])
     q, k, v = (torch.randn(row["batch"], row["seq"], row["heads"], row["d_head"], device="cuda", dtype=dtype)
