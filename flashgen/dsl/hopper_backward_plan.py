@@ -36,8 +36,11 @@ query rows (B: the dS tile stored [query][key], K-major, written from the S^T-sh
 dS^T goes registers -> shared memory (``sdS``, two buffers: a consumer may store the next block's
 while another still reads this one's) and, after a named barrier over the consumers, each consumer
 computes its part of the block's dQ and adds it into the fp32 buffer with
-``red.global.add.v2.f32`` straight from the accumulators (:class:`~flashgen.dsl.hopper_backward_smem.DqStage`).
-dK (times the scale) and dV go straight from the accumulators to global memory once the loop ends.
+``red.global.add.v4.f32`` straight from the accumulators (:class:`~flashgen.dsl.hopper_backward_smem.DqStage`).
+Once the loop ends and every consumer's last dQ GEMM read sK (a barrier over the consumers), each stages dK (times
+the scale) over its own 64 rows of sK and dV over its rows of sV, in the tiles' layouts, and one of its threads
+writes them with TMA stores of 64-row boxes (``stores``): whole 128-byte rows instead of the accumulators' 4-byte
+pieces, which doubled the kernel's L2 write sectors and kept the warps waiting on their stores.
 
 ``deterministic``: each consumer stages its dQ in shared memory, and its bulk reduction of a query block
 waits until the key blocks below this one that visit the query block have made theirs (a turn counter
@@ -62,7 +65,7 @@ from ..attention.backward_grid import BackwardGrid
 from ..attention.pipeline import MbarrierRing
 from ..attention.query_blocks import QueryBlocks
 from ..attention.score_mask import ScoreMask
-from .atoms.hopper import Mbarrier, TmaLoad, WGMMA_64xNx16, wgmma_kmajor_descriptors, wgmma_mnmajor_descriptors
+from .atoms.hopper import Mbarrier, TmaLoad, TmaStore, WGMMA_64xNx16, wgmma_kmajor_descriptors, wgmma_mnmajor_descriptors
 from .backward_config import BackwardConfig
 from .config import PRODUCER_REGS, WARPGROUP, WGMMA_M, consumer_regs
 from .hopper_backward_smem import DqStage, DsStore, smem_plan
@@ -80,6 +83,8 @@ class HopperBackwardPlan(WarpSpecialized):
     tiles: dict  # K, V, Q, dO, dS -> SmemTile
     stats: dict  # LSE, D -> (offset, stages, bytes per stage)
     loads: dict  # K, V, Q, dO -> TmaTile
+    #: dK, dV -> TmaTile over sK, sV: consumer w stages its rows [64 w, 64 w + 64) and stores the boxes starting there
+    stores: dict
     barriers: dict  # name -> (Mbarrier, offset, stages)
     #: one use per (query head, query block) work item of the CTA: Q + lse on q_*, dO + D on do_*
     ring: MbarrierRing
@@ -135,9 +140,10 @@ class HopperBackwardPlan(WarpSpecialized):
         return [(w + kb) % items if self.rotates_items else w for w in range(items)]
 
     @property
-    def item_order_cpp(self) -> str:
-        """:meth:`item_order`'s item at place ``w`` in C++ (``work`` items, key block ``kb``)."""
-        return "(w + kb) % work" if self.rotates_items else "w"
+    def item_first_cpp(self) -> str:
+        """:meth:`item_order`'s first item in C++ (``work`` items, key block ``kb``); each later place holds the next
+        item, cyclically, so the kernel steps a cursor instead of dividing by the query blocks at every item."""
+        return "kb % work" if self.rotates_items else "0"
 
 
 def _kmajor_desc(operand: str, rows: int, cols: int, dtype, rows_per_wgmma: int) -> OperandDesc:
@@ -279,10 +285,11 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
         "dK": WarpgroupGemm("dK", atom_kv, "regs", None, _mnmajor_desc("Q", B_r, d, dt), trans_b=True),
         "dQ": _dq_gemm(dq, atom_q, B_r, B_c, d, dt),
     }
+    stores = {grad: TmaTile(tiles[src], TmaStore(WGMMA_M, BOX_COLS, dt, SWIZZLE), "kv") for grad, src in (("dK", "K"), ("dV", "V"))}
     mask = ScoreMask(cfg.mask, B_r, B_c, mods)
     order = _score_order(cfg, mask)
     return HopperBackwardPlan(
-        cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, barriers=barriers,
+        cfg=cfg, tiles=tiles, stats={k: layout[k] for k in ("LSE", "D")}, loads=loads, stores=stores, barriers=barriers,
         ring=MbarrierRing("qdo", cfg.stages, per_tile=True, stages_name="STAGES"), release_arrivals=WARPGROUP, gemms=gemms,
         a_from_acc=_p_from_s(atom_s, atom_kv, B_r // 16), dq_cols=dq_cols, dq_stage=dq, ds_store=layout["dS_store"], score_order=order,
         schedule=_schedule(cfg.deterministic, order, mask.derivative_reads_score),

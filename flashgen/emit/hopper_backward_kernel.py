@@ -21,7 +21,7 @@ from ..dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP, Reduce
 from .abi import backward_args_struct
 from .backward_aux import aux_kernels, convert_grid
 from .backward_kernel import mask_blocks_lines
-from .hopper_kernel import TARGET, TENSOR_MAPS
+from .hopper_kernel import TARGET, TENSOR_MAPS, tma_store_calls
 from .ptx import hopper as ptx_hopper, math as ptx_math, red, stmatrix as ptx_stmatrix, turns, vec
 from .ptx.used import HELPERS_MARK, insert_used
 from .source import KernelSource, kernel_meta
@@ -252,7 +252,7 @@ def _producer(plan: HopperBackwardPlan) -> list[str]:
     out = ["mbar_arrive_expect_tx(bar_kv_full, 2 * KV_BYTES);"]
     out += _tma(plan, "K", "sK", "bar_kv_full", "kb * int(B_c)", "kv_head") + _tma(plan, "V", "sV", "bar_kv_full", "kb * int(B_c)", "kv_head")
     body = [f"const uint32_t st = {ring.stage_cpp('uint32_t(w)')}, ph = {ring.phase_cpp('uint32_t(w)')};",
-            "const Item it = item(w);",
+            "const Item it = item(cur);",
             "const int64_t stat = (int64_t(batch) * p.heads + it.head) * p.stat_len + it.q_row0;  // its lse and D"]
     for name, stat in (("Q", "LSE"), ("dO", "D")):
         bar = f"bar_{name.lower()}_full + 8 * st"
@@ -261,22 +261,28 @@ def _producer(plan: HopperBackwardPlan) -> list[str]:
                  f"mbar_arrive_expect_tx({bar}, Q_BYTES + STAT_BYTES);"]
         body += _tma(plan, name, f"s{name} + st * Q_BYTES", bar, "it.q_row0", "it.head")
         body += [f"bulk_load(s{stat} + st * STAT_BYTES, {src} + stat, STAT_BYTES, {bar});"]
-    return out + ["for (int w = 0; w < work; ++w) {"] + ["    " + l for l in body] + ["}"]
+    return out + ["Cursor cur = first_item;", "for (int w = 0; w < work; ++w, next_item(cur)) {"] + ["    " + l for l in body] + ["}"]
 
 
 def _epilogue(plan: HopperBackwardPlan) -> list[str]:
-    """dK times the scale, dK and dV of this consumer's key rows straight from the accumulators; the dQ
-    reductions finished before the CTA (and its shared memory) ends."""
+    """dK times the scale and dV staged over this consumer's rows of sK and sV (once every consumer's last dQ GEMM
+    read sK), then written by one thread's TMA stores (``plan.stores``; rows past seq_k are not written); the dQ
+    reductions and the stores finished reading shared memory before the CTA ends."""
     done = ["if (wtid == 0) bulk_wait_group<0>();"] if plan.dq_stage.staged else []
-    return done + ["elem_t* gdK = p.dk + batch * p.dk_batch + kv_head * p.dk_head;",
-            "elem_t* gdV = p.dv + batch * p.dv_batch + kv_head * p.dv_head;"] + _per_value(plan, "D_HEAD / 2", [
-        "const int key = kb * int(B_c) + int(64 * cw + r);",
-        "if (key < p.seq_k) {",
-        "    *reinterpret_cast<uint32_t*>(gdK + int64_t(key) * p.dk_ld + c) =",
-        "        pack2(bwd_grad_scaled(dk_acc[i], p.scale), bwd_grad_scaled(dk_acc[i + 1], p.scale));",
-        "    *reinterpret_cast<uint32_t*>(gdV + int64_t(key) * p.dv_ld + c) = pack2(dv_acc[i], dv_acc[i + 1]);",
-        "}",
+    k, v = plan.stores["dK"].tile, plan.stores["dV"].tile
+    at = ["64 * cw + r", "c"]
+    stage = _per_value(plan, "D_HEAD / 2", [
+        f"st_shared_b32({k.name} + 2 * ({k.layout.to_cpp(at)}), pack2(bwd_grad_scaled(dk_acc[i], p.scale), bwd_grad_scaled(dk_acc[i + 1], p.scale)));",
+        f"st_shared_b32({v.name} + 2 * ({v.layout.to_cpp(at)}), pack2(dv_acc[i], dv_acc[i + 1]));",
     ], gemm="dV", step=2)
+    row0 = "kb * int(B_c)"
+    store = tma_store_calls(plan.stores["dK"], "p.tm_dk", k.name, row0, "kv_head") + \
+        tma_store_calls(plan.stores["dV"], "p.tm_dv", v.name, row0, "kv_head")
+    return done + ["named_bar_sync(1, 128 * CONSUMERS);  // every consumer's dQ GEMMs read all rows of sK: done"] + stage + [
+        "fence_proxy_async();  // the TMA unit (async proxy) reads what these st.shared wrote",
+        "named_bar_sync(2 + cw, 128);  // this consumer's rows are staged",
+        "if (wtid == 0) {", *("    " + line for line in store), "    bulk_commit_group();",
+        "    bulk_wait_group<0>();  // the stores read shared memory before the CTA exits", "}"]
 
 
 _HEADER = CodeTemplate(
@@ -320,6 +326,7 @@ $ptx_helpers
 
 struct Params {
     CUtensorMap tm_q, tm_k, tm_v, tm_do;  // (d_head, seq, heads, batch) maps, 64-column boxes of B_r or B_c rows, 128B swizzle
+    CUtensorMap tm_dk, tm_dv;  // the same of dK and dV, boxes of $store_rows rows (one consumer's)
     const elem_t* o; const elem_t* dout; elem_t* dq; elem_t* dk; elem_t* dv;
     const float* lse;   // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
     const float* dlse;  // the gradient of the returned lse, the same shape, or nullptr
@@ -357,10 +364,17 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     $block_mask_clip
     const int n_q = qb_end - qb_begin, work = n_q > 0 ? n_q * p.kv_group : 0;  // (query head, query block) items
     struct Item { int head, q_row0; };
-    // the w-th item walked (the plan's item_order)
-    auto item = [&](int w) {
-        const int v = $item_order;
-        return Item{kv_head * p.kv_group + v / n_q, (qb_begin + v % n_q) * int(B_r)};
+    // the items in the plan's item_order: from the first, each the next one cyclically (query block, then query head),
+    // a cursor stepped once per item (an integer division per item cost ~60 instructions beside dP^T's wgmma)
+    struct Cursor { int h, q; };  // the item's query head within the group, its query block from qb_begin
+    const int first = work > 0 ? $item_first : 0;
+    const Cursor first_item{work > 0 ? first / n_q : 0, work > 0 ? first % n_q : 0};
+    auto item = [&](const Cursor& c) { return Item{kv_head * p.kv_group + c.h, (qb_begin + c.q) * int(B_r)}; };
+    auto next_item = [&](Cursor& c) {
+        if (++c.q == n_q) {
+            c.q = 0;
+            if (++c.h == p.kv_group) c.h = 0;
+        }
     };
     if (threadIdx.x == 0) {
         $barrier_init
@@ -385,9 +399,10 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     #pragma unroll
     for (uint32_t i = 0; i < D_HEAD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
     if (work > 0) mbar_wait(bar_kv_full, 0);
-    for (int w = 0; w < work; ++w) {
-        const Item it = item(w);
-        const int head = it.head, q_row0 = it.q_row0, qb = q_row0 / int(B_r);
+    Cursor cur = first_item;
+    for (int w = 0; w < work; ++w, next_item(cur)) {
+        const Item it = item(cur);
+        const int head = it.head, q_row0 = it.q_row0, qb = qb_begin + cur.q;
         const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) % DS_BUFFERS;  // ring slot and parity; dS^T buffer
         const float* lse_log2 = reinterpret_cast<const float*>(smem_raw + (sLSE - raw) + st * STAT_BYTES);
         const float* dsum = reinterpret_cast<const float*>(smem_raw + (sD - raw) + st * STAT_BYTES);
@@ -437,7 +452,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     if (a->batch <= 0 || a->heads <= 0 || a->kv_heads <= 0 || a->heads % a->kv_heads || a->seq_q <= 0 || a->seq_k <= 0 || !a->workspace$grid_check)
         return (int)cudaErrorInvalidValue;
     if (tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
-    static Params p;  // large (4 tensor maps): built in static storage, passed by value to the launches
+    static Params p;  // large (6 tensor maps): built in static storage, passed by value to the launches
     p = Params{};
     const int stat_len = (a->seq_q + int(B_r) - 1) / int(B_r) * int(B_r);
     int* turns = (int*)a->workspace;
@@ -463,7 +478,9 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     if (!make_map(&p.tm_q, a->q, a->seq_q, a->heads, a->batch, a->q_stride, B_r) ||
         !make_map(&p.tm_do, a->dout, a->seq_q, a->heads, a->batch, a->do_stride, B_r) ||
         !make_map(&p.tm_k, a->k, a->seq_k, a->kv_heads, a->batch, a->k_stride, B_c) ||
-        !make_map(&p.tm_v, a->v, a->seq_k, a->kv_heads, a->batch, a->v_stride, B_c))
+        !make_map(&p.tm_v, a->v, a->seq_k, a->kv_heads, a->batch, a->v_stride, B_c) ||
+        !make_map(&p.tm_dk, a->dk, a->seq_k, a->kv_heads, a->batch, a->dk_stride, $store_rows) ||
+        !make_map(&p.tm_dv, a->dv, a->seq_k, a->kv_heads, a->batch, a->dv_stride, $store_rows))
         return (int)cudaErrorInvalidValue;
     constexpr int smem = $smem_bytes;
     $smem_attribute
@@ -511,7 +528,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         warpgroup="warpgroup_index()" if plan.uniform_warpgroup else "threadIdx.x / 128",
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
-        dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_order=plan.item_order_cpp,
+        dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_first=plan.item_first_cpp,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(plan.dq_stage), convert_grid=convert_grid(plan.dq_stage), smem_decls=_smem_decls(plan),
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],
@@ -520,7 +537,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         body=[line for i, s in enumerate(plan.schedule) for line in _step(plan, s, i)], epilogue=_epilogue(plan),
         args_struct=backward_args_struct(name), log2e=f"{LOG2E!r}f",
         turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r}) * {plan.consumers}" if cfg.deterministic else "0",
-        box_cols=plan.loads["Q"].tma.box_cols, tma_dtype={"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value],
+        box_cols=plan.loads["Q"].tma.box_cols, store_rows=plan.stores["dK"].tma.box_rows, tma_dtype={"fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}[cfg.dtype.value],
         tma_swizzle=plan.loads["Q"].tma.swizzle.tma_name, smem_attribute=SMEM_ATTRIBUTE,
         block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
     )

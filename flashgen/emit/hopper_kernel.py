@@ -14,7 +14,7 @@ import json
 from ..attention.epilogue import epilogue
 from ..attention.softmax import online_softmax
 from ..dsl.config import LOG2E, WGMMA_M
-from ..dsl.hopper_plan import HopperPlan
+from ..dsl.hopper_plan import HopperPlan, TmaTile
 from ..dsl.steps import Block, ConvertP, Gemm, Pass, Release, RescaleO, Softmax, Step, Turn, WaitFull, WgmmaWait
 from ..targets import Target, named as target_named
 from .abi import args_struct
@@ -557,17 +557,22 @@ def _tma_calls(plan: HopperPlan, op: str) -> list[str]:
     ]
 
 
-def _tma_store_calls(plan: HopperPlan) -> list[str]:
-    """Consumer ``cw``'s TMA stores of its staged output rows: the boxes of row block ``cw``.
+def tma_store_calls(store: TmaTile, tmap: str, base: str, row0: str, head: str) -> list[str]:
+    """Consumer ``cw``'s TMA stores (map ``tmap``) of its staged rows of ``store``'s tile at ``base``: the boxes
+    of row block ``cw``, the first at global row ``row0``.
 
     Boxes are ``WGMMA_M`` rows and row block i of a column block sits i boxes after row block 0
-    (``sO + cw * bytes``): proven on the plan by flashgen.sim.verify.
+    (``base + cw * bytes``): proven on the plan by flashgen.sim.verify (``store_box_problems``).
     """
-    st = plan.stores["O"]
-    rows = st.tma.box_rows
-    first = {b.col0: b.smem_offset for b in st.boxes if b.row0 == 0}
-    return [f"tma_store_4d(&p.tm_o, sO + cw * {st.tma.bytes}u + {off}u, {col0}, q_row0 + {rows} * int(cw), head, batch);"
+    rows = store.tma.box_rows
+    first = {b.col0: b.smem_offset for b in store.boxes if b.row0 == 0}
+    return [f"tma_store_4d(&{tmap}, {base} + cw * {store.tma.bytes}u + {off}u, {col0}, {row0} + {rows} * int(cw), {head}, batch);"
             for col0, off in sorted(first.items())]
+
+
+def _tma_store_calls(plan: HopperPlan) -> list[str]:
+    """Consumer ``cw``'s TMA stores of its staged output rows."""
+    return tma_store_calls(plan.stores["O"], "p.tm_o", "sO", "q_row0", "head")
 
 
 def _kv_use_vars(plan: HopperPlan) -> str:

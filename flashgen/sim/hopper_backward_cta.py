@@ -25,6 +25,9 @@ What is modelled
   ``layout(64 w + row, col)`` (the second half at the next element, as ``st.shared.b32`` does), or, for a
   [query][key] tile, ``stmatrix.x4.trans`` (:func:`~flashgen.sim.hardware.stmatrix_offsets`); the
   ``handoff`` is a named barrier over the consumers.
+* **Epilogue**: once every consumer's walk ended (the barrier over the consumers: their dQ GEMMs read all of
+  sK), each stages dK times the scale and dV over its own rows of sK and sV in the tiles' layouts (value pairs
+  as ``st.shared.b32``), which the TMA stores of its boxes (``plan.stores``) read back into the outputs.
 * **Happens-before**: vector clocks over the consumers and the producer, joined at the mbarriers
   (release -> fill -> wait) and the handoff barrier, decide whether one consumer's access is ordered
   after another's, whatever order this run happened to take.
@@ -39,7 +42,7 @@ Hazards (strings; empty = clean)
   handoff); a ``store_rf dS`` overwriting rows of a buffer that some consumer's dQ GEMM has not read,
   or read without that read being ordered before the store; stores outside the dS buffer;
 * dataflow: P, dS, their fragments, dV, dK, dQ computed from another item's values; each GEMM
-  not exactly once per item; a deadlock (a wait that never passes).
+  not exactly once per item; a deadlock (a wait that never passes); dK or dV staged outside the consumer's rows.
 """
 from __future__ import annotations
 
@@ -57,7 +60,8 @@ from flashgen.dsl.steps import (ConvertP, Gemm, GradScores, Handoff, RecomputeP,
 from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem, backward_dscores, backward_scores, scale_log2
 from flashgen.sim.block_mask import BackwardView
-from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, walk_consumers, wgmma_k16
+from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, tma_read, walk_consumers, wgmma_k16
+from flashgen.sim.layout_eval import offsets
 from flashgen.sim.hopper_backward_smem import ds_store_targets
 
 _F32 = np.float32
@@ -176,6 +180,8 @@ class HopperBwdCta:
         walk_consumers(self.consumers, self.step, self.produce, self.flag, greedy=True)
         for c in self.consumers:
             self.finish(c)
+        for c in self.consumers:  # after every consumer's walk: the epilogue's barrier over the consumers
+            self.store_grads(c)
         return self.dk, self.dv
 
     def step(self, c: _Consumer) -> bool:
@@ -482,7 +488,7 @@ class HopperBwdCta:
 
     # -- the end
     def finish(self, c: _Consumer) -> None:
-        """Groups left in flight; each GEMM once per item; dK (times the scale) and dV rows below seq_k."""
+        """Groups left in flight; each GEMM once per item."""
         where = f"end of consumer {c.w}"
         if c.groups:
             self.flag(where, f"{len(c.groups)} wgmma group(s) still in flight ({', '.join(g.what for g in c.groups)}) at exit")
@@ -493,11 +499,26 @@ class HopperBwdCta:
                 n = self.counts.get((c.w, what, j), 0)
                 if n != 1:
                     self.flag(where, f"consumer {c.w}: {what} ran {n} time(s) for item {j} (expected once)")
-        kr = 64 * c.w
+
+    def store_grads(self, c: _Consumer) -> None:
+        """dK (times the scale) and dV staged over consumer ``c``'s rows of sK and sV in the tiles' layouts
+        (``st.shared.b32`` of value pairs ``i, i + 1``), then read back by the TMA stores of its boxes
+        (``plan.stores``); rows past seq_k are not written."""
+        where, kr, img = f"epilogue of consumer {c.w}", 64 * c.w, self.smem.view("<u2")
         for name, out, acc in (("dK", self.dk, self.plan.score_grad.scaled(c.acc["dK"], self.scale)), ("dV", self.dv, c.acc["dV"])):
-            m = self.maps[name]
-            ok = kr + m.rows < out.shape[0]
-            out[(kr + m.rows)[ok], m.cols[ok]] = hw.encode(acc[ok], self.cfg.dtype)
+            store, m = self.plan.stores[name], self.maps[name]
+            tile = store.tile
+            stage = tile.offset // 2 + offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> 16-bit element
+            ev = np.arange(0, m.rows.shape[1], 2)
+            dst = stage[kr + m.rows[:, ev], m.cols[:, ev]]
+            if not np.isin(np.concatenate([dst.ravel(), dst.ravel() + 1]), stage[kr:kr + 64]).all():
+                self.flag(where, f"{name} staged outside the consumer's rows of {tile.name}")
+                continue
+            vals = hw.encode(acc, self.cfg.dtype)
+            img[dst], img[dst + 1] = vals[:, ev], vals[:, ev + 1]
+            staged = tma_read(self.smem, store, tile.offset, (kr, kr + 64))
+            rows = np.arange(kr, min(kr + 64, out.shape[0]))
+            out[rows] = staged[rows]
 
 
 #: consumer step class -> how a consumer executes it (False: it has to wait)

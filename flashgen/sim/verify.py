@@ -88,7 +88,7 @@ def wgmma_checks(plan: HopperPlan) -> tuple[Check, ...]:
 def hopper_backward_checks(plan: HopperBackwardPlan) -> tuple[Check, ...]:
     """The proofs of a wgmma backward plan: the accumulator-to-A table of dV and dK, the S^T accumulator
     pattern, every GEMM's descriptors, the dS tile's stores against dQ's reads of it (its A operand, or its B where
-    dQ is made transposed), the barrier counts."""
+    dQ is made transposed), the barrier counts, the dK and dV store boxes."""
     from flashgen.sim.hopper_backward_checks import barrier_problems, descriptor_problems, ds_handoff_problems
 
     g = plan.gemms
@@ -99,7 +99,7 @@ def hopper_backward_checks(plan: HopperBackwardPlan) -> tuple[Check, ...]:
     ) + tuple(Check(f"descriptors {name}", tuple(descriptor_problems(plan, name)[:SHOWN])) for name in g) + (
         Check("dS stores = dQ's dS operand reads", tuple(ds_handoff_problems(plan)[:SHOWN])),
         Check("barriers and ring", tuple(barrier_problems(plan))),
-    )
+    ) + tuple(Check(f"{name} store boxes", tuple(store_box_problems(plan.stores[name], name))) for name in ("dK", "dV"))
 
 
 def mma_sync_checks(plan: KernelPlan) -> tuple[Check, ...]:
@@ -165,13 +165,29 @@ def p_from_s_problems(plan: HopperPlan) -> list[str]:
     return acc_to_a_problems(plan.p_from_s, plan.gemm_S.atom.c_map, plan.gemm_O.atom.a_map)
 
 
-def o_store_problems(plan: HopperPlan) -> list[str]:
-    """The O store boxes are ``WGMMA_M`` rows (one consumer's) and row block ``i`` of a column block
-    sits ``i`` boxes after row block 0 (consumer ``cw`` stores from ``sO + cw * box bytes``)."""
-    st = plan.stores["O"]
-    rows = st.tma.box_rows
+def store_box_problems(store, what: str) -> list[str]:
+    """The TMA store boxes of ``store`` (a TmaTile) are ``WGMMA_M`` rows (one consumer's), row block ``i`` of a
+    column block sits ``i`` boxes after row block 0 (consumer ``cw`` stores from ``base + cw * box bytes``), and
+    each box reads (the 128B-swizzle byte rule) the elements the tile's layout stages there."""
+    from flashgen.sim.hopper import tma_byte_addresses
+    from flashgen.sim.layout_eval import offsets
+
+    rows, cols = store.tma.box_rows, store.tma.box_cols
     if rows != WGMMA_M:
-        return [f"O store boxes of {rows} rows: a consumer owns {WGMMA_M}"]
-    first = {b.col0: b.smem_offset for b in st.boxes if b.row0 == 0}
-    return [f"O store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it"
-            for b in st.boxes if b.smem_offset != first[b.col0] + (b.row0 // rows) * st.tma.bytes][:SHOWN]
+        return [f"{what} store boxes of {rows} rows: a consumer owns {WGMMA_M}"]
+    first = {b.col0: b.smem_offset for b in store.boxes if b.row0 == 0}
+    out = [f"{what} store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it"
+           for b in store.boxes if b.smem_offset != first[b.col0] + (b.row0 // rows) * store.tma.bytes]
+    tile = store.tile
+    staged = store.tma.dtype.size * offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> byte in the tile
+    for b in store.boxes:
+        got = staged[b.row0:b.row0 + rows, b.col0:b.col0 + cols]
+        bad = np.argwhere(got != tma_byte_addresses(rows, cols, b.smem_offset, store.tma.dtype.size)[:got.shape[0], :got.shape[1]])
+        out += [f"{what} store box at row {b.row0}, column {b.col0} reads element ({b.row0 + r}, {b.col0 + c}) elsewhere "
+                f"than {tile.name}'s layout stages it" for r, c in bad[:1]]
+    return out[:SHOWN]
+
+
+def o_store_problems(plan: HopperPlan) -> list[str]:
+    """The forward's O store boxes (:func:`store_box_problems`)."""
+    return store_box_problems(plan.stores["O"], "O")

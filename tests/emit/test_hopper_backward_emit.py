@@ -112,7 +112,7 @@ def test_only_the_transposed_ds_store_brings_its_stmatrix_helper():
     t80, t64 = (emit_hopper_backward(make_hopper_backward_plan(W("bf16", 128).replace(B_r=b))).text for b in (80, 64))
     assert make_hopper_backward_plan(W("bf16", 128).replace(B_r=80)).ds_store.atom.family == "stmatrix"
     assert t80.count("void stmatrix_x4_trans(") == 1 and t80.count("stmatrix_x4_trans(sdS + buf * DS_BYTES") == 1
-    assert "st_shared_b32(" not in t80
+    assert "st_shared_b32(sdS" not in t80  # (its dK and dV staging stores 32-bit pairs)
     assert "stmatrix" not in t64.replace("st.shared or stmatrix wrote", "") and "st_shared_b32(sdS + buf * DS_BYTES" in t64
 
 

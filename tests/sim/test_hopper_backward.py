@@ -153,6 +153,13 @@ def _ds_layout(swizzle, plan=PLAN):
     return attrs.evolve(plan, tiles={**plan.tiles, "dS": attrs.evolve(tile, layout=layout)})
 
 
+def _staged_layout(grad, swizzle, plan=PLAN):
+    """dK's or dV's store staged in another swizzle than its TMA boxes read."""
+    store = plan.stores[grad]
+    tile = attrs.evolve(store.tile, layout=kmajor_tile_layout(store.tile.rows, store.tile.cols, plan.cfg.dtype, swizzle))
+    return attrs.evolve(plan, stores={**plan.stores, grad: attrs.evolve(store, tile=tile)})
+
+
 @attrs.frozen
 class _SwappedKeyHalves(DsStore):
     """A transposed dS store whose lanes address the other 8 keys of their 8x8 block's 16-key slice."""
@@ -178,6 +185,8 @@ class _SwappedKeyHalves(DsStore):
     (lambda: _with_gemm("dQ", "a", T80, row_block_offset=0), "descriptors dQ", ("dq",)),
     (lambda: _swapped_steps("dQ", "b", T80), "descriptors dQ", ("dq",)),
     (lambda: _swapped_steps("dK", "b", T80), "descriptors dK", ("dk",)),
+    (lambda: _staged_layout("dK", GmmaSwizzle.B64), "dK store boxes", ("dk",)),
+    (lambda: _staged_layout("dV", GmmaSwizzle.B64, T80), "dV store boxes", ("dv",)),
 ])
 def test_an_altered_plan_gives_wrong_gradients_and_fails_its_proof(broken, check, wrong):
     plan = broken()
