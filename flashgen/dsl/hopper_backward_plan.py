@@ -62,6 +62,7 @@ import attrs
 
 from ..attention.backward import Recompute, RowDot, ScoreGrad
 from ..attention.backward_grid import BackwardGrid
+from ..attention.item_walk import ItemWalk
 from ..attention.pipeline import MbarrierRing
 from ..attention.query_blocks import QueryBlocks
 from ..attention.score_mask import ScoreMask
@@ -113,6 +114,8 @@ class HopperBackwardPlan(WarpSpecialized):
     smem_bytes: int
     #: which block of the grid computes which key block, in what order the CTAs start (the config's ``longest_first``)
     grid: BackwardGrid
+    #: the order a CTA walks its (query head, query block) items: rotated by its key block, unless dQ's adds are ordered
+    items: ItemWalk
 
     @property
     def grad_with_p(self) -> bool:
@@ -129,21 +132,8 @@ class HopperBackwardPlan(WarpSpecialized):
 
     @property
     def rotates_items(self) -> bool:
-        """Whether the CTA of key block ``kb`` starts its walk at item ``kb`` (cyclically), so that the key
-        blocks' CTAs, which run side by side, add into different query blocks of dQ at any one time instead
-        of all into the same rows. Not with ordered dQ adds: there a CTA waits for the lower key blocks'
-        adds of each query block, which they make soonest when every CTA walks the query blocks upwards."""
-        return not self.cfg.deterministic
-
-    def item_order(self, items: int, kb: int) -> list[int]:
-        """The order in which the CTA of key block ``kb`` walks its ``items`` work items."""
-        return [(w + kb) % items if self.rotates_items else w for w in range(items)]
-
-    @property
-    def item_first_cpp(self) -> str:
-        """:meth:`item_order`'s first item in C++ (``work`` items, key block ``kb``); each later place holds the next
-        item, cyclically, so the kernel steps a cursor instead of dividing by the query blocks at every item."""
-        return "kb % work" if self.rotates_items else "0"
+        """Whether the CTAs start their walks at their key block's item (:class:`~flashgen.attention.item_walk.ItemWalk`)."""
+        return self.items.rotates
 
 
 def _kmajor_desc(operand: str, rows: int, cols: int, dtype, rows_per_wgmma: int) -> OperandDesc:
@@ -295,5 +285,5 @@ def make_hopper_backward_plan(cfg: BackwardConfig, mods: Any = None) -> HopperBa
         schedule=_schedule(cfg.deterministic, order, mask.derivative_reads_score),
         score_mask=mask, query_blocks=QueryBlocks(mask), recompute=Recompute(), score_grad=ScoreGrad(), row_dot=RowDot(),
         producer_regs=PRODUCER_REGS, consumer_regs=consumer_regs(n), smem_bytes=smem,
-        grid=BackwardGrid(longest_first=cfg.longest_first),
+        grid=BackwardGrid(longest_first=cfg.longest_first), items=ItemWalk(rotates=not cfg.deterministic),
     )

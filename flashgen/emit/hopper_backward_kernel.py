@@ -247,6 +247,10 @@ def _tma(plan: HopperBackwardPlan, name: str, dst: str, bar: str, row: str, head
             for b in plan.loads[name].boxes]
 
 
+#: the walk over the CTA's items (the plan's ItemWalk): its cursor's start and step, the producer's and the consumers'
+_FIRST_ITEM, _NEXT_ITEM = "ItemCursor cur = first_item(n_q, p.kv_group, kb);", "next_item(cur, n_q, p.kv_group)"
+
+
 def _producer(plan: HopperBackwardPlan) -> list[str]:
     ring = plan.ring
     out = ["mbar_arrive_expect_tx(bar_kv_full, 2 * KV_BYTES);"]
@@ -261,7 +265,7 @@ def _producer(plan: HopperBackwardPlan) -> list[str]:
                  f"mbar_arrive_expect_tx({bar}, Q_BYTES + STAT_BYTES);"]
         body += _tma(plan, name, f"s{name} + st * Q_BYTES", bar, "it.q_row0", "it.head")
         body += [f"bulk_load(s{stat} + st * STAT_BYTES, {src} + stat, STAT_BYTES, {bar});"]
-    return out + ["Cursor cur = first_item;", "for (int w = 0; w < work; ++w, next_item(cur)) {"] + ["    " + l for l in body] + ["}"]
+    return out + [_FIRST_ITEM, f"for (int w = 0; w < work; ++w, {_NEXT_ITEM}) {{"] + ["    " + l for l in body] + ["}"]
 
 
 def _epilogue(plan: HopperBackwardPlan) -> list[str]:
@@ -313,6 +317,7 @@ constexpr uint32_t DQ_COLS = $dq_cols;  // columns of dQ per consumer
 // ---- the score mask, and the mask seen from a key block ----
 $mask_fns
 $query_block_fns
+$item_walk_fns
 
 // ---- the backward's rules ----
 $rule_fns
@@ -364,18 +369,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     $block_mask_clip
     const int n_q = qb_end - qb_begin, work = n_q > 0 ? n_q * p.kv_group : 0;  // (query head, query block) items
     struct Item { int head, q_row0; };
-    // the items in the plan's item_order: from the first, each the next one cyclically (query block, then query head),
-    // a cursor stepped once per item (an integer division per item cost ~60 instructions beside dP^T's wgmma)
-    struct Cursor { int h, q; };  // the item's query head within the group, its query block from qb_begin
-    const int first = work > 0 ? $item_first : 0;
-    const Cursor first_item{work > 0 ? first / n_q : 0, work > 0 ? first % n_q : 0};
-    auto item = [&](const Cursor& c) { return Item{kv_head * p.kv_group + c.h, (qb_begin + c.q) * int(B_r)}; };
-    auto next_item = [&](Cursor& c) {
-        if (++c.q == n_q) {
-            c.q = 0;
-            if (++c.h == p.kv_group) c.h = 0;
-        }
-    };
+    auto item = [&](const ItemCursor& c) { return Item{kv_head * p.kv_group + c.h, (qb_begin + c.q) * int(B_r)}; };
     if (threadIdx.x == 0) {
         $barrier_init
         fence_mbarrier_init();
@@ -399,8 +393,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     #pragma unroll
     for (uint32_t i = 0; i < D_HEAD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
     if (work > 0) mbar_wait(bar_kv_full, 0);
-    Cursor cur = first_item;
-    for (int w = 0; w < work; ++w, next_item(cur)) {
+    $first_item
+    for (int w = 0; w < work; ++w, $next_item) {
         const Item it = item(cur);
         const int head = it.head, q_row0 = it.q_row0, qb = qb_begin + cur.q;
         const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) % DS_BUFFERS;  // ring slot and parity; dS^T buffer
@@ -522,13 +516,13 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,
         consumers=plan.consumers, threads=plan.threads, smem_bytes=plan.smem_bytes,
         q_bytes=f"{plan.tiles['Q'].stage_bytes}u", kv_bytes=f"{plan.tiles['K'].stage_bytes}u", ds_bytes=f"{plan.tiles['dS'].stage_bytes}u",
-        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), mod_params=plan.score_mask.params_cpp(backward=True),
+        dq_cols=plan.dq_cols, mask_fns=plan.score_mask.to_cpp(backward=True), item_walk_fns=plan.items.to_cpp(), mod_params=plan.score_mask.params_cpp(backward=True),
         mod_fill=plan.score_mask.fill_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         grid=plan.grid.described(cfg.B_c), cta_indices=plan.grid.indices_described(), cta=plan.grid.kernel_cpp(),
         warpgroup="warpgroup_index()" if plan.uniform_warpgroup else "threadIdx.x / 128",
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()], elem_t=cfg.dtype.cpp,
-        dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, item_first=plan.item_first_cpp,
+        dq_index_fn=plan.dq_stage.index_cpp(), ds_buffers=plan.tiles["dS"].stages, first_item=_FIRST_ITEM, next_item=_NEXT_ITEM,
         ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(plan.dq_stage), convert_grid=convert_grid(plan.dq_stage), smem_decls=_smem_decls(plan),
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],

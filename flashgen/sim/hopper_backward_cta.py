@@ -132,8 +132,7 @@ class HopperBwdCta:
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
         if block_mask is not None:
             qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
-        items = [(h, j) for h in range(len(heads)) for j in range(*qb)]
-        self.work = [items[i] for i in plan.item_order(len(items), prob.kb)] if items else []
+        self.work = [(h, qb[0] + q) for h, q in plan.items.order(max(0, qb[1] - qb[0]), len(heads), prob.kb)]
         self.scale = _F32(scale)
         self.scale_log2 = scale_log2(plan, scale)
         self.smem = np.zeros(plan.smem_bytes, np.uint8)

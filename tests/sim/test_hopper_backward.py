@@ -357,7 +357,7 @@ def test_ordered_adds_walk_the_query_blocks_upwards_and_take_turns():
     """With ordered dQ adds a CTA must not start at item kb (it would wait for the lower key blocks' adds
     of that query block, which they make last), and every add sits between its turn and its pass."""
     plain, ordered = make_hopper_backward_plan(_cfg()), make_hopper_backward_plan(_cfg().replace(deterministic=True))
-    assert plain.item_order(5, 2) == [2, 3, 4, 0, 1] and ordered.item_order(5, 2) == [0, 1, 2, 3, 4]
+    assert plain.items.order(5, 1, 2) == [(0, q) for q in (2, 3, 4, 0, 1)] and ordered.items.order(5, 1, 2) == [(0, q) for q in range(5)]
     ops = [s.op for s in ordered.schedule]
     at = ops.index("reduce_gm")
     assert ops[at - 1:at + 2] == ["wait_order", "reduce_gm", "signal_order"]

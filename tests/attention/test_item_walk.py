@@ -1,0 +1,48 @@
+"""The backward CTA's walk of its work items (flashgen.attention.item_walk): every (query head, query block) item
+once, from the key block's item where it rotates (item 0 where it does not), each next item cyclically; the emitted
+cursor visits the items the Python walk does."""
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flashgen.attention.item_walk import ItemWalk
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to run the emitted C++ walk")
+WALKS = (ItemWalk(rotates=True), ItemWalk(rotates=False))
+
+
+@given(rotates=st.booleans(), n_q=st.integers(0, 9), group=st.integers(1, 5), kb=st.integers(0, 60))
+def test_the_walk_visits_every_item_once_from_its_first_in_cyclic_order(rotates, n_q, group, kb):
+    walk = ItemWalk(rotates=rotates)
+    order = walk.order(n_q, group, kb)
+    work = n_q * group
+    assert sorted(order) == sorted(itertools.product(range(group), range(n_q)))
+    first = kb % work if rotates and work else 0
+    assert [h * n_q + q for h, q in order] == [(first + w) % work for w in range(work)]
+
+
+def test_a_key_block_without_visited_query_blocks_walks_nothing():
+    assert all(walk.order(0, 4, 3) == [] == walk.order(-2, 4, 3) for walk in WALKS)
+
+
+@needs_gxx
+@pytest.mark.parametrize("walk", WALKS, ids=("rotates", "upwards"))
+def test_the_emitted_cursor_walks_as_the_python_does(tmp_path, walk):
+    cases = list(itertools.product((0, 1, 3, 7), (1, 2, 5), (0, 1, 4, 23)))
+    body = "".join(f"    {{ ItemCursor c = first_item({n_q}, {group}, {kb});\n"
+                   f"      for (int w = 0; w < {n_q * group}; ++w, next_item(c, {n_q}, {group})) printf(\"%d %d \", c.h, c.q);\n"
+                   "      printf(\"\\n\"); }\n" for n_q, group, kb in cases)
+    src = tmp_path / "walk.cpp"
+    src.write_text("#include <stdio.h>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
+                   + walk.to_cpp() + "\nint main() {\n" + body + "}\n")
+    exe = tmp_path / "walk"
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+    got = [[tuple(map(int, pair)) for pair in zip(*[iter(line.split())] * 2)] for line in out]
+    assert got == [walk.order(n_q, group, kb) for n_q, group, kb in cases]
