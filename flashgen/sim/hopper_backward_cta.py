@@ -42,7 +42,8 @@ Hazards (strings; empty = clean)
   handoff); a ``store_rf dS`` overwriting rows of a buffer that some consumer's dQ GEMM has not read,
   or read without that read being ordered before the store; stores outside the dS buffer;
 * dataflow: P, dS, their fragments, dV, dK, dQ computed from another item's values; each GEMM
-  not exactly once per item; a deadlock (a wait that never passes); dK or dV staged outside the consumer's rows.
+  not exactly once per item; a deadlock (a wait that never passes); dK or dV staged in a layout whose adjacent
+  columns are not adjacent elements (what a 32-bit store of a value pair needs).
 """
 from __future__ import annotations
 
@@ -510,8 +511,8 @@ class HopperBwdCta:
             stage = tile.offset // 2 + offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> 16-bit element
             ev = np.arange(0, m.rows.shape[1], 2)
             dst = stage[kr + m.rows[:, ev], m.cols[:, ev]]
-            if not np.isin(np.concatenate([dst.ravel(), dst.ravel() + 1]), stage[kr:kr + 64]).all():
-                self.flag(where, f"{name} staged outside the consumer's rows of {tile.name}")
+            if not np.array_equal(stage[kr + m.rows[:, ev], m.cols[:, ev] + 1], dst + 1):
+                self.flag(where, f"{name}: a 32-bit store of columns (c, c + 1) does not write them side by side in {tile.name}'s layout")
                 continue
             vals = hw.encode(acc, self.cfg.dtype)
             img[dst], img[dst + 1] = vals[:, ev], vals[:, ev + 1]

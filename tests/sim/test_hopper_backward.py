@@ -16,6 +16,7 @@ from flashgen.dsl.atoms.hopper import GmmaSwizzle, kmajor_tile_layout
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.hopper_backward_plan import _schedule as _hopper_schedule, make_hopper_backward_plan
 from flashgen.dsl.hopper_backward_smem import DsStore
+from flashgen.dsl.layout import Layout
 from flashgen.dsl.steps import Handoff, Release, WaitFull, WgmmaWait
 from flashgen.sim import hardware as hw
 from flashgen.sim.grad_reference import gradients
@@ -202,6 +203,17 @@ def test_a_dq_split_that_misses_rows_or_columns_fails_its_proof(changes):
     """The consumers' dQ tiles must cover the 128 x 64 query block once, each the dQ GEMM's 64 x 64."""
     assert [c.name for c in hopper_backward_checks(ROWS) if not c.ok] == []
     assert "barriers and ring" in [c.name for c in hopper_backward_checks(_dq_split(ROWS, **changes)) if not c.ok]
+
+
+def test_a_staging_layout_that_splits_a_value_pair_is_flagged():
+    """dK staged in a column-major tile (columns c and c + 1 a tile height apart): a 32-bit store of the pair cannot
+    write both, so the simulator names the hazard (and the dK store boxes' proof fails)."""
+    store = PLAN.stores["dK"]
+    tile = attrs.evolve(store.tile, layout=Layout((store.tile.rows, store.tile.cols), (1, store.tile.rows)))
+    plan = attrs.evolve(PLAN, stores={**PLAN.stores, "dK": attrs.evolve(store, tile=tile)})
+    assert "dK store boxes" in [c.name for c in hopper_backward_checks(plan) if not c.ok]
+    res = simulate_hopper_backward(plan, *INPUTS)
+    assert any("a 32-bit store of columns (c, c + 1)" in h for h in res.hazards), res.hazards[:3]
 
 
 def _schedule(plan, schedule):
