@@ -16,7 +16,9 @@ table. Its instructions must be the profiled kernel's, one for one (else the too
 flashgen version or compiler). An instruction counts at the line of its outermost call site in the kernel
 (an inlined helper's at the line that calls it), a line at the schedule step whose marker (``// [step]`` or
 ``// ---- section ----``) comes last above it. Prints each step's share of all samples and its commonest
-stall reasons, in the order the steps first appear; ``--top N`` adds the N instructions with the most samples.
+stall reasons, in the order the steps first appear, and, where the report counted them, its share of the warp
+instructions executed (work the step's warps issued, waiting or not); ``--top N`` adds the N instructions with the
+most samples.
 Warps that wait count as much as warps that work: a producer spinning on a barrier shows, so read a step's
 share next to what its warps had to do. A stall counts at the instruction waiting to issue: a barrier's wait
 shows at the first instruction after it, often the next step's.
@@ -42,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: ncu's column of every warp-state sample at an instruction, and the prefix of its per-reason columns
 ALL_SAMPLES, STALL = "Warp Stall Sampling (All Samples)", "stall_"
+#: ncu's column of the warp-level instructions executed at an instruction (absent: counted as 0)
+EXECUTED = "Instructions Executed"
 _MARKER = re.compile(r"\s*// (?:\[([^\]]+)\]|---- (.+?) ----)")
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*(?:/\*.*)?$")
 _KERNEL = re.compile(r"__global__ .*?(\w+)\(const")
@@ -54,6 +58,7 @@ class Sample:
     sass: str
     samples: int
     stalls: dict
+    executed: int = 0  # warp-level instructions executed
 
 
 @attrs.define
@@ -63,6 +68,7 @@ class StepShare:
     step: str
     samples: int = 0
     stalls: collections.Counter = attrs.Factory(collections.Counter)
+    executed: int = 0
 
 
 def read_samples(text: str) -> tuple[str, list[Sample]]:
@@ -82,7 +88,7 @@ def read_samples(text: str) -> tuple[str, list[Sample]]:
             continue
         d = dict(zip(head, r))
         out.append(Sample(d["Source"].strip(), int(d[ALL_SAMPLES] or 0),
-                          {c[len(STALL):]: int(d[c] or 0) for c in reasons}))
+                          {c[len(STALL):]: int(d[c] or 0) for c in reasons}, int(d.get(EXECUTED) or 0)))
     return name, out
 
 
@@ -146,6 +152,7 @@ def attribute(samples: list[Sample], lines: list[tuple[str, int | None]], steps:
         step = steps.get(line, "(no line)") if line else "(no line)"
         share = shares.setdefault(step, StepShare(step))
         share.samples += s.samples
+        share.executed += s.executed
         share.stalls.update(s.stalls)
     return list(shares.values())
 
@@ -174,10 +181,12 @@ def disassemble(cu: Path, arch: str) -> str:
 
 def report(shares: list[StepShare], samples: list[Sample], top: int) -> str:
     total = sum(s.samples for s in samples) or 1
-    out = [f"{'share':>6}  {'step':42s} stall reasons (their share of the step's samples)"]
+    executed = sum(s.executed for s in samples)
+    insts = (lambda sh: f"{100 * sh.executed / executed:5.1f}%  ") if executed else (lambda sh: "")
+    out = [f"{'share':>6}  " + ("insts   " if executed else "") + f"{'step':42s} stall reasons (their share of the step's samples)"]
     for sh in shares:
         why = ", ".join(f"{k} {100 * v / (sh.samples or 1):.0f}%" for k, v in sh.stalls.most_common(3) if v)
-        out.append(f"{100 * sh.samples / total:5.1f}%  {sh.step[:42]:42s} {why}")
+        out.append(f"{100 * sh.samples / total:5.1f}%  {insts(sh)}{sh.step[:42]:42s} {why}")
     for s in sorted(samples, key=lambda s: -s.samples)[:top]:
         reason = max(s.stalls, key=s.stalls.get) if s.stalls else ""
         out.append(f"{100 * s.samples / total:5.2f}%  {reason:16s} {s.sass}")
@@ -198,11 +207,13 @@ def main(argv=None) -> int:
     lines = line_table(disassemble(args.cu, args.arch), section_of(name))
     shares = attribute(samples, lines, steps_by_line(args.cu.read_text()))
     total = sum(s.samples for s in samples)
-    print(f"{name}: {total} samples")
+    executed = sum(s.executed for s in samples)
+    print(f"{name}: {total} samples" + (f", {executed} warp instructions executed" if executed else ""))
     print(report(shares, samples, args.top))
     if args.json:
         args.json.write_text(json.dumps({"kernel": name, "samples": total, "steps": [
-            {"step": sh.step, "samples": sh.samples, "stalls": dict(sh.stalls.most_common())} for sh in shares]}, indent=1))
+            {"step": sh.step, "samples": sh.samples, "executed": sh.executed, "stalls": dict(sh.stalls.most_common())}
+            for sh in shares]}, indent=1))
     return 0
 
 

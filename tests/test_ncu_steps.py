@@ -56,16 +56,18 @@ LISTING = """\
 """
 
 
-def _csv(rows: list[tuple[str, int, dict]], kernel: str = KERNEL) -> str:
-    """ncu's source page as CSV (`--page source --csv --print-source sass`), the columns the tool reads."""
+def _csv(rows: list[tuple[str, int, dict]], kernel: str = KERNEL, executed: "list[int] | None" = None) -> str:
+    """ncu's source page as CSV (`--page source --csv --print-source sass`), the columns the tool reads; ``executed``:
+    each instruction's warp instructions executed (no such column without)."""
     reasons = ["stall_barrier", "stall_long_sb", "stall_math", "stall_lg"]
     out = io.StringIO()
     w = csv.writer(out, quoting=csv.QUOTE_ALL)
     w.writerow(["Kernel Name", kernel])
-    w.writerow(["Address", "Source", ncu_steps.ALL_SAMPLES, "# Samples", *reasons,
+    w.writerow(["Address", "Source", ncu_steps.ALL_SAMPLES, "# Samples", *([ncu_steps.EXECUTED] if executed else []), *reasons,
                 *(f"{r} (Not Issued)" for r in reasons)])
     for i, (sass, n, why) in enumerate(rows):
-        w.writerow([hex(0x7f0000 + 16 * i), f"      {sass}", n, n, *(why.get(r[6:], 0) for r in reasons), *([0] * 4)])
+        w.writerow([hex(0x7f0000 + 16 * i), f"      {sass}", n, n, *([executed[i]] if executed else []),
+                    *(why.get(r[6:], 0) for r in reasons), *([0] * 4)])
     return out.getvalue()
 
 
@@ -87,6 +89,19 @@ def test_samples_go_to_the_step_of_the_kernel_line_that_issued_them():
     assert shares["gemm S"].stalls["math"] == 27 and shares["gemm S"].stalls["barrier"] == 3
     text = ncu_steps.report(list(shares.values()), samples, top=1)
     assert "39.0%  epilogue" in text and text.splitlines()[-1].split()[:2] == ["39.00%", "long_sb"]
+
+
+def test_executed_instructions_are_summed_per_step_where_the_report_counted_them():
+    """The loop's instructions ran 8 times, the setup and epilogue's once: the step's share of the work issued."""
+    executed = [1, 8, 8, 8, 1, 1]
+    name, samples = ncu_steps.read_samples(_csv(PROFILE, executed=executed))
+    lines = ncu_steps.line_table(LISTING, ncu_steps.section_of(name))
+    shares = {s.step: s for s in ncu_steps.attribute(samples, lines, ncu_steps.steps_by_line(SOURCE))}
+    assert {k: v.executed for k, v in shares.items()} == {"kernel: setup": 1, "gemm S": 16, "reduce_gm dQ": 8, "epilogue": 2}
+    row = next(line for line in ncu_steps.report(list(shares.values()), samples, top=0).splitlines() if "gemm S" in line)
+    assert row.split()[:3] == ["30.0%", "59.3%", "gemm"]  # 30 of 100 samples, 16 of 27 instructions
+    plain = ncu_steps.report(list(shares.values()), ncu_steps.read_samples(_csv(PROFILE))[1], top=0)
+    assert "insts" not in plain
 
 
 def test_a_different_kernel_is_refused():
