@@ -22,6 +22,12 @@ most samples.
 Warps that wait count as much as warps that work: a producer spinning on a barrier shows, so read a step's
 share next to what its warps had to do. A stall counts at the instruction waiting to issue: a barrier's wait
 shows at the first instruction after it, often the next step's.
+
+``record`` does all of it on the GPU machine for the kernel a user's ``compile("auto")`` runs on a benchmark
+shape (16 heads, 16k tokens): it writes that kernel's .cu, profiles one launch under ncu, exports the source
+page and prints the attribution:
+
+    python benchmarks/ncu_steps.py record --pass bwd --d-head 128 --seq 2048 [--dtype bf16] [--causal] -o prof/
 """
 from __future__ import annotations
 
@@ -193,8 +199,76 @@ def report(shares: list[StepShare], samples: list[Sample], top: int) -> str:
     return "\n".join(out)
 
 
+#: the profiled process (``record``): the pass of the kernel compile("auto") picks, on the benchmark's shape
+_RUN = r"""
+import json, sys, torch, flashgen
+from flashgen.build import build
+r = json.loads(sys.argv[1])
+dtype, dev = getattr(torch, r["dtype"]), torch.device("cuda", 0)
+attn = flashgen.compile("auto")
+picked = attn.pick(dev, dtype, r["d_head"], r["seq"], "causal" if r["causal"] else "none")
+built = build(picked.backward_config(r["seq"]), picked.built.capability) if r["pass"] == "bwd" else picked.built
+open(r["cu"], "w").write(built.source())
+print("NCU-STEPS-KERNEL " + built.name, flush=True)
+shape = (16384 // r["seq"], r["seq"], 16, r["d_head"])
+q, k, v = (torch.randn(shape, device=dev, dtype=dtype, requires_grad=r["pass"] == "bwd") for _ in range(3))
+o = attn(q, k, v, causal=r["causal"])
+do = torch.randn_like(o)
+for _ in range(3):
+    torch.autograd.grad(o, (q, k, v), do, retain_graph=True) if r["pass"] == "bwd" else attn(q, k, v, causal=r["causal"])
+torch.cuda.synchronize()
+"""
+
+
+def record_commands(row: dict, out: Path, ncu: str = "ncu") -> tuple[list[str], list[str]]:
+    """(the profiling run, the source page's export) of ``row`` (pass, dtype, d_head, seq, causal) into ``out``: one
+    launch of the pass's main kernel (``<kernel>::kernel``, the first after three warm-up calls' compile), every
+    section, no source import (the .cu is written beside)."""
+    kernel = "flash_bwd" if row["pass"] == "bwd" else "flash_fwd"
+    run = [ncu, "--set", "full", "--import-source", "no", "--kernel-name-base", "demangled",
+           "--kernel-name", f"regex:{kernel}.*::kernel", "--launch-count", "1", "-f", "-o", str(out / "profile"),
+           sys.executable, "-c", _RUN, json.dumps({**row, "cu": str(out / "kernel.cu")})]
+    export = [ncu, "-i", str(out / "profile.ncu-rep"), "--page", "source", "--csv", "--print-source", "sass"]
+    return run, export
+
+
+def record(argv) -> int:
+    """Profile the kernel compile("auto") runs for one shape and attribute its samples to its steps (GPU machine)."""
+    from flashgen.options import positive_int
+
+    p = argparse.ArgumentParser(prog="ncu_steps.py record", description=record.__doc__)
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="bwd", help="the forward or the backward (default)")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--d-head", type=positive_int, default=128)
+    p.add_argument("--seq", type=positive_int, default=2048, help="sequence length; batch = 16384 / seq (at least 1)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--top", type=positive_int, default=20, help="also list the N instructions with the most samples")
+    p.add_argument("-o", "--out", type=Path, default=Path("ncu_steps_out"), help="folder for the report, CSV, .cu, JSON")
+    args = p.parse_args(argv)
+    ncu = os.environ.get("NCU") or shutil.which("ncu")
+    if ncu is None:
+        raise SystemExit("record needs Nsight Compute's ncu on PATH (or NCU naming it), on a machine with a CUDA GPU")
+    if args.seq > 16384:
+        raise SystemExit(f"--seq {args.seq}: at most 16384 (the benchmark's 16k tokens)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    row = {"pass": args.pass_, "dtype": {"bf16": "bfloat16", "fp16": "float16"}[args.dtype], "d_head": args.d_head,
+           "seq": args.seq, "causal": args.causal}
+    run, export = record_commands(row, args.out, ncu)
+    proc = subprocess.run(run, capture_output=True, text=True)
+    if proc.returncode != 0 or not (args.out / "profile.ncu-rep").exists():
+        raise SystemExit(f"ncu failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    csv_text = subprocess.run(export, check=True, capture_output=True, text=True).stdout
+    (args.out / "sass.csv").write_text(csv_text)
+    return main([str(args.out / "sass.csv"), str(args.out / "kernel.cu"), "--top", str(args.top),
+                 "--json", str(args.out / "steps.json")])
+
+
 def main(argv=None) -> int:
     from flashgen.options import positive_int
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["record"]:
+        return record(argv[1:])
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", type=Path, help="ncu's source page of one kernel, SASS, as CSV")

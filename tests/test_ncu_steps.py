@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import shutil
 import sys
@@ -144,3 +145,25 @@ def test_an_emitted_kernel_maps_onto_its_schedule_steps(tmp_path):
     shares = ncu_steps.attribute(ncu_steps.read_samples(_csv(profile, name))[1], lines, steps)
     assert {s.step for s in shares if s.samples} == {"reduce_gm dQ"}
     assert {s.step for s in shares} >= {"gemm S", "gemm dV", "gemm dK", "gemm dQ", "epilogue"}
+
+
+def test_record_profiles_one_launch_of_the_passes_main_kernel(tmp_path):
+    """The profiling run filters the pass's main kernel, one launch, every section, into the output folder; the
+    profiled process writes the kernel's .cu there; the export reads that report's SASS source page."""
+    row = {"pass": "bwd", "dtype": "bfloat16", "d_head": 128, "seq": 2048, "causal": True}
+    run, export = ncu_steps.record_commands(row, tmp_path, "ncu")
+    flags = dict(zip(run, run[1:]))
+    assert flags["--kernel-name"] == "regex:flash_bwd.*::kernel" and flags["--launch-count"] == "1"
+    assert flags["--set"] == "full" and flags["-o"] == str(tmp_path / "profile")
+    assert json.loads(run[-1]) == {**row, "cu": str(tmp_path / "kernel.cu")} and run[-4:-2] == [sys.executable, "-c"]
+    compile(run[-2], "<run>", "exec")  # the profiled script parses
+    assert export[:3] == ["ncu", "-i", str(tmp_path / "profile.ncu-rep")] and export[-3:] == ["--csv", "--print-source", "sass"]
+    fwd, _ = ncu_steps.record_commands({**row, "pass": "fwd"}, tmp_path)
+    assert "regex:flash_fwd.*::kernel" in fwd
+
+
+def test_record_without_ncu_says_what_it_needs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("NCU", raising=False)
+    with pytest.raises(SystemExit, match="needs Nsight Compute's ncu"):
+        ncu_steps.main(["record", "-o", str(tmp_path / "out")])
