@@ -209,7 +209,6 @@ attn = flashgen.compile("auto")
 picked = attn.pick(dev, dtype, r["d_head"], r["seq"], "causal" if r["causal"] else "none")
 built = build(picked.backward_config(r["seq"]), picked.built.capability) if r["pass"] == "bwd" else picked.built
 open(r["cu"], "w").write(built.source())
-print("NCU-STEPS-KERNEL " + built.name, flush=True)
 shape = (16384 // r["seq"], r["seq"], 16, r["d_head"])
 q, k, v = (torch.randn(shape, device=dev, dtype=dtype, requires_grad=r["pass"] == "bwd") for _ in range(3))
 o = attn(q, k, v, causal=r["causal"])

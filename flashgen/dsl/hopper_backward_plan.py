@@ -130,11 +130,6 @@ class HopperBackwardPlan(WarpSpecialized):
         score_mod whose derivative reads the score: there ptxas spilled 12 bytes with softcap (none without)."""
         return not self.score_mask.derivative_reads_score
 
-    @property
-    def rotates_items(self) -> bool:
-        """Whether the CTAs start their walks at their key block's item (:class:`~flashgen.attention.item_walk.ItemWalk`)."""
-        return self.items.rotates
-
 
 def _kmajor_desc(operand: str, rows: int, cols: int, dtype, rows_per_wgmma: int) -> OperandDesc:
     """A K-major operand of a ``rows x cols`` tile: steps along its columns, consumer blocks down its rows."""

@@ -332,7 +332,7 @@ $ptx_helpers
 struct Params {
     CUtensorMap tm_q, tm_k, tm_v, tm_do;  // (d_head, seq, heads, batch) maps, 64-column boxes of B_r or B_c rows, 128B swizzle
     CUtensorMap tm_dk, tm_dv;  // the same of dK and dV, boxes of $store_rows rows (one consumer's)
-    const elem_t* o; const elem_t* dout; elem_t* dq; elem_t* dk; elem_t* dv;
+    const elem_t* o; const elem_t* dout; elem_t* dq;  // dK and dV are written through tm_dk, tm_dv
     const float* lse;   // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
     const float* dlse;  // the gradient of the returned lse, the same shape, or nullptr
     float* delta;       // D = rowsum(dO * O) - dlse, (batch, heads, stat_len): the workspace's, padded
@@ -340,7 +340,7 @@ struct Params {
     int* dq_turns;      // deterministic: key blocks done adding dQ, (batch, heads, query blocks, consumers), zero at launch; else nullptr
     float* dq_accum;    // fp32 dQ sums, (batch, heads, stat_len / B_r) chunks of B_r x D_HEAD in fragment order (dq_chunk_index): the workspace's, zeroed by the preprocess
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
-    int64_t dq_batch, dq_head, dq_ld, dk_batch, dk_head, dk_ld, dv_batch, dv_head, dv_ld;
+    int64_t dq_batch, dq_head, dq_ld;
     int heads, seq_q, seq_k, kv_group, stat_len;  // stat_len: seq_q rounded up to whole query blocks
     int mask_offset, window_left, window_right;
     float scale, scale_log2;
@@ -453,14 +453,12 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     float* dq_accum = (float*)(turns + dq_turn_count(a));
     float* delta = dq_accum + size_t(a->batch) * a->heads * stat_len * D_HEAD;
     float* lse_log2 = delta + size_t(a->batch) * a->heads * stat_len;
-    p.o = (const elem_t*)a->o; p.dout = (const elem_t*)a->dout; p.dq = (elem_t*)a->dq; p.dk = (elem_t*)a->dk; p.dv = (elem_t*)a->dv;
+    p.o = (const elem_t*)a->o; p.dout = (const elem_t*)a->dout; p.dq = (elem_t*)a->dq;
     p.lse = a->lse; p.dlse = a->dlse; p.delta = delta; p.lse_log2 = lse_log2; p.dq_accum = dq_accum;
     p.dq_turns = dq_turn_count(a) ? turns : nullptr;
     p.o_batch = a->o_stride[0]; p.o_head = a->o_stride[1]; p.o_ld = a->o_stride[2];
     p.do_batch = a->do_stride[0]; p.do_head = a->do_stride[1]; p.do_ld = a->do_stride[2];
     p.dq_batch = a->dq_stride[0]; p.dq_head = a->dq_stride[1]; p.dq_ld = a->dq_stride[2];
-    p.dk_batch = a->dk_stride[0]; p.dk_head = a->dk_stride[1]; p.dk_ld = a->dk_stride[2];
-    p.dv_batch = a->dv_stride[0]; p.dv_head = a->dv_stride[1]; p.dv_ld = a->dv_stride[2];
     p.heads = a->heads; p.seq_q = a->seq_q; p.seq_k = a->seq_k; p.kv_group = a->heads / a->kv_heads; p.stat_len = stat_len;
     p.mask_offset = a->mask_offset; p.window_left = a->window_left; p.window_right = a->window_right;
     p.scale = a->softmax_scale; p.scale_log2 = a->softmax_scale * $log2e;

@@ -76,7 +76,7 @@ from flashgen.dsl.steps import (J, Block, ConvertP, FinishRows, Gemm, Pass, Rele
 from flashgen.sim import block_mask as bm
 from flashgen.sim import hardware as hw
 from flashgen.sim.cta import check_mods
-from flashgen.sim.layout_eval import offsets
+from flashgen.sim.layout_eval import offsets, tile_table
 
 SWIZZLE_SPAN = 128  # bytes of one 128B-swizzle row: 64 16-bit columns per TMA box
 
@@ -693,7 +693,7 @@ class _Cta:
             ld = self.plan.q_load
             tile = self.plan.tiles[ld.tile]
             src_r, src_c, _, _ = _register_load_map(ld, self.plan.gemm_S.atom)
-            table = offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> element offset (colex)
+            table = tile_table(tile)  # [row, col] -> element offset
             rows = 64 * c.w + src_r
             inside = (rows < tile.rows) & (src_c < tile.cols)
             self._q_frag_addr[c.w] = (tile.offset + 2 * table[np.where(inside, rows, 0), np.where(inside, src_c, 0)], inside)

@@ -62,7 +62,7 @@ from flashgen.sim import hardware as hw
 from flashgen.sim.backward_cta import BwdHeadData, BwdProblem, backward_dscores, backward_scores, scale_log2
 from flashgen.sim.block_mask import BackwardView
 from flashgen.sim.hopper import a_table, c_table, phase_passed, read16, tma_fill, tma_read, walk_consumers, wgmma_k16
-from flashgen.sim.layout_eval import offsets
+from flashgen.sim.layout_eval import tile_table
 from flashgen.sim.hopper_backward_smem import ds_store_targets
 
 _F32 = np.float32
@@ -508,7 +508,7 @@ class HopperBwdCta:
         for name, out, acc in (("dK", self.dk, self.plan.score_grad.scaled(c.acc["dK"], self.scale)), ("dV", self.dv, c.acc["dV"])):
             store, m = self.plan.stores[name], self.maps[name]
             tile = store.tile
-            stage = tile.offset // 2 + offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> 16-bit element
+            stage = tile.offset // 2 + tile_table(tile)  # [row, col] -> 16-bit element of the image
             ev = np.arange(0, m.rows.shape[1], 2)
             dst = stage[kr + m.rows[:, ev], m.cols[:, ev]]
             if not np.array_equal(stage[kr + m.rows[:, ev], m.cols[:, ev] + 1], dst + 1):

@@ -13,12 +13,9 @@ from flashgen.dsl.config import WARPGROUP as WG
 from flashgen.dsl.hopper_backward_plan import HopperBackwardPlan
 from flashgen.sim import hardware as hw
 from flashgen.sim.hopper import c_table
-from flashgen.sim.layout_eval import offsets
+from flashgen.sim.layout_eval import tile_table
 
-
-def tile_table(tile) -> np.ndarray:
-    """``[row, col]`` -> element offset of a shared tile's layout (from its stage base)."""
-    return offsets(tile.layout).reshape(tile.cols, tile.rows).T
+__all__ = ["OUTSIDE", "ds_store_targets", "tile_table"]
 
 
 #: ds_store_targets' offset of a value whose row or column lies past the tile

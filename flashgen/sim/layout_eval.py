@@ -24,3 +24,9 @@ def offsets(layout: Layout | ComposedLayout) -> np.ndarray:
     if not isinstance(layout, (Layout, ComposedLayout)):
         raise ValueError(f"offsets: expected a Layout or ComposedLayout; got {layout!r}")
     return layout.offsets().copy()
+
+
+def tile_table(tile) -> np.ndarray:
+    """``[row, col]`` -> element offset of a shared tile's layout (from its stage base): ``offsets`` of its
+    ``rows x cols`` layout, whose 1-D coordinate runs down the rows first."""
+    return offsets(tile.layout).reshape(tile.cols, tile.rows).T

@@ -170,7 +170,7 @@ def store_box_problems(store, what: str) -> list[str]:
     column block sits ``i`` boxes after row block 0 (consumer ``cw`` stores from ``base + cw * box bytes``), and
     each box reads (the 128B-swizzle byte rule) the elements the tile's layout stages there."""
     from flashgen.sim.hopper import tma_byte_addresses
-    from flashgen.sim.layout_eval import offsets
+    from flashgen.sim.layout_eval import tile_table
 
     rows, cols = store.tma.box_rows, store.tma.box_cols
     if rows != WGMMA_M:
@@ -179,7 +179,7 @@ def store_box_problems(store, what: str) -> list[str]:
     out = [f"{what} store box at row {b.row0}, column {b.col0} is not where consumer {b.row0 // rows} staged it"
            for b in store.boxes if b.smem_offset != first[b.col0] + (b.row0 // rows) * store.tma.bytes]
     tile = store.tile
-    staged = store.tma.dtype.size * offsets(tile.layout).reshape(tile.cols, tile.rows).T  # [row, col] -> byte in the tile
+    staged = store.tma.dtype.size * tile_table(tile)  # [row, col] -> byte in the tile
     for b in store.boxes:
         got = staged[b.row0:b.row0 + rows, b.col0:b.col0 + cols]
         bad = np.argwhere(got != tma_byte_addresses(rows, cols, b.smem_offset, store.tma.dtype.size)[:got.shape[0], :got.shape[1]])
