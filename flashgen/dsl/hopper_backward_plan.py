@@ -130,6 +130,13 @@ class HopperBackwardPlan(WarpSpecialized):
         score_mod whose derivative reads the score: there ptxas spilled 12 bytes with softcap (none without)."""
         return not self.score_mask.derivative_reads_score
 
+    @property
+    def stat_pairs(self) -> bool:
+        """Whether a consumer reads the lse and D of two adjacent query columns with one 8-byte load (its accumulator
+        values four at a time). Not with a score_mod whose derivative reads the score: softcap's consumer then
+        spilled 60 bytes (none with one value at a time)."""
+        return not self.score_mask.derivative_reads_score
+
 
 def _kmajor_desc(operand: str, rows: int, cols: int, dtype, rows_per_wgmma: int) -> OperandDesc:
     """A K-major operand of a ``rows x cols`` tile: steps along its columns, consumer blocks down its rows."""

@@ -113,6 +113,27 @@ def _per_value(plan: HopperBackwardPlan, n: str, lines: list[str], gemm: str = "
         ["    " + l for l in lines] + ["}"]
 
 
+def _per_column_pair(plan: HopperBackwardPlan, lines: list[str]) -> list[str]:
+    """``lines`` for every value ``i`` of S^T's accumulator (r, c as :func:`_per_value`), four at a time: a chunk's
+    values ``4 k + 2 h + e`` lie in columns ``c0 + e`` of its two rows (the plan's "S^T accumulator pattern"), so one
+    8-byte load per chunk gives ``_LSE`` and ``_DSUM``, the lse * log2(e) and D of the value's query column, for all
+    four (half the loads of one per value)."""
+    if not plan.stat_pairs:  # each value's own loads where they are used
+        return _per_value(plan, "B_r / 2", [l.replace(_LSE, "lse_log2[c]").replace(_DSUM, "dsum[c]") for l in lines])
+    c_map = plan.gemms["S"].atom.c_map
+    row, col = c_map.to_cpp("wtid", "i")
+    c0 = c_map.to_cpp("wtid", "(4u * k)")[1]
+    return ["#pragma unroll", "for (uint32_t k = 0; k < B_r / 8; ++k) {",
+            f"    const uint32_t c0 = {c0};  // the chunk's first column (even)",
+            "    const float2 lse_pair = *reinterpret_cast<const float2*>(lse_log2 + c0), dsum_pair = *reinterpret_cast<const float2*>(dsum + c0);",
+            "    #pragma unroll", "    for (uint32_t e = 0; e < 4; ++e) {",
+            f"        const uint32_t i = 4u * k + e, r = {row}, c = {col};", "        (void)r; (void)c;",
+            f"        const float {_LSE} = e % 2 ? lse_pair.y : lse_pair.x, {_DSUM} = e % 2 ? dsum_pair.y : dsum_pair.x;",
+            f"        (void){_LSE}; (void){_DSUM};"] + ["        " + l for l in lines] + ["    }", "}"]
+
+
+#: the lse * log2(e) and D of an accumulator value's query column, as _per_column_pair names them
+_LSE, _DSUM = "lse_c", "dsum_c"
 #: a consumer's accumulator value (r, c): its key and query rows
 _KEY, _QUERY = "kb * int(B_c) + int(64 * cw + r)", "q_row0 + int(c)"
 
@@ -124,16 +145,16 @@ def _recompute(plan: HopperBackwardPlan) -> list[str]:
     needs = "bwd_block_needs_mask(qb, kb, p.seq_q, p.seq_k, p.mask_offset, p.window_left, p.window_right)"
     grad = "g" if mask.derivative_reads_score else ""
     return [f"const bool masked = {mask.backward_masked_cpp(needs)};"] + mask.backward_items_cpp(
-        lambda lines: _per_value(plan, "B_r / 2", lines), lambda masked: [
+        lambda lines: _per_column_pair(plan, lines), lambda masked: [
             "float s = s_acc[i];", *([f"const int key = {_KEY};"] if mask.recompute_reads_indices(masked) else []),
             *(["float g;  // d score_mod / d score"] if grad else []),
             *mask.recompute_cpp("s", _QUERY, "key", "batch", "head", "g", masked),
-            "s_acc[i] = bwd_prob(s, p.scale_log2, lse_log2[c]);",
+            f"s_acc[i] = bwd_prob(s, p.scale_log2, {_LSE});",
         ] + (_grad_lines(plan, grad) if plan.grad_with_p else []))
 
 
 def _grad_lines(plan: HopperBackwardPlan, grad: str) -> list[str]:
-    return ["dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], dsum[c]);",
+    return [f"dp_acc[i] = bwd_dscore(s_acc[i], dp_acc[i], {_DSUM});",
             *plan.score_mask.score_grad_cpp("dp_acc[i]", "s_acc[i]", _QUERY, _KEY, "batch", "head", grad)]
 
 
@@ -141,7 +162,7 @@ def _grad_scores(plan: HopperBackwardPlan) -> list[str]:
     if plan.grad_with_p:
         why = "the score_mod's derivative reads the score" if plan.score_mask.derivative_reads_score else "fewer registers live"
         return [f"// made with P^T ({why})"]
-    return _per_value(plan, "B_r / 2", _grad_lines(plan, ""))
+    return _per_column_pair(plan, _grad_lines(plan, ""))
 
 
 def _convert(plan: HopperBackwardPlan, step: ConvertP) -> list[str]:
