@@ -33,7 +33,9 @@ class DqStage:
     every row). Each way consumer ``w``'s region is the ``w``-th of the chunk.
 
     Unordered adds go straight from the accumulators with ``red.global.add.v4.f32`` (no shared memory,
-    no barrier: on an H100 8-10% less backward time at d_head 64 and 0.5-2.5% at 128 than staging them),
+    no barrier: on an H100 8-10% less backward time at d_head 64 and 0.5-2.5% at 128 than staging them; on an
+    H200, staged with one thread's bulk reduction and the dS handoff's barrier freeing the region, 1-8% more time
+    at d_head 128 and 1-4% at 64),
     ``vec`` 4: an 8-column group's two columns of two rows. Ordered adds (``staged``, the deterministic
     backward) stage the region in shared memory at ``offset`` in 8-byte slots (``vec`` 2: conflict-free
     stores; 16-byte ones spilled at d_head 128 with a window) and add it with one ``cp.reduce.async.bulk``, whose

@@ -96,6 +96,7 @@ def hopper_backward_checks(plan: HopperBackwardPlan) -> tuple[Check, ...]:
         Check("a_from_acc (P^T -> dV)", tuple(acc_to_a_problems(plan.a_from_acc, g["S"].atom.c_map, g["dV"].atom.a_map, "P^T"))),
         Check("a_from_acc (dS^T -> dK)", tuple(acc_to_a_problems(plan.a_from_acc, g["dP"].atom.c_map, g["dK"].atom.a_map, "dS^T"))),
         Check("S^T accumulator pattern", tuple(c_chunk_problems(g["S"].atom.c_map))),
+        *([Check("lse and D pair loads", tuple(pair_load_problems(g["S"].atom.c_map)[:SHOWN]))] if plan.stat_pairs else []),
     ) + tuple(Check(f"descriptors {name}", tuple(descriptor_problems(plan, name)[:SHOWN])) for name in g) + (
         Check("dS stores = dQ's dS operand reads", tuple(ds_handoff_problems(plan)[:SHOWN])),
         Check("barriers and ring", tuple(barrier_problems(plan))),
@@ -145,6 +146,15 @@ def c_chunk_problems(c_map: TVMap) -> list[str]:
     where = lambda k: f"accumulator map {c_map}: thread {k[0]} value {k[1]}"  # noqa: E731
     out = _mismatches("row", rows, rows[:, 2 * ((i // 2) % 2)], where)
     return out + _mismatches("column", cols, cols[:, :1] + 8 * (i // 4) + i % 2, where)
+
+
+def pair_load_problems(c_map: TVMap) -> list[str]:
+    """The wgmma backward reads the lse and D of a chunk's two columns (values ``4 chunk + e`` in column
+    ``col(thread, 4 chunk) + e``, :func:`c_chunk_problems`) with one 8-byte load: the chunk's first column must be
+    even (the statistics' rows start 16-byte aligned)."""
+    cols = c_map.tables()[1][:, ::4]
+    return [f"accumulator map {c_map}: thread {t} chunk {k} starts at column {cols[t, k]}, odd: its 8-byte load of the lse "
+            "and D pair is misaligned" for t, k in zip(*np.nonzero(cols % 2))]
 
 
 def acc_to_a_problems(table, c_map: TVMap, a_map: TVMap, what: str = "P") -> list[str]:

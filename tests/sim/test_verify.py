@@ -9,6 +9,8 @@ from flashgen.dsl.addressing import plan_splits, split_offsets, split_problems
 from flashgen.dsl.atoms.copy import GM2SM
 from flashgen.dsl.atoms.hopper import TmaStore
 from flashgen.dsl.config import KernelConfig
+from flashgen.dsl.backward_config import BackwardConfig
+from flashgen.dsl.hopper_backward_plan import make_hopper_backward_plan
 from flashgen.dsl.hopper_plan import make_hopper_plan
 from flashgen.dsl.layout import Layout
 from flashgen.dsl.notation import parse_config
@@ -22,8 +24,10 @@ from flashgen.sim.verify import (
     VerificationError,
     c_chunk_problems,
     c_row_pair_problems,
+    hopper_backward_checks,
     o_store_problems,
     p_from_s_problems,
+    pair_load_problems,
 )
 from flashgen.engines import verify_config, verify_plan
 
@@ -112,6 +116,20 @@ def test_c_chunk_pattern():
     assert c_chunk_problems(c) == [] and c_chunk_problems(plan.gemm_O.atom.c_map) == []
     chunks_4_apart = _with_col(c, ((2, 0, 0), (1, 0, 4)))
     assert c_chunk_problems(chunks_4_apart)[0].endswith("thread 0 value 4: column 4, expected 8")
+
+
+def test_the_lse_and_d_pair_loads_need_chunks_that_start_at_even_columns():
+    """The backward reads a chunk's two query columns' lse and D with one 8-byte load: a map whose chunks start at
+    odd columns (thread t at column t % 4, still the chunk pattern) fails the check, and the shipped ones pass it."""
+    plan = make_hopper_plan(WGMMA)
+    c = plan.gemm_S.atom.c_map
+    odd = _with_col(c, ((1, 0, 0), (1, 0, 8)))
+    assert pair_load_problems(c) == [] and c_chunk_problems(odd) == []
+    problems = pair_load_problems(odd)
+    assert problems and "thread 1 chunk 0 starts at column 1" in problems[0]
+    for d_head, mask in ((64, "none"), (128, "none"), (128, "causal")):
+        checks = {ch.name: ch.ok for ch in hopper_backward_checks(make_hopper_backward_plan(BackwardConfig.wgmma("bf16", d_head, mask)))}
+        assert checks["lse and D pair loads"]
 
 
 def test_p_from_s_every_thread():
