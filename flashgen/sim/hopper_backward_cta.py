@@ -475,16 +475,25 @@ class HopperBwdCta:
 
     def reduce_dq(self, c: _Consumer, j: int, where: str) -> None:
         """Consumer ``w``'s dQ (rows from ``row0(w)``, columns from ``col0(w)`` of the query block: the plan's
-        DqStage) added into the fp32 buffer (rows below seq_q)."""
+        DqStage) added into the fp32 buffer (rows below seq_q); where the plan stages it (ordered adds), through the
+        consumer's region of shared memory (value ``v`` of thread ``t`` at its DqStage slot), read back by the bulk
+        reduction in the chunk's fragment order."""
         self.touch(c, ("dQ",), (), where)
         self.expect(c, "dQ", "dQ", j, where)
         self.count(c, "reduce", j)
         h, qb = self.work[j]
         cq, st = self.maps["dQ"], self.plan.dq_stage
+        values = c.acc["dQ"]
+        if st.staged:
+            slots = st.slot(*np.indices(cq.rows.shape))
+            start = st.offset + c.w * st.region_bytes
+            region = self.smem[start:start + st.region_bytes].view("<f4")
+            region[slots] = values
+            values = region[slots]
         q, cols = st.element(c.w, cq.rows, cq.cols)
         rows = qb * self.cfg.B_r + q
         ok = rows < self.prob.seq_q
-        np.add.at(self.dq_accum[h], (rows[ok], cols[ok]), c.acc["dQ"][ok])
+        np.add.at(self.dq_accum[h], (rows[ok], cols[ok]), values[ok])
 
     # -- the end
     def finish(self, c: _Consumer) -> None:

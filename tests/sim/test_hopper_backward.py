@@ -15,7 +15,7 @@ from flashgen.cli import main
 from flashgen.dsl.atoms.hopper import GmmaSwizzle, kmajor_tile_layout
 from flashgen.dsl.backward_config import BackwardConfig
 from flashgen.dsl.hopper_backward_plan import _schedule as _hopper_schedule, make_hopper_backward_plan
-from flashgen.dsl.hopper_backward_smem import DsStore
+from flashgen.dsl.hopper_backward_smem import DqStage, DsStore
 from flashgen.dsl.layout import Layout
 from flashgen.dsl.steps import Handoff, Release, WaitFull, WgmmaWait
 from flashgen.sim import hardware as hw
@@ -203,6 +203,39 @@ def test_a_dq_split_that_misses_rows_or_columns_fails_its_proof(changes):
     """The consumers' dQ tiles must cover the 128 x 64 query block once, each the dQ GEMM's 64 x 64."""
     assert [c.name for c in hopper_backward_checks(ROWS) if not c.ok] == []
     assert "barriers and ring" in [c.name for c in hopper_backward_checks(_dq_split(ROWS, **changes)) if not c.ok]
+
+
+@pytest.mark.parametrize("d_head", [64, 128])
+def test_ordered_dq_staged_over_another_tile_corrupts_it_and_fails_the_smem_check(d_head):
+    """The deterministic backward stages dQ in shared memory before its bulk reduction: a region placed over sK
+    overwrites K rows that the next items' GEMMs still read (wrong dQ), and the shared-memory check names the overlap."""
+    plan = make_hopper_backward_plan(BackwardConfig.wgmma("bf16", d_head).replace(deterministic=True))
+    assert hopper_backward_coverage(plan)["smem"].ok
+    broken = _dq_split(plan, offset=plan.tiles["K"].offset)
+    cov = hopper_backward_coverage(broken)["smem"]
+    assert not cov.ok and "sK" in cov.detail and "sdQ" in cov.detail, cov.detail
+    inputs = INPUTS if d_head == 64 else INPUTS_128
+    good = _errors(plan.cfg, simulate_hopper_backward(plan, *inputs), inputs, {})["dq"]
+    assert good[0] <= good[1], good
+    errors = _errors(broken.cfg, simulate_hopper_backward(broken, *inputs), inputs, {})
+    assert not errors["dq"][0] <= 10 * errors["dq"][1], errors  # wrong or NaN (fp32 bits read as 16-bit K)
+
+
+@attrs.frozen
+class _SharedSlots(DqStage):
+    """A staging order in which values 0 and 1 of every thread share a slot (the second overwrites the first)."""
+
+    def slot(self, thread, value):
+        return super().slot(thread, value - (value == 1))
+
+
+def test_a_staging_order_that_reuses_a_slot_loses_dq_values():
+    """Each accumulator value of a staged dQ needs its own slot: where two share one, the bulk reduction adds the
+    second twice and the first never, and the simulated dQ is wrong (dK is not)."""
+    plan = make_hopper_backward_plan(BackwardConfig.wgmma("bf16", 128).replace(deterministic=True))
+    broken = attrs.evolve(plan, dq_stage=_SharedSlots(**attrs.asdict(plan.dq_stage, recurse=False)))
+    errors = _errors(broken.cfg, simulate_hopper_backward(broken, *INPUTS_128), INPUTS_128, {})
+    assert errors["dq"][0] > 10 * errors["dq"][1] and errors["dk"][0] <= errors["dk"][1], errors
 
 
 def test_a_staging_layout_that_splits_a_value_pair_is_flagged():
