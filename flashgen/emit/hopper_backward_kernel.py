@@ -118,7 +118,7 @@ def _per_column_pair(plan: HopperBackwardPlan, lines: list[str]) -> list[str]:
     values ``4 k + 2 h + e`` lie in columns ``c0 + e`` of its two rows (the plan's "S^T accumulator pattern"), so one
     8-byte load per chunk gives ``_LSE`` and ``_DSUM``, the lse * log2(e) and D of the value's query column, for all
     four (half the loads of one per value)."""
-    if not plan.stat_pairs:  # each value's own loads where they are used
+    if not plan.stat_pairs:  # each value's own loads where they are used (declared at the loop's top, softcap spilled 16-20 B)
         return _per_value(plan, "B_r / 2", [l.replace(_LSE, "lse_log2[c]").replace(_DSUM, "dsum[c]") for l in lines])
     c_map = plan.gemms["S"].atom.c_map
     row, col = c_map.to_cpp("wtid", "i")
