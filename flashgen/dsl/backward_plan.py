@@ -67,6 +67,7 @@ from .atoms.copy import (
 )
 from .atoms.mma import MMA_16x8x16
 from .backward_config import BackwardConfig
+from .dq_fragments import DqFragments
 from .layout import Layout
 from ..attention.score_mask import ScoreMask
 from .plan import OperandLoad, Schedule, TiledCopy, WarpGemm, _row_reduce_lanes, smem_tile_layout
@@ -104,6 +105,7 @@ class BackwardPlan:
     r2s: dict  # "dS"/"dK"/"dV" -> TiledCopy (accumulator -> shared, 16 bit)
     s2g: dict  # "dK"/"dV" -> TiledCopy
     red_dQ: TiledCopy  # dQ accumulator -> fp32 global buffer
+    dq_fragments: DqFragments  # the fp32 buffer's order: where red_dQ's values land
     schedule: Schedule
     row_reduce_lanes: tuple[int, ...]
     score_mask: ScoreMask
@@ -419,7 +421,7 @@ def make_backward_plan(cfg: BackwardConfig, mods: Any = None) -> BackwardPlan:
     if cfg.deterministic:
         dq_adds_once(red, cfg.n_warps, cfg.B_r, cfg.dq_cols)
     schedule = _schedule(cfg.stages, cfg.deterministic, mask.derivative_reads_score, cfg.split_scores)
-    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, schedule, _row_reduce_lanes(mma.c_map), mask,
+    return BackwardPlan(cfg, t, g2s, stats, gemms, r2s, s2g, red, DqFragments(red, cfg.n_warps, cfg.B_r, cfg.dq_cols), schedule, _row_reduce_lanes(mma.c_map), mask,
                         QueryBlocks(mask), Recompute(), ScoreGrad(), RowDot(), BackwardGrid(longest_first=cfg.longest_first),
                         cfg.d_head, 1 if cfg.split_scores else sp, cfg.dq_passes)
 

@@ -14,6 +14,7 @@ Both are bound by memory: on an H200 at 16k tokens, 16 heads of 128 they move 26
 """
 from __future__ import annotations
 
+from ..dsl.dq_fragments import DqFragments
 from ..dsl.hopper_backward_smem import DqStage
 from .template import CodeTemplate
 
@@ -99,6 +100,29 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
 }"""
 )
 
+_CONVERT_FRAGMENTS = CodeTemplate(
+    r"""$store8
+
+// dQ = dq_accum * scale (the buffer in chunks of whole query blocks in the dQ adds' fragment order, DqFragments): a
+// thread one unit of four 16-byte slots (64 contiguous bytes), eight columns of two rows 8 apart; grid
+// (ceil(query blocks * DQ_UNITS / 256), heads, batch)
+__global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
+    const int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    if (i >= (p.seq_q + int64_t(B_r) - 1) / B_r * DQ_UNITS) return;
+    const int qb = int(i / DQ_UNITS);
+    const uint32_t u = uint32_t(i % DQ_UNITS), col = dq_unit_col(u);
+    const int row = qb * int(B_r) + int(dq_unit_row(u));
+    if (col >= D_HEAD) return;  // padding columns of dQ's tiles: never added
+    const int64_t head = int64_t(blockIdx.z) * p.heads + blockIdx.y;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + head * dq_head_rows(p.seq_q) * D_HEAD + int64_t(qb) * DQ_CHUNK) + 4 * u;
+    const float4 s0 = src[0], s1 = src[1], s2 = src[2], s3 = src[3];  // lane q of the group: columns 2q, 2q + 1 of both rows
+    const float upper[8] = {s0.x, s0.y, s1.x, s1.y, s2.x, s2.y, s3.x, s3.y}, lower[8] = {s0.z, s0.w, s1.z, s1.w, s2.z, s2.w, s3.z, s3.w};
+    elem_t* dq = p.dq + blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head + col;
+    if (row < p.seq_q) store_dq8(dq + int64_t(row) * p.dq_ld, upper, p.scale);
+    if (row + 8 < p.seq_q) store_dq8(dq + int64_t(row + 8) * p.dq_ld, lower, p.scale);
+}"""
+)
+
 _CONVERT_CHUNKED = CodeTemplate(
     r"""$store8
 
@@ -135,12 +159,17 @@ _GATHER_PAIRS = ["#pragma unroll", "for (uint32_t e = 0; e < 8; e += 2) {",
 _GATHER_EACH = ["#pragma unroll", "for (uint32_t e = 0; e < 8; ++e) v[e] = chunk[dq_chunk_index(r, c + e)];"]
 
 
-def aux_kernels(chunks: DqStage | None = None) -> str:
+def aux_kernels(chunks: DqStage | None = None, fragments: "DqFragments | None" = None) -> str:
     """The preprocess and the dQ conversion of a backward file (inside its namespace, after ``Params``).
 
     ``chunks``: the wgmma backward's dQ staging (its buffer in chunks of whole query blocks, ``dq_chunk_index``):
     the preprocess then writes D and lse * log2(e) for ``p.stat_len`` rows (whole query blocks) and zeroes the
-    padded buffer; ``None``: the mma.sync backward's row-major buffer of ``seq_q`` rows."""
+    padded buffer. ``fragments``: the mma.sync backward's buffer (its chunks in the dQ adds' fragment order, after the
+    kernel's ``dq_head_rows``, ``dq_unit_row`` / ``_col``): the preprocess zeroes ``dq_head_rows(seq_q)`` rows a head.
+    Neither: a row-major buffer of ``seq_q`` rows."""
+    if fragments is not None:
+        return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="dq_head_rows(p.seq_q)", stats=_STATS),
+                             _CONVERT_FRAGMENTS.substitute(store8=_STORE8)])
     if chunks is None:
         return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="p.seq_q", stats=_STATS), _CONVERT_ROWMAJOR.substitute(store8=_STORE8)])
     gather = _GATHER_EACH if chunks.transposed else _GATHER_PAIRS
@@ -148,8 +177,10 @@ def aux_kernels(chunks: DqStage | None = None) -> str:
                         _CONVERT_CHUNKED.substitute(store8=_STORE8, gather=gather)])
 
 
-def convert_grid(chunks: DqStage | None = None) -> str:
+def convert_grid(chunks: DqStage | None = None, fragments: "DqFragments | None" = None) -> str:
     """The launch grid of ``convert_dq`` (C++, from the launcher's ``a`` and the wgmma launcher's ``stat_len``)."""
+    if fragments is not None:
+        return "dim3(unsigned(((a->seq_q + int64_t(B_r) - 1) / B_r * DQ_UNITS + 255) / 256), a->heads, a->batch)"
     if chunks is None:
         return "dim3(unsigned((int64_t(a->seq_q) * (D_HEAD / 8) + 255) / 256), a->heads, a->batch)"
     return "dim3(stat_len / B_r, a->heads, a->batch)"

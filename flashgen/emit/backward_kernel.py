@@ -300,23 +300,11 @@ def _store_code(plan: BackwardPlan, step: Step) -> list[str]:
     return [f"if (warp % {every}u == 0) {{  // the group's other warps hold the same dS^T"] + ["    " + l for l in lines] + ["}"]
 
 
-def _adjacent_pairs(copy: TiledCopy) -> bool:
-    """Whether every thread's values ``2h`` and ``2h+1`` of the reduction sit in one row, in adjacent
-    columns from an even one: what lets one 8-byte vector reduction add both."""
-    import numpy as np
-
-    part = copy.partition
-    rows, cols = part.coords(np.arange(32), np.zeros(32, dtype=np.int64))  # [lane, value, loops...]
-    return bool((rows[:, 0::2] == rows[:, 1::2]).all() and (cols[:, 1::2] == cols[:, 0::2] + 1).all()
-                and (cols[:, 0::2] % 2 == 0).all())
-
-
 def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str]:
-    """The dQ accumulator added into the fp32 buffer; ``passes`` > 1: the slice of pass ``pass``
-    (:func:`_dq_passes_code`, which adds each slice itself: the step alone then emits nothing)."""
-    copy = plan.red_dQ
-    if not _adjacent_pairs(copy):
-        raise ValueError(f"{copy.name}: values 2h and 2h+1 are not adjacent columns of one row; the dQ reduction adds them as pairs")
+    """The dQ accumulator added into the fp32 buffer, one 16-byte reduction per 16 x 8 tile at the tile's slot of the
+    query block's chunk (:class:`~flashgen.dsl.dq_fragments.DqFragments`); ``passes`` > 1: the slice of pass ``pass``
+    (:func:`_dq_passes_code`, which adds each slice itself: the step alone then emits nothing). The chunk holds the
+    block's every row, so no add checks its row; columns past d_head (padding of dQ's tiles) are skipped."""
     if plan.dq_passes > 1 and passes == 1:
         return ["// added by the dQ GEMM's passes"]
     opening, lane, warp = _lanes(plan)
@@ -325,17 +313,22 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     if passes > 1:
         slot, n_loop = "n4", [f"    for (uint32_t n4 = 0; n4 < {cols} / 8 / {passes}; ++n4) {{",
                               f"        const uint32_t nt = pass * ({cols} / 8 / {passes}) + n4;"]
-
-    def loops(add: list[str]) -> list[str]:
-        return (["#pragma unroll", "for (uint32_t mi = 0; mi < MQ; ++mi)", "    #pragma unroll", *n_loop,
-                 "        #pragma unroll", "        for (uint32_t r = 0; r < 4; r += 2) {  // values r, r + 1: adjacent columns",
-                 *["            " + l for l in add], "        }"] + (["    }"] if passes > 1 else []))
-
-    first, checked, unchecked = _dq_add_lines(plan, lane, warp, slot)
-    # one warp-uniform branch: checked adds made ptxas branch around every reduction (BSSY, BRA, BSYNC)
-    lines = first + ["if (q_row0 + int(B_r) <= p.seq_q) {  // every row of the block exists"]
-    lines += ["    " + l for l in loops(unchecked)] + ["} else {"] + ["    " + l for l in loops(checked)] + ["}"]
-    return ["{"] + ["    " + l for l in opening + lines] + ["}"]
+    acc = ", ".join(f"dq_acc[mi][{slot}][{r}]" for r in range(4))
+    # tile (mi, nt)'s slot is a compile-time step from the thread's slot of tile (0, 0): an immediate offset
+    add = f"red_add_f32x4(gdQ_t + dq_slot(0u, 0u, mi, nt), {acc});"
+    # the chunk's address made here, not held across the GEMMs from the loop's top (there it cost registers)
+    first = ["// this thread's slot of tile (0, 0) in the query block's chunk (the buffer's fragment order)",
+             "float* const gdQ_t = p.dq_accum + (batch64 * p.heads + head) * dq_head_rows(p.seq_q) * D_HEAD + int64_t(qb) * DQ_CHUNK",
+             f"                    + dq_slot({lane}, {warp}, 0u, 0u);"]
+    if plan.dq_fragments.cols > plan.cfg.d_head:  # the tiles' padding columns are never read
+        first.append(f"const uint32_t col0 = {_call(plan.red_dQ, 'col', lane=lane, warp=warp)};")
+        add = f"if (col0 + {plan.red_dQ.name}_dcol(0u, mi, nt) < D_HEAD) {add}"
+    # a warp-uniform branch, always taken (every item's head is one of the heads), that ptxas does not schedule across:
+    # without it, it mixed the adds into the GEMMs before them and spilled (d_head 64 on 4 warps: 208 bytes; other
+    # always-true conditions left 8-16 bytes at d_head 64 on 8 warps, causal)
+    lines = ["if (head < p.heads) {", "    #pragma unroll", "    for (uint32_t mi = 0; mi < MQ; ++mi)", "        #pragma unroll",
+             *["    " + l for l in n_loop], "            " + add] + (["        }"] if passes > 1 else []) + ["}"]
+    return ["{"] + ["    " + l for l in opening + first + lines] + ["}"]
 
 
 def _dq_cols_name(plan: BackwardPlan) -> str:
@@ -351,39 +344,6 @@ def _col_constants(plan: BackwardPlan) -> list[str]:
         return [f"constexpr uint32_t DW = {dw};  // columns of dK, dV and dQ per warp (of D_MMA)"]
     return [f"constexpr uint32_t DW = {dw};  // columns of dK and dV per warp (of D_MMA)",
             f"constexpr uint32_t DQW = {qw};  // columns of dQ per warp (dQ's own warp grid: dq_split {plan.cfg.dq_split})"]
-
-
-def _dq_add_lines(plan: BackwardPlan, lane: str, warp: str, slot: str) -> tuple[list[str], list[str], list[str]]:
-    """(lines before the loops, one add at values r, r + 1 checking its row, the same add unchecked) of the dQ
-    reduction. The thread's first element is addressed once; every add is a compile-time step from it
-    (``red_dQ_drow``/``_dcol``): a reduction at an immediate offset, with no index or 64-bit address arithmetic
-    of its own (ptxas had spent about ten instructions on each)."""
-    copy = plan.red_dQ
-    rows, cols = _dq_span(plan)
-    if rows > plan.cfg.B_r:
-        raise ValueError(f"{plan.cfg.short_form()}: the dQ adds reach row {rows - 1} of a {plan.cfg.B_r}-row query block")
-    at0 = dict(lane=lane, warp=warp)
-    first = ["// this thread's first element; the others lie compile-time (row, column) steps from it",
-             f"const int row0 = q_row0 + int({_call(copy, 'row', **at0)});",
-             f"const uint32_t col0 = {_call(copy, 'col', **at0)};",
-             "float* const gdQ_t = gdQ + int64_t(row0) * D_HEAD + col0;"]
-    step = ", ".join("r" if p == "v" else p for p in _params(copy) if p not in ("lane", "warp"))
-    steps = [f"const int dr = {copy.name}_drow({step}), dc = {copy.name}_dcol({step});"]
-    col_ok = "" if cols <= plan.cfg.d_head else "col0 + dc < D_HEAD"
-    add = f"red_add_f32x2(gdQ_t + (dr * int(D_HEAD) + dc), dq_acc[mi][{slot}][r], dq_acc[mi][{slot}][r + 1]);"
-    checked = steps + [f"if (row0 + dr < p.seq_q{' && ' + col_ok if col_ok else ''})", "    " + add]
-    unchecked = steps + ([f"if ({col_ok})", "    " + add] if col_ok else [add])
-    return first, checked, unchecked
-
-
-def _dq_span(plan: BackwardPlan) -> tuple[int, int]:
-    """(1 + the largest row, 1 + the largest column) the dQ reduction adds, over every lane, warp and value."""
-    import numpy as np
-
-    part = plan.red_dQ.partition
-    warps = np.repeat(np.arange(plan.cfg.n_warps if part.uses_warp else 1), 32)
-    rows, cols = part.coords(np.tile(np.arange(32), len(warps) // 32), warps)
-    return int(rows.max()) + 1, int(cols.max()) + 1
 
 
 def _dq_passes_code(plan: BackwardPlan) -> list[str]:
@@ -542,6 +502,8 @@ $col_constants
 // ---- index functions: every shared-memory address of the kernel comes from these ----
 $index_fns
 
+$dq_fragment_fns
+
 // ---- the score mask, and the mask seen from a key block ----
 $mask_fns
 $query_block_fns
@@ -571,7 +533,7 @@ struct Params {
     const float* lse;  // the forward's log-sum-exp (natural log), (batch, heads, seq_q)
     const float* dlse; // the gradient of the returned lse, the same shape, or nullptr
     float* delta;      // D = rowsum(dO * O) - dlse, (batch, heads, seq_q): the workspace's
-    float* dq_accum;   // fp32 dQ sums, (batch, heads, seq_q, D_HEAD): the workspace's, zeroed by the preprocess
+    float* dq_accum;   // fp32 dQ sums, (batch, heads) x dq_head_rows(seq_q) x D_HEAD, chunks in fragment order (DqFragments): the workspace's, zeroed by the preprocess
     int* dq_turns;     // deterministic: key blocks done adding dQ, (batch, heads, query blocks), zero at launch; else nullptr
     int64_t q_batch, q_head, q_ld, k_batch, k_head, k_ld, v_batch, v_head, v_ld;
     int64_t o_batch, o_head, o_ld, do_batch, do_head, do_ld;
@@ -628,7 +590,6 @@ _KERNEL = CodeTemplate(
     // ---- the query blocks of every query head of the group ----
     for (int w = 0; w < work; ++w) {
         const int head = item(w).head, q_row0 = item(w).q_row0, qb = q_row0 / int(B_r);
-        float* gdQ = p.dq_accum + (batch64 * p.heads + head) * p.seq_q * D_HEAD;
         const uint32_t stage = uint32_t(w % STAGES);  // this block's Q, dO, lse and D
         $stage_addrs
         const float* sLSE = reinterpret_cast<const float*>(smem_raw + (sLSE_stage0 - smem) + stage * $stats_bytes);
@@ -660,7 +621,7 @@ inline size_t dq_turn_count(const ${name}_args* a) {
 extern "C" int ${name}_workspace(const ${name}_args* a, size_t* bytes, size_t* zeroed) {
     const size_t rows = size_t(a->batch) * a->heads * a->seq_q;
     *zeroed = $name::dq_turn_count(a) * sizeof(int);
-    *bytes = *zeroed + rows * ($d_head + 1) * sizeof(float);
+    *bytes = *zeroed + (size_t(a->batch) * a->heads * $name::dq_head_rows(a->seq_q) * $d_head + rows) * sizeof(float);
     return 0;
 }
 
@@ -671,7 +632,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
     int* turns = (int*)a->workspace;
     int* dq_turns = dq_turn_count(a) ? turns : nullptr;
     float* dq_accum = (float*)(turns + dq_turn_count(a));
-    float* delta = dq_accum + size_t(a->batch) * a->heads * a->seq_q * $d_head;
+    float* delta = dq_accum + size_t(a->batch) * a->heads * dq_head_rows(a->seq_q) * $d_head;
     Params p{(const elem_t*)a->q, (const elem_t*)a->k, (const elem_t*)a->v, (const elem_t*)a->o, (const elem_t*)a->dout,
              (elem_t*)a->dq, (elem_t*)a->dk, (elem_t*)a->dv, a->lse, a->dlse, delta, dq_accum, dq_turns,
              a->q_stride[0], a->q_stride[1], a->q_stride[2], a->k_stride[0], a->k_stride[1], a->k_stride[2],
@@ -682,7 +643,7 @@ extern "C" int ${name}_launch(const ${name}_args* a, void* stream) {
              a->softmax_scale, a->softmax_scale * $log2e};
     $mod_fill
     cudaStream_t s = (cudaStream_t)stream;
-    preprocess<<<dim3((a->seq_q * ROWDOT_LANES + 127) / 128, a->heads, a->batch), 128, 0, s>>>(p);
+    preprocess<<<dim3(unsigned((dq_head_rows(a->seq_q) * ROWDOT_LANES + 127) / 128), a->heads, a->batch), 128, 0, s>>>(p);  // zeroes the chunks
     constexpr int smem = $smem_bytes;
     static bool attr_set = false;  // the attribute is per function; set it once
     if (smem > 48 * 1024 && !attr_set) {
@@ -736,11 +697,11 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         B_r=cfg.B_r, B_c=cfg.B_c, n_warps=cfg.n_warps, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
         col_constants=_col_constants(plan),
-        index_fns=_index_section(plan), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
+        index_fns=_index_section(plan), dq_fragment_fns=plan.dq_fragments.to_cpp(), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
         grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(), batch_index=plan.grid.block_index(BATCH),
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
-        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(),
+        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(fragments=plan.dq_fragments),
         mod_params=plan.score_mask.params_cpp(backward=True), mod_fill=plan.score_mask.fill_cpp(backward=True),
         smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS") + _optional_tiles(plan)]
                    + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
@@ -748,7 +709,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"], stats_bytes=f"{plan.stage_bytes['LSE']}u", stages=cfg.stages,
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
-        log2e=f"{LOG2E!r}f", bases=_bases(plan), convert_grid=convert_grid(), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), convert_grid=convert_grid(fragments=plan.dq_fragments), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
         if cfg.deterministic else "0", args_struct=backward_args_struct(name),
         block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],

@@ -377,16 +377,18 @@ class _BwdCta:
             _r2s(self.image, tr, acc[w], w, self.cfg.dtype)
 
     def reduce_gm(self, step: ReduceGM, j: int) -> None:
-        cfg = self.cfg
+        """Each warp's dQ tiles added at their slots of the query block's chunk (the plan's DqFragments), each slot's
+        values landing where the conversion reads them back (rows below seq_q, columns below d_head)."""
+        cfg, frag = self.cfg, self.plan.dq_fragments
         h, qb = self.work[j]
-        part = self.plan.red_dQ.partition
-        lane = np.arange(32)
+        lane, value, mi, nt = np.indices((32, 4, frag.m_tiles, frag.n_tiles))
         for w in range(cfg.n_warps):
-            rows, cols = part.coords(lane, np.full(32, w))  # [32, 4 values, mi, nt]
+            _, cols = self.plan.red_dQ.partition.coords(np.arange(32), np.full(32, w))  # [32, 4 values, mi, nt]
+            rows, at = frag.element(frag.slot(w, lane, mi, nt) + value)
             vals = self.dq[w].transpose(2, 3, 0, 1)  # [32, 4, mi, nt]
             grow = qb * cfg.B_r + rows
-            ok = (grow < self.prob.seq_q) & (cols < cfg.d_head)
-            np.add.at(self.dq_accum[h], (grow[ok], cols[ok]), vals[ok])
+            ok = (grow < self.prob.seq_q) & (cols < cfg.d_head)  # the kernel skips the padding columns' adds
+            np.add.at(self.dq_accum[h], (grow[ok], at[ok]), vals[ok])
 
     # -- epilogue
     def epilogue(self) -> tuple[np.ndarray, np.ndarray]:

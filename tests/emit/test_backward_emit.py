@@ -194,7 +194,7 @@ def test_the_turn_counters_of_a_deterministic_kernel_are_the_zeroed_workspace(tm
     """The zeroed part is one int per (batch, query head, query block[, consumer]) (the counters start at 0), rounded
     up to 16 bytes so that the dQ buffer and D after it stay 16-byte aligned for any count (an odd one misaligned the
     wgmma backward's 16-byte reads of D); nothing is zeroed without the knob (the preprocess zeroes the dQ buffer);
-    after the counters the same buffer and row statistics either way."""
+    after the counters the same buffer (whole query blocks' chunks) and row statistics either way."""
     srcs = [_emitted(engine, det) for det in (False, True)]
     arch = srcs[0][1]
     mains = []
@@ -219,9 +219,9 @@ void print_{src.name}(int batch, int heads, int seq_q) {{
     per_block = 1 if engine == "mma_sync" else 2  # the wgmma backward's two consumers take turns of their own
     for i, (b, h, n) in enumerate(shapes):
         plain_zeroed, plain_rest, det_zeroed, det_rest = got[4 * i:4 * i + 4]
-        stat_len = n if engine == "mma_sync" else -(-n // rows) * rows
-        stats = 1 if engine == "mma_sync" else 2  # D; the wgmma backward's lse * log2(e) too
-        assert plain_zeroed == 0 and plain_rest == det_rest == b * h * stat_len * (64 + stats) * 4
+        blocks_rows = -(-n // rows) * rows  # both engines' dQ buffers: chunks of whole query blocks
+        stats = n if engine == "mma_sync" else 2 * blocks_rows  # D; the wgmma backward's lse * log2(e) too, padded
+        assert plain_zeroed == 0 and plain_rest == det_rest == b * h * (blocks_rows * 64 + stats) * 4
         counters = b * h * -(-n // rows) * per_block
         assert 4 * counters <= det_zeroed < 4 * counters + 16 and det_zeroed % 16 == 0
 
@@ -241,22 +241,6 @@ def test_split_scores_score_loops_take_the_warps_query_columns():
     assert "(a[mi], sP_addr + 2u * (s2r_Pt_base" in text and "(a[mi], sdS_addr + 2u * (s2r_dSt_base" in text
     plain = emit_backward(make_backward_plan(B("bf16", d_head=256, n_warps=8, d_split=2))).text
     assert "const int qc = int(nt * 8 + " in plain and "sP" not in plain and "for (uint32_t pass" not in plain
-
-
-@pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),
-                                       (B("fp16", d_head=256, n_warps=8, d_split=4, split_scores=True, deterministic=True), False),
-                                       (B("fp16", d_head=40, B_c=32, n_warps=2, swizzled=False, mask="window"), True)], ids=str)
-def test_dq_adds_of_a_full_query_block_check_nothing(cfg, pads):
-    """The dQ adds address the thread's first element once; in a block whose rows all exist each add is that
-    address plus a compile-time step with no check of its own (a check made ptxas branch around every add),
-    the last block's adds check their rows, and columns past d_head (d_head 40: a 48-column dQ tile) both."""
-    text = emit_backward(make_backward_plan(cfg)).text
-    full = text.split("if (q_row0 + int(B_r) <= p.seq_q) {")[1:]
-    assert full and all(b.count("red_add_f32x2(") == 1 for b in (t.split("} else {")[0] for t in full))
-    for block in full:
-        fast, slow = block.split("} else {")[0], block.split("} else {")[1].split("\n        }")[0]
-        assert "red_dQ_row(lane" not in fast and "red_dQ_drow(r, mi, nt)" in fast
-        assert ("if (col0 + dc < D_HEAD)" in fast) == pads and "row0 + dr < p.seq_q" in slow and "row0 + dr" not in fast
 
 
 @pytest.mark.parametrize("cfg, pads", [(B("bf16", n_warps=8, d_split=2, split_scores=True, stages=2), False),

@@ -44,7 +44,6 @@ CASES = [
     ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", "softcap", "document_mask"),
     ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", "softcap", None),
     ("bwd(BF16, 128, 64, 128, 12): wgmma+swizzled+stages_2", "sm_90a", None, "document_mask"),
-    ("bwd(BF16, 128, 64, 64, 4): swizzled+stages_2", "sm_80", None, "document_mask"),
 ]
 
 
