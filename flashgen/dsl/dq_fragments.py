@@ -99,9 +99,10 @@ class DqFragments:
         """``dq_slot(lane, warp, mi, nt)`` (the kernel's adds) and ``dq_unit_row(u)`` / ``dq_unit_col(u)`` (the
         conversion's reads), after the reduction's ``<red>_row`` / ``_col`` index functions."""
         name, m, n = self.red.name, self.m_tiles, self.n_tiles
-        warp = ", warp" if self.red.partition.uses_warp else ""
+        uses_warp = self.red.partition.uses_warp
+        warp = ", warp" if uses_warp else ""
         unit = (f"const uint32_t tile = u / {32 // _GROUP}u, lane = {_GROUP}u * (u % {32 // _GROUP}u), nt = tile % {n}u, "
-                f"mi = tile / {n}u % {m}u, warp = tile / {n * m}u;")
+                f"mi = tile / {n}u % {m}u, warp = tile / {n * m}u;" + ("" if uses_warp else "\n    (void)warp;"))
         return f"""// the dQ buffer's fragment order (DqFragments): chunks of {self.rows} x {self.cols} floats per query block
 constexpr uint32_t DQ_CHUNK = {self.chunk_floats}, DQ_UNITS = {self.units};
 // the chunk's float index of value 0 of lane `lane`'s accumulator tile (mi, nt) of warp `warp` (values 1-3 follow)
@@ -111,12 +112,10 @@ __host__ __device__ __forceinline__ uint32_t dq_slot(uint32_t lane, uint32_t war
 // unit u of a chunk (floats [16 u, 16 u + 16)): eight columns from dq_unit_col(u) of rows dq_unit_row(u) and that + 8
 __host__ __device__ __forceinline__ uint32_t dq_unit_row(uint32_t u) {{
     {unit}
-    (void)warp;
     return {name}_row(lane, 0u{warp}, mi, nt);
 }}
 __host__ __device__ __forceinline__ uint32_t dq_unit_col(uint32_t u) {{
     {unit}
-    (void)warp;
     return {name}_col(lane, 0u{warp}, mi, nt);
 }}
 // a head's rows of D_HEAD floats in the buffer: its query blocks' chunks, rounded up to whole rows

@@ -181,6 +181,11 @@ class _BwdCta:
         self.s = np.zeros((W, mk, nq, 32, 4), _F32)  # S^T, then P^T (fp32)
         self.dp = np.zeros((W, mk, nq, 32, 4), _F32)  # dP^T, then dS^T
         self.dq = np.zeros((W, plan.gemms["dQ"].m_tiles, plan.gemms["dQ"].n_tiles, 32, 4), _F32)
+        # per dQ value [warp, lane, value, mi, nt]: the (row, column) its add reaches through the buffer's fragment
+        # order and the conversion's reads, and its own column (the kernel skips those past d_head)
+        frag = plan.dq_fragments
+        warp, lane, value, mi, nt = np.indices((W, 32, 4, frag.m_tiles, frag.n_tiles))
+        self.dq_places = (*frag.element(frag.slot(warp, lane, mi, nt) + value), frag.coords()[1])
         self.where = ""
 
     def tile(self, name: str, j: int) -> str:
@@ -379,16 +384,13 @@ class _BwdCta:
     def reduce_gm(self, step: ReduceGM, j: int) -> None:
         """Each warp's dQ tiles added at their slots of the query block's chunk (the plan's DqFragments), each slot's
         values landing where the conversion reads them back (rows below seq_q, columns below d_head)."""
-        cfg, frag = self.cfg, self.plan.dq_fragments
+        cfg = self.cfg
         h, qb = self.work[j]
-        lane, value, mi, nt = np.indices((32, 4, frag.m_tiles, frag.n_tiles))
-        for w in range(cfg.n_warps):
-            _, cols = self.plan.red_dQ.partition.coords(np.arange(32), np.full(32, w))  # [32, 4 values, mi, nt]
-            rows, at = frag.element(frag.slot(w, lane, mi, nt) + value)
-            vals = self.dq[w].transpose(2, 3, 0, 1)  # [32, 4, mi, nt]
-            grow = qb * cfg.B_r + rows
-            ok = (grow < self.prob.seq_q) & (cols < cfg.d_head)  # the kernel skips the padding columns' adds
-            np.add.at(self.dq_accum[h], (grow[ok], at[ok]), vals[ok])
+        rows, at, cols = self.dq_places
+        vals = self.dq.transpose(0, 3, 4, 1, 2)  # [warp, lane, value, mi, nt]
+        grow = qb * cfg.B_r + rows
+        ok = (grow < self.prob.seq_q) & (cols < cfg.d_head)  # the kernel skips the padding columns' adds
+        np.add.at(self.dq_accum[h], (grow[ok], at[ok]), vals[ok])
 
     # -- epilogue
     def epilogue(self) -> tuple[np.ndarray, np.ndarray]:
