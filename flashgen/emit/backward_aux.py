@@ -4,11 +4,12 @@
   16-byte loads: rows are 16-byte aligned by the launcher ABI), and zero of the fp32 dQ buffer the main kernel adds
   into (each CTA its rows' share; a separate fill of the buffer cost a launch and a pass over it);
 * ``convert_dq``: dQ = the buffer times the softmax scale, in the inputs' dtype, 8 columns per thread and one
-  16-byte store each. The mma.sync backward's buffer is row-major, read straight with 16-byte loads; the wgmma
-  backward's holds each query block as one chunk in fragment order
-  (:meth:`~flashgen.dsl.hopper_backward_smem.DqStage.index_cpp`), which a CTA stages in shared memory with 16-byte
-  loads in the chunk's own order before it gathers rows from it (gathering from global memory read one scattered
-  4-byte word per element: 2.5x the time of the other backwards' conversions on an H200).
+  16-byte store each. Both engines' buffers hold each query block as one chunk in the order their dQ adds write it.
+  The mma.sync backward's order (:class:`~flashgen.dsl.dq_fragments.DqFragments`) keeps eight columns of two rows in
+  64 contiguous bytes, which a thread reads straight; the wgmma backward's
+  (:meth:`~flashgen.dsl.hopper_backward_smem.DqStage.index_cpp`) a CTA stages in shared memory with 16-byte loads in
+  the chunk's own order before it gathers rows from it (gathering from global memory read one scattered 4-byte word
+  per element: 2.5x the time of the other backwards' conversions on an H200).
 
 Both are bound by memory: on an H200 at 16k tokens, 16 heads of 128 they move 268 and 201 MB.
 """
@@ -84,22 +85,6 @@ __device__ __forceinline__ void store_dq8(elem_t* dst, const float (&v)[8], floa
                                  dq_pair(v[6], v[7], scale)));
 }"""
 
-_CONVERT_ROWMAJOR = CodeTemplate(
-    r"""$store8
-
-// dQ = dq_accum * scale (the buffer row-major, (batch, heads, seq_q, D_HEAD)); a thread 8 columns of a row;
-// grid (ceil(seq_q * D_HEAD / 8 / 256), heads, batch)
-__global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
-    const int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x;  // the row's 8-column group
-    if (i >= int64_t(p.seq_q) * (D_HEAD / 8)) return;
-    const int row = int(i / (D_HEAD / 8)), col = int(i % (D_HEAD / 8)) * 8;
-    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + ((int64_t(blockIdx.z) * p.heads + blockIdx.y) * p.seq_q) * D_HEAD) + 2 * i;
-    const float4 a = src[0], b = src[1];
-    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    store_dq8(p.dq + blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head + int64_t(row) * p.dq_ld + col, v, p.scale);
-}"""
-)
-
 _CONVERT_FRAGMENTS = CodeTemplate(
     r"""$store8
 
@@ -159,28 +144,26 @@ _GATHER_PAIRS = ["#pragma unroll", "for (uint32_t e = 0; e < 8; e += 2) {",
 _GATHER_EACH = ["#pragma unroll", "for (uint32_t e = 0; e < 8; ++e) v[e] = chunk[dq_chunk_index(r, c + e)];"]
 
 
-def aux_kernels(chunks: DqStage | None = None, fragments: "DqFragments | None" = None) -> str:
-    """The preprocess and the dQ conversion of a backward file (inside its namespace, after ``Params``).
+def aux_kernels(buffer: "DqStage | DqFragments") -> str:
+    """The preprocess and the dQ conversion of a backward file (inside its namespace, after ``Params``), for the
+    order of its dQ buffer.
 
-    ``chunks``: the wgmma backward's dQ staging (its buffer in chunks of whole query blocks, ``dq_chunk_index``):
-    the preprocess then writes D and lse * log2(e) for ``p.stat_len`` rows (whole query blocks) and zeroes the
-    padded buffer. ``fragments``: the mma.sync backward's buffer (its chunks in the dQ adds' fragment order, after the
-    kernel's ``dq_head_rows``, ``dq_unit_row`` / ``_col``): the preprocess zeroes ``dq_head_rows(seq_q)`` rows a head.
-    Neither: a row-major buffer of ``seq_q`` rows."""
-    if fragments is not None:
+    :class:`DqStage`: the wgmma backward's (chunks of whole query blocks, ``dq_chunk_index``): the preprocess then
+    writes D and lse * log2(e) for ``p.stat_len`` rows (whole query blocks) and zeroes the padded buffer.
+    :class:`DqFragments`: the mma.sync backward's (chunks in the dQ adds' fragment order, after the kernel's
+    ``dq_head_rows``, ``dq_unit_row`` / ``_col``): the preprocess zeroes ``dq_head_rows(seq_q)`` rows a head."""
+    if isinstance(buffer, DqFragments):
         return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="dq_head_rows(p.seq_q)", stats=_STATS),
                              _CONVERT_FRAGMENTS.substitute(store8=_STORE8)])
-    if chunks is None:
-        return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="p.seq_q", stats=_STATS), _CONVERT_ROWMAJOR.substitute(store8=_STORE8)])
+    chunks = buffer
     gather = _GATHER_EACH if chunks.transposed else _GATHER_PAIRS
     return "\n\n".join([SLOTS, CHUNK_SLOTS, _PREPROCESS.substitute(rows="p.stat_len", stats=_PADDED_STATS),
                         _CONVERT_CHUNKED.substitute(store8=_STORE8, gather=gather)])
 
 
-def convert_grid(chunks: DqStage | None = None, fragments: "DqFragments | None" = None) -> str:
-    """The launch grid of ``convert_dq`` (C++, from the launcher's ``a`` and the wgmma launcher's ``stat_len``)."""
-    if fragments is not None:
+def convert_grid(buffer: "DqStage | DqFragments") -> str:
+    """The launch grid of ``convert_dq`` for the order of the dQ buffer (C++, from the launcher's ``a`` and the
+    wgmma launcher's ``stat_len``)."""
+    if isinstance(buffer, DqFragments):
         return "dim3(unsigned(((a->seq_q + int64_t(B_r) - 1) / B_r * DQ_UNITS + 255) / 256), a->heads, a->batch)"
-    if chunks is None:
-        return "dim3(unsigned((int64_t(a->seq_q) * (D_HEAD / 8) + 255) / 256), a->heads, a->batch)"
     return "dim3(stat_len / B_r, a->heads, a->batch)"

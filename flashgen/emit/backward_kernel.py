@@ -701,7 +701,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(), batch_index=plan.grid.block_index(BATCH),
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],
-        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(fragments=plan.dq_fragments),
+        elem_t=cfg.dtype.cpp, ptx_helpers=HELPERS_MARK, aux_code=aux_kernels(plan.dq_fragments),
         mod_params=plan.score_mask.params_cpp(backward=True), mod_fill=plan.score_mask.fill_cpp(backward=True),
         smem_addrs=[f"const uint32_t {t}_addr = smem + {lay[t]}u;" for t in ("sK", "sV", "sdS") + _optional_tiles(plan)]
                    + [f"const uint32_t {t}_stage0 = smem + {lay[t]}u;" for t in ("sQ", "sdO")],
@@ -709,7 +709,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         sLSE_offset=lay["sLSE"], sD_offset=lay["sD"], stats_bytes=f"{plan.stage_bytes['LSE']}u", stages=cfg.stages,
         g2s_K=_g2s_lambda(plan, "K"), g2s_V=_g2s_lambda(plan, "V"), g2s_Q=_g2s_lambda(plan, "Q"), g2s_dO=_g2s_lambda(plan, "dO"),
         prologue=_steps(plan, plan.schedule.prologue), body=_steps(plan, plan.schedule.body), epilogue=_epilogue(plan),
-        log2e=f"{LOG2E!r}f", bases=_bases(plan), convert_grid=convert_grid(fragments=plan.dq_fragments), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
+        log2e=f"{LOG2E!r}f", bases=_bases(plan), convert_grid=convert_grid(plan.dq_fragments), turn_count=f"size_t(a->batch) * a->heads * ((a->seq_q + {cfg.B_r} - 1) / {cfg.B_r})"
         if cfg.deterministic else "0", args_struct=backward_args_struct(name),
         block_mask_clip=plan.score_mask.backward_clip_cpp(cfg.deterministic), mask_blocks=mask_blocks_lines(plan, name),
         split_tables=[_split_tables(split_offsets(copy)) for _, copy in plan.copies()],
