@@ -51,6 +51,7 @@ import attrs
 
 from ..attention.backward import Recompute, RowDot, ScoreGrad
 from ..attention.backward_grid import BackwardGrid
+from ..attention.item_walk import ItemWalk
 from ..attention.query_blocks import QueryBlocks
 from .atoms.copy import (
     CopyAtom,
@@ -123,6 +124,9 @@ class BackwardPlan:
     #: the emitted GEMM adds each slice as soon as it is made, so only a slice's accumulators live; the sums
     #: (each element's k steps in order) and the shared-memory reads are those of one pass
     dq_passes: int = 1
+    #: the order of the CTA's (query head, query block) items: from item 0 upwards (the kernel divides the item's
+    #: index); the dQ adds' pointer steps through it (``item_step``)
+    items: ItemWalk = ItemWalk(rotates=False)
 
     @property
     def mma(self) -> MMA_16x8x16:

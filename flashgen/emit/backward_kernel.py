@@ -307,7 +307,7 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     block's every row, so no add checks its row; columns past d_head (padding of dQ's tiles) are skipped."""
     if plan.dq_passes > 1 and passes == 1:
         return ["// added by the dQ GEMM's passes"]
-    opening, lane, warp = _lanes(plan)
+    opening, lane, warp = _lanes(plan)  # for the padding columns' check
     cols = _dq_cols_name(plan)
     slot, n_loop = "nt", [f"    for (uint32_t nt = 0; nt < {cols} / 8; ++nt)"]
     if passes > 1:
@@ -316,19 +316,30 @@ def _reduce_dq_code(plan: BackwardPlan, step: Step, passes: int = 1) -> list[str
     acc = ", ".join(f"dq_acc[mi][{slot}][{r}]" for r in range(4))
     # tile (mi, nt)'s slot is a compile-time step from the thread's slot of tile (0, 0): an immediate offset
     add = f"red_add_f32x4(gdQ_t + dq_slot(0u, 0u, mi, nt), {acc});"
-    # the chunk's address made here, not held across the GEMMs from the loop's top (there it cost registers)
-    first = ["// this thread's slot of tile (0, 0) in the query block's chunk (the buffer's fragment order)",
-             "float* const gdQ_t = p.dq_accum + (batch64 * p.heads + head) * dq_head_rows(p.seq_q) * D_HEAD + int64_t(qb) * DQ_CHUNK",
-             f"                    + dq_slot({lane}, {warp}, 0u, 0u);"]
+    first = ([] if passes > 1 else _dq_advance()) + ["float* const gdQ_t = dq_t;"]
     if plan.dq_fragments.cols > plan.cfg.d_head:  # the tiles' padding columns are never read
-        first.append(f"const uint32_t col0 = {_call(plan.red_dQ, 'col', lane=lane, warp=warp)};")
+        first += opening + [f"const uint32_t col0 = {_call(plan.red_dQ, 'col', lane=lane, warp=warp)};"]
         add = f"if (col0 + {plan.red_dQ.name}_dcol(0u, mi, nt) < D_HEAD) {add}"
     # a warp-uniform branch, always taken (every item's head is one of the heads), that ptxas does not schedule across:
     # without it, it mixed the adds into the GEMMs before them and spilled (d_head 64 on 4 warps: 208 bytes; other
     # always-true conditions left 8-16 bytes at d_head 64 on 8 warps, causal)
     lines = ["if (head < p.heads) {", "    #pragma unroll", "    for (uint32_t mi = 0; mi < MQ; ++mi)", "        #pragma unroll",
              *["    " + l for l in n_loop], "            " + add] + (["        }"] if passes > 1 else []) + ["}"]
-    return ["{"] + ["    " + l for l in opening + first + lines] + ["}"]
+    return ["{"] + ["    " + l for l in first + lines] + ["}"]
+
+
+#: the thread's slot of tile (0, 0) in the chunk of the item whose dQ is added next, made once before the items' loop
+_DQ_CURSOR = ["// this thread's slot of tile (0, 0) in the chunk of the item whose dQ is added next (the buffer's fragment order),",
+              "// carried from item to item (item_step) where the adds start, so that no other value takes its registers while",
+              "// the last item's adds may still read them",
+              "float* dq_t = p.dq_accum + (batch64 * p.heads + kv_head * p.kv_group) * dq_head_rows(p.seq_q) * D_HEAD",
+              "              + int64_t(qb_begin) * DQ_CHUNK + dq_slot(lane, warp, 0u, 0u);"]
+
+
+def _dq_advance() -> list[str]:
+    """``dq_t`` moved from the previous item's chunk to this item's (the walk of the plan's ``items``)."""
+    return ["if (w > 0) dq_t += item_step(head - kv_head * p.kv_group, qb - qb_begin, n_q, p.kv_group, DQ_CHUNK,",
+            "                             int64_t(dq_head_rows(p.seq_q)) * D_HEAD);"]
 
 
 def _dq_cols_name(plan: BackwardPlan) -> str:
@@ -358,7 +369,7 @@ def _dq_passes_code(plan: BackwardPlan) -> list[str]:
     g, passes = plan.gemms["dQ"], plan.dq_passes
     lines = _zero("dq_acc", str(g.m_tiles), str(g.n_tiles // passes)) + ["{"] + ["    " + l for l in _gemm(g, "dq_acc", None, passes)]
     lines += ["}"] + _reduce_dq_code(plan, body[at + 1], passes)
-    return [f"// in {passes} passes of {8 * g.n_tiles // passes} columns, each added as soon as it is made (fewer live accumulators)",
+    return _dq_advance() + [f"// in {passes} passes of {8 * g.n_tiles // passes} columns, each added as soon as it is made (fewer live accumulators)",
             "#pragma unroll", f"for (uint32_t pass = 0; pass < {passes}; ++pass) {{"] + ["    " + l for l in lines] + ["}"]
 
 
@@ -587,6 +598,7 @@ _KERNEL = CodeTemplate(
     // ---- prologue ----
     $prologue
 
+    $dq_cursor
     // ---- the query blocks of every query head of the group ----
     for (int w = 0; w < work; ++w) {
         const int head = item(w).head, q_row0 = item(w).q_row0, qb = q_row0 / int(B_r);
@@ -684,6 +696,8 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
     from ..dsl.config import LOG2E
 
     cfg = plan.cfg
+    if plan.items.rotates:  # item(w) and the dQ pointer's item_step walk from item 0
+        raise ValueError(f"{cfg.short_form()}: the mma.sync backward walks its items from item 0; the plan's walk rotates")
     name = plan.score_mask.kernel_name(cfg.mangle())
     lay = plan.smem_layout
     atoms = {load.copy.atom for g in plan.gemms.values() for load in (g.a, g.b) if load is not None}
@@ -697,7 +711,7 @@ def emit_backward(plan: BackwardPlan) -> KernelSource:
         B_r=cfg.B_r, B_c=cfg.B_c, n_warps=cfg.n_warps, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
         d_head=cfg.d_head, d_mma=cfg.d_mma, d_smem=cfg.d_smem, key_rows=cfg.key_rows_per_warp, query_rows=cfg.query_rows_per_warp,
         col_constants=_col_constants(plan),
-        index_fns=_index_section(plan), dq_fragment_fns=plan.dq_fragments.to_cpp(), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=plan.query_blocks.to_cpp(),
+        index_fns=_index_section(plan), dq_fragment_fns=plan.dq_fragments.to_cpp(), mask_fns=plan.score_mask.to_cpp(backward=True), query_block_fns=[plan.query_blocks.to_cpp(), plan.items.step_cpp()], dq_cursor=_DQ_CURSOR,
         grid=plan.grid.described(cfg.B_c), cta=plan.grid.kernel_cpp(), batch_index=plan.grid.block_index(BATCH),
         grid_check=plan.grid.launch_check_cpp(), grid_dims=plan.grid.launch_dims_cpp(),
         rule_fns=[plan.recompute.to_cpp(), plan.score_grad.to_cpp(), plan.row_dot.to_cpp()],

@@ -1,6 +1,6 @@
 """The backward CTA's walk of its work items (flashgen.attention.item_walk): every (query head, query block) item
 once, from the key block's item where it rotates (item 0 where it does not), each next item cyclically; the emitted
-cursor visits the items the Python walk does."""
+cursor visits the items the Python walk does; the steps carry an offset from item to item."""
 from __future__ import annotations
 
 import itertools
@@ -46,3 +46,27 @@ def test_the_emitted_cursor_walks_as_the_python_does(tmp_path, walk):
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
     got = [[tuple(map(int, pair)) for pair in zip(*[iter(line.split())] * 2)] for line in out]
     assert got == [walk.order(n_q, group, kb) for n_q, group, kb in cases]
+
+
+@given(rotates=st.booleans(), n_q=st.integers(1, 9), group=st.integers(1, 5), kb=st.integers(0, 60))
+def test_the_steps_carry_an_offset_from_item_to_item_along_the_walk(rotates, n_q, group, kb):
+    walk, block, head = ItemWalk(rotates=rotates), 1000, 1000 * 17  # a head's stride past its blocks' (padding)
+    order = walk.order(n_q, group, kb)
+    offset = order[0][0] * head + order[0][1] * block
+    for h, q in order[1:]:
+        offset += walk.step(h, q, n_q, group, block, head)
+        assert offset == h * head + q * block
+
+
+@needs_gxx
+def test_the_emitted_step_is_the_python_one(tmp_path):
+    cases = [(h, q, n_q, group) for n_q, group in itertools.product((1, 3, 7), (1, 2, 5)) for h in range(group) for q in range(n_q)]
+    body = "".join(f'    printf("%lld\\n", (long long)item_step({h}, {q}, {n_q}, {group}, 4096, 3 * 4096 + 64));\n'
+                   for h, q, n_q, group in cases)
+    src = tmp_path / "step.cpp"
+    src.write_text("#include <stdio.h>\n#include <stdint.h>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
+                   + ItemWalk.step_cpp() + "\nint main() {\n" + body + "}\n")
+    exe = tmp_path / "step"
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    assert [int(x) for x in out] == [ItemWalk.step(h, q, n_q, group, 4096, 3 * 4096 + 64) for h, q, n_q, group in cases]

@@ -257,3 +257,15 @@ def test_block_copies_of_full_blocks_have_no_predicates(cfg, pads):
         assert f"const elem_t* g = src + int64_t(row0) * ld + col0;" in body and "cp_async_16_zfill(" in body
         assert (f"if (rows_valid >= {rows}) {{" in body and "cp_async_16(" in body) != pads
         assert ("col0 < D_HEAD" in body or "_dcol[v] < D_HEAD" in body) == pads
+
+
+def test_a_rotating_item_walk_is_refused_by_the_mma_sync_kernel():
+    """Its item(w) and the dQ adds' item_step walk from item 0: a plan that rotates the walk cannot be emitted."""
+    import attrs
+
+    from flashgen.attention.item_walk import ItemWalk
+
+    plan = make_backward_plan(BackwardConfig.default("bf16", 64))
+    emit_backward(plan)
+    with pytest.raises(ValueError, match="walks its items from item 0"):
+        emit_backward(attrs.evolve(plan, items=ItemWalk(rotates=True)))
