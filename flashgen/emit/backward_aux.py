@@ -155,8 +155,7 @@ def aux_kernels(buffer: "DqStage | DqFragments") -> str:
     if isinstance(buffer, DqFragments):
         return "\n\n".join([SLOTS, _PREPROCESS.substitute(rows="dq_head_rows(p.seq_q)", stats=_STATS),
                              _CONVERT_FRAGMENTS.substitute(store8=_STORE8)])
-    chunks = buffer
-    gather = _GATHER_EACH if chunks.transposed else _GATHER_PAIRS
+    gather = _GATHER_EACH if buffer.transposed else _GATHER_PAIRS
     return "\n\n".join([SLOTS, CHUNK_SLOTS, _PREPROCESS.substitute(rows="p.stat_len", stats=_PADDED_STATS),
                         _CONVERT_CHUNKED.substitute(store8=_STORE8, gather=gather)])
 
