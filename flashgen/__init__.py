@@ -15,17 +15,19 @@ __all__ = ["ConfigError", "DType", "KernelConfig", "compile", "emit", "load_conf
 __version__ = "0.1.0"
 
 
-def compile(cfg, verbose: bool = False, deterministic: bool = False):  # noqa: A001
+def compile(cfg, verbose: bool = False, deterministic: bool = False, backward_engine: str | None = None):  # noqa: A001
     """Build (or load from the on-disk cache) the kernel for ``cfg`` and return a callable.
 
     ``cfg``: a KernelConfig, a dict of knobs, a YAML path or a short form such as
     ``"(FP16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"``.
     ``deterministic``: every backward of the callable gives bit-identical gradients run to run (as every
     backward does while ``torch.use_deterministic_algorithms(True)`` holds at the forward call).
+    ``backward_engine``: ``"mma_sync"`` or ``"wgmma"`` runs every backward on that engine (default: the GPU's
+    preferred engine for the head size, or the ``flashgen tune --passes bwd`` winner).
     """
     from .runtime import compile as _compile
 
-    return _compile(cfg, verbose=verbose, deterministic=deterministic)
+    return _compile(cfg, verbose=verbose, deterministic=deterministic, backward_engine=backward_engine)
 
 
 def __getattr__(name: str):

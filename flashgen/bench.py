@@ -196,21 +196,23 @@ class RowSpec:
 
 
 def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS,
-              rounds: int = 3, settle_s: float = SETTLE_S, passes=("fwd",), auto: bool = False) -> dict:
+              rounds: int = 3, settle_s: float = SETTLE_S, passes=("fwd",), auto: bool = False,
+              backward_engine: str | None = None) -> dict:
     """Time every (dtype, d_head, causal) x shape x pass: the given configs (d_head adapted), with ``auto``
     also ``flashgen.compile("auto")`` (named "auto"), and the SDPA peers, in ``rounds`` interleaved
-    rounds (medians reported), each timing after ``settle_s`` seconds of the kernel itself."""
+    rounds (medians reported), each timing after ``settle_s`` seconds of the kernel itself; ``backward_engine``:
+    the engine of flashgen's backwards (``flashgen.compile``'s argument)."""
     import torch
 
     from .gpu_monitor import GpuMonitor, nvidia_smi_id
     from .runtime import compile as fg_compile
 
-    attns = _build(cfgs, dtypes, d_heads, causal_modes)
+    attns = _build(cfgs, dtypes, d_heads, causal_modes, backward_engine)
     if not attns and not auto:
         from .cli import CommandError
 
         raise CommandError(f"no config matches dtypes {' '.join(dtypes)}")
-    auto_attn = fg_compile("auto") if auto else None  # builds each kernel on its first call, before the timing
+    auto_attn = fg_compile("auto", backward_engine=backward_engine) if auto else None  # builds on first calls, before timing
     results: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -220,6 +222,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
         "settle_s": settle_s,
         "d_heads": list(d_heads),
         "passes": list(passes),
+        "backward_engine": backward_engine,
         "rows": [],
         "matmul_tflops": {},
         "gpu_state": None,
@@ -249,7 +252,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
     return results
 
 
-def _build(cfgs, dtypes, d_heads, causal_modes) -> dict:
+def _build(cfgs, dtypes, d_heads, causal_modes, backward_engine: str | None = None) -> dict:
     """{config with its d_head and mask: Attention} of every config of ``dtypes`` at every d_head and
     mask, built in parallel; a config that cannot take a d_head, or fails to build, is logged and left out."""
     import torch
@@ -276,7 +279,7 @@ def _build(cfgs, dtypes, d_heads, causal_modes) -> dict:
     failures = build_many(list(todo), torch.cuda.get_device_capability())
     for name, err in failures.items():
         log(f"build failed: {name}\n{err}")
-    attns = {c: fg_compile(c) for c in todo if c.short_form() not in failures}
+    attns = {c: fg_compile(c, backward_engine=backward_engine) for c in todo if c.short_form() not in failures}
     log(f"builds ready in {time.perf_counter() - t0:.0f} s")
     return attns
 
@@ -437,7 +440,8 @@ def format_table(results: dict) -> str:
         f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
         f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s)"
         + (f", each timing after {results['settle_s']:g} s of the kernel itself" if results.get("settle_s") else "")
-        + " (causal counts half the FLOPs; ratio = flashgen / peer)",
+        + " (causal counts half the FLOPs; ratio = flashgen / peer)"
+        + (f"; flashgen's backwards on the {results['backward_engine']} engine" if results.get("backward_engine") else ""),
     ]
     passes = [p for p in PASSES if any(r.get("pass", "fwd") == p for r in results["rows"])] or ["fwd"]
     for i, pass_ in enumerate(passes):
@@ -564,6 +568,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle", type=float, default=SETTLE_S,
                    help="seconds each kernel runs back to back before each of its timings, so it is timed at its own "
                         f"steady clock, not the one its predecessor left (default: {SETTLE_S}; 0: none)")
+    from .dsl.backward_config import ENGINES
+
+    p.add_argument("--backward-engine", choices=ENGINES,
+                   help="run flashgen's backwards on this engine (flashgen.compile(backward_engine=...)), e.g. the "
+                        "mma_sync backward on a Hopper GPU (default: the tuned or the GPU's preferred engine)")
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
@@ -590,6 +599,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in args.seqs or () if s not in known]
     if unknown:
         raise CommandError(f"--seqs {' '.join(map(str, unknown))}: the benchmark's lengths are {' '.join(map(str, known))}")
+    if args.backward_engine and not any(needs_grad(p) for p in args.passes):
+        raise CommandError(f"--backward-engine {args.backward_engine}: no pass runs a backward (add --passes bwd or fwd+bwd)")
     if not torch.cuda.is_available():
         raise CommandError("bench needs a CUDA GPU")
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
@@ -601,7 +612,8 @@ def main(args: argparse.Namespace) -> int:
         cfgs = [] if auto else default_bench_configs(torch.cuda.get_device_capability())
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds,
-                        settle_s=args.settle, passes=tuple(dict.fromkeys(args.passes)), auto=auto)
+                        settle_s=args.settle, passes=tuple(dict.fromkeys(args.passes)), auto=auto,
+                        backward_engine=args.backward_engine)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True))

@@ -143,23 +143,36 @@ def _variant(cfg, deterministic: bool):
 
 
 def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int, int] | None = None,
-                    gpu: str | None = None, seq: int = 0, cache: dict | None = None, deterministic: bool = False):
+                    gpu: str | None = None, seq: int = 0, cache: dict | None = None, deterministic: bool = False,
+                    engine: str | None = None):
     """The backward config that differentiates a forward kernel of this dtype, head size and score mask:
     with a ``gpu`` name and a key length ``seq``, the tuned winner of its bucket (:func:`tuned_backward`)
     where its engine runs on ``capability``; else the default of the first engine the GPU runs (preferred
     first) that has a backward taking the head size. ``deterministic``: its variant with ordered dQ adds,
-    from the first engine whose backward has one."""
+    from the first engine whose backward has one. ``engine``: that engine's backward only (a tuned winner of
+    another engine is passed over); a ConfigError where it does not run on ``capability`` or has no such backward."""
     target = of_capability(capability) if capability is not None else None
+    candidates = engines.runnable_on(target)
+    if engine is not None:
+        chosen = engines.engine_named(engine)
+        if chosen not in candidates:
+            cap = (target or engines.BASELINE).capability
+            raise ConfigError(f"the {engine} backward needs {chosen.needs}, not compute capability {cap[0]}.{cap[1]}")
+        candidates = [chosen]
     tuned = tuned_backward(gpu, dtype, d_head, seq, mask, cache) if gpu is not None and seq else None
-    if tuned is not None and (target is None or engines.engine_of(tuned).runs_on(target)):
+    if tuned is not None and engines.engine_of(tuned) in candidates:
         found = _variant(tuned, deterministic)
         if found is not None:
             return found
-    for engine in engines.runnable_on(target):
-        cfg = engine.backward.default_config(dtype, d_head, mask, target) if engine.backward is not None else None
+    for eng in candidates:
+        cfg = eng.backward.default_config(dtype, d_head, mask, target) if eng.backward is not None else None
         found = _variant(cfg, deterministic) if cfg is not None else None
         if found is not None:
             return found
+    if engine is not None:
+        variant = " with ordered dQ adds" if deterministic else ""
+        on = f" on compute capability {target.capability[0]}.{target.capability[1]}" if target is not None else ""
+        raise ConfigError(f"the {engine} backward has no kernel{variant} for {dtype.value} d_head={d_head}{on}")
     where = f" within the {target.smem_per_block}-byte shared memory per block of compute capability " \
             f"{target.capability[0]}.{target.capability[1]}" if target is not None else ""
     raise ConfigError(f"no backward kernel takes d_head={d_head}{where} (the mma_sync backward takes every d_head "

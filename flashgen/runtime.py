@@ -27,7 +27,7 @@ from .mods.copies import stable_copy
 from .mods.diagonal import combine
 from .mods.kernel_mods import KernelMods, prepare_mods
 from .build import BuildError, Built, build
-from .engines import engine_of
+from .engines import ENGINES, engine_of
 from .targets import of_capability
 from .dsl import configs
 from .dsl.backward_config import BackwardConfig
@@ -93,11 +93,13 @@ _FLT_MIN_INVERTIBLE = 2.938737e-39
 class Attention:
     """A compiled kernel: ``attn(q, k, v, out=None, softmax_scale=None, causal=False, window=None, ...) -> o``."""
 
-    def __init__(self, built: Built, verbose: bool = False, deterministic: bool = False) -> None:
+    def __init__(self, built: Built, verbose: bool = False, deterministic: bool = False,
+                 backward_engine: str | None = None) -> None:
         self.built = built
         self.cfg: KernelConfig = built.cfg
         self.verbose = verbose
         self.deterministic = deterministic  # every backward deterministic, not only under torch's setting
+        self.backward_engine = backward_engine  # the engine of every backward (None: the tuned or preferred one)
         self._handle = _load(built, verbose)
         self._native = launcher.native()
         self._mask = self.cfg.mask
@@ -142,13 +144,14 @@ class Attention:
     def backward_config(self, seq_k: int = 0, deterministic: bool | None = None) -> BackwardConfig:
         """The backward kernel that differentiates this one (same dtype, head size and mask) for calls whose
         key length is ``seq_k``: this GPU's ``flashgen tune --passes bwd`` winner of its bucket, else the
-        default (also for ``seq_k`` 0: unknown); ``deterministic`` (default: this object's setting) chooses
-        its variant with ordered dQ adds; with a score_mod or mask_mod, the shape its engine builds them in
-        (``BackwardKernels.with_mods``)."""
+        default (also for ``seq_k`` 0: unknown), of this object's ``backward_engine`` where it has one;
+        ``deterministic`` (default: this object's setting) chooses its variant with ordered dQ adds; with a
+        score_mod or mask_mod, the shape its engine builds them in (``BackwardKernels.with_mods``)."""
         gpu = device_facts(_device_index(torch.device("cuda")))[0] if seq_k else None
         try:
             cfg = backward_lookup(self.cfg.dtype, self.cfg.d_head, self.cfg.mask, self.built.capability, gpu=gpu, seq=seq_k,
-                                  deterministic=self.deterministic if deterministic is None else bool(deterministic))
+                                  deterministic=self.deterministic if deterministic is None else bool(deterministic),
+                                  engine=self.backward_engine)
         except ConfigError as exc:
             raise InputError(f"{self.cfg.short_form()} cannot be differentiated: {exc}") from None
         return cfg if self.built.mods is None else engine_of(cfg).backward.with_mods(cfg, self.built.mods)
@@ -186,7 +189,8 @@ class Attention:
         attn = self._variants.get(mask)
         if attn is None:
             attn = self._variants[mask] = Attention(build(self.cfg.replace(mask=mask), self.built.capability,
-                                                          verbose=self.verbose), self.verbose, self.deterministic)
+                                                          verbose=self.verbose), self.verbose, self.deterministic,
+                                                    self.backward_engine)
         return attn
 
     def _with_mods(self, mods: KernelMods) -> "Attention":
@@ -194,7 +198,7 @@ class Attention:
         attn = self._mod_variants.get(mods.key)
         if attn is None:
             built = build(self.cfg, self.built.capability, verbose=self.verbose, mods=mods)
-            attn = self._mod_variants[mods.key] = Attention(built, self.verbose, self.deterministic)
+            attn = self._mod_variants[mods.key] = Attention(built, self.verbose, self.deterministic, self.backward_engine)
         return attn
 
     def __call__(
@@ -586,9 +590,10 @@ class AutoAttention:
     ``torch.compile`` the pick happens once, while tracing.
     """
 
-    def __init__(self, verbose: bool = False, deterministic: bool = False) -> None:
+    def __init__(self, verbose: bool = False, deterministic: bool = False, backward_engine: str | None = None) -> None:
         self.verbose = verbose
         self.deterministic = deterministic  # passed to every kernel it builds
+        self.backward_engine = backward_engine  # likewise
         self._dispatch: dict[tuple, Attention] = {}
         self._built: dict[KernelConfig, Attention] = {}
         self._id = tracing.register(self)  # how a traced call names this object
@@ -677,7 +682,8 @@ class AutoAttention:
         attn = self._built.get(cfg)
         if attn is None:
             capability = device_facts(_device_index(device))[1]
-            attn = self._built[cfg] = Attention(build(cfg, capability, verbose=self.verbose), self.verbose, self.deterministic)
+            attn = self._built[cfg] = Attention(build(cfg, capability, verbose=self.verbose), self.verbose, self.deterministic,
+                                                self.backward_engine)
         if len(self._dispatch) >= _MAX_DISPATCH:
             self._dispatch.clear()
         self._dispatch[key] = attn
@@ -706,15 +712,21 @@ def _select(device: torch.device, dtype: torch.dtype, d_head: int, seq_q: int, m
     return lookup(name, fg_dtype, int(d_head), int(seq_q), capability=capability, masked=masked)
 
 
-def compile(cfg: Any, verbose: bool = False, deterministic: bool = False) -> "Attention | AutoAttention":  # noqa: A001
+def compile(cfg: Any, verbose: bool = False, deterministic: bool = False,  # noqa: A001
+            backward_engine: str | None = None) -> "Attention | AutoAttention":
     """Build (or load from the cache) the kernel for ``cfg``: a KernelConfig, dict, YAML path or short form.
 
     ``"auto"`` returns an :class:`AutoAttention` that uses ``flashgen tune``'s results. ``deterministic``:
     every backward of the returned object is the deterministic one (bit-identical gradients run to run).
+    ``backward_engine`` (``"mma_sync"`` or ``"wgmma"``): every backward runs that engine's kernel (its tuned
+    winner, else its default) instead of the GPU's preferred one; the backward raises InputError where that
+    engine does not run on the GPU or has no kernel for the call.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic={deterministic!r}: expected True or False")
+    if backward_engine is not None and backward_engine not in ENGINES:
+        raise ValueError(f"backward_engine={backward_engine!r}: expected None or one of {', '.join(map(repr, ENGINES))}")
     if isinstance(cfg, str) and cfg.strip() == "auto":
-        return AutoAttention(verbose, deterministic)
+        return AutoAttention(verbose, deterministic, backward_engine)
     config = configs.forward(cfg, "flashgen.compile")
-    return Attention(build(config, verbose=verbose), verbose, deterministic)
+    return Attention(build(config, verbose=verbose), verbose, deterministic, backward_engine)

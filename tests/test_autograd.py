@@ -273,6 +273,43 @@ def test_compile_auto_deterministic_passes_the_choice_to_the_kernels_it_picks(op
     assert cfg.deterministic and cfg.mask == "causal"
 
 
+def test_compile_backward_engine_runs_every_backward_on_that_engine(ops, monkeypatch):
+    monkeypatch.setattr(runtime, "build", lambda cfg, capability=None, verbose=False, mods=None: ops.kernels.build(cfg, (9, 0), mods=mods))
+    cfg = lookup("H100", DType.FP16, 64, 64, cache={}, capability=(9, 0))
+    sync, preferred = runtime.compile(cfg, backward_engine="mma_sync"), runtime.compile(cfg)
+    q, k, v = inputs()
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    for call in (lambda: sync(q, k, v), lambda: sync(q, k, v, causal=True), lambda: preferred(q, k, v)):
+        torch.autograd.grad(call(), (q, k, v), dout)
+    plain, causal, other = _backward_configs(ops)
+    assert (plain.engine, plain.mask) == ("mma_sync", "none")
+    assert (causal.engine, causal.mask) == ("mma_sync", "causal")  # the masked variant inherits the choice
+    assert other.engine == "wgmma"  # compute capability 9.0's preferred backward at d_head 64
+
+
+def test_compile_auto_backward_engine_passes_the_choice_to_the_kernels_it_picks(ops):
+    auto = runtime.compile("auto", backward_engine="mma_sync")
+    q, k, v = inputs(seq_q=64, seq_k=64)
+    torch.autograd.grad(auto(q, k, v), (q, k, v), torch.randn(q.shape, dtype=q.dtype))
+    (cfg,) = _backward_configs(ops)
+    assert cfg.engine == "mma_sync"
+
+
+def test_compile_refuses_an_unknown_backward_engine():
+    with pytest.raises(ValueError, match="backward_engine='tpu': expected None or one of 'mma_sync', 'wgmma'"):
+        runtime.compile("auto", backward_engine="tpu")
+
+
+def test_a_backward_engine_the_call_cannot_use_is_an_input_error_at_the_differentiable_call(ops):
+    """The backward kernel is built with the first forward that records a graph, so the forward says why."""
+    attn = runtime.Attention(ops.kernels.build(lookup("H100", DType.FP16, 96, 64, cache={}, capability=(9, 0)), (9, 0)),
+                             backward_engine="wgmma")
+    with torch.no_grad():
+        attn(*inputs(d=96, grad=False))  # no graph: no backward needed
+    with pytest.raises(runtime.InputError, match="cannot be differentiated: the wgmma backward has no kernel for fp16 d_head=96"):
+        attn(*inputs(d=96))
+
+
 def test_each_key_length_bucket_gets_its_tuned_backward_kernel(ops, tmp_path, monkeypatch):
     from flashgen.policy import backward_bucket_key, save_cache
 

@@ -100,9 +100,17 @@ def test_table_header_says_how_long_kernels_settled():
     assert "median of 6 interleaved round(s), each timing after 0.3 s of the kernel itself" in bench.format_table(res)
 
 
+def test_table_header_names_the_backward_engine_a_run_forced():
+    res = {"gpu": "GPU", "torch": "t", "cuda": "c", "heads": 16, "rounds": 2, "rows": [], "matmul_tflops": {}}
+    assert "engine" not in bench.format_table(res).splitlines()[0]
+    res["backward_engine"] = "mma_sync"
+    assert bench.format_table(res).splitlines()[0].endswith("; flashgen's backwards on the mma_sync engine")
+
+
 @pytest.mark.parametrize("command, argv, message", [
     ("bench", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
     ("bench", ["--settle", "-1"], "--settle must be between 0 and 10 seconds, got -1.0"),
+    ("bench", ["auto", "--backward-engine", "mma_sync"], "--backward-engine mma_sync: no pass runs a backward"),
     ("tune", ["--finalists", "0"], "--finalists must be at least 1, got 0"),
 ])
 def test_timing_commands_refuse_zero_rounds_before_touching_the_gpu(command, argv, message):

@@ -4,7 +4,9 @@ command line. Timings, checks and ptxas reports are doubles; ``tests/gpu/test_ba
 the real ones."""
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from flashgen.dsl.config import ConfigError
 from flashgen.dsl.dtypes import DType
 from flashgen.policy import (backward_bucket_key, backward_lookup, bucket_key, load_cache, lookup, save_cache,
                              tuned_backward)
+from flashgen.targets import of_capability
 from flashgen.tune_backward import choose, default_space, fitting, runnable, spill_free, store
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -169,6 +172,26 @@ def test_a_stored_winner_round_trips_and_serves_its_bucket_only(tmp_path):
     assert backward_lookup(DType.FP16, 128, "none", (9, 0), gpu=H100, seq=4096, cache=cache) == _sm90_default("fp16", 128)
     # an unmasked winner was timed without a mask: masked calls keep the default
     assert backward_lookup(DType.BF16, 128, "causal", (9, 0), gpu=H100, seq=4096, cache=cache) == _sm90_default("bf16", 128, "causal")
+
+
+def test_a_named_backward_engine_takes_its_own_winner_or_default_and_passes_over_the_others(tmp_path):
+    sync = BackwardConfig("bf16", d_head=128, B_r=128, B_c=32, n_warps=8, d_split=4)
+    cache = _tuned(tmp_path, sync)
+    look = functools.partial(backward_lookup, DType.BF16, 128, "none", (9, 0), gpu=H100, seq=3000, cache=cache)
+    assert look() == sync and look(engine="mma_sync") == sync
+    assert look(engine="wgmma") == _sm90_default("bf16", 128)  # the mma_sync winner is not the wgmma engine's
+    assert look(engine="wgmma", deterministic=True) == _sm90_default("bf16", 128).replace(deterministic=True)
+    untuned = backward_lookup(DType.BF16, 128, "causal", (9, 0), engine="mma_sync")
+    assert untuned == BackwardConfig.default("bf16", 128, "causal", smem_limit=of_capability((9, 0)).smem_per_block)
+
+
+@pytest.mark.parametrize("capability, d_head, engine, words", [
+    ((8, 0), 128, "wgmma", "the wgmma backward needs compute capability 9.0 (sm_90a), not compute capability 8.0"),
+    ((9, 0), 96, "wgmma", "the wgmma backward has no kernel for bf16 d_head=96 on compute capability 9.0"),
+])
+def test_a_named_backward_engine_that_cannot_differentiate_the_call_says_why(capability, d_head, engine, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        backward_lookup(DType.BF16, d_head, "none", capability, engine=engine)
 
 
 def test_replacing_a_faster_winner_of_another_config_says_so(capsys):

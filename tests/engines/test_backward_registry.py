@@ -83,7 +83,7 @@ def test_a_forward_with_mods_is_differentiated_in_64_row_query_blocks(monkeypatc
     monkeypatch.setattr("flashgen.runtime.backward_lookup", lambda *a, **k: wide)
     fwd = KernelConfig.wgmma("bf16", d_head=64, mask="causal")
     call = lambda mods: Attention.backward_config(  # noqa: E731
-        SimpleNamespace(cfg=fwd, built=SimpleNamespace(capability=(9, 0), mods=mods), deterministic=True))
+        SimpleNamespace(cfg=fwd, built=SimpleNamespace(capability=(9, 0), mods=mods), deterministic=True, backward_engine=None))
     assert call(None) == wide and call(_mods(mask=True)) == narrow
 
 
