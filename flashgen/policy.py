@@ -160,8 +160,9 @@ def backward_lookup(dtype: DType, d_head: int, mask: str, capability: tuple[int,
             raise ConfigError(f"the {engine} backward needs {chosen.needs}, not compute capability {cap[0]}.{cap[1]}")
         candidates = [chosen]
     tuned = tuned_backward(gpu, dtype, d_head, seq, mask, cache) if gpu is not None and seq else None
-    if tuned is not None and engines.engine_of(tuned) in candidates:
-        found = _variant(tuned, deterministic)
+    if tuned is not None:
+        usable = tuned.engine == engine if engine is not None else target is None or engines.engine_of(tuned).runs_on(target)
+        found = _variant(tuned, deterministic) if usable else None
         if found is not None:
             return found
     for eng in candidates:
