@@ -3,6 +3,7 @@
     python benchmarks/ab.py --before main~3 -o ab_out/            # in a git checkout
     python benchmarks/ab.py --before /path/to/old/checkout -o ab_out/
     python benchmarks/ab.py --before main~1 --pass bwd --d-heads 128 64 --seqs 2048 8192
+    python benchmarks/ab.py --before main~1 --pass bwd --backward-engine mma_sync   # that engine's backward on both
 
 For every benchmark shape (16 heads, the chosen head sizes (default 128), (seq, batch) from
 ``flashgen bench``'s shapes, fp16 and bf16, causal and not) each version picks and builds the
@@ -42,8 +43,8 @@ sys.path.insert(0, str(REPO))
 _PICK = r"""
 import json, sys, torch, flashgen
 from flashgen.emit.abi import args_struct
-rows = json.loads(sys.argv[1])
-auto = flashgen.compile("auto")
+rows, engine = json.loads(sys.argv[1]), sys.argv[2] or None
+auto = flashgen.compile("auto", **({"backward_engine": engine} if engine else {}))
 out = {"abi": args_struct("x"), "rows": []}
 for r in rows:
     dtype = getattr(torch, r["dtype"])
@@ -73,15 +74,16 @@ def checkout(version: str, into: Path) -> Path:
     return into
 
 
-def pick(sources: dict, caches: dict, rows: list[dict]) -> dict:
+def pick(sources: dict, caches: dict, rows: list[dict], backward_engine: str | None = None) -> dict:
     """The kernels each version (side -> source tree) runs for ``rows``, built into its own cache, the versions'
-    builds side by side (one process each)."""
+    builds side by side (one process each); ``backward_engine``: both compile("auto") with it (a version from
+    before ``compile(backward_engine=...)`` fails to pick, saying so)."""
     procs = {}
     for side, source in sources.items():
         env = {**os.environ, "FLASHGEN_CACHE": str(caches[side]),
                "PYTHONPATH": os.pathsep.join([str(source)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                               if p and Path(p).resolve() != REPO])}
-        procs[side] = subprocess.Popen([sys.executable, "-c", _PICK, json.dumps(rows)], env=env, stdout=subprocess.PIPE,
+        procs[side] = subprocess.Popen([sys.executable, "-c", _PICK, json.dumps(rows), backward_engine or ""], env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
     try:
         outputs = {side: proc.communicate() for side, proc in procs.items()}
@@ -213,7 +215,12 @@ def main() -> int:
     p.add_argument("--d-heads", type=int, nargs="+", default=[128], help="head sizes (default: 128)")
     p.add_argument("--pass", dest="pass_", choices=sorted(PASS_FLOPS), default="fwd",
                    help="what to time: the forward, or the backward alone (dq, dk, dv) (default: fwd)")
+    p.add_argument("--backward-engine", choices=["mma_sync", "wgmma"],
+                   help="with --pass bwd: both versions' backward on this engine (compile(backward_engine=...)); "
+                        "default: the GPU's preferred or tuned one")
     args = p.parse_args()
+    if args.backward_engine and args.pass_ != "bwd":
+        p.error("--backward-engine needs --pass bwd")
     from flashgen.bench import SHAPES
 
     unknown = sorted(set(args.seqs) - {seq for seq, _ in SHAPES})
@@ -226,7 +233,7 @@ def main() -> int:
     rows = shape_rows(args.seqs, args.dtypes, args.masks, args.d_heads, args.pass_)
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"before": checkout(args.before, Path(tmp) / "before"), "after": checkout(args.after, Path(tmp) / "after") if args.after else REPO}
-        picks = pick(sides, {side: Path(tmp) / f"cache-{side}" for side in sides}, rows)
+        picks = pick(sides, {side: Path(tmp) / f"cache-{side}" for side in sides}, rows, args.backward_engine)
         if picks["before"]["abi"] != picks["after"]["abi"]:
             raise SystemExit("the two versions' kernels take different argument structs (flashgen/emit/abi.py)")
         results = []
@@ -236,7 +243,8 @@ def main() -> int:
                   f"{results[-1]['after_over_before']:.3f}", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                  "before": args.before, "after": args.after or "this checkout", "rows": results}, indent=1))
+                                                  "before": args.before, "after": args.after or "this checkout",
+                                                  "backward_engine": args.backward_engine, "rows": results}, indent=1))
     print(report(results))
     return 0
 
