@@ -159,7 +159,7 @@ class _BwdCta:
         qb = plan.query_blocks.block_range(prob.kb, prob.seq_q, prob.seq_k, *prob.mask_args)
         if block_mask is not None:
             qb = block_mask.clip(prob.kb, *qb, cfg.deterministic)
-        self.work = [(h, j) for h in range(len(heads)) for j in range(*qb)]
+        self.work = [(h, qb[0] + q) for h, q in plan.items.order(max(0, qb[1] - qb[0]), len(heads), prob.kb)]  # the plan's walk
         # tracked per (row, column part), parts of ``width`` columns: K and V, over which the warps of a group stage
         # dK / dV side by side; with split_scores P^T and dS^T, whose query columns the warps of a group store
         self.parts = {"K": (cfg.d_split, cfg.d_cols_per_warp), "V": (cfg.d_split, cfg.d_cols_per_warp)}
