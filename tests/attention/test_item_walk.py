@@ -17,6 +17,15 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to
 WALKS = (ItemWalk(rotates=True), ItemWalk(rotates=False))
 
 
+def _host_run(tmp_path, code: str, body: str) -> str:
+    """What ``main() { body }`` prints, compiled by g++ for the host after the emitted ``code``."""
+    src, exe = tmp_path / "walk.cpp", tmp_path / "walk"
+    src.write_text("#include <stdio.h>\n#include <stdint.h>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
+                   + code + "\nint main() {\n" + body + "}\n")
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
 @given(rotates=st.booleans(), n_q=st.integers(0, 9), group=st.integers(1, 5), kb=st.integers(0, 60))
 def test_the_walk_visits_every_item_once_from_its_first_in_cyclic_order(rotates, n_q, group, kb):
     walk = ItemWalk(rotates=rotates)
@@ -38,12 +47,7 @@ def test_the_emitted_cursor_walks_as_the_python_does(tmp_path, walk):
     body = "".join(f"    {{ ItemCursor c = first_item({n_q}, {group}, {kb});\n"
                    f"      for (int w = 0; w < {n_q * group}; ++w, next_item(c, {n_q}, {group})) printf(\"%d %d \", c.h, c.q);\n"
                    "      printf(\"\\n\"); }\n" for n_q, group, kb in cases)
-    src = tmp_path / "walk.cpp"
-    src.write_text("#include <stdio.h>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
-                   + walk.to_cpp() + "\nint main() {\n" + body + "}\n")
-    exe = tmp_path / "walk"
-    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+    out = _host_run(tmp_path, walk.to_cpp(), body).splitlines()
     got = [[tuple(map(int, pair)) for pair in zip(*[iter(line.split())] * 2)] for line in out]
     assert got == [walk.order(n_q, group, kb) for n_q, group, kb in cases]
 
@@ -63,10 +67,5 @@ def test_the_emitted_step_is_the_python_one(tmp_path):
     cases = [(h, q, n_q, group) for n_q, group in itertools.product((1, 3, 7), (1, 2, 5)) for h in range(group) for q in range(n_q)]
     body = "".join(f'    printf("%lld\\n", (long long)item_step({h}, {q}, {n_q}, {group}, 4096, 3 * 4096 + 64));\n'
                    for h, q, n_q, group in cases)
-    src = tmp_path / "step.cpp"
-    src.write_text("#include <stdio.h>\n#include <stdint.h>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
-                   + ItemWalk.step_cpp() + "\nint main() {\n" + body + "}\n")
-    exe = tmp_path / "step"
-    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    out = _host_run(tmp_path, ItemWalk.step_cpp(), body).split()
     assert [int(x) for x in out] == [ItemWalk.step(h, q, n_q, group, 4096, 3 * 4096 + 64) for h, q, n_q, group in cases]
