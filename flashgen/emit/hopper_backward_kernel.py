@@ -197,6 +197,15 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
     as fast (bf16, seq 2048 / 8192, 2 rounds; the rounds' spread 2-7%)."""
     st = plan.dq_stage
     chunk = f"((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
+    if st.by_producer:
+        return [
+            f"const uint32_t sdQ_t = smem + {st.offset}u + cw * {st.region_bytes}u + 4u * ({st.slot_cpp('wtid', '0u')});",
+            "if (w > 0) mbar_wait(bar_dq_empty, uint32_t(w - 1) & 1u);  // the producer's reduction of the last item read the region",
+            "#pragma unroll",
+            f"for (uint32_t i = 0; i < DQ_COLS / 2; i += {st.vec})  // the direct adds' slots: each warp stores 512 contiguous bytes",
+            f"    st_shared_v4_f32(sdQ_t + 4u * ({st.slot_cpp('0u', 'i')}), dq_acc[i], dq_acc[i + 1], dq_acc[i + 2], dq_acc[i + 3]);",
+            "fence_proxy_async();  // the producer's bulk reduction (async proxy) reads it once the stages are released",
+        ]
     if not st.staged:
         return [
             "// the thread's slots from one pointer (slot(t, v) = slot(t, 0) + slot(0, v)): constant offsets, no 64-bit add each",
@@ -289,7 +298,38 @@ def _producer(plan: HopperBackwardPlan) -> list[str]:
                  f"mbar_arrive_expect_tx({bar}, Q_BYTES + STAT_BYTES);"]
         body += _tma(plan, name, f"s{name} + st * Q_BYTES", bar, "it.q_row0", "it.head")
         body += [f"bulk_load(s{stat} + st * STAT_BYTES, {src} + stat, STAT_BYTES, {bar});"]
-    return out + [_FIRST_ITEM, f"for (int w = 0; w < work; ++w, {_NEXT_ITEM}) {{"] + ["    " + l for l in body] + ["}"]
+    if plan.dq_stage.by_producer:
+        body += _producer_dq_adds(plan)
+    return out + [_FIRST_ITEM, f"for (int w = 0; w < work; ++w, {_NEXT_ITEM}) {{"] + ["    " + l for l in body] + ["}"] + \
+        (_producer_dq_tail(plan) if plan.dq_stage.by_producer else [])
+
+
+def _dq_reduction(plan: HopperBackwardPlan) -> list[str]:
+    """The producer's bulk reductions of every consumer's region into the chunk whose index slot ``st`` holds; once
+    they read the regions, ``dq_empty`` lets the consumers store the next item's (DqStage.by_producer)."""
+    st = plan.dq_stage
+    chunk = f"p.dq_accum + int64_t(ld_shared_u32(smem + {st.chunk_slots}u + 4u * st)) * {st.rows * st.cols * st.consumers}"
+    return [f"float* gdQ = {chunk};"] + [
+        f"bulk_reduce_add_f32(gdQ + {w * st.rows * st.cols}, smem + {st.offset + w * st.region_bytes}u, {st.region_bytes}u);"
+        for w in range(st.consumers)] + ["bulk_commit_group();", "bulk_wait_group_read<0>();", "mbar_arrive(bar_dq_empty);"]
+
+
+def _producer_dq_adds(plan: HopperBackwardPlan) -> list[str]:
+    """In the loop, after item w's loads: item w - STAGES released its stages, so its dQ is in the regions; then
+    slot ``st`` takes item w's chunk."""
+    chunk = "uint32_t((batch * p.heads + it.head) * (p.stat_len / int(B_r)) + qb_begin + cur.q)"
+    return (["if (w >= int(STAGES)) {  // item w - STAGES: its stages came back, its dQ is in the regions"] +
+            ["    " + l for l in _dq_reduction(plan)] + ["}",
+            f"st_shared_u32(smem + {plan.dq_stage.chunk_slots}u + 4u * st, {chunk});  // item w's chunk of the dQ buffer"])
+
+
+def _producer_dq_tail(plan: HopperBackwardPlan) -> list[str]:
+    """After the loop: the last items' reductions, each once its Q stage comes back; all done before the CTA exits."""
+    ring = plan.ring
+    return (["for (int j = work > int(STAGES) ? work - int(STAGES) : 0; j < work; ++j) {",
+             f"    const uint32_t v = uint32_t(j) + STAGES, st = {ring.stage_cpp('v')}, ph = {ring.phase_cpp('v')};  // as the use j + STAGES would",
+             f"    mbar_wait(bar_q_empty + 8 * st, {ring.empty_phase_cpp('ph')});"] +
+            ["    " + l for l in _dq_reduction(plan)] + ["}", "bulk_wait_group<0>();"])
 
 
 def _epilogue(plan: HopperBackwardPlan) -> list[str]:
@@ -421,6 +461,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     for (int w = 0; w < work; ++w, $next_item) {
         const Item it = item(cur);
         const int head = it.head, q_row0 = it.q_row0, qb = qb_begin + cur.q;
+        (void)head;  // where the producer adds dQ, only a score_mod reads it
         const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) % DS_BUFFERS;  // ring slot and parity; dS^T buffer
         const float* lse_log2 = reinterpret_cast<const float*>(smem_raw + (sLSE - raw) + st * STAT_BYTES);
         const float* dsum = reinterpret_cast<const float*>(smem_raw + (sD - raw) + st * STAT_BYTES);
@@ -532,7 +573,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
                  for n in ("S", "dV", "dQ")]
     stores = [ptx_stmatrix.helper(plan.ds_store.atom)] if plan.ds_store.trans else []
     helpers = [*stores, vec.helpers(), ptx_math.helpers(cfg.dtype), ptx_hopper.helpers(), *wgmma_fns] + \
-        ([turns.helpers()] if cfg.deterministic else []) + ([] if plan.dq_stage.staged else [red.helpers(RF2GM_red())])
+        ([turns.helpers()] if cfg.deterministic else []) + ([] if plan.dq_stage.in_smem else [red.helpers(RF2GM_red())])
     env = dict(
         name=name, short_form=cfg.short_form(), knobs_json=json.dumps(cfg.to_dict()), gencode=TARGET.gencode,
         schedule=" | ".join(str(s) for s in plan.schedule), B_r=cfg.B_r, B_c=cfg.B_c, d_head=cfg.d_head, stages=cfg.stages,

@@ -128,9 +128,11 @@ def _regions(plan: HopperBackwardPlan) -> list[tuple[int, int, str, int]]:
     out = [(t.offset, t.offset + t.stages * t.stage_bytes, t.name, SMEM_ALIGN) for t in plan.tiles.values()]
     out += [(off, off + stages * size, name, 16) for name, (off, stages, size) in plan.stats.items()]
     out += [(off, off + 8 * stages, name, 8) for name, (_, off, stages) in plan.barriers.items()]
-    st = plan.dq_stage  # ordered adds: every consumer's staging region, 16-byte aligned for the bulk reductions
-    if st.staged:
+    st = plan.dq_stage  # every consumer's staging region, 16-byte aligned for the bulk reductions; the producer's chunk slots
+    if st.in_smem:
         out.append((st.offset, st.offset + st.consumers * st.region_bytes, "sdQ", 16))
+    if st.by_producer:
+        out.append((st.chunk_slots, st.chunk_slots + 4 * plan.ring.stages, "dQ chunk slots", 4))
     return sorted(out)
 
 

@@ -122,11 +122,14 @@ def barrier_problems(plan: HopperBackwardPlan) -> list[str]:
     block's B_r x d_head once, each its region of the chunk."""
     cfg, out = plan.cfg, []
     for name, (bar, _, stages) in plan.barriers.items():
-        want = plan.release_arrivals * plan.consumers if name.endswith("_empty") else 1
+        single = name in ("kv_full", "dq_empty")  # the resident K and V; the producer's dQ reductions, one per item
+        want = plan.release_arrivals * plan.consumers if name.endswith("_empty") and name != "dq_empty" else 1
         if bar.arrive_count != want:
             out.append(f"{name}: arrive count {bar.arrive_count}, expected {want}")
-        if name != "kv_full" and stages != plan.ring.stages:
-            out.append(f"{name}: {stages} stage(s), the ring has {plan.ring.stages}")
+        if stages != (1 if single else plan.ring.stages):
+            out.append(f"{name}: {stages} stage(s), expected {1 if single else plan.ring.stages}")
+    if ("dq_empty" in plan.barriers) != plan.dq_stage.by_producer:
+        out.append("a dq_empty barrier where the producer adds dQ (DqStage.by_producer), and only there")
     for name in ("Q", "dO"):
         if plan.tiles[name].stages != plan.ring.stages:
             out.append(f"s{name}: {plan.tiles[name].stages} stage(s), the ring has {plan.ring.stages}")

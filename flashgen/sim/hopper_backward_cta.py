@@ -477,14 +477,14 @@ class HopperBwdCta:
         """Consumer ``w``'s dQ (rows from ``row0(w)``, columns from ``col0(w)`` of the query block: the plan's
         DqStage) added into the fp32 buffer (rows below seq_q); where the plan stages it (ordered adds), through the
         consumer's region of shared memory (value ``v`` of thread ``t`` at its DqStage slot), read back by the bulk
-        reduction in the chunk's fragment order."""
+        reduction in the chunk's fragment order; the same where the producer adds the regions (``by_producer``)."""
         self.touch(c, ("dQ",), (), where)
         self.expect(c, "dQ", "dQ", j, where)
         self.count(c, "reduce", j)
         h, qb = self.work[j]
         cq, st = self.maps["dQ"], self.plan.dq_stage
         values = c.acc["dQ"]
-        if st.staged:
+        if st.in_smem:
             slots = st.slot(*np.indices(cq.rows.shape))
             start = st.offset + c.w * st.region_bytes
             region = self.smem[start:start + st.region_bytes].view("<f4")

@@ -127,14 +127,18 @@ def test_d_head_64_splits_dq_by_rows_and_128_by_columns():
     assert cols.gemms["dQ"].a.row_block_offset == 0 and cols.gemms["dQ"].b.row_block_offset == 128 * 128
 
 
-def test_only_ordered_adds_stage_dq_in_shared_memory():
-    """Unordered dQ adds go straight from the accumulators: their plan holds no staging region (32 KB less shared
-    memory at d_head 128); the deterministic backward's bulk reductions need it, and its completion waits."""
-    for d_head in (64, 128):
-        free, ordered = (make_hopper_backward_plan(W("bf16", d_head).replace(deterministic=det)) for det in (False, True))
-        assert not free.dq_stage.staged and ordered.dq_stage.staged
+def test_only_ordered_adds_and_the_producers_stage_dq_in_shared_memory():
+    """Unordered dQ adds of 64-row tiles go straight from the accumulators: their plan holds no staging region (32 KB
+    less shared memory at d_head 128); the deterministic backward's bulk reductions need it, and so do the producer's
+    of the transposed tile (d_head 128 unmasked), which also keeps a chunk index per ring stage and its dq_empty barrier."""
+    for d_head, mask in ((64, "none"), (128, "causal")):
+        free, ordered = (make_hopper_backward_plan(W("bf16", d_head, mask).replace(deterministic=det)) for det in (False, True))
+        assert not free.dq_stage.in_smem and ordered.dq_stage.staged
         region = free.dq_stage.consumers * free.dq_stage.region_bytes
         assert ordered.smem_bytes - free.smem_bytes == region == 4 * free.cfg.B_r * d_head
+    by_producer, ordered = (make_hopper_backward_plan(W("bf16", 128).replace(deterministic=det)) for det in (False, True))
+    assert by_producer.dq_stage.by_producer and by_producer.dq_stage.transposed and not by_producer.dq_stage.staged
+    assert by_producer.smem_bytes - ordered.smem_bytes == 16 + 8  # the chunk slots (whole 16 bytes), dq_empty
 
 
 def test_emitting_is_pure():

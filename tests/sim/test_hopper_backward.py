@@ -205,11 +205,40 @@ def test_a_dq_split_that_misses_rows_or_columns_fails_its_proof(changes):
     assert "barriers and ring" in [c.name for c in hopper_backward_checks(_dq_split(ROWS, **changes)) if not c.ok]
 
 
-@pytest.mark.parametrize("d_head", [64, 128])
-def test_ordered_dq_staged_over_another_tile_corrupts_it_and_fails_the_smem_check(d_head):
-    """The deterministic backward stages dQ in shared memory before its bulk reduction: a region placed over sK
-    overwrites K rows that the next items' GEMMs still read (wrong dQ), and the shared-memory check names the overlap."""
-    plan = make_hopper_backward_plan(BackwardConfig.wgmma("bf16", d_head).replace(deterministic=True))
+#: the plans whose consumers stage dQ in shared memory: ordered adds, and the producer's adds of dQ^T (80-row blocks)
+STAGED_DQ = [BackwardConfig.wgmma("bf16", 64).replace(deterministic=True), BackwardConfig.wgmma("bf16", 128).replace(deterministic=True),
+             BackwardConfig.wgmma("bf16", 128)]
+
+
+@pytest.mark.parametrize("cfg", [BackwardConfig.wgmma("bf16", 128), BackwardConfig.wgmma("bf16", 128, "causal"), BackwardConfig.wgmma("fp16", 64),
+                                 BackwardConfig.wgmma("bf16", 128).replace(deterministic=True)], ids=lambda c: c.short_form())
+def test_the_producer_adds_dq_where_the_tile_is_transposed_and_unordered(cfg):
+    """dQ^T (80-row query blocks) with unordered adds goes through the consumers' regions and the producer's bulk
+    reductions, which free them through dq_empty; every other plan adds dQ from the consumers, with no such barrier."""
+    plan = make_hopper_backward_plan(cfg)
+    st = plan.dq_stage
+    assert st.by_producer == (st.transposed and not cfg.deterministic)
+    assert ("dq_empty" in plan.barriers) == st.by_producer
+    assert [c.name for c in hopper_backward_checks(plan) if not c.ok] == []
+
+
+def test_the_producer_adds_without_their_barrier_or_direct_adds_with_it_fail_the_barrier_check():
+    plan = make_hopper_backward_plan(BackwardConfig.wgmma("bf16", 128))
+    without = attrs.evolve(plan, barriers={k: v for k, v in plan.barriers.items() if k != "dq_empty"})
+    for broken in (without, _dq_split(plan, by_producer=False)):
+        assert "barriers and ring" in [c.name for c in hopper_backward_checks(broken) if not c.ok]
+    with pytest.raises(ValueError, match="by_producer"):
+        attrs.evolve(plan.dq_stage, staged=True)
+
+
+@pytest.mark.parametrize("cfg", STAGED_DQ, ids=lambda c: c.short_form())
+def test_dq_staged_over_another_tile_corrupts_it_and_fails_the_smem_check(cfg):
+    """The deterministic backward stages dQ in shared memory before its bulk reduction, and so do the consumers of
+    the producer's reductions: a region placed over sK overwrites K rows that the next items' GEMMs still read
+    (wrong dQ), and the shared-memory check names the overlap."""
+    plan = make_hopper_backward_plan(cfg)
+    d_head = cfg.d_head
+    assert plan.dq_stage.in_smem and plan.dq_stage.by_producer == (not cfg.deterministic)
     assert hopper_backward_coverage(plan)["smem"].ok
     broken = _dq_split(plan, offset=plan.tiles["K"].offset)
     cov = hopper_backward_coverage(broken)["smem"]
@@ -229,10 +258,11 @@ class _SharedSlots(DqStage):
         return super().slot(thread, value - (value == 1))
 
 
-def test_a_staging_order_that_reuses_a_slot_loses_dq_values():
+@pytest.mark.parametrize("cfg", STAGED_DQ[1:], ids=lambda c: c.short_form())
+def test_a_staging_order_that_reuses_a_slot_loses_dq_values(cfg):
     """Each accumulator value of a staged dQ needs its own slot: where two share one, the bulk reduction adds the
     second twice and the first never, and the simulated dQ is wrong (dK is not)."""
-    plan = make_hopper_backward_plan(BackwardConfig.wgmma("bf16", 128).replace(deterministic=True))
+    plan = make_hopper_backward_plan(cfg)
     broken = attrs.evolve(plan, dq_stage=_SharedSlots(**attrs.asdict(plan.dq_stage, recurse=False)))
     errors = _errors(broken.cfg, simulate_hopper_backward(broken, *INPUTS_128), INPUTS_128, {})
     assert errors["dq"][0] > 10 * errors["dq"][1] and errors["dk"][0] <= errors["dk"][1], errors
