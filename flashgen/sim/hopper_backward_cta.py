@@ -12,7 +12,9 @@ What is modelled
   lse and dO with its D into the ring's stage of that use), each fill waiting for the stage's empty
   barrier (the plan's arrive counts) and completing a phase of its full barrier. Tiles go through
   :func:`~flashgen.sim.hopper.tma_fill` (the 128B-swizzle byte rule), the statistics as fp32 bytes.
-  It runs as far ahead as the ring allows after every consumer step.
+  It runs as far ahead as the ring allows after every consumer step. Where the plan has it add dQ
+  (``DqStage.by_producer``) its program also holds each item's bulk reductions of the consumers' regions, once
+  the item's stages came back, and they free the regions (``dq_empty``) for the consumers' next stores.
 * **Consumers**: each walks ``schedule`` once per work item (query head x query block), after the
   wait for K and V that precedes the loop. They run one at a time as far as each can (a step that
   must wait blocks it), so one may run a whole block ahead of another.
@@ -41,6 +43,8 @@ Hazards (strings; empty = clean)
 * a dQ GEMM reading a consumer's dS^T rows not yet stored or not ordered after the store (the
   handoff); a ``store_rf dS`` overwriting rows of a buffer that some consumer's dQ GEMM has not read,
   or read without that read being ordered before the store; stores outside the dS buffer;
+* the producer's dQ reductions reading a region that holds another item's dQ, or not ordered after the store;
+  an item whose dQ it never reduced;
 * dataflow: P, dS, their fragments, dV, dK, dQ computed from another item's values; each GEMM
   not exactly once per item; a deadlock (a wait that never passes); dK or dV staged in a layout whose adjacent
   columns are not adjacent elements (what a 32-bit store of a value pair needs).
@@ -75,6 +79,16 @@ _FRAG_OF = {"P": "S", "dS": "dP"}
 
 
 @functools.lru_cache(maxsize=None)
+def _producer_ops(items: int, stages: int, reduces_dq: bool) -> list:
+    """The producer's program: K and V, then Q (+ lse) and dO (+ D) of each item; where it adds dQ (``reduces_dq``),
+    after item ``j``'s fills the reductions of item ``j - stages`` (whose stages those fills waited for), and the last
+    items' after the loop."""
+    ops = [("KV", None)]
+    for j in range(items):
+        ops += [("Q", j), ("dO", j)] + ([("dQ", j - stages)] if reduces_dq and j >= stages else [])
+    return ops + ([("dQ", j) for j in range(max(0, items - stages), items)] if reduces_dq else [])
+
+
 def _addresses(desc: SmemDescriptor, n: int, mn: bool, dtype) -> np.ndarray:
     """Byte addresses ``[n, 16]`` of one k16 slice of a descriptor (MN- or K-major)."""
     return (descriptor_addresses_mn if mn else descriptor_addresses)(desc, n, 16, dtype)
@@ -144,7 +158,7 @@ class HopperBwdCta:
         self.ds_targets = [ds_store_targets(plan, w) for w in range(cfg.consumers)]
         self.buffers = plan.tiles["dS"].stages
         # the producer: K and V, then Q (+ lse) and dO (+ D) of each item; ring state per (tensor, stage)
-        self.prod_ops = [("KV", None)] + [(t, j) for j in range(len(self.work)) for t in ("Q", "dO")]
+        self.prod_ops = _producer_ops(len(self.work), plan.ring.stages, plan.dq_stage.by_producer)
         self.prod_pc, self.prod_vc = 0, np.zeros(n + 1, np.int64)
         self.full_phases: dict = {}
         self.empty_phases: dict = {}
@@ -159,6 +173,11 @@ class HopperBwdCta:
         self.ds_stored: dict = {}  # (consumer, item) -> its clock at the store
         self.ds_read: dict = {}  # (consumer, item) -> its clock when its dQ GEMM retired
         self.handoff = {"gen": 0, "arrived": 0, "vc": np.zeros(n + 1, np.int64), "released": []}
+        # the producer's dQ adds (DqStage.by_producer): the item each consumer's region holds, the stores' clocks,
+        # the producer's clock after each item's reductions (the dq_empty barrier's phases)
+        self.dq_region: list = [None] * n
+        self.dq_stored: dict = {}  # (consumer, item) -> its clock at the store
+        self.dq_freed: list = []
         self.counts: dict = {}
         rows = max(0, min(cfg.B_c, prob.seq_k - prob.kb * cfg.B_c))
         self.dk = np.zeros((rows, cfg.d_head), np.uint16)
@@ -180,6 +199,8 @@ class HopperBwdCta:
         walk_consumers(self.consumers, self.step, self.produce, self.flag, greedy=True)
         for c in self.consumers:
             self.finish(c)
+        if self.plan.dq_stage.by_producer and len(self.dq_freed) != len(self.work):
+            self.flag("end of producer", f"the dQ of {len(self.dq_freed)} of {len(self.work)} item(s) reduced")
         for c in self.consumers:  # after every consumer's walk: the epilogue's barrier over the consumers
             self.store_grads(c)
         return self.dk, self.dv
@@ -202,6 +223,16 @@ class HopperBwdCta:
         plan, cfg, ring = self.plan, self.cfg, self.plan.ring
         while self.prod_pc < len(self.prod_ops):
             t, j = self.prod_ops[self.prod_pc]
+            if t == "dQ":
+                key = ("Q", ring.stage(j))  # item j's stages came back (the use j + STAGES's empty phase)
+                if not phase_passed(self.empty_phases, key, ring.empty_phase(j + ring.stages)):
+                    return
+                self.prod_vc = np.maximum(self.prod_vc, self.empty_vc.get(key, 0))
+                self.reduce_regions(j)
+                self.prod_vc[-1] += 1
+                self.dq_freed.append(self.prod_vc.copy())
+                self.prod_pc += 1
+                continue
             if t == "KV":
                 for name in ("K", "V"):
                     tma_fill(self.smem, plan.loads[name], plan.tiles[name].offset, self.kv[name])
@@ -473,31 +504,62 @@ class HopperBwdCta:
                 self.flag(where, f"consumer {c.w} overwrites its dS^T rows of item {prev} in buffer {b} (item {j}) "
                                  f"while consumer {o}'s gemm dQ may still read them (no barrier orders the read first)")
 
-    def reduce_dq(self, c: _Consumer, j: int, where: str) -> None:
+    def reduce_dq(self, c: _Consumer, j: int, where: str) -> "bool | None":
         """Consumer ``w``'s dQ (rows from ``row0(w)``, columns from ``col0(w)`` of the query block: the plan's
         DqStage) added into the fp32 buffer (rows below seq_q); where the plan stages it (ordered adds), through the
         consumer's region of shared memory (value ``v`` of thread ``t`` at its DqStage slot), read back by the bulk
-        reduction in the chunk's fragment order; the same where the producer adds the regions (``by_producer``)."""
+        reduction in the chunk's fragment order. Where the producer adds it (``by_producer``) the consumer only stores
+        its region, once ``dq_empty`` says the producer's reductions of the last item read it (False until then)."""
+        st = self.plan.dq_stage
+        if st.by_producer and j > 0 and len(self.dq_freed) < j:
+            return False
         self.touch(c, ("dQ",), (), where)
         self.expect(c, "dQ", "dQ", j, where)
         self.count(c, "reduce", j)
-        h, qb = self.work[j]
-        cq, st = self.maps["dQ"], self.plan.dq_stage
+        cq = self.maps["dQ"]
         values = c.acc["dQ"]
         if st.in_smem:
-            slots = st.slot(*np.indices(cq.rows.shape))
-            start = st.offset + c.w * st.region_bytes
-            region = self.smem[start:start + st.region_bytes].view("<f4")
-            region[slots] = values
-            values = region[slots]
-        q, cols = st.element(c.w, cq.rows, cq.cols)
+            self.region(c.w)[st.slot(*np.indices(cq.rows.shape))] = values
+        if st.by_producer:
+            if j > 0:
+                c.vc = np.maximum(c.vc, self.dq_freed[j - 1])
+            self.dq_region[c.w] = j
+            self.dq_stored[(c.w, j)] = c.vc.copy()
+            return None
+        if st.in_smem:
+            values = self.region(c.w)[st.slot(*np.indices(cq.rows.shape))]
+        self.add_dq(c.w, j, values)
+        return None
+
+    def region(self, w: int) -> np.ndarray:
+        """Consumer ``w``'s dQ region of shared memory, as fp32."""
+        st = self.plan.dq_stage
+        start = st.offset + w * st.region_bytes
+        return self.smem[start:start + st.region_bytes].view("<f4")
+
+    def add_dq(self, w: int, j: int, values: np.ndarray) -> None:
+        """Consumer ``w``'s dQ tile of item ``j`` (values in accumulator order) into the fp32 buffer, rows below seq_q."""
+        h, qb = self.work[j]
+        cq = self.maps["dQ"]
+        q, cols = self.plan.dq_stage.element(w, cq.rows, cq.cols)
         rows = qb * self.cfg.B_r + q
         ok = rows < self.prob.seq_q
         np.add.at(self.dq_accum[h], (rows[ok], cols[ok]), values[ok])
 
+    def reduce_regions(self, j: int) -> None:
+        """The producer's bulk reductions of item ``j``: every consumer's region, which must hold that item's dQ
+        stored before the release the producer waited for."""
+        where, st = f"producer, dQ of item {j}", self.plan.dq_stage
+        for w in range(self.cfg.consumers):
+            if self.dq_region[w] != j:
+                self.flag(where, f"consumer {w}'s region holds item {self.dq_region[w]}'s dQ, not item {j}'s")
+            elif self.dq_stored[(w, j)][w] > self.prod_vc[w]:
+                self.flag(where, f"the reduction is not ordered after consumer {w}'s store of the region")
+            self.add_dq(w, j, self.region(w)[st.slot(*np.indices(self.maps["dQ"].rows.shape))])
+
     # -- the end
     def finish(self, c: _Consumer) -> None:
-        """Groups left in flight; each GEMM once per item."""
+        """Groups left in flight; each GEMM once per item; every item's dQ reduced where the producer adds it."""
         where = f"end of consumer {c.w}"
         if c.groups:
             self.flag(where, f"{len(c.groups)} wgmma group(s) still in flight ({', '.join(g.what for g in c.groups)}) at exit")

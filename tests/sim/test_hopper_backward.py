@@ -327,6 +327,26 @@ def test_a_broken_schedule_is_a_hazard(broken, words):
     assert any(words in h for h in res.hazards), res.hazards[:3]
 
 
+def _released_before_the_dq_store(plan):
+    """Q and dO released before dQ's store (moved to the item's end): the producer may reduce the regions first."""
+    reduce = _first("reduce_gm", plan)
+    return _schedule(plan, [s for s in plan.schedule if s != reduce] + [reduce])
+
+
+def test_the_producer_reducing_dq_before_the_consumers_stored_it_is_flagged():
+    """Where the producer adds dQ (T80) it reduces an item's regions once the item's stages come back: released
+    before the consumers store dQ, it reads the last item's regions (the hazard names it; dQ is wrong)."""
+    assert T80.dq_stage.by_producer
+    broken = _released_before_the_dq_store(T80)
+    assert [s.op for s in broken.schedule][-3:] == ["release", "release", "reduce_gm"]
+    res = simulate_hopper_backward(broken, *INPUTS_128)
+    assert any("region holds item" in h for h in res.hazards), res.hazards[:3]
+    errors = _errors(broken.cfg, res, INPUTS_128, {})
+    assert errors["dq"][0] > 10 * errors["dq"][1] and errors["dk"][0] <= errors["dk"][1], errors
+    clean = simulate_hopper_backward(T80, *INPUTS_128)
+    assert clean.hazards == [] and all(e <= b for e, b in _errors(T80.cfg, clean, INPUTS_128, {}).values())
+
+
 DP_READY = WgmmaWait("0", why="dP^T ready")
 
 
