@@ -188,15 +188,22 @@ def _store_ds(plan: HopperBackwardPlan) -> list[str]:
             f"    {ptx_stmatrix.helper_name(plan.ds_store.atom)}(sdS + buf * DS_BYTES + 2 * ({lay}), {regs});", "}"]
 
 
+def _chunk_index(head: str, qb: str) -> str:
+    """The index of query block ``qb`` of query head ``head``: its chunk of the dQ buffer, its turn counters."""
+    return f"(int64_t(batch) * p.heads + {head}) * (p.stat_len / int(B_r)) + {qb}"
+
+
 def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
     """dQ into this consumer's region of the block's chunk of the fp32 buffer, in fragment order (DqStage):
-    unordered, one 16-byte reduction per four values straight from the accumulators; ordered (staged), through
-    this consumer's staging region (once the previous block's reduction read it) and one bulk reduction. The pointer
+    unordered, one 16-byte reduction per four values straight from the accumulators, or (``by_producer``) 16-byte
+    stores into this consumer's region in the same order (once the producer's reductions of the previous item read
+    it), which the producer adds; ordered (staged), through this consumer's staging region (once the previous block's
+    reduction read it) and one bulk reduction. The pointer
     is made here, not carried from item to item as the mma.sync backward's (``item_step``): there the next item's
     first instructions no longer waited for these adds, but on an H200 the d_head 64 and 128 backward ran 0.96-1.01x
     as fast (bf16, seq 2048 / 8192, 2 rounds; the rounds' spread 2-7%)."""
     st = plan.dq_stage
-    chunk = f"((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
+    chunk = f"({_chunk_index('head', 'qb')}) * {st.rows * st.cols * st.consumers} + cw * {st.rows * st.cols}"
     if st.by_producer:
         return [
             f"const uint32_t sdQ_t = smem + {st.offset}u + cw * {st.region_bytes}u + 4u * ({st.slot_cpp('wtid', '0u')});",
@@ -232,7 +239,7 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
 
 #: this (batch, query head, query block, consumer)'s turn counter of the ordered dQ adds (each consumer adds
 #: its own columns, so each orders its adds on its own)
-_DQ_TURN = "p.dq_turns + ((int64_t(batch) * p.heads + head) * (p.stat_len / int(B_r)) + qb) * CONSUMERS + cw"
+_DQ_TURN = f"p.dq_turns + ({_chunk_index('head', 'qb')}) * CONSUMERS + cw"
 
 
 def _release(plan: HopperBackwardPlan, step: Step) -> list[str]:
@@ -317,7 +324,7 @@ def _dq_reduction(plan: HopperBackwardPlan) -> list[str]:
 def _producer_dq_adds(plan: HopperBackwardPlan) -> list[str]:
     """In the loop, after item w's loads: item w - STAGES released its stages, so its dQ is in the regions; then
     slot ``st`` takes item w's chunk."""
-    chunk = "uint32_t((batch * p.heads + it.head) * (p.stat_len / int(B_r)) + qb_begin + cur.q)"
+    chunk = f"uint32_t({_chunk_index('it.head', 'qb_begin + cur.q')})"  # fewer than 2^32 chunks: they are in memory
     return (["if (w >= int(STAGES)) {  // item w - STAGES: its stages came back, its dQ is in the regions"] +
             ["    " + l for l in _dq_reduction(plan)] + ["}",
             f"st_shared_u32(smem + {plan.dq_stage.chunk_slots}u + 4u * st, {chunk});  // item w's chunk of the dQ buffer"])
@@ -461,7 +468,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ Par
     for (int w = 0; w < work; ++w, $next_item) {
         const Item it = item(cur);
         const int head = it.head, q_row0 = it.q_row0, qb = qb_begin + cur.q;
-        (void)head;  // where the producer adds dQ, only a score_mod reads it
+        (void)head;  // unread where the producer adds dQ and no score_mod reads the head
         const uint32_t st = $stage, ph = $phase, buf = uint32_t(w) % DS_BUFFERS;  // ring slot and parity; dS^T buffer
         const float* lse_log2 = reinterpret_cast<const float*>(smem_raw + (sLSE - raw) + st * STAT_BYTES);
         const float* dsum = reinterpret_cast<const float*>(smem_raw + (sD - raw) + st * STAT_BYTES);
