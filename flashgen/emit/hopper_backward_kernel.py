@@ -365,7 +365,7 @@ _HEADER = CodeTemplate(
 //
 // $short_form
 // knobs: $knobs_json
-// grid: $grid, block: $threads threads (warpgroup 0: TMA producer, warpgroups
+// grid: $grid, block: $threads threads (warpgroup 0: TMA producer$producer_role, warpgroups
 // 1..$consumers: consumers of 64 key rows each), dynamic shared memory: $smem_bytes bytes
 // build: $gencode
 // schedule per query block: $schedule
@@ -597,6 +597,7 @@ def emit_hopper_backward(plan: HopperBackwardPlan) -> KernelSource:
         barrier_init=[f"for (uint32_t s = 0; s < {stages}; ++s) mbar_init(bar_{n} + 8 * s, {bar.arrive_count});"
                       for n, (bar, _, stages) in plan.barriers.items()],
         producer_regs=plan.producer_regs, consumer_regs=plan.consumer_regs, producer=_producer(plan),
+        producer_role=" and dQ's bulk reductions" if plan.dq_stage.by_producer else "",
         descriptors=_descriptors(plan), stage=plan.ring.stage_cpp("uint32_t(w)"), phase=plan.ring.phase_cpp("uint32_t(w)"),
         body=[line for i, s in enumerate(plan.schedule) for line in _step(plan, s, i)], epilogue=_epilogue(plan),
         args_struct=backward_args_struct(name), log2e=f"{LOG2E!r}f",
