@@ -78,7 +78,6 @@ _GEMM_RING = {"S": ("Q",), "dP": ("dO",), "dV": ("dO",), "dK": ("Q",), "dQ": ()}
 _FRAG_OF = {"P": "S", "dS": "dP"}
 
 
-@functools.lru_cache(maxsize=None)
 def _producer_ops(items: int, stages: int, reduces_dq: bool) -> list:
     """The producer's program: K and V, then Q (+ lse) and dO (+ D) of each item; where it adds dQ (``reduces_dq``),
     after item ``j``'s fills the reductions of item ``j - stages`` (whose stages those fills waited for), and the last
@@ -89,6 +88,7 @@ def _producer_ops(items: int, stages: int, reduces_dq: bool) -> list:
     return ops + ([("dQ", j) for j in range(max(0, items - stages), items)] if reduces_dq else [])
 
 
+@functools.lru_cache(maxsize=None)
 def _addresses(desc: SmemDescriptor, n: int, mn: bool, dtype) -> np.ndarray:
     """Byte addresses ``[n, 16]`` of one k16 slice of a descriptor (MN- or K-major)."""
     return (descriptor_addresses_mn if mn else descriptor_addresses)(desc, n, 16, dtype)
