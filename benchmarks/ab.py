@@ -22,7 +22,9 @@ versions' round times).
 Run the same version on both sides (``--after`` equal to ``--before``) to see what the tool itself
 reports: on an H200 (bf16, d_head 128, backward, 3 rounds) such an A/A gave 1.006 at seq 2048 and
 0.959 at seq 8192, the after side's rounds slower in each order; a ratio that an A/A of the same rows
-also shows is no change.
+also shows is no change. To take that side's bias out of a small effect, run the pair twice, the second time
+with ``--before`` and ``--after`` swapped: sqrt(ratio of the first run / ratio of the second) is the change
+(on an H200 the two runs' geometric means were 0.988 and 0.986 for a change of about 1.001).
 """
 from __future__ import annotations
 
