@@ -210,7 +210,8 @@ def _reduce_dq(plan: HopperBackwardPlan) -> list[str]:
             "if (w > 0) mbar_wait(bar_dq_empty, uint32_t(w - 1) & 1u);  // the producer's reduction of the last item read the region",
             "#pragma unroll",
             f"for (uint32_t i = 0; i < DQ_COLS / 2; i += {st.vec})  // the direct adds' slots: each warp stores 512 contiguous bytes",
-            f"    st_shared_v4_f32(sdQ_t + 4u * ({st.slot_cpp('0u', 'i')}), dq_acc[i], dq_acc[i + 1], dq_acc[i + 2], dq_acc[i + 3]);",
+            f"    st_shared_v4(sdQ_t + 4u * ({st.slot_cpp('0u', 'i')}), make_uint4(__float_as_uint(dq_acc[i]), __float_as_uint(dq_acc[i + 1]), "
+            "__float_as_uint(dq_acc[i + 2]), __float_as_uint(dq_acc[i + 3])));",
             "fence_proxy_async();  // the producer's bulk reduction (async proxy) reads it once the stages are released",
         ]
     if not st.staged:
@@ -327,7 +328,7 @@ def _producer_dq_adds(plan: HopperBackwardPlan) -> list[str]:
     chunk = f"uint32_t({_chunk_index('it.head', 'qb_begin + cur.q')})"  # fewer than 2^32 chunks: they are in memory
     return (["if (w >= int(STAGES)) {  // item w - STAGES: its stages came back, its dQ is in the regions"] +
             ["    " + l for l in _dq_reduction(plan)] + ["}",
-            f"st_shared_u32(smem + {plan.dq_stage.chunk_slots}u + 4u * st, {chunk});  // item w's chunk of the dQ buffer"])
+            f"st_shared_b32(smem + {plan.dq_stage.chunk_slots}u + 4u * st, {chunk});  // item w's chunk of the dQ buffer"])
 
 
 def _producer_dq_tail(plan: HopperBackwardPlan) -> list[str]:

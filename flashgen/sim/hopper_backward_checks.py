@@ -121,13 +121,15 @@ def barrier_problems(plan: HopperBackwardPlan) -> list[str]:
     the streamed tiles and the statistics have the same stages; the consumers' dQ tiles cover the query
     block's B_r x d_head once, each its region of the chunk."""
     cfg, out = plan.cfg, []
+    released = plan.release_arrivals * plan.consumers
+    #: (arrivals, stages): the resident K and V, and the producer's dQ reductions, one stage of one arrival
+    expected = {"kv_full": (1, 1), "dq_empty": (1, 1), "q_empty": (released, plan.ring.stages), "do_empty": (released, plan.ring.stages)}
     for name, (bar, _, stages) in plan.barriers.items():
-        single = name in ("kv_full", "dq_empty")  # the resident K and V; the producer's dQ reductions, one per item
-        want = plan.release_arrivals * plan.consumers if name.endswith("_empty") and name != "dq_empty" else 1
+        want, want_stages = expected.get(name, (1, plan.ring.stages))
         if bar.arrive_count != want:
             out.append(f"{name}: arrive count {bar.arrive_count}, expected {want}")
-        if stages != (1 if single else plan.ring.stages):
-            out.append(f"{name}: {stages} stage(s), expected {1 if single else plan.ring.stages}")
+        if stages != want_stages:
+            out.append(f"{name}: {stages} stage(s), expected {want_stages}")
     if ("dq_empty" in plan.barriers) != plan.dq_stage.by_producer:
         out.append("a dq_empty barrier where the producer adds dQ (DqStage.by_producer), and only there")
     for name in ("Q", "dO"):

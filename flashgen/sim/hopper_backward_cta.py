@@ -178,6 +178,7 @@ class HopperBwdCta:
         self.dq_region: list = [None] * n
         self.dq_stored: dict = {}  # (consumer, item) -> its clock at the store
         self.dq_freed: list = []
+        self.dq_slots = plan.dq_stage.slot(*np.indices(self.maps["dQ"].rows.shape))  # each dQ value's slot of a region
         self.counts: dict = {}
         rows = max(0, min(cfg.B_c, prob.seq_k - prob.kb * cfg.B_c))
         self.dk = np.zeros((rows, cfg.d_head), np.uint16)
@@ -516,10 +517,9 @@ class HopperBwdCta:
         self.touch(c, ("dQ",), (), where)
         self.expect(c, "dQ", "dQ", j, where)
         self.count(c, "reduce", j)
-        cq = self.maps["dQ"]
         values = c.acc["dQ"]
         if st.in_smem:
-            self.region(c.w)[st.slot(*np.indices(cq.rows.shape))] = values
+            self.region(c.w)[self.dq_slots] = values
         if st.by_producer:
             if j > 0:
                 c.vc = np.maximum(c.vc, self.dq_freed[j - 1])
@@ -527,7 +527,7 @@ class HopperBwdCta:
             self.dq_stored[(c.w, j)] = c.vc.copy()
             return None
         if st.in_smem:
-            values = self.region(c.w)[st.slot(*np.indices(cq.rows.shape))]
+            values = self.region(c.w)[self.dq_slots]
         self.add_dq(c.w, j, values)
         return None
 
@@ -549,13 +549,13 @@ class HopperBwdCta:
     def reduce_regions(self, j: int) -> None:
         """The producer's bulk reductions of item ``j``: every consumer's region, which must hold that item's dQ
         stored before the release the producer waited for."""
-        where, st = f"producer, dQ of item {j}", self.plan.dq_stage
+        where = f"producer, dQ of item {j}"
         for w in range(self.cfg.consumers):
             if self.dq_region[w] != j:
                 self.flag(where, f"consumer {w}'s region holds item {self.dq_region[w]}'s dQ, not item {j}'s")
             elif self.dq_stored[(w, j)][w] > self.prod_vc[w]:
                 self.flag(where, f"the reduction is not ordered after consumer {w}'s store of the region")
-            self.add_dq(w, j, self.region(w)[st.slot(*np.indices(self.maps["dQ"].rows.shape))])
+            self.add_dq(w, j, self.region(w)[self.dq_slots])
 
     # -- the end
     def finish(self, c: _Consumer) -> None:
