@@ -29,7 +29,6 @@ row in the JSON, for the run under the table.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -39,10 +38,11 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
+from . import bench_peers
 from .bench_passes import FLOP_FACTOR, PASSES, TITLES, gradient_errors, needs_grad, pass_call
+from .bench_peers import LABELS, PEERS
 
 SHAPES = ((512, 16), (1024, 16), (2048, 16), (4096, 16), (8192, 8), (16384, 4))  # (seq, batch)
-PEERS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 
 def log(msg: str) -> None:
@@ -195,13 +195,14 @@ class RowSpec:
         return f"{self.pass_} {self.dtype} d{self.d_head}{' causal' if self.causal else ''} seq {self.seq}"
 
 
-def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=PEERS,
+def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), causal_modes=(False,), peers=None,
               rounds: int = 3, settle_s: float = SETTLE_S, passes=("fwd",), auto: bool = False,
               backward_engine: str | None = None) -> dict:
     """Time every (dtype, d_head, causal) x shape x pass: the given configs (d_head adapted), with ``auto``
-    also ``flashgen.compile("auto")`` (named "auto"), and the SDPA peers, in ``rounds`` interleaved
-    rounds (medians reported), each timing after ``settle_s`` seconds of the kernel itself; ``backward_engine``:
-    the engine of flashgen's backwards (``flashgen.compile``'s argument)."""
+    also ``flashgen.compile("auto")`` (named "auto"), and ``peers`` (names of :data:`flashgen.bench_peers.PEERS`;
+    default: :func:`flashgen.bench_peers.default_peers`), in ``rounds`` interleaved rounds (medians reported), each
+    timing after ``settle_s`` seconds of the kernel itself; ``backward_engine``: the engine of flashgen's backwards
+    (``flashgen.compile``'s argument)."""
     import torch
 
     from .gpu_monitor import GpuMonitor, nvidia_smi_id
@@ -213,6 +214,7 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
 
         raise CommandError(f"no config matches dtypes {' '.join(dtypes)}")
     auto_attn = fg_compile("auto", backward_engine=backward_engine) if auto else None  # builds on first calls, before timing
+    peers = bench_peers.default_peers() if peers is None else tuple(peers)
     results: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -223,11 +225,13 @@ def run_bench(cfgs, dtypes, shapes=SHAPES, heads: int = 16, d_heads=(128,), caus
         "d_heads": list(d_heads),
         "passes": list(passes),
         "backward_engine": backward_engine,
+        "peers": list(peers),
+        "fa4_version": bench_peers.fa4_version() if bench_peers.FA4 in peers else None,
         "rows": [],
         "matmul_tflops": {},
         "gpu_state": None,
     }
-    makers = {peer: functools.partial(sdpa_peer, peer) for peer in peers}
+    makers = bench_peers.makers(peers)
     # nvidia-smi in the background for the whole run (stopped even if a row raises)
     with GpuMonitor(nvidia_smi_id(torch.cuda.current_device())) as monitor:
         if not monitor.running:
@@ -284,32 +288,16 @@ def _build(cfgs, dtypes, d_heads, causal_modes, backward_engine: str | None = No
     return attns
 
 
-def sdpa_peer(backend: str, q, k, v, causal: bool) -> Callable[[], Any]:
-    """A call of PyTorch's SDPA forced onto ``backend`` (an SDPBackend name) for (batch, seq, heads,
-    d_head) tensors, which SDPA takes as (batch, heads, seq, d_head) views; its o is (batch, heads,
-    seq, d_head), recorded by autograd when q, k or v require grad (the backward runs the backend's own)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    chosen = getattr(SDPBackend, backend)
-
-    def run():
-        with sdpa_kernel(chosen):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-    return run
-
-
 def bench_row(spec: RowSpec, kernels: dict, peers: dict, rounds: int, timer: Callable[[Callable[[], Any]], float],
               monitor=None, device: str = "cuda") -> dict:
     """One table row: ``spec``'s pass of the peers ({name: maker(q, k, v, causal) -> call returning o as
-    (batch, heads, seq, d)}, like :func:`sdpa_peer`) and of ``kernels`` ({name: flashgen attention}),
+    (batch, heads, seq, d)}, :mod:`flashgen.bench_peers`) and of ``kernels`` ({name: flashgen attention}),
     timed by ``timer`` in ``rounds`` interleaved rounds on fresh random inputs; then each kernel is
     checked against float64 (:func:`check_kernel`). One that fails its first call is not timed: a
     peer's figure is None, a kernel's entry holds the error and is not correct."""
     q, k, v, do = _inputs(spec, spec.seq, device)
     forwards, outs = _forwards(spec, kernels, peers, q, k, v, do)
-    calls, failed = _first_calls(spec.pass_, forwards, (q, k, v))
+    calls, failed = _first_calls(spec.pass_, forwards, (q, k, v), peers)
     for name, msg in failed.items():
         log(f"{name} {'unavailable' if name in peers else 'FAILED'} at {spec.describe()}: {msg}")
     t0 = time.monotonic()
@@ -370,15 +358,18 @@ def _forwards(spec: RowSpec, kernels: dict, peers: dict, q, k, v, do) -> tuple[d
     return forwards, outs
 
 
-def _first_calls(pass_: str, forwards: dict, leaves) -> tuple[dict, dict]:
+def _first_calls(pass_: str, forwards: dict, leaves, peers=()) -> tuple[dict, dict]:
     """({name: the pass's timed call}, {name: first line of its error}): each call made and run once,
-    so a backend that rejects the input, or a kernel that fails, drops out before the timing."""
+    so a backend that rejects the input, or a kernel that fails, drops out before the timing. A
+    flashgen kernel drops out on a RuntimeError or ValueError (anything else is a bug and raises); a
+    peer (named in ``peers``) on any error, since other libraries refuse inputs in their own ways."""
     calls, failed = {}, {}
     for name, (forward, do) in forwards.items():
+        tolerated = Exception if name in peers else (RuntimeError, ValueError)
         try:
             call = pass_call(pass_, forward, leaves, do)
             call()
-        except (RuntimeError, ValueError) as exc:  # a backend or kernel that does not take this input
+        except tolerated as exc:  # a backend or kernel that does not take this input
             failed[name] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             continue
         calls[name] = call
@@ -429,24 +420,34 @@ def paired_ratio_range(mine: list[float] | None, peer: list[float] | None) -> st
     return f"{min(ratios):.3f}-{max(ratios):.3f}"
 
 
-_HEADER = (f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} {'flash':>7} {'cudnn':>7} {'mem-eff':>7} "
-           f"{'x flash':>8} {'x cudnn':>8} {'x mem-eff':>9} {'x cudnn by round':>16}  ok  best config")
+def _columns(peers) -> list[tuple[str, int]]:
+    """(peer, width of its ratio column) of each peer column in the table, in :data:`PEERS`'s order."""
+    return [(p, max(8, len(LABELS[p]) + 2)) for p in PEERS if p in peers]
+
+
+def _header(peers) -> str:
+    cols = _columns(peers)
+    return (f"{'dtype':5} {'d':>3} {'mask':6} {'seq':>6} {'flashgen':>9} {'spread':>6} "
+            + " ".join(f"{LABELS[p]:>7}" for p, _ in cols) + " "
+            + " ".join(f"{'x ' + LABELS[p]:>{w}}" for p, w in cols) + f" {'x cudnn by round':>16}  ok  best config")
 
 
 def format_table(results: dict) -> str:
     """The printed result: a title, one table per pass (rows without any timed config say why), the
     entries that failed or were wrong with their errors, the matmul ceilings and the board's state."""
     lines = [
-        f"flashgen vs SDPA on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
+        f"flashgen vs SDPA{' and FlashAttention-4 ' + str(results['fa4_version']) if results.get('fa4_version') else ''} "
+        f"on {results['gpu']} (torch {results['torch']}, CUDA {results['cuda']}), "
         f"{results['heads']} heads, TFLOP/s, median of {results.get('rounds', 1)} interleaved round(s)"
         + (f", each timing after {results['settle_s']:g} s of the kernel itself" if results.get("settle_s") else "")
         + " (causal counts half the FLOPs; ratio = flashgen / peer)"
         + (f"; flashgen's backwards on the {results['backward_engine']} engine" if results.get("backward_engine") else ""),
     ]
     passes = [p for p in PASSES if any(r.get("pass", "fwd") == p for r in results["rows"])] or ["fwd"]
+    peers = results.get("peers") or bench_peers.SDPA_PEERS  # runs before the peer list was recorded: SDPA's
     for i, pass_ in enumerate(passes):
-        lines += [""] * (i > 0) + [f"{TITLES[pass_]}:", _HEADER]
-        lines += [_row_line(r) for r in results["rows"] if r.get("pass", "fwd") == pass_ and r["flashgen"]]
+        lines += [""] * (i > 0) + [f"{TITLES[pass_]}:", _header(peers)]
+        lines += [_row_line(r, peers) for r in results["rows"] if r.get("pass", "fwd") == pass_ and r["flashgen"]]
     failures = _failure_lines(results["rows"])
     lines += [""] * bool(failures) + failures
     for dt, tf in results.get("matmul_tflops", {}).items():
@@ -458,18 +459,20 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _row_line(row: dict) -> str:
-    """One row of a pass's table: its best config's TFLOP/s and ratios; without a timed config, dashes
-    and FAILED (the failures are listed under the tables)."""
+def _row_line(row: dict, peers) -> str:
+    """One row of a pass's table: its best config's TFLOP/s and ratios to each of ``peers``; without a
+    timed config, dashes and FAILED (the failures are listed under the tables)."""
     p = row["peers"]
+    cols = _columns(peers)
     head = f"{row['dtype']:5} {row['d_head']:>3} {'causal' if row['causal'] else '-':6} {row['seq']:>6}"
 
     def num(x):
         return f"{x:7.0f}" if x else "      -"
 
-    peers = f"{num(p.get('FLASH_ATTENTION'))} {num(p.get('CUDNN_ATTENTION'))} {num(p.get('EFFICIENT_ATTENTION'))}"
+    figures = " ".join(num(p.get(name)) for name, _ in cols)
     if not row["best"]:
-        return f"{head} {'-':>9} {'-':>6} {peers} {'-':>8} {'-':>8} {'-':>9} {'-':>16}  FAILED {' '.join(row['flashgen'])}"
+        dashes = " ".join(f"{'-':>{w}}" for _, w in cols)
+        return f"{head} {'-':>9} {'-':>6} {figures} {dashes} {'-':>16}  FAILED {' '.join(row['flashgen'])}"
     fg = row["flashgen"][row["best"]]
 
     def ratio(x, w):
@@ -479,8 +482,8 @@ def _row_line(row: dict) -> str:
     r = fg.get("rounds_tflops") or []
     spread = f"{(max(r) - min(r)) / median(r):6.1%}" if len(r) > 1 else "     -"
     by_round = f"{paired_ratio_range(r, row.get('peer_rounds_tflops', {}).get('CUDNN_ATTENTION')):>16}"
-    return (f"{head} {fg['tflops']:9.0f} {spread} {peers} {ratio(p.get('FLASH_ATTENTION'), 8)} "
-            f"{ratio(p.get('CUDNN_ATTENTION'), 8)} {ratio(p.get('EFFICIENT_ATTENTION'), 9)} {by_round}  "
+    ratios = " ".join(ratio(p.get(name), w) for name, w in cols)
+    return (f"{head} {fg['tflops']:9.0f} {spread} {figures} {ratios} {by_round}  "
             f"{'yes' if fg['correct'] else 'NO '} {row['best']}")
 
 
@@ -531,8 +534,9 @@ def plot(results: dict, path: Path) -> bool:
         rows = [r for r in results["rows"] if panel(r) == key]
         seqs = [r["seq"] for r in rows]
         series = {"flashgen (best)": [r["flashgen"][r["best"]]["tflops"] if r["best"] else None for r in rows]}
-        for peer in PEERS:
-            series[f"SDPA {peer.lower()}"] = [r["peers"].get(peer) for r in rows]
+        for peer in results.get("peers") or bench_peers.SDPA_PEERS:
+            label = "FlashAttention-4" if peer == bench_peers.FA4 else f"SDPA {peer.lower()}"
+            series[label] = [r["peers"].get(peer) for r in rows]
         for label, ys in series.items():
             pts = [(s, y) for s, y in zip(seqs, ys) if y]
             if pts:
@@ -573,6 +577,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward-engine", choices=ENGINES,
                    help="run flashgen's backwards on this engine (flashgen.compile(backward_engine=...)), e.g. the "
                         "mma_sync backward on a Hopper GPU (default: the tuned or the GPU's preferred engine)")
+    p.add_argument("--peers", nargs="+", choices=list(LABELS.values()), metavar="PEER",
+                   help="peers to time beside flashgen: flash, cudnn, mem-eff (SDPA's backends), fa4 "
+                        "(FlashAttention-4, pip install flash-attn-4) (default: the three SDPA backends, and fa4 "
+                        "when it is installed)")
     p.add_argument("-o", "--out", default="bench_out", help="folder for bench.json and bench.png (default: bench_out)")
 
 
@@ -601,6 +609,10 @@ def main(args: argparse.Namespace) -> int:
         raise CommandError(f"--seqs {' '.join(map(str, unknown))}: the benchmark's lengths are {' '.join(map(str, known))}")
     if args.backward_engine and not any(needs_grad(p) for p in args.passes):
         raise CommandError(f"--backward-engine {args.backward_engine}: no pass runs a backward (add --passes bwd or fwd+bwd)")
+    try:
+        peers = bench_peers.from_labels(args.peers) if args.peers else None
+    except bench_peers.PeerUnavailable as exc:
+        raise CommandError(str(exc)) from None
     if not torch.cuda.is_available():
         raise CommandError("bench needs a CUDA GPU")
     shapes = [s for s in SHAPES if not args.seqs or s[0] in args.seqs]
@@ -613,7 +625,7 @@ def main(args: argparse.Namespace) -> int:
     modes = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     results = run_bench(cfgs, args.dtypes, shapes, d_heads=tuple(args.d_heads), causal_modes=modes, rounds=args.rounds,
                         settle_s=args.settle, passes=tuple(dict.fromkeys(args.passes)), auto=auto,
-                        backward_engine=args.backward_engine)
+                        backward_engine=args.backward_engine, peers=peers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True))
