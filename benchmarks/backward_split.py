@@ -1,11 +1,12 @@
-"""Where a backward's time goes, kernel by kernel: flashgen's ``compile("auto")`` next to SDPA's cuDNN and flash.
+"""Where a backward's time goes, kernel by kernel: flashgen's ``compile("auto")`` next to SDPA's cuDNN and flash
+and, where it is installed, FlashAttention-4.
 
     python benchmarks/backward_split.py -o results/backward_split.json      # on a CUDA GPU
     python benchmarks/backward_split.py --d-heads 128 --seqs 2048 --causal yes
 
 For each shape (bf16, 16k tokens, 2048 / d_head heads: the benchmark's) one forward is recorded and its
 backward (dq, dk, dv of a random dO) run ``--reps`` times under the torch profiler, for flashgen and for
-SDPA under each backend (inputs as transposed views, as ``flashgen bench`` passes them). Each kernel's
+each peer, called as ``flashgen bench`` calls it (:mod:`flashgen.bench_peers`). Each kernel's
 device time per backward is listed (the main kernel, the preprocess, the dQ conversion, any fill), with
 the total and TFLOP/s (2.5x the forward's FLOPs, causal half). A profile, not a benchmark: the figures
 to quote are ``flashgen bench auto --passes bwd``'s, which times whole calls in interleaved rounds.
@@ -18,7 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-PEERS = ("cudnn", "flash")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flashgen import bench_peers  # noqa: E402
 
 
 def split(fn, reps: int) -> dict[str, float]:
@@ -45,29 +48,25 @@ def backward_flops(d_head: int, seq: int, tokens: int, causal: bool) -> float:
     return 2.5 * 4 * batch * heads * seq * seq * d_head * (0.5 if causal else 1.0)
 
 
-def shape_split(attn, d_head: int, seq: int, causal: bool, tokens: int, reps: int) -> dict:
-    """One row: every side's kernels for one shape."""
+def shape_split(attn, d_head: int, seq: int, causal: bool, tokens: int, reps: int, peers) -> dict:
+    """One row: flashgen's kernels and each peer's (names of :data:`flashgen.bench_peers.PEERS`) for one shape."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     heads, batch = 2048 // d_head, tokens // seq
     q, k, v = (torch.randn(batch, seq, heads, d_head, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     o = attn(q, k, v, causal=causal)
     sides = {"flashgen": split(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), reps)}
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    for name, backend in zip(PEERS, (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)):
-        with sdpa_kernel(backend):
-            ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            sides[name] = split(lambda: torch.autograd.grad(ot, (qt, kt, vt), do.transpose(1, 2), retain_graph=True), reps)
+    for peer, make in bench_peers.makers(peers).items():
+        ot = make(q, k, v, causal)()  # o as (batch, heads, seq, d_head)
+        sides[bench_peers.LABELS[peer]] = split(lambda: torch.autograd.grad(ot, (q, k, v), do.transpose(1, 2), retain_graph=True), reps)
     return {"d_head": d_head, "seq": seq, "causal": causal, "flops": backward_flops(d_head, seq, tokens, causal), **sides}
 
 
 def report(row: dict, width: int = 70) -> list[str]:
     """A row's lines: per side the total and TFLOP/s, then each kernel over 1 us."""
     lines = [f"== d_head {row['d_head']}, seq {row['seq']}{', causal' if row['causal'] else ''}"]
-    for side in ("flashgen",) + PEERS:
+    for side in [name for name in row if isinstance(row[name], dict)]:
         total = sum(row[side].values())
         lines.append(f"  {side}: {total:.1f} us, {row['flops'] / total / 1e6:.0f} TFLOP/s")
         lines += [f"    {t:9.1f} us  {name[:width]}" for name, t in row[side].items() if t >= 1.0]
@@ -91,15 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     import flashgen
 
     attn = flashgen.compile("auto")
+    peers = ("CUDNN_ATTENTION", "FLASH_ATTENTION") + ((bench_peers.FA4,) if bench_peers.fa4_version() else ())
     masks = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     for d_head in args.d_heads:
         for seq in args.seqs:
             for causal in masks:
-                rows.append(shape_split(attn, d_head, seq, causal, args.tokens, args.reps))
+                rows.append(shape_split(attn, d_head, seq, causal, args.tokens, args.reps, peers))
                 print("\n".join(report(rows[-1])), flush=True)
     if args.out:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda, "reps": args.reps}
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda, "reps": args.reps,
+                "fa4_version": bench_peers.fa4_version()}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
