@@ -122,7 +122,9 @@ class DqStage:
             place, r = f"const uint32_t consumer = r / {self.rows}u, rr = r % {self.rows}u, cc = c;", "rr"
         else:
             place, r = f"const uint32_t consumer = c / {self.cols}u, cc = c % {self.cols}u;", "r"
-        return f"""// the fp32 index of dQ element (r, c) of a query block in its chunk of the dQ buffer (DqStage's fragment order)
+        return f"""// the fp32 index of dQ element (r, c) of a query block in its chunk of the dQ buffer (DqStage's fragment order),
+// slots of DQ_VEC floats
+constexpr uint32_t DQ_VEC = {self.vec};
 __host__ __device__ __forceinline__ uint32_t dq_chunk_index(uint32_t r, uint32_t c) {{
     {place}
     const uint32_t thread = 32u * ({r} / 16u) + 4u * ({r} % 8u) + (cc % 8u) / 2u;

@@ -54,10 +54,18 @@ __host__ __device__ __forceinline__ int64_t dq_zero_end(int64_t block, int64_t r
 }"""
 
 #: the chunked conversion's thread slots (after :data:`SLOTS`; needs ``B_r``)
-CHUNK_SLOTS = r"""// slot i of a query block's conversion: row convert_row(i), columns [convert_col(i), + 8); slots 2k and 2k + 1 one
-// 32-byte sector of a row, rows next fastest
-__host__ __device__ __forceinline__ uint32_t convert_row(uint32_t i) { return i / 2 % B_r; }
-__host__ __device__ __forceinline__ uint32_t convert_col(uint32_t i) { return (i / (2 * B_r) * 2 + i % 2) * 8; }"""
+CHUNK_SLOTS = r"""// slot i of a query block's conversion: row convert_row(i), columns [convert_col(i), + 8). A warp's lanes l and
+// l + 16 one 32-byte sector of a row, lanes 0-15 sixteen consecutive rows (which the staged chunk's fragment order
+// spreads over the banks), then the next 16 rows, then the next 16 columns
+__host__ __device__ __forceinline__ uint32_t convert_row(uint32_t i) { return i % 16 + 16 * (i / 32 % (B_r / 16)); }
+__host__ __device__ __forceinline__ uint32_t convert_col(uint32_t i) { return 8 * (i / 16 % 2 + 2 * (i / (2 * B_r))); }
+// the column (from convert_col(i)) of slot i's read k of the staged chunk, rotated per slot so that the lanes of one
+// shared-memory phase hit different banks (dq_chunk_index's order, DQ_VEC floats a slot): of four 8-byte column
+// pairs, pair (k + convert_pair_rot(i)) % 4; of eight single columns, column k ^ convert_each_rot(i)
+__host__ __device__ __forceinline__ uint32_t convert_pair_rot(uint32_t i) { return convert_row(i) / (8 / DQ_VEC) % 4; }
+__host__ __device__ __forceinline__ uint32_t convert_each_rot(uint32_t i) { return convert_row(i) / 8 % 2 + convert_col(i) / 8 % 2 * 2; }
+__host__ __device__ __forceinline__ uint32_t convert_pair_read(uint32_t i, uint32_t k) { return 2 * ((k + convert_pair_rot(i)) % 4); }
+__host__ __device__ __forceinline__ uint32_t convert_each_read(uint32_t i, uint32_t k) { return k ^ convert_each_rot(i); }"""
 
 #: D per query row (the mma.sync kernel reads it with the rows' lse)
 _STATS = ["if (ok && lane == 0) p.delta[at] = p.dlse != nullptr ? d - p.dlse[at] : d;"]
@@ -112,9 +120,8 @@ _CONVERT_CHUNKED = CodeTemplate(
     r"""$store8
 
 // dQ = dq_accum * scale (the buffer in chunks of whole query blocks, dq_chunk_index's order); one CTA a query block:
-// its chunk staged in shared memory with 16-byte loads, then a thread 8 columns of a row, two threads a 32-byte
-// sector, rows next fastest (fragment order puts a row's column groups in one bank, consecutive rows in different
-// ones); grid (stat_len / B_r, heads, batch)
+// its chunk staged in shared memory with 16-byte loads, then a thread 8 columns of a row (convert_row, convert_col),
+// read from the chunk without bank conflicts; grid (stat_len / B_r, heads, batch)
 __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params p) {
     static_assert(B_r * D_HEAD * 4 <= 48 * 1024, "a query block's chunk fits static shared memory");
     __shared__ __align__(16) float chunk[B_r * D_HEAD];
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
     __syncthreads();
     const int row0 = int(blockIdx.x * B_r), rows = min(int(B_r), p.seq_q - row0);
     elem_t* dq = p.dq + blockIdx.z * p.dq_batch + blockIdx.y * p.dq_head;
-    static_assert(B_r % 2 == 0 && D_HEAD % 16 == 0, "pairs of 8-column groups");
+    static_assert(B_r % 16 == 0 && D_HEAD % 16 == 0, "16-row groups of pairs of 8-column groups");
     for (uint32_t i = threadIdx.x; i < B_r * (D_HEAD / 8); i += 256) {
         const uint32_t r = convert_row(i), c = convert_col(i);
         if (int(r) >= rows) continue;  // the last block's padding rows
@@ -135,13 +142,18 @@ __global__ void __launch_bounds__(256) convert_dq(const __grid_constant__ Params
 }"""
 )
 
-#: the eight values of row r from column c (c % 8 == 0) out of the staged chunk: four 8-byte reads where a row's
-#: column pairs are contiguous in fragment order (dQ tiles: a thread's 16-byte slot holds two columns of two rows),
-#: else one read each (dQ^T tiles: consecutive rows adjoin)
-_GATHER_PAIRS = ["#pragma unroll", "for (uint32_t e = 0; e < 8; e += 2) {",
-                "    const float2 pair = *reinterpret_cast<const float2*>(chunk + dq_chunk_index(r, c + e));",
-                "    v[e] = pair.x; v[e + 1] = pair.y;", "}"]
-_GATHER_EACH = ["#pragma unroll", "for (uint32_t e = 0; e < 8; ++e) v[e] = chunk[dq_chunk_index(r, c + e)];"]
+#: the eight values of row r from column c (c % 8 == 0) out of the staged chunk, in the order of
+#: :data:`CHUNK_SLOTS`'s rotations (undone with selects: a runtime index into v would put it in local memory): four
+#: 8-byte reads where a row's column pairs are contiguous in fragment order (dQ tiles: a thread's 16-byte slot holds
+#: two columns of two rows), else one read each (dQ^T tiles: consecutive rows adjoin)
+_GATHER_PAIRS = ["const uint32_t rot = convert_pair_rot(i);", "float2 x[4];", "#pragma unroll",
+                 "for (uint32_t k = 0; k < 4; ++k) x[k] = *reinterpret_cast<const float2*>(chunk + dq_chunk_index(r, c + convert_pair_read(i, k)));",
+                 "#pragma unroll", "for (uint32_t j = 0; j < 4; ++j) {  // pair j was read as x[(j - rot) % 4]",
+                 "    const float2 y = rot == 0 ? x[j] : rot == 1 ? x[(j + 3) % 4] : rot == 2 ? x[(j + 2) % 4] : x[(j + 1) % 4];",
+                 "    v[2 * j] = y.x; v[2 * j + 1] = y.y;", "}"]
+_GATHER_EACH = ["const uint32_t rot = convert_each_rot(i);", "float x[8];", "#pragma unroll",
+                "for (uint32_t k = 0; k < 8; ++k) x[k] = chunk[dq_chunk_index(r, c + convert_each_read(i, k))];",
+                "#pragma unroll", "for (uint32_t e = 0; e < 8; ++e) v[e] = rot == 0 ? x[e] : rot == 1 ? x[e ^ 1] : rot == 2 ? x[e ^ 2] : x[e ^ 3];"]
 
 
 def aux_kernels(buffer: "DqStage | DqFragments") -> str:

@@ -56,6 +56,7 @@ phase needs ``max over banks of (distinct words in that bank)`` wavefronts:
 
 * 16 bytes per thread (``ld/st.shared.v4``, the shared side of ``cp.async`` 16 B):
   4 phases of 8 consecutive threads (128 bytes each), ideal 1 wavefront per phase;
+* 8 bytes per thread (``ld/st.shared.v2``): 2 phases of 16 consecutive threads, ideal 1 each;
 * ``ldmatrix``: one phase per 8x8 matrix (its 8 row addresses x 16 bytes), ideal 1;
 * 4 bytes per thread (``st.shared.b32``): one phase of 32 threads, ideal 1.
 
@@ -378,6 +379,12 @@ def wavefronts_vec16_many(byte_addrs: np.ndarray) -> np.ndarray:
     return _wavefronts_many(a, 8, 4, 4).reshape(np.shape(byte_addrs)[:-1])
 
 
+def wavefronts_vec8_many(byte_addrs: np.ndarray) -> np.ndarray:
+    """Wavefronts of each 8-byte-per-thread warp access in ``byte_addrs [..., 32]``."""
+    a = _as_accesses(byte_addrs, 8, "wavefronts_vec8")
+    return _wavefronts_many(a, 16, 2, 2).reshape(np.shape(byte_addrs)[:-1])
+
+
 def wavefronts_ldmatrix_many(row_byte_addrs: np.ndarray, num: int) -> np.ndarray:
     """Wavefronts of each ``ldmatrix.x{num}`` in ``row_byte_addrs [..., 32]`` (lanes >= 8*num ignored)."""
     if num not in (1, 2, 4):
@@ -407,11 +414,11 @@ def wavefronts_b32(byte_addrs: np.ndarray) -> int:
     return int(wavefronts_b32_many(np.asarray(byte_addrs)[None])[0])
 
 
-IDEAL_WAVEFRONTS = {"vec16": 4, "b32": 1}
+IDEAL_WAVEFRONTS = {"vec16": 4, "vec8": 2, "b32": 1}
 
 
 def ideal_wavefronts(kind: str, num: int = 4) -> int:
-    """Wavefronts of a conflict-free full-warp access: ``vec16`` 4, ``ldmatrix`` num, ``b32`` 1."""
+    """Wavefronts of a conflict-free full-warp access: ``vec16`` 4, ``vec8`` 2, ``ldmatrix`` num, ``b32`` 1."""
     if kind == "ldmatrix":
         return num
     return IDEAL_WAVEFRONTS[kind]
