@@ -28,6 +28,14 @@ shape (16 heads, 16k tokens): it writes that kernel's .cu, profiles one launch u
 page and prints the attribution:
 
     python benchmarks/ncu_steps.py record --pass bwd --d-head 128 --seq 2048 [--dtype bf16] [--causal] -o prof/
+
+``record --peer fa4`` profiles FlashAttention-4's kernel of the same pass and shape instead (its main backward
+kernel, or its forward), which has no steps to attribute to; ``mix`` then sets kernels' source pages side by side,
+the warp instructions each executed per opcode and their stall reasons, so that a gap between two kernels of the
+same tiles shows as the instructions one of them issues more of:
+
+    python benchmarks/ncu_steps.py record --peer fa4 --pass bwd --d-head 128 --seq 2048 --causal -o prof_fa4/
+    python benchmarks/ncu_steps.py mix prof/sass.csv prof_fa4/sass.csv
 """
 from __future__ import annotations
 
@@ -185,6 +193,41 @@ def disassemble(cu: Path, arch: str) -> str:
                               capture_output=True, text=True).stdout
 
 
+def opcode_mix(samples: list[Sample]) -> collections.Counter:
+    """Warp instructions executed per opcode (the mnemonic before its first ``.``: HGMMA, FFMA, MUFU, ...)."""
+    mix: collections.Counter = collections.Counter()
+    for s in samples:
+        mix[_opcode(s.sass).split(".")[0]] += s.executed
+    return mix
+
+
+def stall_totals(samples: list[Sample]) -> collections.Counter:
+    """Samples per stall reason over the whole kernel."""
+    total: collections.Counter = collections.Counter()
+    for s in samples:
+        total.update(s.stalls)
+    return total
+
+
+def mix_report(kernels: list[tuple[str, list[Sample]]], rows: int = 25) -> str:
+    """The kernels' warp instructions executed per opcode in millions, the first kernel's column first and each
+    other's difference to it, the opcodes ordered by the largest difference; then each kernel's commonest stall
+    reasons (their share of its samples)."""
+    mixes = [opcode_mix(samples) for _, samples in kernels]
+    ops = set().union(*mixes)
+    gap = {op: max((abs(m[op] - mixes[0][op]) for m in mixes[1:]), default=mixes[0][op]) for op in ops}
+    names = [f"K{i}" for i in range(len(kernels))]
+    out = [f"{n}: {name} ({sum(m.values()) / 1e6:.1f} M warp instructions executed)" for n, (name, _), m in zip(names, kernels, mixes)]
+    out.append(f"{'opcode':16s}" + "".join(f"{n + (' M' if i == 0 else ' - K0'):>12s}" for i, n in enumerate(names)))
+    for op in sorted(ops, key=lambda o: (-gap[o], o))[:rows]:
+        cells = [f"{mixes[0][op] / 1e6:12.2f}"] + [f"{(m[op] - mixes[0][op]) / 1e6:+12.2f}" for m in mixes[1:]]
+        out.append(f"{op:16s}" + "".join(cells))
+    for n, (_, samples) in zip(names, kernels):
+        stalls, total = stall_totals(samples), sum(s.samples for s in samples) or 1
+        out.append(f"{n} stalls: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in stalls.most_common(6) if v))
+    return "\n".join(out)
+
+
 def report(shares: list[StepShare], samples: list[Sample], top: int) -> str:
     total = sum(s.samples for s in samples) or 1
     executed = sum(s.executed for s in samples)
@@ -219,14 +262,35 @@ torch.cuda.synchronize()
 """
 
 
-def record_commands(row: dict, out: Path, ncu: str = "ncu") -> tuple[list[str], list[str]]:
+#: the same for FlashAttention-4 (``record --peer fa4``), called as ``flashgen bench`` calls it
+_RUN_FA4 = r"""
+import json, sys, torch
+from flashgen.bench_peers import fa4_peer
+r = json.loads(sys.argv[1])
+dtype, dev = getattr(torch, r["dtype"]), torch.device("cuda", 0)
+shape = (16384 // r["seq"], r["seq"], 16, r["d_head"])
+q, k, v = (torch.randn(shape, device=dev, dtype=dtype, requires_grad=r["pass"] == "bwd") for _ in range(3))
+run = fa4_peer(q, k, v, r["causal"])
+o = run()
+do = torch.randn_like(o)
+for _ in range(3):
+    torch.autograd.grad(o, (q, k, v), do, retain_graph=True) if r["pass"] == "bwd" else run()
+torch.cuda.synchronize()
+"""
+
+#: ncu's kernel filter (demangled names) of the pass's main kernel: flashgen's, FlashAttention-4's
+_KERNELS = {None: {"bwd": "flash_bwd.*::kernel", "fwd": "flash_fwd.*::kernel"},
+            "fa4": {"bwd": "FlashAttentionBackwardSm", "fwd": "FlashAttentionForwardSm"}}
+
+
+def record_commands(row: dict, out: Path, ncu: str = "ncu", peer: "str | None" = None) -> tuple[list[str], list[str]]:
     """(the profiling run, the source page's export) of ``row`` (pass, dtype, d_head, seq, causal) into ``out``: one
-    launch of the pass's main kernel (``<kernel>::kernel``, the first after three warm-up calls' compile), every
-    section, no source import (the .cu is written beside)."""
-    kernel = "flash_bwd" if row["pass"] == "bwd" else "flash_fwd"
+    launch of the pass's main kernel (flashgen's ``<kernel>::kernel``, or with ``peer`` "fa4" FlashAttention-4's; the
+    first after three warm-up calls' compile), every section, no source import (flashgen's .cu is written beside)."""
+    script = _RUN_FA4 if peer == "fa4" else _RUN
     run = [ncu, "--set", "full", "--import-source", "no", "--kernel-name-base", "demangled",
-           "--kernel-name", f"regex:{kernel}.*::kernel", "--launch-count", "1", "-f", "-o", str(out / "profile"),
-           sys.executable, "-c", _RUN, json.dumps({**row, "cu": str(out / "kernel.cu")})]
+           "--kernel-name", f"regex:{_KERNELS[peer][row['pass']]}", "--launch-count", "1", "-f", "-o", str(out / "profile"),
+           sys.executable, "-c", script, json.dumps({**row, "cu": str(out / "kernel.cu")})]
     export = [ncu, "-i", str(out / "profile.ncu-rep"), "--page", "source", "--csv", "--print-source", "sass"]
     return run, export
 
@@ -242,8 +306,15 @@ def record(argv) -> int:
     p.add_argument("--seq", type=positive_int, default=2048, help="sequence length; batch = 16384 / seq (at least 1)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--top", type=positive_int, default=20, help="also list the N instructions with the most samples")
+    p.add_argument("--peer", choices=("fa4",), help="profile FlashAttention-4's kernel of the pass instead (no steps: "
+                                                    "prints its opcode mix; compare with `mix`)")
     p.add_argument("-o", "--out", type=Path, default=Path("ncu_steps_out"), help="folder for the report, CSV, .cu, JSON")
     args = p.parse_args(argv)
+    if args.peer:
+        from flashgen.bench_peers import fa4_version
+
+        if not fa4_version():
+            raise SystemExit("--peer fa4: FlashAttention-4 is not installed here (pip install flash-attn-4)")
     ncu = os.environ.get("NCU") or shutil.which("ncu")
     if ncu is None:
         raise SystemExit("record needs Nsight Compute's ncu on PATH (or NCU naming it), on a machine with a CUDA GPU")
@@ -252,14 +323,31 @@ def record(argv) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     row = {"pass": args.pass_, "dtype": {"bf16": "bfloat16", "fp16": "float16"}[args.dtype], "d_head": args.d_head,
            "seq": args.seq, "causal": args.causal}
-    run, export = record_commands(row, args.out, ncu)
+    run, export = record_commands(row, args.out, ncu, args.peer)
     proc = subprocess.run(run, capture_output=True, text=True)
     if proc.returncode != 0 or not (args.out / "profile.ncu-rep").exists():
         raise SystemExit(f"ncu failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     csv_text = subprocess.run(export, check=True, capture_output=True, text=True).stdout
     (args.out / "sass.csv").write_text(csv_text)
+    if args.peer:
+        return mix([str(args.out / "sass.csv")])
     return main([str(args.out / "sass.csv"), str(args.out / "kernel.cu"), "--top", str(args.top),
                  "--json", str(args.out / "steps.json")])
+
+
+def mix(argv) -> int:
+    """Kernels' source pages side by side: warp instructions executed per opcode, and stall reasons."""
+    from flashgen.options import positive_int
+
+    p = argparse.ArgumentParser(prog="ncu_steps.py mix", description=mix.__doc__)
+    p.add_argument("csv", type=Path, nargs="+", help="ncu's source page (SASS, as CSV) of each kernel; the first is the base")
+    p.add_argument("--rows", type=positive_int, default=25, help="opcodes listed, largest difference first (default 25)")
+    args = p.parse_args(argv)
+    kernels = [read_samples(path.read_text()) for path in args.csv]
+    if not any(s.executed for _, samples in kernels for s in samples):
+        raise SystemExit("no instruction counts in the CSVs: profile with ncu's SourceCounters (--set full)")
+    print(mix_report(kernels, args.rows))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -268,6 +356,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["record"]:
         return record(argv[1:])
+    if argv[:1] == ["mix"]:
+        return mix(argv[1:])
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", type=Path, help="ncu's source page of one kernel, SASS, as CSV")

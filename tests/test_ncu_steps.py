@@ -167,3 +167,51 @@ def test_record_without_ncu_says_what_it_needs(tmp_path, monkeypatch):
     monkeypatch.delenv("NCU", raising=False)
     with pytest.raises(SystemExit, match="needs Nsight Compute's ncu"):
         ncu_steps.main(["record", "-o", str(tmp_path / "out")])
+
+
+def test_record_of_fa4_filters_its_main_kernel_and_runs_it_as_the_bench_does(tmp_path):
+    """FlashAttention-4's main backward kernel (not its preprocess or postprocess), through flashgen.bench_peers."""
+    row = {"pass": "bwd", "dtype": "bfloat16", "d_head": 64, "seq": 8192, "causal": False}
+    run, _ = ncu_steps.record_commands(row, tmp_path, "ncu", peer="fa4")
+    flags = dict(zip(run, run[1:]))
+    assert flags["--kernel-name"] == "regex:FlashAttentionBackwardSm" and flags["--launch-count"] == "1"
+    assert "fa4_peer" in run[-2] and "flashgen.compile" not in run[-2]
+    compile(run[-2], "<run>", "exec")
+    fwd, _ = ncu_steps.record_commands({**row, "pass": "fwd"}, tmp_path, peer="fa4")
+    assert "regex:FlashAttentionForwardSm" in fwd
+
+
+def test_record_of_fa4_where_it_is_missing_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    with pytest.raises(SystemExit, match="pip install flash-attn-4"):
+        ncu_steps.main(["record", "--peer", "fa4", "-o", str(tmp_path / "out")])
+
+
+MINE = [("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", 50, {"math": 50}), ("FFMA R1, R2, R3, R4", 10, {"math": 10}),
+        ("@P0 MUFU.EX2 R5, R5", 20, {"barrier": 20}), ("IMAD.SHL.U32 R6, R7, 0x2, RZ", 20, {"long_sb": 20})]
+PEER = [("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", 50, {"math": 50}), ("FFMA R1, R2, R3, R4", 10, {"math": 10}),
+        ("MUFU.EX2 R5, R5", 20, {"math": 20})]
+
+
+def test_mix_sets_kernels_opcodes_side_by_side_largest_difference_first(tmp_path):
+    """Executed instructions per opcode (modifiers and predicates dropped): the base's in millions, each other
+    kernel's difference; IMAD, which only the base issues, leads; then each kernel's stall reasons."""
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(_csv(MINE, executed=[4_000_000, 8_000_000, 2_000_000, 3_000_000]))
+    b.write_text(_csv(PEER, "kernel_cutlass_fa4", executed=[4_000_000, 7_000_000, 2_000_000]))
+    kernels = [ncu_steps.read_samples(p.read_text()) for p in (a, b)]
+    assert ncu_steps.opcode_mix(kernels[0][1]) == {"HGMMA": 4_000_000, "FFMA": 8_000_000, "MUFU": 2_000_000, "IMAD": 3_000_000}
+    lines = ncu_steps.mix_report(kernels).splitlines()
+    assert lines[0] == f"K0: {KERNEL} (17.0 M warp instructions executed)" and lines[1].startswith("K1: kernel_cutlass_fa4 (13.0 M")
+    table = {line.split()[0]: line.split()[1:] for line in lines[3:7]}
+    assert [line.split()[0] for line in lines[3:7]] == ["IMAD", "FFMA", "HGMMA", "MUFU"]
+    assert table["IMAD"] == ["3.00", "-3.00"] and table["FFMA"] == ["8.00", "-1.00"] and table["MUFU"] == ["2.00", "+0.00"]
+    assert lines[-2].startswith("K0 stalls: math 60%, barrier 20%, long_sb 20%") and lines[-1] == "K1 stalls: math 100%"
+
+
+def test_mix_needs_instruction_counts(tmp_path):
+    a = tmp_path / "a.csv"
+    a.write_text(_csv(MINE))
+    with pytest.raises(SystemExit, match="SourceCounters"):
+        ncu_steps.main(["mix", str(a)])
