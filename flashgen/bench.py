@@ -1,4 +1,6 @@
-"""``flashgen bench``: emitted kernels next to PyTorch's SDPA backends, one process, one run.
+"""``flashgen bench``: emitted kernels next to SDPA's backends and FlashAttention-4, one process, one run.
+
+The peers (:mod:`flashgen.bench_peers`): PyTorch's SDPA backends, and FlashAttention-4 where it is installed.
 
 Protocol: d_head 128, 16 heads, (seq, batch) from
 :data:`SHAPES`, (batch, seq, heads, d) contiguous inputs, random normal data; the
