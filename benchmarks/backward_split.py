@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     import flashgen
 
     attn = flashgen.compile("auto")
-    peers = ("CUDNN_ATTENTION", "FLASH_ATTENTION") + ((bench_peers.FA4,) if bench_peers.fa4_version() else ())
+    peers = tuple(p for p in bench_peers.default_peers() if p != "EFFICIENT_ATTENTION")  # mem-eff: not a flash backward
     masks = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     rows = []
     for d_head in args.d_heads:

@@ -197,7 +197,7 @@ def opcode_mix(samples: list[Sample]) -> collections.Counter:
     """Warp instructions executed per opcode (the mnemonic before its first ``.``: HGMMA, FFMA, MUFU, ...)."""
     mix: collections.Counter = collections.Counter()
     for s in samples:
-        mix[_opcode(s.sass).split(".")[0]] += s.executed
+        mix[_opcode(s.sass)] += s.executed
     return mix
 
 
